@@ -1,0 +1,111 @@
+"""The block pool: which KV blocks are free, who holds them, and which prefix each one caches.
+
+Owns reference counts, the content-hash index (equal prefixes share blocks) and LRU eviction of
+cached blocks that nobody holds. It must not touch tensors: it hands out block ids.
+
+Hashes are chained: a block's hash covers its parent's hash, its tokens and a salt (the tenant),
+so two prompts share a block only if they share everything before it too, and one tenant never
+hits another's blocks (invariant 6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str = "") -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or salt.encode())
+    h.update(b"|")
+    h.update(",".join(map(str, token_ids)).encode())
+    return h.digest()
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, salt: str = "",
+                        include_partial: bool = False) -> list[bytes]:
+    """Chained hashes of the full blocks of `token_ids` (and of the trailing partial one if asked)."""
+    hashes: list[bytes] = []
+    parent: bytes | None = None
+    n_full = len(token_ids) // block_size
+    end = len(token_ids) if include_partial else n_full * block_size
+    for start in range(0, end, block_size):
+        parent = hash_block(parent, token_ids[start: start + block_size], salt)
+        hashes.append(parent)
+    return hashes
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has fewer free blocks than asked for (the scheduler checks first)."""
+
+
+@dataclass
+class PoolStats:
+    num_blocks: int
+    num_free: int  # free or evictable (cached with no holder)
+    num_cached: int
+    evictions: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        # Blocks with ref 0, oldest first: a plain free block or a cached one to evict last-used-first.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def lookup(self, h: bytes) -> int | None:
+        return self.by_hash.get(h)
+
+    def take_cached(self, block_id: int) -> None:
+        """Hold a cached block (prefix hit)."""
+        if self.ref[block_id] == 0:
+            del self.free[block_id]
+        self.ref[block_id] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            bid, _ = self.free.popitem(last=False)
+            old = self.block_hash[bid]
+            if old is not None:
+                # Evict the least recently released cached block.
+                del self.by_hash[old]
+                self.block_hash[bid] = None
+                self.evictions += 1
+            self.ref[bid] = 1
+            out.append(bid)
+        return out
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one hold on each block; blocks are released tail first so a prompt's
+        last blocks are evicted before its first ones (the first are shared more)."""
+        for bid in reversed(block_ids):
+            assert self.ref[bid] > 0, f"block {bid} released twice"
+            self.ref[bid] -= 1
+            if self.ref[bid] == 0:
+                if self.block_hash[bid] is None:
+                    self.free[bid] = None
+                    self.free.move_to_end(bid, last=False)  # plain blocks are reused first
+                else:
+                    self.free[bid] = None
+
+    def register(self, block_id: int, h: bytes) -> None:
+        """Mark a held, fully written block as caching the prefix `h`."""
+        if self.block_hash[block_id] is not None or h in self.by_hash:
+            return  # already cached (maybe by another block holding the same content)
+        self.block_hash[block_id] = h
+        self.by_hash[h] = block_id
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.num_blocks, len(self.free), len(self.by_hash), self.evictions)

@@ -1,0 +1,112 @@
+"""Model and engine configuration: frozen dataclasses, validated at the boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, SmolLM).
+
+    Field names follow Hugging Face `config.json` so an HF config maps one to one.
+    """
+
+    architecture: str  # "llama", "qwen2", "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF `rope_scaling` dict (e.g. {"rope_type": "llama3", "factor": 8.0, ...}) or None.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"{f} must be positive, got {getattr(self, f)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @staticmethod
+    def from_hf_dict(cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
+        arch = cfg.get("model_type", "llama")
+        if arch not in ("llama", "qwen2", "qwen3", "mistral"):
+            raise ConfigError(f"model_type {arch!r} is not a supported Llama-family architecture")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return ModelConfig(
+            architecture="llama" if arch == "mistral" else arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+            qk_norm=arch == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size_tokens: int = 16
+    num_blocks: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size_tokens <= 0 or self.num_blocks <= 0:
+            raise ConfigError("block_size_tokens and num_blocks must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decode tokens)
+    max_waiting: int = 1024  # bounded queue: past it add_request raises QueueFullError
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_waiting <= 0:
+            raise ConfigError("scheduler limits must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = "float32"  # "float32" or "bfloat16"
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len_tokens: int | None = None  # defaults to the model's context length
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

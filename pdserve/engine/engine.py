@@ -1,0 +1,274 @@
+"""The in-process engine: one model, one paged cache, one scheduler, stepped by its owner.
+
+Owns a step: schedule, build the flat batch, run the model, sample, apply stop rules, report.
+It is single-threaded on purpose; a worker process drives it from one loop thread. It also owns
+moving a request's KV in and out as whole blocks (`take_parked_kv`, `add_prefilled_request`), which
+is how the prefill and decode roles hand a request over without the engine knowing about a store.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.attention import PagedKVCache, build_attention_metadata
+from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.loader import load_checkpoint
+from pdserve.engine.model import LlamaModel, StepInput
+from pdserve.engine.sampling import InvalidArgumentError, SamplingParams, sample
+from pdserve.engine.scheduler import Scheduler, Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort"; None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    prefill_done: bool = False  # prefill-only request: first token sampled, KV parked for export
+
+
+@dataclass
+class ParkedKV:
+    """A prefilled request's KV, block by block, in prompt order."""
+
+    block_hashes: list[bytes]  # chained hash per block (the last may cover a partial block)
+    blocks: list[torch.Tensor]  # each [layers, 2, block_size, kv_heads, head_dim]
+    num_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, *, model_config: ModelConfig | None = None,
+                 weights: dict[str, torch.Tensor] | None = None, tokenizer=None) -> None:
+        self.cfg = cfg
+        dtype = DTYPES[cfg.dtype]
+        if weights is None:
+            model_config, weights = load_checkpoint(cfg.model_path, dtype)
+        assert model_config is not None
+        self.model_config = model_config
+        self.model = LlamaModel(model_config, weights, dtype=dtype, device=cfg.device)
+        del weights
+        self.tokenizer = tokenizer
+        self.max_model_len = min(cfg.max_model_len_tokens or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.block_size = cfg.cache.block_size_tokens
+        self.kv = PagedKVCache(model_config.num_hidden_layers, cfg.cache.num_blocks,
+                               self.block_size, model_config.num_key_value_heads,
+                               model_config.head_dim, dtype, torch.device(cfg.device))
+        self.pool = BlockPool(cfg.cache.num_blocks)
+        self.scheduler = Scheduler(cfg.scheduler, self.pool, self.block_size)
+        self.seqs: dict[str, Sequence] = {}
+        self.parked: dict[str, Sequence] = {}
+        self.eos_ids = set(model_config.eos_token_ids)
+        self.steps = 0
+        self._ids = itertools.count()
+
+    # ---- requests in -------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidArgumentError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
+            raise InvalidArgumentError("prompt", f"token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidArgumentError(
+                "prompt", f"{len(prompt_ids)} tokens does not fit the context length "
+                f"{self.max_model_len}")
+        params.validate(max_model_len=self.max_model_len, prompt_len=len(prompt_ids),
+                        vocab_size=vocab)
+        need = -(-(len(prompt_ids) + params.max_tokens) // self.block_size)
+        if need > self.pool.num_blocks:
+            raise InvalidArgumentError(
+                "max_tokens", f"the request needs {need} KV blocks; this worker has "
+                f"{self.pool.num_blocks}")
+
+    def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams,
+                    *, salt: str = "", prefill_only: bool = False) -> str:
+        self.validate(prompt_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.seqs or rid in self.parked:
+            raise InvalidArgumentError("request_id", f"{rid!r} is already in flight")
+        seq = Sequence(rid, list(prompt_ids), params.with_seed(), salt=salt,
+                       prefill_only=prefill_only)
+        self.scheduler.add(seq)
+        self.seqs[rid] = seq
+        return rid
+
+    def cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of this chain the local pool already holds."""
+        n = 0
+        for h in block_hashes:
+            if self.pool.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    def add_prefilled_request(self, request_id: str, prompt_ids: list[int], first_token: int,
+                              params: SamplingParams, blocks: list[tuple[bytes, torch.Tensor | None]],
+                              *, salt: str = "") -> None:
+        """Join a request whose prompt was prefilled elsewhere.
+
+        `blocks` are the prompt's KV blocks in order: (hash, data), with data None where the
+        local pool should already hold that hash. Only the leading run of blocks that can be
+        placed is used; whatever is missing is recomputed here, so a lost block costs time,
+        never a wrong token.
+        """
+        self.validate(prompt_ids, params)
+        if request_id in self.seqs:
+            raise InvalidArgumentError("request_id", f"{request_id!r} is already in flight")
+        seq = Sequence(request_id, list(prompt_ids), params.with_seed(), salt=salt)
+        seq.token_ids.append(first_token)
+        full = len(prompt_ids) // self.block_size
+        for i, (h, data) in enumerate(blocks):
+            is_full = i < full
+            bid = self.pool.lookup(h) if is_full else None
+            if bid is not None:
+                self.pool.take_cached(bid)
+            elif data is not None and self.pool.num_free > 0:
+                bid = self.pool.allocate(1)[0]
+                self.kv.write_block(bid, data)
+                if is_full:
+                    self.pool.register(bid, h)
+            else:
+                break
+            seq.block_table.append(bid)
+            if is_full:
+                seq.block_hashes.append(h)
+        seq.num_computed = min(len(seq.block_table) * self.block_size, len(prompt_ids))
+        seq.num_cached_tokens = seq.num_computed
+        # A trailing partial block is only valid up to the prompt's end; the scheduler never
+        # treats it as cached (it has no hash registered).
+        self.scheduler.add(seq)
+        self.seqs[request_id] = seq
+        if self._check_stop(seq, first_token):
+            self._finish(seq, seq.finish_reason)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id) or self.parked.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.scheduler.free(seq)
+        self.seqs.pop(request_id, None)
+        return True
+
+    # ---- one step ----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        outputs: list[StepOutput] = []
+        if batch.empty:
+            return outputs
+        ids: list[int] = []
+        pos: list[int] = []
+        meta_in = []
+        logit_rows: list[int] = []
+        samplers: list[Sequence] = []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new):
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            meta_in.append((start, n, seq.block_table))
+            row += n
+            if start + n == seq.num_tokens:
+                logit_rows.append(row - 1)
+                samplers.append(seq)
+        dev = self.model.device
+        step = StepInput(torch.tensor(ids, dtype=torch.long, device=dev),
+                         torch.tensor(pos, dtype=torch.long, device=dev),
+                         build_attention_metadata(meta_in, self.block_size, dev))
+        hidden = self.model.forward(step, self.kv)
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+            self.scheduler.register_full_blocks(seq)
+        self.steps += 1
+        if samplers:
+            rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
+            logits = self.model.compute_logits(hidden[rows])
+            tokens = sample(logits, [s.params for s in samplers],
+                            [len(s.output_ids) for s in samplers])
+            for seq, tok in zip(samplers, tokens):
+                outputs.append(self._append(seq, tok))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, tok: int) -> bool:
+        p = seq.params
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _append(self, seq: Sequence, tok: int) -> StepOutput:
+        seq.token_ids.append(tok)
+        done = self._check_stop(seq, tok)
+        if seq.prefill_only:
+            self.scheduler.finish(seq, seq.finish_reason)
+            self.seqs.pop(seq.request_id, None)
+            self.parked[seq.request_id] = seq
+            return StepOutput(seq.request_id, [tok], done, seq.finish_reason,
+                              len(seq.prompt_ids), seq.num_cached_tokens, prefill_done=True)
+        if done:
+            self._finish(seq, seq.finish_reason)
+        return StepOutput(seq.request_id, [tok], done, seq.finish_reason,
+                          len(seq.prompt_ids), seq.num_cached_tokens)
+
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
+        self.scheduler.finish(seq, reason)
+        self.scheduler.free(seq)
+        self.seqs.pop(seq.request_id, None)
+
+    # ---- KV out (prefill role) ---------------------------------------------------------
+    def take_parked_kv(self, request_id: str, *, release: bool = True) -> ParkedKV:
+        """The prompt's KV of a prefill-only request, block by block; frees it unless told not to."""
+        seq = self.parked[request_id]
+        n_prompt = len(seq.prompt_ids)
+        n_blocks = -(-n_prompt // self.block_size)
+        hashes = list(seq.block_hashes[:n_blocks])
+        if len(hashes) < n_blocks:  # the trailing partial block: hash its tokens for a stable key
+            start = (n_blocks - 1) * self.block_size
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     seq.token_ids[start:n_prompt], seq.salt))
+        blocks = [self.kv.read_block(b) for b in seq.block_table[:n_blocks]]
+        if release:
+            self.release_parked(request_id)
+        return ParkedKV(hashes, blocks, n_prompt)
+
+    def release_parked(self, request_id: str) -> None:
+        seq = self.parked.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.free(seq)
+
+    # ---- convenience -------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion in one batch; returns each prompt's output token ids."""
+        rids = [self.add_request(None, p, params) for p in prompts]
+        outs: dict[str, list[int]] = {r: [] for r in rids}
+        while self.has_work():
+            for o in self.step():
+                outs[o.request_id].extend(o.new_token_ids)
+        return [outs[r] for r in rids]
+
+    def stats(self) -> dict[str, int]:
+        ps = self.pool.stats()
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": ps.num_free,
+            "num_total_blocks": ps.num_blocks,
+            "num_cached_blocks": ps.num_cached,
+            "prefix_cache_queries_tokens": self.scheduler.prefix_queries_tokens,
+            "prefix_cache_hits_tokens": self.scheduler.prefix_hits_tokens,
+            "evictions": ps.evictions,
+        }
+

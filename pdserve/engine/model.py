@@ -1,0 +1,156 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2, Qwen3, SmolLM) over a paged KV cache.
+
+Owns the forward pass: embeddings, RMSNorm, RoPE (with Llama-3 scaling), GQA attention on the
+paged cache, SwiGLU MLP, the LM head. It must not schedule or sample: the caller hands it a flat
+batch (`StepInput`) and gets hidden states back; `compute_logits` turns chosen rows into logits.
+
+Weights are fused at load time (q/k/v into one matrix, gate/up into one) so a decode step issues
+few large matmuls: at batch 1 the step is bound by reading the weights, and every extra op is
+pure Python overhead on top.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.engine.config import ModelConfig
+
+
+@dataclass
+class StepInput:
+    """One forward's flat batch: every scheduled token of every sequence, in order."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+
+
+def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "llama3":
+        # Llama 3.1 frequency-dependent scaling: long wavelengths are slowed by `factor`,
+        # short ones are kept, and the band between is interpolated smoothly.
+        factor = scaling["factor"]
+        low_ff = scaling.get("low_freq_factor", 1.0)
+        high_ff = scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wl = old_ctx / low_ff
+        high_wl = old_ctx / high_ff
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type not in ("default",):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+    return inv_freq
+
+
+class LlamaModel:
+    """Plain tensors, no nn.Module: the forward is a short loop a reader can follow."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.layers = [self._fuse_layer(w, i) for i in range(cfg.num_hidden_layers)]
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        inv_freq = _rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # HF computes cos/sin in fp32 and casts to the run dtype; so do we, once.
+        self.cos = emb.cos().to(device=self.device, dtype=dtype)
+        self.sin = emb.sin().to(device=self.device, dtype=dtype)
+
+    @staticmethod
+    def _fuse_layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
+                         w[p + "self_attn.v_proj.weight"]], dim=0).contiguous()
+        bias = None
+        if p + "self_attn.q_proj.bias" in w:
+            bias = torch.cat([w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"],
+                              w[p + "self_attn.v_proj.bias"]]).contiguous()
+        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]],
+                            dim=0).contiguous()
+        return {
+            "in_norm": w[p + "input_layernorm.weight"],
+            "post_norm": w[p + "post_attention_layernorm.weight"],
+            "qkv": qkv,
+            "qkv_bias": bias,
+            "q_norm": w.get(p + "self_attn.q_norm.weight"),
+            "k_norm": w.get(p + "self_attn.k_norm.weight"),
+            "o": w[p + "self_attn.o_proj.weight"],
+            "gate_up": gate_up,
+            "down": w[p + "mlp.down_proj.weight"],
+        }
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (the embedding lookup reads only rows)."""
+        n = self.norm.numel() + self.lm_head.numel()
+        for layer in self.layers:
+            n += sum(t.numel() for t in layer.values() if t is not None)
+        return n * self.norm.element_size()
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as HF does), scale in the run dtype.
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
+        return weight * y.to(self.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, kv_cache: "PagedKVCache") -> torch.Tensor:  # noqa: F821
+        """Run every scheduled token; write their K/V into the cache; return final hidden states [T, d]."""
+        cfg = self.cfg
+        t = step.input_ids.shape[0]
+        h = F.embedding(step.input_ids, self.embed)
+        cos = self.cos[step.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[step.positions].unsqueeze(1)
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        for li, layer in enumerate(self.layers):
+            x = self._rms(h, layer["in_norm"])
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, nh, hd)
+            k = k.view(t, nkv, hd)
+            v = v.view(t, nkv, hd)
+            if layer["q_norm"] is not None:
+                q = self._rms(q, layer["q_norm"])
+                k = self._rms(k, layer["k_norm"])
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            k_cache, v_cache = kv_cache.layer(li)
+            write_kv(k_cache, v_cache, k, v, step.attn.slot_mapping)
+            o = paged_attention(q, k, v, k_cache, v_cache, step.attn)
+            h = h + F.linear(o.reshape(t, self.q_size), layer["o"])
+            x = self._rms(h, layer["post_norm"])
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer["down"])
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the chosen rows; logits are returned in fp32."""
+        return F.linear(self._rms(hidden, self.norm), self.lm_head).float()

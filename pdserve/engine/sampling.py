@@ -1,0 +1,103 @@
+"""Sampling parameters (validated at the boundary) and the sampler.
+
+Owns the rules that turn logits into tokens: greedy, temperature, top-k, top-p, and a per-request
+seed. Randomness is drawn from a generator seeded by (seed, output index), so the token at a given
+position is the same whichever process samples it: the prefill worker samples the first token and
+the decode worker the rest, and a seeded request still reproduces the single-process result.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, replace
+
+import torch
+
+
+class InvalidArgumentError(ValueError):
+    """A request field is invalid. `field` names it (mapped to INVALID_ARGUMENT / HTTP 400)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, *, max_model_len: int | None = None, prompt_len: int | None = None,
+                 vocab_size: int | None = None) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise InvalidArgumentError("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgumentError("top_k", f"must be >= 0, got {self.top_k}")
+        if self.max_tokens <= 0:
+            raise InvalidArgumentError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if max_model_len is not None:
+            if self.max_tokens > max_model_len:
+                raise InvalidArgumentError(
+                    "max_tokens", f"{self.max_tokens} exceeds the context length {max_model_len}")
+            if prompt_len is not None and prompt_len + self.max_tokens > max_model_len:
+                raise InvalidArgumentError(
+                    "max_tokens", f"prompt ({prompt_len} tokens) plus max_tokens "
+                    f"({self.max_tokens}) exceeds the context length {max_model_len}")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    raise InvalidArgumentError("stop_token_ids", f"token {t} is out of range")
+        for s in self.stop:
+            if not s:
+                raise InvalidArgumentError("stop", "stop strings must be non-empty")
+
+    def with_seed(self) -> "SamplingParams":
+        """A copy with a concrete seed, so every hop samples from the same stream."""
+        if self.seed is not None or self.temperature == 0:
+            return self
+        return replace(self, seed=secrets.randbits(62))
+
+
+def _mix(seed: int, index: int) -> int:
+    # SplitMix64 step: decorrelates neighbouring (seed, index) pairs.
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & (2**63 - 1)
+
+
+def probs_from_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from, after temperature, top-k and top-p: [V] fp32."""
+    x = logits.float() / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
+    return torch.softmax(x, dim=-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], out_index: list[int]) -> list[int]:
+    """logits [n, V]; out_index[i] is the position of the token in request i's output."""
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            continue
+        probs = probs_from_logits(logits[i], p)
+        gen = torch.Generator().manual_seed(_mix(p.seed or 0, out_index[i]))
+        tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
+    return tokens

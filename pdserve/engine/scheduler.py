@@ -1,0 +1,197 @@
+"""Continuous batching with chunked prefill under a per-step token budget (vLLM v1 style).
+
+Owns the waiting and running queues and, each step, which sequences run how many tokens: running
+sequences first (a decode is one token, an unfinished prefill its next chunk), then new ones while
+budget, sequence slots and KV blocks last. Prefill chunks and decode tokens share one batch, so a
+decode worker can take a prefill chunk too. When blocks run out the newest running sequence is
+preempted and later recomputed. It must not run the model or sample.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sampling import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound (mapped to RESOURCE_EXHAUSTED / HTTP 429)."""
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    salt: str = ""
+    prefill_only: bool = False  # prefill role: stop after the first token, keep the KV for export
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks registered so far
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or an import
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new: list[int]  # tokens each sequence runs this step
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.block_size = block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_queries_tokens = 0
+        self.prefix_hits_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, seq: Sequence, upto_tokens: int) -> int:
+        return max(0, -(-upto_tokens // self.block_size) - len(seq.block_table))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the longest cached prefix; at least one token is left to compute."""
+        hits: list[int] = []
+        parent: bytes | None = None
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                seq.salt)
+            bid = self.pool.lookup(parent)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.cfg.max_num_batched_tokens
+        out = ScheduledBatch([], [], [])
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = self._blocks_needed(seq, seq.num_computed + n)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.block_table.extend(self.pool.allocate(need))
+            out.seqs.append(seq)
+            out.num_new.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            hits: list[int] = []
+            if not seq.block_table:
+                hits = self._match_prefix(seq)
+            start = seq.num_computed if seq.block_table else len(hits) * self.block_size
+            n = min(seq.num_tokens - start, budget)
+            need = max(0, -(-(start + n) // self.block_size) - len(seq.block_table) - len(hits))
+            # Cached hits with no holder sit in the free list; taking them uses that room.
+            idle_hits = sum(1 for b in hits if self.pool.ref[b] == 0)
+            if need > self.pool.num_free - idle_hits:
+                break
+            self.waiting.popleft()
+            if not seq.block_table:
+                for b in hits:
+                    self.pool.take_cached(b)
+                seq.block_table = list(hits)
+                seq.num_computed = start
+                self._note_prefix(seq, len(hits))
+            seq.block_table.extend(self.pool.allocate(need))
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new.append(n)
+            budget -= n
+        return out
+
+    def _note_prefix(self, seq: Sequence, n_hit_blocks: int) -> None:
+        prompt_len = len(seq.prompt_ids)
+        self.prefix_queries_tokens += prompt_len
+        hit_tokens = min(n_hit_blocks * self.block_size, prompt_len)
+        self.prefix_hits_tokens += hit_tokens
+        if not seq.output_ids:  # a recompute after preemption is not a user-visible cache hit
+            seq.num_cached_tokens = hit_tokens
+        # The hit blocks' hashes are the first entries of the chain.
+        parent: bytes | None = None
+        seq.block_hashes = []
+        for i in range(n_hit_blocks):
+            parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                seq.salt)
+            seq.block_hashes.append(parent)
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """After a step: index every newly completed block so later prompts can share it."""
+        n_full = seq.num_computed // self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), n_full):
+            parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                seq.salt)
+            seq.block_hashes.append(parent)
+            self.pool.register(seq.block_table[i], parent)
+
+    def finish(self, seq: Sequence, reason: str | None) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
