@@ -1,0 +1,52 @@
+"""Configuration of one store process: a frozen dataclass validated at construction.
+
+Owns the store's settings and their validation. Must not open sockets or read the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A store configuration value is invalid; the message names the field."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Splits "host:port" (IPv6 hosts in brackets) into host and port; raises ConfigError."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"address must be 'host:port', got {address!r}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"address port must be an integer, got {address!r}") from None
+    # Port 0 asks the OS for a free port; the service reports the one it got.
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"address port must be in 0..65535, got {port}")
+    return host, port
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Settings of one in-memory store process."""
+
+    # Where to listen, "host:port"; loopback by default because the store has no auth yet.
+    address: str = "127.0.0.1:50070"
+    # Most bytes of object data held; past it the least recently used objects are evicted.
+    capacity_bytes: int = 1 << 30
+    # gRPC handler threads: bounds concurrent requests being served.
+    max_workers: int = 8
+    # On SIGTERM, how long in-flight RPCs may run before they are cancelled.
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        parse_address(self.address)
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise ConfigError(
+                f"capacity_bytes must be a positive integer, got {self.capacity_bytes!r}"
+            )
+        if not isinstance(self.max_workers, int) or self.max_workers < 1:
+            raise ConfigError(f"max_workers must be an integer >= 1, got {self.max_workers!r}")
+        if not self.shutdown_grace_s >= 0:
+            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")

@@ -1,0 +1,137 @@
+"""Small gRPC helpers shared by every pdserve service and client.
+
+Owns the server and channel options (message size limits), standard health checking and server
+reflection, waiting for a service to become healthy, and a service process's wait for SIGTERM.
+Must not know any pdserve service: it takes service names as strings and never imports stubs.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent import futures
+from types import FrameType
+from typing import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# KV blocks of a long prompt run to tens of MiB per message in the first (copying) store
+# transport; gRPC's 4 MiB default would reject them. 256 MiB bounds one message (invariant 5).
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def make_server(max_workers: int, maximum_concurrent_rpcs: int | None = None) -> grpc.Server:
+    """A thread-pool gRPC server with pdserve's message size limits; not yet bound or started.
+
+    `maximum_concurrent_rpcs` bounds RPCs in progress (queued for a thread or running); past it
+    gRPC answers RESOURCE_EXHAUSTED at once instead of queueing without limit. None: no bound.
+    """
+    if max_workers < 1:
+        raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+    if maximum_concurrent_rpcs is not None and maximum_concurrent_rpcs < 1:
+        raise ValueError(f"maximum_concurrent_rpcs must be >= 1, got {maximum_concurrent_rpcs}")
+    # gRPC sets SO_REUSEPORT by default, so a second server on a taken port would "bind" and
+    # silently share its connections; turning it off makes the second one fail to start.
+    options = [*_OPTIONS, ("grpc.so_reuseport", 0)]
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=options,
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+    )
+
+
+def add_health_and_reflection(
+    server: grpc.Server, service_full_names: Iterable[str]
+) -> health.HealthServicer:
+    """Registers grpc.health.v1 and reflection on `server`; marks every service SERVING.
+
+    `service_full_names` are fully qualified, e.g. "pdserve.v1.KVStore". The overall status (the
+    empty service name) is set SERVING too. The returned servicer lets the caller flip statuses,
+    e.g. `enter_graceful_shutdown()` before stopping.
+    """
+    names = list(service_full_names)
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ["", *names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return servicer
+
+
+def make_channel(address: str) -> grpc.Channel:
+    """An insecure channel to `address` ("host:port") with pdserve's message size limits."""
+    return grpc.insecure_channel(address, options=_OPTIONS)
+
+
+def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
+    """Polls the health service at `address` until `service` is SERVING.
+
+    Raises TimeoutError naming the address (and the last status or error seen) after `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with make_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        while True:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise TimeoutError(
+                    f"{address} not SERVING (service {service!r}) after {timeout_s}s: {last}"
+                )
+            try:
+                response = stub.Check(request, timeout=min(remaining_s, 1.0))
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            # Short poll: a service usually comes up within a fraction of a second.
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+# Set once a stop signal arrives; per process, as signal handlers are.
+_stop_requested = threading.Event()
+_stop_signal: list[int] = []
+_stop_handlers_installed = False
+
+
+def catch_stop_signals() -> None:
+    """Installs SIGTERM and SIGINT handlers that request a stop; idempotent, main thread only.
+
+    Call it before announcing readiness: a signal sent right after a service reports ready would
+    otherwise meet the default action and kill the process with no clean shutdown.
+    """
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        _stop_signal.append(signum)
+        _stop_requested.set()
+
+    global _stop_handlers_installed
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    _stop_handlers_installed = True
+
+
+def wait_for_signal(poll_s: float = 0.5) -> int:
+    """Blocks the main thread until SIGTERM or SIGINT; returns the signal number.
+
+    Installs the handlers if catch_stop_signals() was not called yet (call it earlier, before
+    announcing readiness, to close the window in which a signal would kill the process).
+    """
+    if not _stop_handlers_installed:
+        catch_stop_signals()
+    # A timed wait keeps the main thread returning to the interpreter, where handlers run.
+    while not _stop_requested.wait(poll_s):
+        pass
+    return _stop_signal[0]
