@@ -112,8 +112,9 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_ids: list[int], first_token: int,
                               params: SamplingParams, blocks: list[tuple[bytes, torch.Tensor | None]],
-                              *, salt: str = "") -> None:
-        """Join a request whose prompt was prefilled elsewhere.
+                              *, salt: str = "") -> str | None:
+        """Join a request whose prompt was prefilled elsewhere; returns a finish reason if the
+        first token already ends it (then nothing runs), else None.
 
         `blocks` are the prompt's KV blocks in order: (hash, data), with data None where the
         local pool should already hold that hash. Only the leading run of blocks that can be
@@ -149,6 +150,7 @@ class LLMEngine:
         self.seqs[request_id] = seq
         if self._check_stop(seq, first_token):
             self._finish(seq, seq.finish_reason)
+        return seq.finish_reason
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id) or self.parked.pop(request_id, None)

