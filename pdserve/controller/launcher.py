@@ -44,10 +44,17 @@ class ClusterSpec:
     store_capacity_bytes: int = 2 << 30
     ready_timeout_s: float = 300.0
     log_dir: str | None = None
+    worker_ports: tuple[int, ...] | None = None  # explicit ports (prefill first); else base + i
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("prefill_workers and decode_workers must be >= 1")
+        n = self.prefill_workers + self.decode_workers
+        if self.worker_ports is not None and len(self.worker_ports) != n:
+            raise ValueError(f"worker_ports: need {n} ports, got {len(self.worker_ports)}")
+
+    def worker_port(self, i: int) -> int:
+        return self.worker_ports[i] if self.worker_ports else self.worker_base_port + i
 
 
 @dataclass
@@ -105,7 +112,7 @@ class LocalCluster:
             workers = []
             roles = ["prefill"] * s.prefill_workers + ["decode"] * s.decode_workers
             for i, role in enumerate(roles):
-                addr = f"{s.host}:{s.worker_base_port + i}"
+                addr = f"{s.host}:{s.worker_port(i)}"
                 workers.append(self._spawn(f"{role}-{i}", addr, [
                     "pdserve.worker", "--role", role, "--model", s.model_path, "--address", addr,
                     "--store-address", store_addr, "--dtype", s.dtype,

@@ -54,6 +54,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_theta, rope_scaling = _hf_rope(cfg)
         return ModelConfig(
             architecture="llama" if arch == "mistral" else arch,
             vocab_size=cfg["vocab_size"],
@@ -65,8 +66,8 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
             qk_norm=arch == "qwen3",
@@ -74,6 +75,27 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name,
         )
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either config.json spelling.
+
+    transformers < 5 writes top-level `rope_theta` and `rope_scaling`; transformers 5 writes one
+    `rope_parameters` dict holding `rope_theta` and `rope_type` (plus the scaling fields), and no
+    `rope_scaling`, so reading only the old keys would silently drop Llama-3 scaling.
+    """
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None:
+        scaling = dict(scaling)
+        if "rope_type" not in scaling and "type" in scaling:  # the pre-4.45 key name
+            scaling["rope_type"] = scaling["type"]
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    return float(theta), scaling
 
 
 @dataclass(frozen=True)

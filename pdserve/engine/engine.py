@@ -63,7 +63,8 @@ class LLMEngine:
                                self.block_size, model_config.num_key_value_heads,
                                model_config.head_dim, dtype, torch.device(cfg.device))
         self.pool = BlockPool(cfg.cache.num_blocks)
-        self.scheduler = Scheduler(cfg.scheduler, self.pool, self.block_size)
+        self.scheduler = Scheduler(cfg.scheduler, self.pool, self.block_size,
+                                   cfg.cache.enable_prefix_caching)
         self.seqs: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}
         self.eos_ids = set(model_config.eos_token_ids)
@@ -135,7 +136,7 @@ class LLMEngine:
             elif data is not None and self.pool.num_free > 0:
                 bid = self.pool.allocate(1)[0]
                 self.kv.write_block(bid, data)
-                if is_full:
+                if is_full and self.cfg.cache.enable_prefix_caching:
                     self.pool.register(bid, h)
             else:
                 break

@@ -8,6 +8,7 @@ the decode worker the rest, and a seeded request still reproduces the single-pro
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, replace
 
@@ -36,8 +37,10 @@ class SamplingParams:
 
     def validate(self, *, max_model_len: int | None = None, prompt_len: int | None = None,
                  vocab_size: int | None = None) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidArgumentError("temperature", f"must be >= 0, got {self.temperature}")
+        if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
+                or self.temperature < 0):
+            raise InvalidArgumentError("temperature",
+                                       f"must be finite and >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -77,7 +80,10 @@ def _mix(seed: int, index: int) -> int:
 
 def probs_from_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from, after temperature, top-k and top-p: [V] fp32."""
-    x = logits.float() / p.temperature
+    logits = logits.float()
+    # Shift so the largest logit is 0 before scaling: a tiny temperature then gives -inf, never
+    # inf, and the softmax stays finite (unshifted, 1e-40 overflows to inf - inf = nan).
+    x = (logits - logits.max()) / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -68,10 +68,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix_queries_tokens = 0
@@ -103,6 +105,8 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest cached prefix; at least one token is left to compute."""
         hits: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits
         parent: bytes | None = None
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
@@ -185,8 +189,10 @@ class Scheduler:
         for i in range(len(seq.block_hashes), n_full):
             parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
                                 seq.salt)
+            # Hashes are kept even with caching off: exporting KV names blocks by them.
             seq.block_hashes.append(parent)
-            self.pool.register(seq.block_table[i], parent)
+            if self.enable_prefix_caching:
+                self.pool.register(seq.block_table[i], parent)
 
     def finish(self, seq: Sequence, reason: str | None) -> None:
         if seq in self.running:
