@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install, start the embedded cluster (store, prefill worker, decode worker, router) with the
+# default model, serve one chat request through it, and keep serving until Ctrl-C.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+PORT=${PDSERVE_PORT:-50051}
+log=$(mktemp -t pdserve-serve.XXXXXX)
+pdserve serve --port "$PORT" >"$log" 2>&1 &
+serve_pid=$!
+trap 'kill -TERM $serve_pid 2>/dev/null; wait $serve_pid 2>/dev/null' EXIT INT TERM
+echo "starting pdserve (log: $log) ..."
+until grep -q "pdserve ready on" "$log"; do
+  if ! kill -0 $serve_pid 2>/dev/null; then cat "$log"; exit 1; fi
+  sleep 0.5
+done
+echo "ready on 127.0.0.1:$PORT; asking it something:"
+pdserve generate --chat --max-tokens 64 --address "127.0.0.1:$PORT" \
+  "What are three good reasons to split LLM prefill and decode onto different machines?"
+echo
+echo "Still serving on 127.0.0.1:$PORT: try  pdserve generate --chat \"Hello\"  in another shell. Ctrl-C stops it."
+wait $serve_pid
