@@ -113,3 +113,19 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2_engine, smollm2_oracle
     prompts = [p for p, _ in smollm2_oracle]
     outs = smollm2_engine.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True))
     assert outs == [ref for _, ref in smollm2_oracle]
+
+
+def test_bfloat16_runs_close_to_the_fp32_reference(tiny_llama_dir):
+    """bf16 is a supported run dtype: logits stay within bf16 rounding of the fp32 model's."""
+    ref = hf_model(tiny_llama_dir)
+    engine = LLMEngine(EngineConfig(tiny_llama_dir, dtype="bfloat16",
+                                    cache=CacheConfig(block_size_tokens=16, num_blocks=64)))
+    assert engine.kv.k.dtype == torch.bfloat16
+    ids = Tokenizer.from_path(tiny_llama_dir).encode(PROMPTS[0])
+    with torch.inference_mode():
+        ref_logits = ref(torch.tensor([ids])).logits[0].float()
+    ours = engine_logits(engine, ids)
+    rel = ((ours - ref_logits).norm() / ref_logits.norm()).item()
+    assert rel < 3e-2, rel
+    out = engine.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert len(out) == 16
