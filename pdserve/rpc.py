@@ -8,11 +8,12 @@ Must not know any pdserve service: it takes service names as strings and never i
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from concurrent import futures
 from types import FrameType
-from typing import Iterable
+from typing import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -135,3 +136,23 @@ def wait_for_signal(poll_s: float = 0.5) -> int:
     while not _stop_requested.wait(poll_s):
         pass
     return _stop_signal[0]
+
+
+def run_until_signal(server: grpc.Server, health: health.HealthServicer, address: str,
+                     ready_line: Callable[[str], str], grace_s: float = 2.0) -> int:
+    """Bind `address`, start, print the ready line, serve until SIGTERM/SIGINT, stop gracefully.
+
+    Returns a process exit code: 1 if the address cannot be bound, else 0.
+    """
+    catch_stop_signals()
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        print(f"cannot bind {address}: {e}", file=sys.stderr, flush=True)
+        return 1
+    server.start()
+    print(ready_line(f"{address.rsplit(':', 1)[0]}:{port}"), flush=True)
+    wait_for_signal()
+    health.enter_graceful_shutdown()
+    server.stop(grace=grace_s).wait()
+    return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 from pdserve import rpc
@@ -11,8 +10,6 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import api_pb2_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.service import RouterService
-
-log = logging.getLogger(__name__)
 
 
 def served_names(cfg: RouterConfig) -> tuple[str, ...]:
@@ -39,17 +36,9 @@ def run(cfg: RouterConfig) -> int:
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     api_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
-    try:
-        port = server.add_insecure_port(cfg.address)
-    except RuntimeError as e:
-        log.error("cannot bind %s: %s", cfg.address, e)
-        return 1
-    server.start()
-    host = cfg.address.rsplit(":", 1)[0]
-    print(f"pdserve.router ready on {host}:{port} model={service.model_names[0]}", flush=True)
-    rpc.wait_for_signal()
-    health.enter_graceful_shutdown()
-    server.stop(grace=2.0).wait()
+    code = rpc.run_until_signal(
+        server, health, cfg.address,
+        lambda where: f"pdserve.router ready on {where} model={service.model_names[0]}")
     service.prefill.close()
     service.decode.close()
-    return 0
+    return code

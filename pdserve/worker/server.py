@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 from pdserve import rpc
@@ -16,8 +15,6 @@ from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.service import WorkerService
-
-log = logging.getLogger(__name__)
 
 
 def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
@@ -47,18 +44,9 @@ def run(cfg: WorkerConfig) -> int:
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Worker"])
-    try:
-        port = server.add_insecure_port(cfg.address)
-    except RuntimeError as e:
-        log.error("cannot bind %s: %s", cfg.address, e)
-        return 1
-    rpc.catch_stop_signals()
-    server.start()
-    host = cfg.address.rsplit(":", 1)[0]
-    print(f"pdserve.worker ready on {host}:{port} role={cfg.role} model={model_id}", flush=True)
-    rpc.wait_for_signal()
-    health.enter_graceful_shutdown()
-    server.stop(grace=2.0).wait()
+    code = rpc.run_until_signal(
+        server, health, cfg.address,
+        lambda where: f"pdserve.worker ready on {where} role={cfg.role} model={model_id}")
     loop.stop()
     store.close()
-    return 0
+    return code
