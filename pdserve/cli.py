@@ -28,7 +28,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        router_port=args.port, store_port=args.store_port,
                        worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,
                        decode_workers=args.decode_workers, num_blocks=args.num_blocks,
-                       ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir)
+                       ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
+                       threads_per_worker=args.threads_per_worker)
     cluster = LocalCluster(spec)
     try:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
     s.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
+    s.add_argument("--threads-per-worker", type=int, default=None,
+                   help="compute threads per worker (default: this machine's cores split evenly)")
     s.add_argument("--ready-timeout-s", type=float, default=300.0)
     s.add_argument("--log-dir", default=None)
     s.set_defaults(func=cmd_serve)

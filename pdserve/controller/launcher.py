@@ -45,6 +45,7 @@ class ClusterSpec:
     ready_timeout_s: float = 300.0
     log_dir: str | None = None
     worker_ports: tuple[int, ...] | None = None  # explicit ports (prefill first); else base + i
+    threads_per_worker: int | None = None  # None: split this machine's cores among the workers
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -52,6 +53,11 @@ class ClusterSpec:
         n = self.prefill_workers + self.decode_workers
         if self.worker_ports is not None and len(self.worker_ports) != n:
             raise ValueError(f"worker_ports: need {n} ports, got {len(self.worker_ports)}")
+
+    def worker_threads(self) -> int:
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        return max(1, (os.cpu_count() or 1) // (self.prefill_workers + self.decode_workers))
 
     def worker_port(self, i: int) -> int:
         return self.worker_ports[i] if self.worker_ports else self.worker_base_port + i
@@ -118,7 +124,8 @@ class LocalCluster:
                     "--store-address", store_addr, "--dtype", s.dtype,
                     "--num-blocks", str(s.num_blocks),
                     "--block-size-tokens", str(s.block_size_tokens),
-                    "--max-num-batched-tokens", str(s.max_num_batched_tokens)]))
+                    "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+                    "--threads", str(s.worker_threads())]))
             self._wait([store])
             self._wait(workers)
             prefill = ",".join(w.address for w in workers if w.name.startswith("prefill"))

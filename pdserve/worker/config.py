@@ -22,11 +22,17 @@ class WorkerConfig:
     max_concurrent_rpcs: int = 256  # beyond this gRPC answers RESOURCE_EXHAUSTED
     rpc_threads: int = 64
     model_name: str | None = None
+    # Compute threads for this worker (0: torch's default). Workers sharing a machine should
+    # split its cores: two OpenMP pools on the same cores spin against each other and a step
+    # can take many times longer.
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if ":" not in self.address:
             raise ConfigError(f"address must be host:port, got {self.address!r}")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:
             raise ConfigError("rpc_threads and max_concurrent_rpcs must be >= 1")

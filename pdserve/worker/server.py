@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from pdserve import rpc
 from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -34,6 +36,8 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
 
 def run(cfg: WorkerConfig) -> int:
     rpc.catch_stop_signals()  # a SIGTERM while the weights load still shuts down cleanly
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     engine = build_engine(cfg)
     loop = EngineLoop(engine).start()
     store = KVStoreClient(cfg.store_address)
