@@ -31,7 +31,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_idx: torch.Tensor | None = None  # [B] rows of the flat batch that are single-token decodes
-    decode_gather: torch.Tensor | None = None  # [B, Lmax] context slots (padded with 0)
+    decode_tables: torch.Tensor | None = None  # [B, nblk] block ids of each context (padded with 0)
+    decode_len: int = 0  # Lmax, the longest decode context
+    block_size: int = 16
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool, or None if no padding
 
 
@@ -63,26 +65,25 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
             gather = torch.tensor(_slots(table, 0, ctx_len, block_size), dtype=torch.long)
             prefills.append(PrefillSpan(row, n_new, ctx_len, gather.to(device), k_pos <= q_pos))
         row += n_new
-    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), prefills)
+    meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), prefills,
+                             block_size=block_size)
     if dec_rows:
-        # Vectorised: a decode batch of 32 long contexts would otherwise build tens of
-        # thousands of Python ints per step.
+        # Whole blocks are gathered (runs of block_size slots), not single slots: fewer, larger
+        # copies, and no per-token index tensor to build.
         lmax = max(dec_lens)
         nblk = (lmax + block_size - 1) // block_size
         tables = torch.zeros(len(dec_rows), nblk, dtype=torch.long)
         for i, tb in enumerate(dec_tables):
             n = min(len(tb), nblk)
             tables[i, :n] = torch.tensor(tb[:n], dtype=torch.long)
-        offs = torch.arange(block_size, dtype=torch.long)
-        gather = (tables.unsqueeze(2) * block_size + offs).view(len(dec_rows), -1)[:, :lmax]
-        lens = torch.tensor(dec_lens, dtype=torch.long)
         mask = None
-        if int(lens.min()) != lmax:
+        if min(dec_lens) != lmax:
+            lens = torch.tensor(dec_lens, dtype=torch.long)
             valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
-            gather = gather * valid  # padded positions read slot 0, masked out below
             mask = valid.view(len(dec_rows), 1, 1, lmax).to(device)
         meta.decode_idx = torch.tensor(dec_rows, dtype=torch.long, device=device)
-        meta.decode_gather = gather.contiguous().to(device)
+        meta.decode_tables = tables.to(device)
+        meta.decode_len = lmax
         meta.decode_mask = mask
     return meta
 
@@ -93,26 +94,36 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_copy_(0, slot_mapping, v)
 
 
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, block_size: int,
+                   length: int) -> torch.Tensor:
+    """[slots, Hkv, D] cache and [B, nblk] block ids -> [B, Hkv, length, D] (a strided view)."""
+    b, nblk = tables.shape
+    blocks = cache.view(-1, block_size, cache.shape[1], cache.shape[2])[tables]
+    return blocks.view(b, nblk * block_size, cache.shape[1], cache.shape[2])[:, :length].transpose(1, 2)
+
+
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
     """q [T, H, D]; k_new/v_new [T, Hkv, D] (already written to the cache) -> [T, H, D]."""
     out = torch.empty_like(q)
+    # SDPA takes its fused (flash) CPU path only for 4-D inputs; 3-D ones fall back to the math
+    # path, which materialises every score and is several times slower on long prompts.
     for p in meta.prefills:
-        qs = q[p.q_start: p.q_start + p.q_len].transpose(0, 1)
+        qs = q[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
         if p.gather is None:
-            ks = k_new[p.q_start: p.q_start + p.q_len].transpose(0, 1)
-            vs = v_new[p.q_start: p.q_start + p.q_len].transpose(0, 1)
+            ks = k_new[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
+            vs = v_new[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ks = k_cache[p.gather].transpose(0, 1)
-            vs = v_cache[p.gather].transpose(0, 1)
+            ks = k_cache[p.gather].transpose(0, 1).unsqueeze(0)
+            vs = v_cache[p.gather].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
-        out[p.q_start: p.q_start + p.q_len] = o.transpose(0, 1)
+        out[p.q_start: p.q_start + p.q_len] = o[0].transpose(0, 1)
     if meta.decode_idx is not None:
         qd = q[meta.decode_idx].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_gather].transpose(1, 2)
+        kd = _gather_blocks(k_cache, meta.decode_tables, meta.block_size, meta.decode_len)
+        vd = _gather_blocks(v_cache, meta.decode_tables, meta.block_size, meta.decode_len)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
         out[meta.decode_idx] = o.squeeze(2)
     return out

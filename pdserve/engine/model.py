@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.linear import Linear
 
 
 @dataclass
@@ -61,15 +62,17 @@ class LlamaModel:
     """Plain tensors, no nn.Module: the forward is a short loop a reader can follow."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 pack_weights: bool | None = None) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.layers = [self._fuse_layer(w, i) for i in range(cfg.num_hidden_layers)]
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"],
+                              pack=pack_weights)
+        self.layers = [self._fuse_layer(w, i, pack_weights) for i in range(cfg.num_hidden_layers)]
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         inv_freq = _rope_inv_freq(cfg)
@@ -81,7 +84,7 @@ class LlamaModel:
         self.sin = emb.sin().to(device=self.device, dtype=dtype)
 
     @staticmethod
-    def _fuse_layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+    def _fuse_layer(w: dict[str, torch.Tensor], i: int, pack: bool | None) -> dict:
         p = f"model.layers.{i}."
         qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
                          w[p + "self_attn.v_proj.weight"]], dim=0).contiguous()
@@ -94,21 +97,24 @@ class LlamaModel:
         return {
             "in_norm": w[p + "input_layernorm.weight"],
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "qkv": qkv,
-            "qkv_bias": bias,
+            "qkv": Linear(qkv, bias, pack=pack),
             "q_norm": w.get(p + "self_attn.q_norm.weight"),
             "k_norm": w.get(p + "self_attn.k_norm.weight"),
-            "o": w[p + "self_attn.o_proj.weight"],
-            "gate_up": gate_up,
-            "down": w[p + "mlp.down_proj.weight"],
+            "o": Linear(w[p + "self_attn.o_proj.weight"], pack=pack),
+            "gate_up": Linear(gate_up, pack=pack),
+            "down": Linear(w[p + "mlp.down_proj.weight"], pack=pack),
         }
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding lookup reads only rows)."""
-        n = self.norm.numel() + self.lm_head.numel()
+        n = self.norm.numel() * self.norm.element_size() + self.lm_head.nbytes
         for layer in self.layers:
-            n += sum(t.numel() for t in layer.values() if t is not None)
-        return n * self.norm.element_size()
+            for t in layer.values():
+                if isinstance(t, Linear):
+                    n += t.nbytes + (0 if t.bias is None else t.bias.numel() * t.bias.element_size())
+                elif t is not None:
+                    n += t.numel() * t.element_size()
+        return n
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (as HF does), scale in the run dtype.
@@ -131,7 +137,7 @@ class LlamaModel:
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         for li, layer in enumerate(self.layers):
             x = self._rms(h, layer["in_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, nh, hd)
             k = k.view(t, nkv, hd)
@@ -144,13 +150,13 @@ class LlamaModel:
             k_cache, v_cache = kv_cache.layer(li)
             write_kv(k_cache, v_cache, k, v, step.attn.slot_mapping)
             o = paged_attention(q, k, v, k_cache, v_cache, step.attn)
-            h = h + F.linear(o.reshape(t, self.q_size), layer["o"])
+            h = h + layer["o"](o.reshape(t, self.q_size))
             x = self._rms(h, layer["post_norm"])
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            h = h + layer["down"](F.silu(gate) * up)
         return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the chosen rows; logits are returned in fp32."""
-        return F.linear(self._rms(hidden, self.norm), self.lm_head).float()
+        return self.lm_head(self._rms(hidden, self.norm)).float()

@@ -129,3 +129,17 @@ def test_bfloat16_runs_close_to_the_fp32_reference(tiny_llama_dir):
     assert rel < 3e-2, rel
     out = engine.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]
     assert len(out) == 16
+
+
+def test_reference_linear_path_matches_transformers_too(tiny_llama_dir, monkeypatch):
+    """PDSERVE_LINEAR=reference (plain F.linear, the path GPUs take) is exact as well."""
+    monkeypatch.setenv("PDSERVE_LINEAR", "reference")
+    engine = make_engine(tiny_llama_dir)
+    assert not engine.model.lm_head.packed
+    ref = hf_model(tiny_llama_dir)
+    ids = Tokenizer.from_path(tiny_llama_dir).encode(PROMPTS[1])
+    with torch.inference_mode():
+        ref_logits = ref(torch.tensor([ids])).logits[0].float()
+    assert_logits_close(engine_logits(engine, ids), ref_logits)
+    out = engine.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    assert out == hf_greedy(ref, ids, 32)
