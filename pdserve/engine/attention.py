@@ -121,11 +121,14 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
         out[p.q_start: p.q_start + p.q_len] = o[0].transpose(0, 1)
     if meta.decode_idx is not None:
-        qd = q[meta.decode_idx].unsqueeze(2)  # [B, H, 1, D]
         kd = _gather_blocks(k_cache, meta.decode_tables, meta.block_size, meta.decode_len)
         vd = _gather_blocks(v_cache, meta.decode_tables, meta.block_size, meta.decode_len)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-        out[meta.decode_idx] = o.squeeze(2)
+        # One query token per sequence: the query heads that share a KV head become the rows
+        # of one [group, D] query against it, which is exact and cheaper than enable_gqa.
+        b, kvh = kd.shape[0], kd.shape[1]
+        qd = q[meta.decode_idx].view(b, kvh, -1, q.shape[-1])  # [B, Hkv, H/Hkv, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        out[meta.decode_idx] = o.reshape(b, -1, q.shape[-1])
     return out
 
 

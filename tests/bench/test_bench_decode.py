@@ -48,7 +48,7 @@ def test_quick_json_document(tiny_llama_dir: str, tmp_path, capsys) -> None:
 
     bw = doc["bandwidth"]
     assert all(_positive(t) for t in bw["copy_s"])
-    assert bw["bytes_per_s"] == pytest.approx(bw["copy_bytes"] / min(bw["copy_s"]))
+    assert bw["bytes_per_s"] == pytest.approx(2 * bw["copy_bytes"] / min(bw["copy_s"]))
 
     assert [r["batch_size"] for r in doc["decode"]] == list(q.batch_sizes)
     for r in doc["decode"]:
