@@ -1,0 +1,63 @@
+"""Command line of one storage node: `python -m pdserve.kvstore.node --node-id N --dram-bytes B`.
+
+Owns argument parsing and the ready line: one JSON object on one stdout line (bound data
+address, segment ids, shm paths) once the node serves. Everything else is in `config` and
+`service`. Exit codes: 0 after SIGTERM/SIGINT, 1 if the node cannot start, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+from pdserve.kvstore.node.config import ConfigError, NodeConfig
+from pdserve.kvstore.node.service import NodeInfo, NodeStartError, serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.kvstore.node",
+        description="Run one KV-store storage node: DRAM segment (+ SSD tier) behind a TCP "
+                    "data server.")
+    parser.add_argument("--node-id", required=True, help="cluster-unique, file-name safe")
+    parser.add_argument("--host-id", default=socket.gethostname(),
+                        help="machine identity for same-host shared memory (default: hostname)")
+    parser.add_argument("--data-address", default="127.0.0.1:0",
+                        help="host:port of the data server (port 0: any free port)")
+    parser.add_argument("--dram-bytes", type=int, required=True, help="DRAM segment size")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="directory of segment files")
+    parser.add_argument("--ssd-dir", default=None, help="SSD tier directory (none: no SSD tier)")
+    parser.add_argument("--ssd-bytes", type=int, default=0, help="SSD tier byte budget")
+    parser.add_argument("--ssd-fsync", action="store_true", help="fsync SSD objects on commit")
+    parser.add_argument("--max-connections", type=int, default=64,
+                        help="data connections served at once")
+    parser.add_argument("--frame-timeout-s", type=float, default=30.0,
+                        help="seconds one request may take once started")
+    args = parser.parse_args(argv)
+    try:
+        config = NodeConfig(
+            node_id=args.node_id, host_id=args.host_id, dram_bytes=args.dram_bytes,
+            data_address=args.data_address, shm_dir=args.shm_dir, ssd_dir=args.ssd_dir,
+            ssd_bytes=args.ssd_bytes, ssd_fsync=args.ssd_fsync,
+            max_connections=args.max_connections, frame_timeout_s=args.frame_timeout_s)
+    except ConfigError as e:
+        parser.error(str(e))
+
+    def announce(info: NodeInfo) -> None:
+        # One JSON line on stdout: scripts and tests wait for it, then connect.
+        print(json.dumps({"event": "ready", "pid": os.getpid(), **info.to_json_dict()}),
+              flush=True)
+
+    try:
+        serve(config, on_ready=announce)
+    except NodeStartError as e:
+        print(f"pdserve.kvstore.node: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

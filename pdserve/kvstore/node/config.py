@@ -1,0 +1,68 @@
+"""Configuration of one storage node process: a frozen dataclass validated at construction.
+
+Owns the node's settings and why a value is refused. Must not touch files, sockets or the
+environment (the host id default is the command line's business).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_NODE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+
+
+class ConfigError(ValueError):
+    """A node configuration value is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Settings of one storage node."""
+
+    # Cluster-unique name; it prefixes segment ids and shm file names, so it is file-name safe.
+    node_id: str
+    # Which machine this is: clients with the same host id map the segments instead of using TCP.
+    host_id: str
+    # Bytes of DRAM contributed, as one shared-memory segment.
+    dram_bytes: int
+    # Where the data server listens, "host:port" (port 0: any free port, reported when ready).
+    data_address: str = "127.0.0.1:0"
+    # Directory of the segment files: tmpfs, so that "files" are memory clients can map.
+    shm_dir: str = "/dev/shm"
+    # SSD tier directory and byte budget; None / 0: no SSD tier.
+    ssd_dir: str | None = None
+    ssd_bytes: int = 0
+    # fsync each SSD object on commit (off: the store is a cache, a lost object is recomputed).
+    ssd_fsync: bool = False
+    # Reserve the segment's memory at start, so a full /dev/shm fails now rather than SIGBUS later.
+    preallocate: bool = True
+    # Data connections served at once; one more is answered BUSY and closed.
+    max_connections: int = 64
+    # A request, once its first byte arrived, must complete within this many seconds.
+    frame_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node_id, str) or not _NODE_ID.fullmatch(self.node_id):
+            raise ConfigError(
+                f"node_id must match [A-Za-z0-9_-][A-Za-z0-9._-]{{0,63}}, got {self.node_id!r}")
+        if not isinstance(self.host_id, str) or not self.host_id:
+            raise ConfigError(f"host_id must be a non-empty string, got {self.host_id!r}")
+        if not isinstance(self.dram_bytes, int) or self.dram_bytes <= 0:
+            raise ConfigError(f"dram_bytes must be a positive integer, got {self.dram_bytes!r}")
+        host, sep, port = self.data_address.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"data_address must be 'host:port', got {self.data_address!r}")
+        if not self.shm_dir:
+            raise ConfigError("shm_dir must be a directory path")
+        if self.ssd_dir is not None:
+            if not isinstance(self.ssd_bytes, int) or self.ssd_bytes <= 0:
+                raise ConfigError(
+                    f"ssd_bytes must be a positive integer with ssd_dir, got {self.ssd_bytes!r}")
+        elif self.ssd_bytes:
+            raise ConfigError("ssd_bytes given without ssd_dir")
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise ConfigError(
+                f"max_connections must be an integer >= 1, got {self.max_connections!r}")
+        if not self.frame_timeout_s > 0:
+            raise ConfigError(f"frame_timeout_s must be > 0, got {self.frame_timeout_s!r}")

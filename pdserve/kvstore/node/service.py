@@ -1,0 +1,117 @@
+"""One storage node's lifetime: make its segments and SSD tier, serve them, clean up.
+
+Owns building the node from its `NodeConfig` (segment files named per incarnation), the
+`NodeInfo` it would register with the master, and an orderly stop that unlinks every segment
+file. Must not parse arguments or print (that is `__main__`), nor hold object metadata.
+
+Seam for the master (not built yet): `serve` calls `on_ready(info)` once the data server listens;
+registration (`register_node(info...)`) goes there, and heartbeats run until the stop signal.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from pdserve.kvstore.node.config import NodeConfig
+from pdserve.kvstore.node.data_server import DataServer
+from pdserve.kvstore.node.segment import SegmentError, ShmSegment
+from pdserve.kvstore.node.ssd import SsdError, SsdTier
+from pdserve.rpc import catch_stop_signals, wait_for_signal
+
+
+class NodeStartError(Exception):
+    """The node could not start (segment, SSD directory or address); nothing is left behind."""
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """One segment as the master registers it: `(segment_id, size_bytes, tier, shm_path)`."""
+
+    segment_id: str
+    size_bytes: int
+    tier: str  # "dram" | "ssd"
+    shm_path: str  # "" for the SSD tier
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a node tells the master about itself when it registers."""
+
+    node_id: str
+    host_id: str
+    data_address: str
+    segments: tuple[SegmentInfo, ...]
+
+    def to_json_dict(self) -> dict:
+        return asdict(self)
+
+
+class StorageNode:
+    """A node's segments, SSD tier and data server, started and stopped together."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        # A fresh token per start: a restarted node's segments get new ids and file names, so a
+        # stale placement fails NOT_FOUND instead of reading another incarnation's bytes.
+        self.incarnation = secrets.token_hex(4)
+        self._segments: dict[str, ShmSegment] = {}
+        self._ssd: SsdTier | None = None
+        self._server: DataServer | None = None
+        self.info: NodeInfo | None = None
+
+    def start(self) -> NodeInfo:
+        """Creates the DRAM segment (and SSD tier), starts the data server; NodeStartError."""
+        c = self.config
+        infos: list[SegmentInfo] = []
+        try:
+            dram_id = f"{c.node_id}.{self.incarnation}.dram0"
+            path = os.path.join(c.shm_dir, f"pdserve-{dram_id}")
+            self._segments[dram_id] = ShmSegment.create(path, c.dram_bytes, c.preallocate)
+            infos.append(SegmentInfo(dram_id, c.dram_bytes, "dram", path))
+            if c.ssd_dir is not None:
+                # The master drops a restarted node's replicas, so files of an earlier run would
+                # be orphans holding budget: start empty, in a directory of this node's own.
+                directory = os.path.join(c.ssd_dir, f"pdserve-{c.node_id}")
+                self._ssd = SsdTier(directory, c.ssd_bytes, fsync=c.ssd_fsync, adopt=False)
+                infos.append(SegmentInfo(f"{c.node_id}.{self.incarnation}.ssd", c.ssd_bytes,
+                                         "ssd", ""))
+            self._server = DataServer(self._segments, self._ssd, c.data_address,
+                                      max_connections=c.max_connections,
+                                      frame_timeout_s=c.frame_timeout_s)
+            address = self._server.start()
+        except (SegmentError, SsdError, OSError) as e:
+            self.stop()
+            raise NodeStartError(f"node {c.node_id}: {e}") from None
+        self.info = NodeInfo(c.node_id, c.host_id, address, tuple(infos))
+        return self.info
+
+    def stop(self) -> None:
+        """Stops serving, then unmaps and unlinks every segment. Idempotent."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
+
+    def __enter__(self) -> StorageNode:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(config: NodeConfig, on_ready: Callable[[NodeInfo], None]) -> None:
+    """Runs a node until SIGTERM/SIGINT; `on_ready(info)` once it serves. NodeStartError."""
+    catch_stop_signals()  # before announcing readiness, so an early SIGTERM still cleans up
+    node = StorageNode(config)
+    info = node.start()
+    try:
+        on_ready(info)
+        wait_for_signal()
+    finally:
+        node.stop()
