@@ -1,0 +1,57 @@
+"""Configuration of the store master: one frozen dataclass validated at construction.
+
+Owns the master's tunables (watermarks, lease and timeout lengths, eviction sampling, allocation
+alignment, snapshot cadence, event log bound) and their validation. Must not read the environment,
+open files or sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.kvstore.config import ConfigError
+
+__all__ = ["ConfigError", "MasterConfig"]
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """Settings of the metadata master (see docs/kvstore.md, "Master core")."""
+
+    # A tier's used bytes past this fraction of its capacity start eviction ...
+    high_watermark: float = 0.90
+    # ... which runs until used bytes are at or below this fraction.
+    low_watermark: float = 0.85
+    # How long a get keeps its object out of eviction (and its bytes in place).
+    lease_s: float = 5.0
+    # A put not committed within this long after put_start is reclaimed (so is a demotion).
+    put_timeout_s: float = 30.0
+    # A node silent for longer than this is declared dead and its replicas dropped.
+    node_timeout_s: float = 10.0
+    # Candidates examined per eviction round (approximate LRU, as Redis does).
+    eviction_sample: int = 16
+    # Every allocation's length (hence every offset) is a multiple of this.
+    alloc_align_bytes: int = 4096
+    # snapshot_due() turns true after this many journal records since the last snapshot.
+    snapshot_every_ops: int = 1000
+    # The event log keeps only the most recent this-many events (bounded memory).
+    max_events: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("high_watermark", "low_watermark"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {value!r}")
+        if not self.low_watermark < self.high_watermark:
+            raise ConfigError(
+                f"low_watermark must be below high_watermark, got low_watermark="
+                f"{self.low_watermark!r} >= high_watermark={self.high_watermark!r}"
+            )
+        for name in ("lease_s", "put_timeout_s", "node_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("eviction_sample", "alloc_align_bytes", "snapshot_every_ops", "max_events"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
