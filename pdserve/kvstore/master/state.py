@@ -81,6 +81,14 @@ class MasterState:
 
     # -- journal -------------------------------------------------------------------------------
 
+    @property
+    def pending_puts(self) -> int:
+        return len(self._pending)
+
+    @property
+    def nodes_alive(self) -> int:
+        return len(self._cluster.nodes)
+
     def take_journal(self) -> list[Record]:
         """Records appended since the last call, in seq order; the caller makes them durable."""
         out, self._outbox = self._outbox, []

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="data connections served at once")
     parser.add_argument("--frame-timeout-s", type=float, default=30.0,
                         help="seconds one request may take once started")
+    parser.add_argument("--master", default=None,
+                        help="comma-separated master addresses to register with and heartbeat")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0)
     args = parser.parse_args(argv)
     try:
         config = NodeConfig(
@@ -46,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
 
+    membership = []
+
     def announce(info: NodeInfo) -> None:
+        if args.master:
+            from pdserve.kvstore.node.registration import Membership
+
+            m = Membership(info, args.master.split(","), args.heartbeat_s)
+            m.register()  # best effort now; the heartbeat thread retries until a master answers
+            membership.append(m.start())
         # One JSON line on stdout: scripts and tests wait for it, then connect.
         print(json.dumps({"event": "ready", "pid": os.getpid(), **info.to_json_dict()}),
               flush=True)
@@ -56,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except NodeStartError as e:
         print(f"pdserve.kvstore.node: {e}", file=sys.stderr)
         return 1
+    finally:
+        for m in membership:
+            m.stop()
     return 0
 
 

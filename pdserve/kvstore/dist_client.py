@@ -1,0 +1,159 @@
+"""Client of the distributed store: metadata from the master, bytes straight to and from nodes.
+
+Owns one put and one get end to end: `put_from` asks the master where (PutStart), writes every
+replica through the best transport for that node (shared memory on the same host, TCP across
+hosts), then commits; `get_into` asks where (Get, which grants a read lease), reads the nearest
+replica, verifies its crc32, and on a mismatch reports the bad replica and tries the next one.
+Follows the leader among several masters. Must not import `pdserve.engine`.
+"""
+
+from __future__ import annotations
+
+import socket
+import zlib
+from collections.abc import Sequence
+
+import grpc
+
+from pdserve import rpc
+from pdserve.kvstore.transport.base import Extent, TransportError, byte_view
+from pdserve.kvstore.transport.select import pick_transport
+from pdserve.kvstore.transport.shm import ShmTransport
+from pdserve.kvstore.transport.tcp import TcpTransport
+from pdserve.proto import kvmaster_pb2 as pb
+from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
+
+
+class DistStoreError(Exception):
+    """A store operation failed; the message says which key and why."""
+
+
+class ObjectNotFound(DistStoreError, KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class AllReplicasBad(DistStoreError):
+    """Every replica failed its checksum or could not be read: the caller recomputes."""
+
+
+def _extent(p: pb.Placement) -> Extent:
+    return Extent(node_id=p.node_id, host_id=p.host_id, data_address=p.data_address,
+                  segment_id=p.segment_id, shm_path=p.shm_path, offset=p.offset_bytes,
+                  size=p.size_bytes, tier=p.tier or "dram")
+
+
+class DistStoreClient:
+    def __init__(self, master_addresses: Sequence[str] | str, host_id: str | None = None,
+                 timeout_s: float = 30.0) -> None:
+        if isinstance(master_addresses, str):
+            master_addresses = master_addresses.split(",")
+        self.masters = list(master_addresses)
+        self.host_id = host_id or socket.gethostname()
+        self.timeout_s = timeout_s
+        self._leader = 0
+        self._channels = [rpc.make_channel(a) for a in self.masters]
+        self._stubs = [pb_grpc.KVMasterStub(c) for c in self._channels]
+        self._shm = ShmTransport()
+        self._tcp = TcpTransport()
+        self.corrupt_reports = 0
+
+    # ---- master calls, following the leader --------------------------------------------------
+    def _call(self, method: str, request):
+        last: grpc.RpcError | None = None
+        for attempt in range(2 * len(self._stubs)):
+            i = (self._leader + attempt) % len(self._stubs)
+            try:
+                out = getattr(self._stubs[i], method)(request, timeout=self.timeout_s)
+                self._leader = i
+                return out
+            except grpc.RpcError as e:
+                # A standby answers UNAVAILABLE (not the leader); a dead master too. Try the next.
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise DistStoreError(f"{method}: {e.code().name}: {e.details()}") from None
+                last = e
+        raise DistStoreError(f"{method}: no master answered ({last.details() if last else ''})")
+
+    def _transport(self, ext: Extent):
+        kind = pick_transport(ext.host_id, self.host_id, tier=ext.tier)
+        return self._shm if kind == "shm" else self._tcp
+
+    # ---- data ---------------------------------------------------------------------------------
+    def put_from(self, key: str, buffer, replicas: int = 1) -> bool:
+        """Store the bytes of `buffer` under `key`; False if the key was already stored."""
+        view = memoryview(buffer).cast("B")
+        checksum = zlib.crc32(view)
+        start = self._call("PutStart", pb.PutStartRequest(key=key, size_bytes=view.nbytes,
+                                                          checksum=checksum, replicas=replicas))
+        if start.already_exists:
+            return False
+        try:
+            for p in start.placements:
+                ext = _extent(p)
+                self._transport(ext).write(ext, view)
+        except (TransportError, OSError) as e:
+            self._call("PutAbort", pb.PutAbortRequest(key=key))
+            raise DistStoreError(f"put {key}: writing a replica failed: {e}") from e
+        self._call("PutCommit", pb.PutCommitRequest(key=key))
+        return True
+
+    def _read_replicas(self, info: pb.ObjectInfo, view: memoryview) -> int:
+        order = sorted(info.replicas, key=lambda p: (p.host_id != self.host_id, p.tier != "dram"))
+        for p in order:
+            ext = _extent(p)
+            dst = view[: info.size_bytes]
+            try:
+                self._transport(ext).read_into(ext, dst)
+            except (TransportError, OSError):
+                continue  # a dead node: the master will drop it; try the next replica
+            if zlib.crc32(dst) == info.checksum:
+                return info.size_bytes
+            self.corrupt_reports += 1
+            self._call("ReportCorrupt", pb.ReportCorruptRequest(key=info.key, node_id=p.node_id))
+        raise AllReplicasBad(f"get {info.key}: no replica of {len(order)} read back intact")
+
+    def get_into(self, key: str, buffer) -> int:
+        """Read `key` into the caller's writable buffer; returns the bytes written."""
+        view = memoryview(buffer).cast("B")
+        info = self._call("Get", pb.MasterGetRequest(keys=[key])).objects[0]
+        if not info.found:
+            raise ObjectNotFound(f"{key} is not stored")
+        if info.size_bytes > view.nbytes:
+            raise DistStoreError(f"get {key}: buffer of {view.nbytes} bytes is smaller than the "
+                                 f"object ({info.size_bytes})")
+        return self._read_replicas(info, view)
+
+    def get(self, key: str) -> bytes | None:
+        info = self._call("Get", pb.MasterGetRequest(keys=[key])).objects[0]
+        if not info.found:
+            return None
+        buf = bytearray(info.size_bytes)
+        self._read_replicas(info, memoryview(buf))
+        return bytes(buf)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return list(self._call("Exists", pb.MasterExistsRequest(keys=list(keys))).exists)
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        return self._call("LongestPrefix", pb.LongestPrefixRequest(keys=list(keys))).cached_blocks
+
+    def remove(self, key: str) -> bool:
+        return self._call("Remove", pb.MasterRemoveRequest(key=key)).removed
+
+    def stats(self) -> pb.MasterStatsResponse:
+        return self._call("Stats", pb.MasterStatsRequest())
+
+    def close(self) -> None:
+        self._shm.close()
+        self._tcp.close()
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self) -> "DistStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["DistStoreClient", "DistStoreError", "ObjectNotFound", "AllReplicasBad", "byte_view"]

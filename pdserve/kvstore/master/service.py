@@ -1,0 +1,260 @@
+"""The master's gRPC adapter: the pure `MasterCore` behind a lock, made durable and highly available.
+
+Owns the I/O around the core: reading the clock (wall time, so leases, pins and snapshots mean
+the same to every master), writing each call's journal records before answering (a commit the
+client saw is on disk or in Redis), periodic maintenance (reclaim stale puts, expire silent nodes,
+evict past the watermark, carry out DRAM->SSD demotions through a transport), and leadership: a
+standby answers UNAVAILABLE until it wins the Redis lease, then rebuilds the state from the
+journal and serves. Must not decide anything the core decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from pdserve.kvstore.master.config import MasterConfig
+from pdserve.kvstore.master.core import MasterCore
+from pdserve.kvstore.master.model import (AlreadyExists, InvalidArgument, MasterError, NoSpace,
+                                          NotFound, Placement, PutInProgress, UnknownNode)
+from pdserve.kvstore.transport.base import Extent, TransportError
+from pdserve.proto import kvmaster_pb2 as pb
+from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def placement_pb(p: Placement) -> pb.Placement:
+    return pb.Placement(node_id=p.node_id, host_id=p.host_id, data_address=p.data_address,
+                        segment_id=p.segment_id, shm_path=p.shm_path, offset_bytes=p.offset,
+                        size_bytes=p.size, tier=p.tier)
+
+
+def _extent(p: Placement) -> Extent:
+    return Extent(**p.to_dict())
+
+
+class MasterService(pb_grpc.KVMasterServicer):
+    def __init__(self, config: MasterConfig, journal, *, election=None, address: str = "",
+                 clock: Callable[[], float] = time.time, transport=None,
+                 heartbeat_interval_s: float = 1.0) -> None:
+        self.config = config
+        self.journal = journal
+        self.election = election
+        self.address = address
+        self.clock = clock
+        self.transport = transport  # carries DRAM->SSD demotions (TcpTransport)
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._lock = threading.RLock()
+        self.core: MasterCore | None = None
+        if election is None:
+            self._load()
+
+    # ---- durability and leadership ------------------------------------------------------------
+    def _load(self) -> None:
+        snapshot, records = self.journal.load()
+        self.core = MasterCore.restore(self.config, snapshot, records, self.clock())
+        log.info("master state loaded: %d journal records after the snapshot", len(records))
+
+    def _flush(self) -> None:
+        """Make this call's records durable before the caller hears back."""
+        records = self.core.take_journal()
+        if records:
+            self.journal.append(records)
+        if self.core.snapshot_due():
+            snap = self.core.snapshot()
+            self.journal.write_snapshot(snap, snap["journal_seq"])
+
+    def is_leader(self) -> bool:
+        return self.election is None or self.core is not None
+
+    def campaign(self) -> bool:
+        """One election round (standby: try to win; leader: renew). Returns leadership."""
+        if self.election is None:
+            return True
+        with self._lock:
+            if self.core is not None:
+                if self.election.renew():
+                    return True
+                log.warning("lost the leader lease; stepping down")
+                self.core = None
+                return False
+            if self.election.try_acquire():
+                self._load()
+                log.info("became leader")
+                return True
+            return False
+
+    def _serve(self, context, fn):
+        """Run fn(now_s) on the core under the lock, flush the journal, map errors to statuses."""
+        with self._lock:
+            if self.core is None:
+                leader = self.election.current_leader() if self.election else ""
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"not the leader; leader is {leader}")
+            try:
+                out = fn(self.clock())
+            except InvalidArgument as e:
+                self._flush()
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except NoSpace as e:
+                self._flush()
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after 1s")
+            except PutInProgress as e:
+                context.abort(grpc.StatusCode.ABORTED, str(e))
+            except MasterError as e:
+                self._flush()
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(e).__name__}: {e}")
+            self._flush()
+            return out
+
+    # ---- maintenance --------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Reclaim stale puts, expire silent nodes, evict, then move demoted objects."""
+        with self._lock:
+            if self.core is None:
+                return
+            now = self.clock()
+            self.core.reclaim_pending(now)
+            self.core.expire_nodes(now)
+            self.core.evict(now)
+            demotions = self.core.take_demotions()
+            self._flush()
+        for d in demotions:
+            ok = self._copy(d.source, d.target)
+            with self._lock:
+                if self.core is None:
+                    return
+                if ok:
+                    self.core.demote_done(d.key, d.target.node_id, self.clock())
+                else:
+                    self.core.demote_abort(d.key, d.target.node_id)
+                self._flush()
+
+    def _copy(self, src: Placement, dst: Placement) -> bool:
+        if self.transport is None:
+            return False
+        try:
+            buf = bytearray(src.size)
+            self.transport.read_into(_extent(src), memoryview(buf))
+            self.transport.write(_extent(dst), memoryview(buf))
+            return True
+        except (TransportError, OSError) as e:
+            log.warning("demotion of %s failed: %s", src, e)
+            return False
+
+    # ---- RPCs ---------------------------------------------------------------------------------
+    def RegisterNode(self, request, context):
+        segs = [(s.segment_id, s.size_bytes, s.tier, s.shm_path) for s in request.segments]
+        self._serve(context, lambda now: self.core.register_node(
+            request.node_id, request.host_id, request.data_address, segs, now))
+        return pb.RegisterNodeResponse(heartbeat_interval_s=self.heartbeat_interval_s)
+
+    def Heartbeat(self, request, context):
+        def beat(now):
+            try:
+                self.core.heartbeat(request.node_id, now)
+                return True
+            except UnknownNode:
+                return False
+        return pb.HeartbeatResponse(known=self._serve(context, beat))
+
+    def PutStart(self, request, context):
+        def start(now):
+            try:
+                return self.core.put_start(request.key, request.size_bytes, request.checksum,
+                                           max(1, request.replicas), now)
+            except AlreadyExists:
+                return None
+        placements = self._serve(context, start)
+        if placements is None:
+            return pb.PutStartResponse(already_exists=True)
+        return pb.PutStartResponse(placements=[placement_pb(p) for p in placements])
+
+    def PutCommit(self, request, context):
+        self._serve(context, lambda now: self.core.put_commit(request.key, now))
+        return pb.PutCommitResponse()
+
+    def PutAbort(self, request, context):
+        self._serve(context, lambda now: self.core.put_abort(request.key))
+        return pb.PutAbortResponse()
+
+    def Get(self, request, context):
+        def get(now):
+            out = []
+            for key in request.keys:
+                try:
+                    info = self.core.get(key, now)
+                except NotFound:
+                    out.append(pb.ObjectInfo(key=key, found=False))
+                    continue
+                out.append(pb.ObjectInfo(key=key, found=True, size_bytes=info.size,
+                                         checksum=info.checksum,
+                                         replicas=[placement_pb(p) for p in info.replicas],
+                                         lease_s=max(0.0, info.lease_until_s - now)))
+            return out
+        return pb.MasterGetResponse(objects=self._serve(context, get))
+
+    def Exists(self, request, context):
+        return pb.MasterExistsResponse(
+            exists=self._serve(context, lambda now: self.core.exists(list(request.keys))))
+
+    def Remove(self, request, context):
+        def remove(now):
+            try:
+                self.core.remove(request.key, now)
+                return True
+            except NotFound:
+                return False
+        return pb.MasterRemoveResponse(removed=self._serve(context, remove))
+
+    def Pin(self, request, context):
+        def pin(now):
+            try:
+                self.core.pin(request.key, request.ttl_s, now)
+                return True
+            except NotFound:
+                return False
+        return pb.PinResponse(pinned=self._serve(context, pin))
+
+    def LongestPrefix(self, request, context):
+        n, locs = self._serve(context, lambda now: self.core.longest_prefix(list(request.keys), now))
+        return pb.LongestPrefixResponse(cached_blocks=n, locations=[
+            pb.ReplicaList(replicas=[placement_pb(p) for p in reps]) for reps in locs])
+
+    def ReportCorrupt(self, request, context):
+        def report(now):
+            try:
+                self.core.report_corrupt(request.key, request.node_id, now)
+                return len(self.core.get(request.key, now).replicas)
+            except NotFound:
+                return 0
+        return pb.ReportCorruptResponse(replicas_left=self._serve(context, report))
+
+    def WatchEvents(self, request, context):
+        seq = request.after_seq
+        while context.is_active():
+            events = self._serve(context, lambda now: self.core.events_since(seq))
+            for e in events:
+                seq = e.seq
+                yield pb.StoreEvent(seq=e.seq, kind=e.kind, key=e.key, node_ids=list(e.node_ids),
+                                    reason=e.reason)
+            if not events:
+                time.sleep(0.05)
+
+    def GetLeader(self, request, context):
+        leader = self.address if self.election is None else (self.election.current_leader() or "")
+        return pb.GetLeaderResponse(leader_address=leader, is_leader=self.is_leader())
+
+    def Stats(self, request, context):
+        def stats(now):
+            tiers = self.core.stats()
+            return pb.MasterStatsResponse(
+                tiers=[pb.TierStats(tier=t.tier, capacity_bytes=t.capacity_bytes,
+                                    used_bytes=t.used_bytes, objects=t.objects,
+                                    evictions=t.evictions) for t in tiers.values()],
+                pending_puts=self.core.pending_puts, nodes_alive=self.core.nodes_alive)
+        return self._serve(context, stats)

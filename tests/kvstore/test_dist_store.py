@@ -1,0 +1,193 @@
+"""The distributed store with real processes: a master, two storage nodes, clients.
+
+Puts and gets over shared memory and TCP, replicas on distinct nodes, and the faults the store
+must survive: a storage node killed with -9, the master killed with -9 under a stream of puts, and
+bytes flipped on one replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pdserve import rpc
+from pdserve.kvstore.dist_client import DistStoreClient, DistStoreError, ObjectNotFound
+from pdserve.kvstore.transport.base import Extent
+from pdserve.kvstore.transport.shm import ShmTransport
+from pdserve.proto import kvmaster_pb2 as pb
+from tests.helpers import REPO_ROOT, free_port
+
+MIB = 1 << 20
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def start_master(address: str, journal_dir: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore.master", "--address", address,
+                          "--journal-dir", journal_dir, "--node-timeout-s", "3",
+                          "--tick-s", "0.2"], env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    rpc.wait_healthy(address, timeout_s=30)
+    return p
+
+
+def start_node(node_id: str, master: str, dram_bytes: int = 64 * MIB) -> tuple[subprocess.Popen, dict]:
+    p = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore.node", "--node-id", node_id,
+                          "--dram-bytes", str(dram_bytes), "--master", master,
+                          "--heartbeat-s", "0.3"],
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line, p.stderr.read()
+    return p, json.loads(line)
+
+
+def wait_nodes(client: DistStoreClient, n: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.stats().nodes_alive < n:
+        assert time.monotonic() < deadline, "storage nodes did not register"
+        time.sleep(0.1)
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    master = f"127.0.0.1:{free_port()}"
+    procs = [start_master(master, str(tmp_path / "journal"))]
+    nodes = {}
+    for i in range(2):
+        p, info = start_node(f"node{i}", master)
+        procs.append(p)
+        nodes[f"node{i}"] = (p, info)
+    yield master, nodes, procs, tmp_path
+    for p in reversed(procs):
+        stop(p)
+
+
+def payload(i: int, size: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8)
+
+
+def test_put_get_over_shared_memory_and_tcp_with_two_replicas(cluster):
+    master, nodes, *_ = cluster
+    with DistStoreClient(master) as local, DistStoreClient(master, host_id="elsewhere") as remote:
+        wait_nodes(local, 2)
+        for i, size in enumerate((4096, 3 * MIB + 5, 8 * MIB)):
+            data = payload(i, size)
+            assert local.put_from(f"k{i}", data, replicas=2)
+            assert not local.put_from(f"k{i}", data, replicas=2)  # already stored
+            for client in (local, remote):  # shm path and TCP path
+                out = np.zeros(size, dtype=np.uint8)
+                assert client.get_into(f"k{i}", out) == size
+                assert np.array_equal(out, data)
+        info = local._call("Get", pb.MasterGetRequest(keys=["k2"])).objects[0]
+        assert len({r.node_id for r in info.replicas}) == 2
+        assert local.exists(["k0", "nope"]) == [True, False]
+        assert local.longest_prefix(["k0", "k1", "nope", "k2"]) == 2
+        with pytest.raises(ObjectNotFound):
+            local.get_into("nope", np.zeros(10, dtype=np.uint8))
+
+
+def test_storage_node_killed_with_two_replicas_every_object_reads_back(cluster):
+    master, nodes, *_ = cluster
+    with DistStoreClient(master, host_id="elsewhere") as client:  # TCP: a dead node is gone
+        wait_nodes(client, 2)
+        objects = {f"obj{i}": payload(i, 256 * 1024 + i) for i in range(20)}
+        for key, data in objects.items():
+            client.put_from(key, data, replicas=2)
+        nodes["node0"][0].kill()  # kill -9
+        nodes["node0"][0].wait()
+        for key, data in objects.items():
+            out = np.zeros(data.size, dtype=np.uint8)
+            client.get_into(key, out)
+            assert np.array_equal(out, data)
+        # The master notices the silent node and drops its replicas; reads still work.
+        deadline = time.monotonic() + 15
+        while client.stats().nodes_alive > 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        out = np.zeros(objects["obj3"].size, dtype=np.uint8)
+        client.get_into("obj3", out)
+        assert np.array_equal(out, objects["obj3"])
+
+
+def test_flipped_bytes_on_one_replica_are_caught_and_the_replica_dropped(cluster):
+    master, *_ = cluster
+    with DistStoreClient(master) as client:
+        wait_nodes(client, 2)
+        data = payload(7, MIB)
+        client.put_from("victim", data, replicas=2)
+        info = client._call("Get", pb.MasterGetRequest(keys=["victim"])).objects[0]
+        bad = info.replicas[0]
+        with ShmTransport() as shm:  # flip bytes in one replica, behind the store's back
+            ext = Extent(bad.node_id, bad.host_id, bad.data_address, bad.segment_id,
+                         bad.shm_path, bad.offset_bytes, 64, bad.tier)
+            shm.write(ext, memoryview(bytes(64 * [0xAB])))
+        # The client reads replicas in the master's order, so it meets the bad copy first.
+        for _ in range(2):
+            out = np.zeros(MIB, dtype=np.uint8)
+            client.get_into("victim", out)
+            assert np.array_equal(out, data)
+        assert client.corrupt_reports == 1  # reported once; the second read never saw it
+        info = client._call("Get", pb.MasterGetRequest(keys=["victim"])).objects[0]
+        assert len(info.replicas) == 1 and info.replicas[0].node_id != bad.node_id
+
+
+def test_master_killed_under_puts_restarts_with_every_committed_object(cluster):
+    master, nodes, procs, tmp_path = cluster
+    committed: list[str] = []
+    stop_flag = threading.Event()
+    with DistStoreClient(master, timeout_s=5) as client:
+        wait_nodes(client, 2)
+        # An object whose put started but never committed must not survive.
+        pending = client._call("PutStart", pb.PutStartRequest(key="uncommitted", size_bytes=4096,
+                                                              checksum=0, replicas=1))
+        assert pending.placements
+
+        def writer():
+            i = 0
+            while not stop_flag.is_set():
+                try:
+                    client.put_from(f"stream{i}", payload(i, 64 * 1024))
+                    committed.append(f"stream{i}")
+                except DistStoreError:
+                    return
+                i += 1
+
+        t = threading.Thread(target=writer)
+        t.start()
+        time.sleep(1.0)
+        procs[0].kill()  # kill -9 the master mid-stream
+        procs[0].wait()
+        stop_flag.set()
+        t.join(timeout=30)
+    assert len(committed) > 5
+    procs[0] = start_master(master, str(tmp_path / "journal"))
+    with DistStoreClient(master) as client:
+        assert all(client.exists(committed))
+        assert client.exists(["uncommitted"]) == [False]
+        for key in committed[-3:]:
+            i = int(key.removeprefix("stream"))
+            out = np.zeros(64 * 1024, dtype=np.uint8)
+            client.get_into(key, out)
+            assert np.array_equal(out, payload(i, 64 * 1024))
