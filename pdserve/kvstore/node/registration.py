@@ -30,6 +30,7 @@ class Membership:
         self._channels = [rpc.make_channel(a) for a in master_addresses]
         self._stubs = [pb_grpc.KVMasterStub(c) for c in self._channels]
         self._thread = threading.Thread(target=self._run, name="node-heartbeat", daemon=True)
+        self._registered_once = False
 
     def _request(self) -> pb.RegisterNodeRequest:
         return pb.RegisterNodeRequest(
@@ -52,7 +53,9 @@ class Membership:
         return False
 
     def register(self) -> bool:
-        return self._each_master(lambda s: s.RegisterNode(self._request(), timeout=5))
+        ok = self._each_master(lambda s: s.RegisterNode(self._request(), timeout=5))
+        self._registered_once = self._registered_once or ok
+        return ok
 
     def _beat(self, stub) -> None:
         resp = stub.Heartbeat(pb.HeartbeatRequest(node_id=self.info.node_id), timeout=5)
@@ -60,10 +63,16 @@ class Membership:
             stub.RegisterNode(self._request(), timeout=5)
 
     def _run(self) -> None:
-        registered = False
+        # Register once; afterwards only heartbeat. A master that does not know us says so
+        # (known=False) and we register again; a round where no master answers (a failover in
+        # progress) must not make us register again: the master treats a re-registration as
+        # a restarted node and drops its replicas.
+        registered = self._registered_once
         while not self._stop.is_set():
-            registered = self._each_master(self._beat if registered else
-                                           lambda s: s.RegisterNode(self._request(), timeout=5))
+            if registered:
+                self._each_master(self._beat)
+            else:
+                registered = self.register()
             self._stop.wait(self.heartbeat_s)
 
     def start(self) -> "Membership":
