@@ -41,7 +41,7 @@ class ClusterSpec:
     num_blocks: int = 1024
     block_size_tokens: int = 16
     max_num_batched_tokens: int = 2048
-    store_capacity_bytes: int = 2 << 30
+    store_capacity_bytes: int = 1 << 30  # the storage node's shared-memory DRAM segment
     ready_timeout_s: float = 300.0
     log_dir: str | None = None
     worker_ports: tuple[int, ...] | None = None  # explicit ports (prefill first); else base + i
@@ -106,15 +106,36 @@ class LocalCluster:
                         raise TimeoutError(f"{c.name} at {c.address} not healthy after "
                                            f"{self.spec.ready_timeout_s}s; log {c.log_path}") from None
 
+    def _wait_store_nodes(self, master_addr: str, nodes: list[Child]) -> None:
+        from pdserve.proto import kvmaster_pb2 as pb
+        from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
+
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        with rpc.make_channel(master_addr) as ch:
+            stub = pb_grpc.KVMasterStub(ch)
+            while stub.Stats(pb.MasterStatsRequest(), timeout=5).nodes_alive < len(nodes):
+                for c in nodes:
+                    if c.proc.poll() is not None:
+                        raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; its log "
+                                           f"({c.log_path}) ends:\n{_tail(c.log_path)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"storage nodes did not register with {master_addr}")
+                time.sleep(0.1)
+
     def start(self) -> "LocalCluster":
         s = self.spec
         self.log_dir = s.log_dir or tempfile.mkdtemp(prefix="pdserve-")
         os.makedirs(self.log_dir, exist_ok=True)
         try:
+            # The store: a master (metadata, journaled under the log dir) and one storage
+            # node contributing a shared-memory DRAM segment of store_capacity_bytes.
             store_addr = f"{s.host}:{s.store_port}"
-            store = self._spawn("kvstore", store_addr, [
-                "pdserve.kvstore", "--address", store_addr,
-                "--capacity-bytes", str(s.store_capacity_bytes)])
+            master = self._spawn("kvmaster", store_addr, [
+                "pdserve.kvstore.master", "--address", store_addr,
+                "--journal-dir", os.path.join(self.log_dir, "kvmaster-journal")])
+            node = self._spawn("kvnode-0", "", [
+                "pdserve.kvstore.node", "--node-id", "node0", "--data-address", f"{s.host}:0",
+                "--dram-bytes", str(s.store_capacity_bytes), "--master", store_addr])
             workers = []
             roles = ["prefill"] * s.prefill_workers + ["decode"] * s.decode_workers
             for i, role in enumerate(roles):
@@ -126,7 +147,8 @@ class LocalCluster:
                     "--block-size-tokens", str(s.block_size_tokens),
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),
                     "--threads", str(s.worker_threads())]))
-            self._wait([store])
+            self._wait([master])
+            self._wait_store_nodes(store_addr, [node])
             self._wait(workers)
             prefill = ",".join(w.address for w in workers if w.name.startswith("prefill"))
             decode = ",".join(w.address for w in workers if w.name.startswith("decode"))

@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kvstore.client import KVStoreClient, StoreError
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.kv_blocks import buffer_to_block
+from pdserve.worker.kv_blocks import fetch_block
 
-_DTYPE = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
 @dataclass
@@ -28,7 +26,7 @@ class DecodeChunk:
 
 
 class DecodeRole:
-    def __init__(self, loop: EngineLoop, store: KVStoreClient, poll_s: float = 0.05) -> None:
+    def __init__(self, loop: EngineLoop, store, poll_s: float = 0.05) -> None:
         self.loop = loop
         self.store = store
         self.poll_s = poll_s
@@ -42,16 +40,11 @@ class DecodeRole:
         full = n_prompt // bs
         n_local = self.loop.call(lambda: engine.cached_prefix_blocks(hashes[:full]))
         blocks = [(h, None) for h in hashes[:n_local]]
-        shape = engine.kv.block_shape()
-        dtype = _DTYPE[str(engine.model.dtype)]
         for h, key in zip(hashes[n_local:], keys[n_local:]):
-            try:
-                data = self.store.get(key)
-            except StoreError:
-                data = None
+            data = fetch_block(self.store, key, engine)
             if data is None:
                 break  # the rest is recomputed locally
-            blocks.append((h, buffer_to_block(data, dtype, shape)))
+            blocks.append((h, data))
         with self._lock:
             self.blocks_local += n_local
             self.blocks_fetched += len(blocks) - n_local

@@ -111,6 +111,23 @@ class LLMEngine:
             n += 1
         return n
 
+    def import_cached_blocks(self, blocks: list[tuple[bytes, torch.Tensor]]) -> int:
+        """Place full blocks computed elsewhere into the local prefix cache (unheld, evictable).
+
+        A following `add_request` whose prompt starts with these blocks finds them as ordinary
+        prefix-cache hits. Blocks already cached are skipped; returns how many were placed.
+        """
+        placed = 0
+        for h, data in blocks:
+            if self.pool.lookup(h) is not None or self.pool.num_free == 0:
+                continue
+            bid = self.pool.allocate(1)[0]
+            self.kv.write_block(bid, data)
+            self.pool.register(bid, h)
+            self.pool.release([bid])
+            placed += 1
+        return placed
+
     def add_prefilled_request(self, request_id: str, prompt_ids: list[int], first_token: int,
                               params: SamplingParams, blocks: list[tuple[bytes, torch.Tensor | None]],
                               *, salt: str = "") -> str | None:

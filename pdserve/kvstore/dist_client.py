@@ -45,7 +45,7 @@ def _extent(p: pb.Placement) -> Extent:
 
 class DistStoreClient:
     def __init__(self, master_addresses: Sequence[str] | str, host_id: str | None = None,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, default_replicas: int = 1) -> None:
         if isinstance(master_addresses, str):
             master_addresses = master_addresses.split(",")
         self.masters = list(master_addresses)
@@ -57,6 +57,7 @@ class DistStoreClient:
         self._shm = ShmTransport()
         self._tcp = TcpTransport()
         self.corrupt_reports = 0
+        self.default_replicas = default_replicas
 
     # ---- master calls, following the leader --------------------------------------------------
     def _call(self, method: str, request):
@@ -96,6 +97,11 @@ class DistStoreClient:
             raise DistStoreError(f"put {key}: writing a replica failed: {e}") from e
         self._call("PutCommit", pb.PutCommitRequest(key=key))
         return True
+
+    def batch_put_from(self, items) -> int:
+        """put_from for (key, buffer[, meta]) items (meta is ignored: the store keeps bytes);
+        returns how many were newly stored."""
+        return sum(self.put_from(item[0], item[1], self.default_replicas) for item in items)
 
     def _read_replicas(self, info: pb.ObjectInfo, view: memoryview) -> int:
         order = sorted(info.replicas, key=lambda p: (p.host_id != self.host_id, p.tier != "dram"))

@@ -12,7 +12,11 @@ class WorkerConfig:
     model_path: str
     role: str = "prefill"  # "prefill" or "decode"; switchable at run time through SetRole
     address: str = "127.0.0.1:50061"
-    store_address: str = "127.0.0.1:50070"
+    store_address: str = "127.0.0.1:50080"  # the master(s), comma-separated; or a simple store
+    # "distributed": the Mooncake-style store (master + storage nodes, pdserve.kvstore.master);
+    # "simple": the single-process store of pdserve.kvstore.service (no replicas, no tiers).
+    store_kind: str = "distributed"
+    store_replicas: int = 1
     dtype: str = "float32"
     block_size_tokens: int = 16
     num_blocks: int = 1024
@@ -32,6 +36,10 @@ class WorkerConfig:
             raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if ":" not in self.address:
             raise ConfigError(f"address must be host:port, got {self.address!r}")
+        if self.store_kind not in ("distributed", "simple"):
+            raise ConfigError(f"store_kind must be 'distributed' or 'simple', got {self.store_kind!r}")
+        if self.store_replicas < 1:
+            raise ConfigError("store_replicas must be >= 1")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kvstore.client import BlockKey, Plane, format_key
+from pdserve.kvstore.client import BlockKey, Plane, StoreError, format_key
+from pdserve.kvstore.dist_client import DistStoreError
+
+_MISSING = (StoreError, DistStoreError, KeyError, OSError)
 from pdserve.kvstore.store import ObjectMeta
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 def block_key(model_id: str, salt: str, block_hash: bytes, num_layers: int) -> str:
@@ -26,6 +28,15 @@ def block_to_buffer(block: torch.Tensor) -> tuple[memoryview, ObjectMeta]:
     return memoryview(flat.numpy()), ObjectMeta(_DTYPE_NAMES[block.dtype], tuple(block.shape))
 
 
-def buffer_to_block(data: bytes | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    buf = bytearray(data) if isinstance(data, bytes) else data
-    return torch.frombuffer(buf, dtype=torch.uint8).view(_DTYPES[dtype]).reshape(shape)
+def fetch_block(store, key: str, engine) -> torch.Tensor | None:
+    """Read one block from the store straight into a fresh block tensor; None if unavailable.
+
+    Works with either store client (both have `get_into`); any store error means "not there":
+    the caller recomputes what it cannot fetch.
+    """
+    block = torch.empty(engine.kv.block_shape(), dtype=engine.model.dtype)
+    try:
+        n = store.get_into(key, block.view(-1).view(torch.uint8).numpy())
+    except _MISSING:  # missing, evicted, node lost, every replica corrupt: recompute
+        return None
+    return block if n == block.numel() * block.element_size() else None

@@ -11,6 +11,7 @@ from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.dist_client import DistStoreClient
 from pdserve.prefill_worker.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -34,13 +35,19 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
                                   max_waiting=cfg.max_waiting)))
 
 
+def connect_store(cfg: WorkerConfig):
+    if cfg.store_kind == "simple":
+        return KVStoreClient(cfg.store_address)
+    return DistStoreClient(cfg.store_address, default_replicas=cfg.store_replicas)
+
+
 def run(cfg: WorkerConfig) -> int:
     rpc.catch_stop_signals()  # a SIGTERM while the weights load still shuts down cleanly
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     engine = build_engine(cfg)
     loop = EngineLoop(engine).start()
-    store = KVStoreClient(cfg.store_address)
+    store = connect_store(cfg)
     model_id = model_id_for(cfg.model_path, cfg.dtype, cfg.model_name)
     role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
     service = WorkerService(loop, PrefillRole(loop, store, model_id), DecodeRole(loop, store),

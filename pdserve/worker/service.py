@@ -147,4 +147,5 @@ class WorkerService(pb_grpc.WorkerServicer):
             kv_blocks_fetched=self.decode_role.blocks_fetched,
             kv_blocks_local_hits=self.decode_role.blocks_local,
             requests_finished=self.requests_finished, role_switches=self.role_switches,
-            weight_loads=self.weight_loads)
+            weight_loads=self.weight_loads,
+            kv_blocks_from_store=self.prefill_role.blocks_from_store)

@@ -162,3 +162,29 @@ def test_router_offers_health_and_reflection(tiny_cluster):
         resp = next(iter(stub.ServerReflectionInfo(iter([req]), timeout=10)))
     names = {s.name for s in resp.list_services_response.service}
     assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_prefix_computed_by_one_prefill_worker_is_reused_by_another(smollm2_gguf_path):
+    """The store is the cluster's prefix cache: a second prefill worker fetches the blocks the
+    first one computed instead of recomputing them, and the output does not change."""
+    from pdserve.controller.launcher import LocalCluster
+    from tests.e2e.conftest import cluster_spec
+
+    tok = Tokenizer.from_path(smollm2_gguf_path)
+    shared = "Here is a long shared document about caching. " * 12
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": shared},
+                                                   {"role": "user", "content": q}]),
+                          add_special_tokens=False)
+               for q in ("Summarise it.", "Translate its first line.")]
+    with LocalCluster(cluster_spec(smollm2_gguf_path, prefill_workers=2)) as cluster:
+        pre = workers(cluster, "prefill")
+        outs = [generate(cluster.router_address, token_ids=p, max_tokens=16, ignore_eos=True)
+                for p in prompts]  # round robin: one prompt per prefill worker
+        stats = [worker_stats(a) for a in pre]
+    # Exactly one of the two workers found the other's prefix in the store.
+    fetched = sorted(s.kv_blocks_from_store for s in stats)
+    assert fetched[0] == 0 and fetched[1] >= 5
+    assert outs[1][3].cached_prompt_tokens >= 5 * 16
+    engine = LLMEngine(EngineConfig(smollm2_gguf_path, cache=CacheConfig(num_blocks=64)))
+    assert [o[0] for o in outs] == engine.generate(prompts, SamplingParams(max_tokens=16,
+                                                                           ignore_eos=True))

@@ -23,6 +23,7 @@ def worker(tiny_llama_dir):
     addr = f"127.0.0.1:{free_port()}"
     proc = start_process([sys.executable, "-m", "pdserve.worker", "--role", "prefill", "--model",
                           tiny_llama_dir, "--address", addr, "--store-address", store_addr,
+                          "--store-kind", "simple",
                           "--num-blocks", "64"], addr, timeout_s=120)
     ch = rpc.make_channel(addr)
     yield wpb_grpc.WorkerStub(ch)

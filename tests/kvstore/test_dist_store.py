@@ -82,6 +82,10 @@ def cluster(tmp_path):
     yield master, nodes, procs, tmp_path
     for p in reversed(procs):
         stop(p)
+    for _, info in nodes.values():  # a node killed with -9 could not unlink its segment
+        for seg in info["segments"]:
+            if seg["shm_path"] and os.path.exists(seg["shm_path"]):
+                os.unlink(seg["shm_path"])
 
 
 def payload(i: int, size: int) -> np.ndarray:
