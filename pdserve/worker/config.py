@@ -17,6 +17,9 @@ class WorkerConfig:
     # "simple": the single-process store of pdserve.kvstore.service (no replicas, no tiers).
     store_kind: str = "distributed"
     store_replicas: int = 1
+    # This machine's identity for the store: equal to a storage node's host_id means shared
+    # memory, different means the network (default: the hostname).
+    host_id: str | None = None
     dtype: str = "float32"
     block_size_tokens: int = 16
     num_blocks: int = 1024

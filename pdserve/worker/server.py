@@ -38,7 +38,8 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
 def connect_store(cfg: WorkerConfig):
     if cfg.store_kind == "simple":
         return KVStoreClient(cfg.store_address)
-    return DistStoreClient(cfg.store_address, default_replicas=cfg.store_replicas)
+    return DistStoreClient(cfg.store_address, host_id=cfg.host_id,
+                           default_replicas=cfg.store_replicas)
 
 
 def run(cfg: WorkerConfig) -> int:
