@@ -34,10 +34,10 @@ def _env():
     return env
 
 
-def start_master(address: str, journal_dir: str) -> subprocess.Popen:
+def start_master(address: str, journal_dir: str, *extra: str) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-m", "pdserve.kvstore.master", "--address", address,
                           "--journal-dir", journal_dir, "--node-timeout-s", "3",
-                          "--tick-s", "0.2"], env=_env(), stdout=subprocess.DEVNULL,
+                          "--tick-s", "0.2", *extra], env=_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE)
     rpc.wait_healthy(address, timeout_s=30)
     return p
