@@ -195,3 +195,24 @@ def test_master_killed_under_puts_restarts_with_every_committed_object(cluster):
             out = np.zeros(64 * 1024, dtype=np.uint8)
             client.get_into(key, out)
             assert np.array_equal(out, payload(i, 64 * 1024))
+
+
+def test_event_stream_reports_stored_and_removed_objects(cluster):
+    master, *_ = cluster
+    from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
+
+    with DistStoreClient(master) as client:
+        wait_nodes(client, 2)
+        client.put_from("watched", payload(1, 4096))
+        client.remove("watched")
+        with rpc.make_channel(master) as ch:
+            stream = pb_grpc.KVMasterStub(ch).WatchEvents(pb.WatchEventsRequest(after_seq=0),
+                                                          timeout=10)
+            seen = []
+            for ev in stream:
+                if ev.key == "watched":
+                    seen.append(ev.kind)
+                if seen[-1:] == ["removed"]:
+                    stream.cancel()
+                    break
+    assert seen == ["stored", "removed"]
