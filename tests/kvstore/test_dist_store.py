@@ -180,7 +180,10 @@ def test_master_killed_under_puts_restarts_with_every_committed_object(cluster):
 
         t = threading.Thread(target=writer)
         t.start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 20
+        while len(committed) < 10:  # kill it mid-stream, once puts are flowing
+            assert time.monotonic() < deadline, "puts did not start"
+            time.sleep(0.05)
         procs[0].kill()  # kill -9 the master mid-stream
         procs[0].wait()
         stop_flag.set()

@@ -32,6 +32,13 @@ def start_ha_master(address: str, redis_port: int, log_dir) -> subprocess.Popen:
     return p
 
 
+def wait_for(cond, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
 def is_leader(address: str) -> bool:
     with rpc.make_channel(address) as ch:
         return pb_grpc.KVMasterStub(ch).GetLeader(pb.GetLeaderRequest(), timeout=5).is_leader
@@ -40,7 +47,10 @@ def is_leader(address: str) -> bool:
 def test_standby_takes_over_with_every_committed_object(redis_server, tmp_path):
     addrs = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     masters = [start_ha_master(addrs[0], redis_server, tmp_path)]
-    time.sleep(0.5)  # let the first one win the lease
+    deadline = time.monotonic() + 10
+    while not is_leader(addrs[0]):  # let the first one win the lease before the second starts
+        assert time.monotonic() < deadline, "the first master never became leader"
+        time.sleep(0.05)
     masters.append(start_ha_master(addrs[1], redis_server, tmp_path))
     node, _ = start_node("ha-node", ",".join(addrs))
     try:
@@ -63,7 +73,7 @@ def test_standby_takes_over_with_every_committed_object(redis_server, tmp_path):
 
             t = threading.Thread(target=writer)
             t.start()
-            time.sleep(1.0)
+            wait_for(lambda: len(committed) >= 10)
             before = len(committed)
             masters[0].kill()  # kill -9 the leader
             masters[0].wait()
