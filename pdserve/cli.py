@@ -117,14 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    try:
-        from pdserve.bench import decode as bench_decode
-    except ImportError:  # pragma: no cover - the bench package ships with pdserve
-        bench_decode = None
-    if bench_decode is not None:
-        d = bsub.add_parser("decode", help="engine decode/prefill tokens/s vs transformers")
-        bench_decode.add_arguments(d)
-        d.set_defaults(func=bench_decode.run)
+    from pdserve.bench import decode as bench_decode
+    from pdserve.bench import kvstore as bench_kvstore
+
+    d = bsub.add_parser("decode", help="engine decode/prefill tokens/s vs transformers")
+    bench_decode.add_arguments(d)
+    d.set_defaults(func=bench_decode.run)
+    k = bsub.add_parser("kvstore", help="KV store put/get GB/s, batch gets, trace hit rate")
+    bench_kvstore.add_arguments(k).set_defaults(func=bench_kvstore.run)
     return p
 
 

@@ -1,0 +1,165 @@
+"""What a person sees of `pdserve bench kvstore`: rich tables, and the JSON + PNG files of --out.
+
+Owns the layout: bandwidth per system and size (each cell GB/s and its ratio to this run's
+memcpy), batch gets, trace hit rates beside the ideal and an exact LRU, the aims; the plots
+`kvstore_bandwidth.png` (GB/s vs size, log-x, get and put) and `kvstore_trace.png` (hit rate vs
+capacity, the ideal as a line). Must not compute figures: it reads the result document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pdserve.bench.kvstore_summary import BATCH_SYSTEMS
+
+MiB = 1 << 20
+# Rows of the bandwidth table and lines of its plot: (series, field, label).
+ROWS = [("pdserve_shm", "get", "pdserve shm get_into"),
+        ("pdserve_shm", "put", "pdserve shm put_from"),
+        ("raw_shm", "get", "raw shm read_into"), ("raw_shm", "put", "raw shm write"),
+        ("pdserve_tcp", "get", "pdserve tcp get_into"),
+        ("pdserve_tcp", "put", "pdserve tcp put_from"),
+        ("raw_tcp", "get", "raw tcp read_into"), ("raw_tcp", "put", "raw tcp write"),
+        ("redis", "get", "redis GET"), ("redis", "put", "redis SET"),
+        ("mooncake", "get", "Mooncake get_into"), ("mooncake", "put", "Mooncake put_from")]
+
+
+def _sizes(result: dict[str, Any]) -> list[int]:
+    return [r["size_bytes"] for r in result["bandwidth"]["series"]["memcpy"]]
+
+
+def _met(aim: dict[str, Any]) -> str:
+    return "not measured" if aim["met"] is None else ("met" if aim["met"] else "not met")
+
+
+def print_tables(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    series = result["bandwidth"]["series"]
+    sizes = _sizes(result)
+    reps = result["settings"]["repeats"]
+    t = Table(title=f"kvstore bandwidth, GB/s (x this run's memcpy), best of {reps}; "
+                    "bytes counted once")
+    t.add_column("system / op")
+    for size in sizes:
+        t.add_column(f"{size / MiB:g} MiB", justify="right")
+    t.add_row("memcpy", *[f"{r['gbps']:.2f}" for r in series["memcpy"]])
+    t.add_row("zlib.crc32", *[f"{r['gbps']:.2f} ({r['vs_memcpy']:.2f}x)" for r in series["crc32"]])
+    for name, op, label in ROWS:
+        rows = {r["size_bytes"]: r for r in series.get(name, [])}
+        if not rows:
+            why = result.get(name, {}).get("reason") if name in ("redis", "mooncake") else None
+            t.add_row(label, *["n/a" for _ in sizes])
+            if why and op == "put":
+                t.caption = (t.caption + "\n" if t.caption else "") + f"{name}: not measured: {why}"
+            continue
+        t.add_row(label, *[f"{rows[s][op + '_gbps']:.2f} ({rows[s][op + '_vs_memcpy']:.2f}x)"
+                           if s in rows else "n/a" for s in sizes])
+    console.print(t)
+
+    b = result["batch_get"]
+    bt = Table(title=f"batch get: {b['objects']} objects of {b['object_bytes'] // 1024} KiB, "
+                     f"best of {b['repeats']}")
+    for col in ("system", "objects/s", "GB/s", "x redis MGET"):
+        bt.add_column(col, justify="right" if col != "system" else "left")
+    for name, how in BATCH_SYSTEMS.items():
+        v = b["systems"].get(name)
+        if v is None:
+            bt.add_row(how, "n/a", "n/a", "n/a")
+        else:
+            vs = "n/a" if v["vs_redis_mget"] is None else f"{v['vs_redis_mget']:.2f}x"
+            bt.add_row(how, f"{v['objects_per_s']:,.0f}", f"{v['gbps']:.3f}", vs)
+    console.print(bt)
+
+    tr = result["trace"]
+    tt = Table(title=f"trace hit rate (hit blocks / all blocks): {tr['requests']} requests, "
+                     f"{tr['total_blocks']} blocks "
+                     f"({tr['unique_blocks']} distinct); object = {tr['scale']:g} x "
+                     f"{tr['full_block_bytes'] // MiB} MiB = {tr['object_bytes'] / MiB:g} MiB")
+    for col in ("blocks", "bytes", "MasterCore", "exact LRU", "ideal", "of ideal", "evicted",
+                "unreachable"):
+        tt.add_column(col, justify="right")
+    for r in tr["capacities"]:
+        of = "n/a" if r["vs_ideal"] is None else f"{r['vs_ideal']:.0%}"
+        tt.add_row(f"{r['capacity_blocks']:,}", f"{r['capacity_bytes'] / MiB:,.0f} MiB",
+                   f"{r['hit_rate']:.1%}", f"{r['lru_hit_rate']:.1%}",
+                   f"{tr['ideal_hit_rate']:.1%}",
+                   of, f"{r['evictions']:,}", f"{r['put_already_stored']:,}")
+    tt.caption = ("blocks: capacity; unreachable: missing blocks already stored behind an "
+                  "evicted earlier block; trace: " + tr["attribution"])
+    console.print(tt)
+
+    for name, aim in result["aims"].items():
+        if aim["met"] is None:
+            console.print(f"aim {name} >= {aim['aim']}: not measured; {aim.get('note', '')}")
+        else:
+            console.print(f"aim {name} >= {aim['aim']}: {_met(aim)} (min {aim['min']:.2f}x; "
+                          f"{aim['figure']})")
+
+
+def _plot_bandwidth(result: dict[str, Any], path: str) -> None:
+    from matplotlib.figure import Figure
+
+    series = result["bandwidth"]["series"]
+    sizes = [s / MiB for s in _sizes(result)]
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    styles = {"pdserve_shm": "o-", "raw_shm": "o:", "pdserve_tcp": "s-", "raw_tcp": "s:",
+              "redis": "^-", "mooncake": "D-"}
+    for i, op in enumerate(("get", "put")):
+        ax = fig.add_subplot(1, 2, i + 1)
+        ax.plot(sizes, [r["gbps"] for r in series["memcpy"]], "k--", label="memcpy")
+        for name, row_op, label in ROWS:
+            rows = series.get(name)
+            if row_op != op or not rows:
+                continue
+            ax.plot([r["size_bytes"] / MiB for r in rows], [r[op + "_gbps"] for r in rows],
+                    styles[name], label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
+        ax.set_xlabel("object size (MiB)")
+        ax.set_ylabel("GB/s (1e9 B/s, bytes counted once)")
+        ax.set_title(f"{op}, best of {result['settings']['repeats']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    if "mooncake" not in series:
+        fig.suptitle(f"Mooncake not measured: {result['mooncake'].get('reason')}"[:120], fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
+def _plot_trace(result: dict[str, Any], path: str) -> None:
+    from matplotlib.figure import Figure
+
+    tr = result["trace"]
+    caps = [r["capacity_blocks"] for r in tr["capacities"]]
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(caps, [r["hit_rate"] for r in tr["capacities"]], "o-", label="pdserve MasterCore")
+    ax.plot(caps, [r["lru_hit_rate"] for r in tr["capacities"]], "s--", label="exact LRU")
+    ax.axhline(tr["ideal_hit_rate"], color="k", linestyle=":",
+               label=f"ideal (unbounded) {tr['ideal_hit_rate']:.1%}")
+    ax.set_xscale("log")
+    ax.set_xticks(caps, [f"{c:,}" for c in caps])
+    ax.set_ylim(0, max(0.05, tr["ideal_hit_rate"] * 1.15))
+    ax.set_xlabel("store capacity (blocks of 512 tokens)")
+    ax.set_ylabel("hit rate (hit blocks / all blocks)")
+    ax.set_title(f"Mooncake conversation trace, {tr['requests']} requests, "
+                 f"object {tr['object_bytes'] / MiB:g} MiB (x{tr['scale']:g})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
+def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, n) for n in
+             ("kvstore.json", "kvstore_bandwidth.png", "kvstore_trace.png")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    _plot_bandwidth(result, paths[1])
+    _plot_trace(result, paths[2])
+    return paths
+
