@@ -4,7 +4,7 @@ Owns one benchmark run, all on this machine, every figure beside its baseline fr
 1. put/get GB/s of objects of `--sizes` MiB between this process (client) and a storage node
    subprocess (plus a master subprocess): `DistStoreClient` end to end over shared memory (client
    host_id == node host_id) and TCP (a different host_id), the raw transports alone
-   (`pdserve.kvstore.transport.measure`), a memoryview memcpy and zlib.crc32 of the same bytes, a
+   (`pdserve.kvstore.transport.measure`), a memoryview memcpy and the object checksum of the same bytes, a
    private `redis-server` through redis-py SET/GET, and Mooncake Store put_from/get_into where it
    is installed (`kvstore_mooncake`, imported only then; otherwise the document says why not);
 2. a batch get of 1,000 objects of 64 KiB: objects/s through both clients, redis MGET and a

@@ -1,6 +1,6 @@
 """Timing loops of `pdserve bench kvstore`: raw seconds per operation, nothing derived.
 
-Owns how each system is driven: a memoryview memcpy and zlib.crc32 (the baselines a store's copy
+Owns how each system is driven: a memoryview memcpy and the object checksum (the baselines a store's copy
 and checksum are measured against), `DistStoreClient` put_from/get_into rounds (master round trips
 and crc32 included), the raw transports against a reserved extent, redis-py SET/GET, and the
 batch gets (1,000 small objects). Every loop returns lists of seconds; ratios are made from them
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 
+from pdserve.kvstore.checksum import object_checksum
 from pdserve.kvstore.transport.base import Extent
 from pdserve.kvstore.transport.measure import measure_bandwidth
 
@@ -53,8 +53,8 @@ def memcpy_s(src: np.ndarray, dst: np.ndarray, repeats: int) -> list[float]:
 
 
 def crc32_s(src: np.ndarray, repeats: int) -> list[float]:
-    """Seconds of zlib.crc32 over `src`: DistStoreClient computes one per put and per get."""
-    return times_s(lambda: zlib.crc32(src), repeats, warmup=True)
+    """Seconds of the object checksum over `src`: DistStoreClient computes one per put and get."""
+    return times_s(lambda: object_checksum(src), repeats, warmup=True)
 
 
 def _unique(prefix: str) -> str:

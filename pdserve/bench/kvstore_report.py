@@ -46,7 +46,7 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
     for size in sizes:
         t.add_column(f"{size / MiB:g} MiB", justify="right")
     t.add_row("memcpy", *[f"{r['gbps']:.2f}" for r in series["memcpy"]])
-    t.add_row("zlib.crc32", *[f"{r['gbps']:.2f} ({r['vs_memcpy']:.2f}x)" for r in series["crc32"]])
+    t.add_row("checksum (xxh3)", *[f"{r['gbps']:.2f} ({r['vs_memcpy']:.2f}x)" for r in series["crc32"]])
     for name, op, label in ROWS:
         rows = {r["size_bytes"]: r for r in series.get(name, [])}
         if not rows:

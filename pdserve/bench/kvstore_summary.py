@@ -23,7 +23,7 @@ CONVENTIONS = {
     "best_of": "each figure is the best (shortest) of `repeats` timed runs; every time is kept",
     "ratios": "every ratio is between two figures measured in this run on this machine",
     "pdserve": "DistStoreClient end to end: master round trips (PutStart + PutCommit, or Get) and "
-               "one zlib.crc32 over the object (computed on put, verified on get) included",
+               "one checksum (xxh3) over the object (computed on put, verified on get) included",
     "raw": "pdserve.kvstore.transport.measure: the transport alone against an extent reserved "
            "through the master (no master calls, no crc32), beside its own memcpy",
     "redis": "redis-py SET from a memoryview and GET returning a new bytes object (the copy out "

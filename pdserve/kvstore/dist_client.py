@@ -3,19 +3,19 @@
 Owns one put and one get end to end: `put_from` asks the master where (PutStart), writes every
 replica through the best transport for that node (shared memory on the same host, TCP across
 hosts), then commits; `get_into` asks where (Get, which grants a read lease), reads the nearest
-replica, verifies its crc32, and on a mismatch reports the bad replica and tries the next one.
+replica, verifies its checksum (`kvstore.checksum`), and on a mismatch reports the bad replica and tries the next one.
 Follows the leader among several masters. Must not import `pdserve.engine`.
 """
 
 from __future__ import annotations
 
 import socket
-import zlib
 from collections.abc import Sequence
 
 import grpc
 
 from pdserve import rpc
+from pdserve.kvstore.checksum import object_checksum
 from pdserve.kvstore.transport.base import Extent, TransportError, byte_view
 from pdserve.kvstore.transport.select import pick_transport
 from pdserve.kvstore.transport.shm import ShmTransport
@@ -83,7 +83,7 @@ class DistStoreClient:
     def put_from(self, key: str, buffer, replicas: int = 1) -> bool:
         """Store the bytes of `buffer` under `key`; False if the key was already stored."""
         view = memoryview(buffer).cast("B")
-        checksum = zlib.crc32(view)
+        checksum = object_checksum(view)
         start = self._call("PutStart", pb.PutStartRequest(key=key, size_bytes=view.nbytes,
                                                           checksum=checksum, replicas=replicas))
         if start.already_exists:
@@ -112,7 +112,7 @@ class DistStoreClient:
                 self._transport(ext).read_into(ext, dst)
             except (TransportError, OSError):
                 continue  # a dead node: the master will drop it; try the next replica
-            if zlib.crc32(dst) == info.checksum:
+            if object_checksum(dst) == info.checksum:
                 return info.size_bytes
             self.corrupt_reports += 1
             self._call("ReportCorrupt", pb.ReportCorruptRequest(key=info.key, node_id=p.node_id))
