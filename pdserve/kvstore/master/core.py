@@ -25,6 +25,8 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
+import heapq
+
 import math
 from typing import Iterable, Sequence
 
@@ -292,11 +294,21 @@ class MasterCore(MasterState):
         have been moved out of `nodes`, or nothing more is evictable."""
         candidates = [o for o in self._objects.values()
                       if self._evictable(o, tier, now_s, nodes)]
+        # Exact LRU: a heap of (last touch, insertion order); built in O(n), popped per victim.
+        heap = [(o.touched_s, i) for i, o in enumerate(candidates)] \
+            if self.config.eviction_sample == 0 else None
+        if heap is not None:
+            heapq.heapify(heap)
         freed = 0
         while candidates and ((target_used is not None
                                and self._effective_used(tier) > target_used)
                               or freed < need_bytes):
-            victim = candidates.pop(self._sample_oldest(candidates))
+            if heap is not None:
+                if not heap:
+                    break
+                victim = candidates[heapq.heappop(heap)[1]]
+            else:
+                victim = candidates.pop(self._sample_oldest(candidates))
             freed += self._evict_object(victim, tier, now_s, nodes)
 
     def _sample_oldest(self, candidates: list[ObjectState]) -> int:

@@ -13,14 +13,14 @@ PAGE = 4096
 def test_defaults_are_the_documented_ones() -> None:
     c = MasterConfig()
     assert (c.high_watermark, c.low_watermark, c.lease_s, c.put_timeout_s) == (0.9, 0.85, 5.0, 30.0)
-    assert (c.node_timeout_s, c.eviction_sample, c.alloc_align_bytes) == (10.0, 16, 4096)
+    assert (c.node_timeout_s, c.eviction_sample, c.alloc_align_bytes) == (10.0, 0, 4096)
     assert c.snapshot_every_ops == 1000
 
 
 @pytest.mark.parametrize("field,value", [
     ("high_watermark", 1.5), ("high_watermark", 0), ("low_watermark", -0.1),
     ("low_watermark", 0.95), ("lease_s", 0), ("put_timeout_s", -1), ("node_timeout_s", "x"),
-    ("eviction_sample", 0), ("alloc_align_bytes", 1.5), ("snapshot_every_ops", True),
+    ("eviction_sample", -1), ("alloc_align_bytes", 1.5), ("snapshot_every_ops", True),
     ("max_events", 0),
 ])
 def test_bad_config_names_the_field(field: str, value) -> None:

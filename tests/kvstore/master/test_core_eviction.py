@@ -169,3 +169,20 @@ def test_ssd_past_its_watermark_drops_replicas() -> None:
     assert core.stats()["ssd"].used_bytes <= 2 * PAGE
     assert core.stats()["ssd"].evictions >= 2
     core.check_invariants()
+
+
+def test_default_eviction_is_exact_lru_over_many_objects() -> None:
+    import random
+
+    core = make_core(dram_pages=100, eviction_sample=0, high_watermark=0.9, low_watermark=0.5,
+                     lease_s=0.001)
+    for i in range(90):
+        put(core, KEYS[i], now_s=i)
+    order = list(range(90))
+    random.Random(0).shuffle(order)
+    for t, i in enumerate(order):  # every object read once, in a shuffled order
+        core.get(KEYS[i], now_s=100 + t)
+    put(core, "new", pages=1, now_s=1000)  # 91 > 90 pages: evict down to 50
+    kept = set(keys_of(core, KEYS[:90]))
+    expected = {KEYS[i] for i in order[-49:]}  # the 49 most recently read (+ "new" = 50)
+    assert kept == expected
