@@ -164,14 +164,14 @@ def batch_store(client, data: np.ndarray, count: int, size: int) -> list[str]:
 
 def batch_get_client(client, keys: list[str], data: np.ndarray, size: int,
                      repeats: int) -> list[float]:
-    """DistStoreClient has no batch get: one get_into per key (each a master round trip) into
-    consecutive slices of one buffer."""
+    """DistStoreClient.batch_get_into (one master round trip for all keys, then one transport
+    read per object) into consecutive slices of one buffer."""
     out = np.zeros_like(data)
     view = memoryview(out)
+    slices = [view[i * size:(i + 1) * size] for i in range(len(keys))]
 
     def run() -> None:
-        for i, key in enumerate(keys):
-            client.get_into(key, view[i * size:(i + 1) * size])
+        client.batch_get_into(keys, slices)
     times = times_s(run, repeats)
     if not np.array_equal(out, data):
         raise MeasureError("batch get through DistStoreClient returned other bytes")

@@ -129,6 +129,23 @@ class DistStoreClient:
                                  f"object ({info.size_bytes})")
         return self._read_replicas(info, view)
 
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence) -> list[int | None]:
+        """get_into for many keys with one master round trip; None where a key is not stored."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        infos = self._call("Get", pb.MasterGetRequest(keys=list(keys))).objects
+        out: list[int | None] = []
+        for info, buf in zip(infos, buffers):
+            view = memoryview(buf).cast("B")
+            if not info.found:
+                out.append(None)
+            elif info.size_bytes > view.nbytes:
+                raise DistStoreError(f"get {info.key}: buffer of {view.nbytes} bytes is smaller "
+                                     f"than the object ({info.size_bytes})")
+            else:
+                out.append(self._read_replicas(info, view))
+        return out
+
     def get(self, key: str) -> bytes | None:
         info = self._call("Get", pb.MasterGetRequest(keys=[key])).objects[0]
         if not info.found:

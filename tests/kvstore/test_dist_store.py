@@ -219,3 +219,16 @@ def test_event_stream_reports_stored_and_removed_objects(cluster):
                     stream.cancel()
                     break
     assert seen == ["stored", "removed"]
+
+
+def test_batch_get_reads_many_objects_with_one_master_call(cluster):
+    master, *_ = cluster
+    with DistStoreClient(master) as client:
+        wait_nodes(client, 2)
+        objs = {f"b{i}": payload(i, 64 * 1024) for i in range(50)}
+        for k, v in objs.items():
+            client.put_from(k, v)
+        bufs = [np.zeros(64 * 1024, dtype=np.uint8) for _ in range(51)]
+        sizes = client.batch_get_into(list(objs) + ["missing"], bufs)
+        assert sizes == [64 * 1024] * 50 + [None]
+        assert all(np.array_equal(b, v) for b, v in zip(bufs, objs.values()))
