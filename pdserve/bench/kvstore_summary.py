@@ -43,8 +43,8 @@ SYSTEMS = {  # label, how: for tables and plots
     "mooncake": ("mooncake", "Mooncake Store put_from/get_into, tcp"),
 }
 BATCH_SYSTEMS = {
-    "pdserve_shm": "pdserve shm (get_into per object)",
-    "pdserve_tcp": "pdserve tcp (get_into per object)",
+    "pdserve_shm": "pdserve shm (batch_get_into: one master call)",
+    "pdserve_tcp": "pdserve tcp (batch_get_into: one master call)",
     "redis_mget": "redis MGET (one command)",
     "redis_pipeline": "redis pipeline of GETs",
     "mooncake": "Mooncake batch_get_into",
