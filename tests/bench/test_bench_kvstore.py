@@ -14,11 +14,17 @@ import io
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
 from pdserve.bench import kvstore as bench
 from pdserve.bench import kvstore_trace as trace
+
+# A slice of the Mooncake conversation trace shipped with the tests (tests/data/README.md), so
+# the tests do not depend on the workspace's shared/ folder.
+TRACE_FILE = str(Path(__file__).resolve().parents[1] / "data" /
+                 "mooncake_conversation_trace_head300.jsonl")
 
 MIB = 1 << 20
 SIZES = [1 * MIB, 4 * MIB]
@@ -35,7 +41,7 @@ def run(tmp_path_factory):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         rc = bench.main(["--quick", "--json", "--out", str(out_dir), "--no-progress",
-                         "--trace-requests", str(TRACE_REQUESTS)])
+                         "--trace", TRACE_FILE, "--trace-requests", str(TRACE_REQUESTS)])
     assert rc == 0
     doc = json.loads(stdout.getvalue())  # stdout is exactly one JSON document
     return doc, out_dir
@@ -190,7 +196,8 @@ def test_bad_settings_name_the_field(capsys) -> None:
 
 def test_without_baselines_the_table_says_why(tmp_path, capsys) -> None:
     rc = bench.main(["--quick", "--no-redis", "--no-mooncake", "--sizes", "1",
-                     "--batch-objects", "20", "--trace-requests", "50", "--capacity-blocks", "64",
+                     "--batch-objects", "20", "--trace", TRACE_FILE, "--trace-requests", "50",
+                     "--capacity-blocks", "64",
                      "--no-progress", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
