@@ -1,13 +1,12 @@
 """Local launcher: start the embedded cluster (store, workers, router) as child processes.
 
-Owns the children's lives: each starts with a parent-death signal (so a killed `pdserve serve`
-leaves nothing behind), logs to its own file, and is declared up only when its gRPC health check
+Owns the children's lives: each is asked to die with its parent (`pdserve.lifecycle`, so a
+killed `pdserve serve` leaves nothing behind), logs to its own file, and is declared up only when its gRPC health check
 says SERVING. `stop()` sends SIGTERM to all, waits, and kills whatever is left.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -17,16 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve import rpc
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
+from pdserve.lifecycle import child_env
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -85,7 +75,7 @@ class LocalCluster:
         log_path = os.path.join(self.log_dir, f"{name}.log")
         log = open(log_path, "wb")
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                stdin=subprocess.DEVNULL, env=child_env())
         log.close()
         child = Child(name, address, proc, log_path)
         self.children.append(child)

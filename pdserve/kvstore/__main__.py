@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.kvstore.config import ConfigError, StoreConfig
 from pdserve.kvstore.service import ServeError, serve
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     defaults = StoreConfig()
     parser = argparse.ArgumentParser(
         prog="python -m pdserve.kvstore", description="Run one in-memory KV-cache store process."

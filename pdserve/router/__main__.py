@@ -6,11 +6,13 @@ import argparse
 import logging
 import sys
 
+from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.engine.config import ConfigError
 from pdserve.router.config import RouterConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     p = argparse.ArgumentParser(prog="python -m pdserve.router")
     p.add_argument("--model", required=True, help="model path (GGUF file or HF folder)")
     p.add_argument("--prefill", required=True, help="comma-separated prefill worker addresses")

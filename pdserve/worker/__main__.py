@@ -7,11 +7,13 @@ import logging
 import sys
 from dataclasses import fields
 
+from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.engine.config import ConfigError
 from pdserve.worker.config import WorkerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     parser = argparse.ArgumentParser(prog="python -m pdserve.worker")
     parser.add_argument("--model", dest="model_path", required=True)
     for f in fields(WorkerConfig):

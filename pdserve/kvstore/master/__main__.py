@@ -12,11 +12,13 @@ import logging
 import sys
 import threading
 
+from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve import rpc
 from pdserve.kvstore.master.config import MasterConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     p = argparse.ArgumentParser(prog="python -m pdserve.kvstore.master")
     p.add_argument("--address", default="127.0.0.1:50080")
     p.add_argument("--journal-dir", default=None, help="local journal (embedded default)")

@@ -13,11 +13,13 @@ import os
 import socket
 import sys
 
+from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.kvstore.node.config import ConfigError, NodeConfig
 from pdserve.kvstore.node.service import NodeInfo, NodeStartError, serve
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     parser = argparse.ArgumentParser(
         prog="python -m pdserve.kvstore.node",
         description="Run one KV-store storage node: DRAM segment (+ SSD tier) behind a TCP "
