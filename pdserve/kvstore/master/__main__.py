@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.kvstore.master.election import LeaderElection
 
         client = redis.Redis.from_url(a.redis_url)
-        journal = RedisJournal(client)
+        journal = RedisJournal(client, fence=(a.lease_key, a.address))
         election = LeaderElection(client, a.lease_key, a.address, a.leader_lease_s)
     else:
         journal = FileJournal(a.journal_dir)

@@ -165,6 +165,18 @@ class FileJournal:
         return snapshot, self._read_log(after_seq=upto)
 
 
+class JournalFenced(JournalError):
+    """This master lost the leader lease: its writes are refused; it must step down."""
+
+
+# RPUSH only if KEYS[1] (the leader lease) holds ARGV[1] (our candidate id).
+_FENCED_RPUSH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('RPUSH', KEYS[2], unpack(ARGV, 2))
+return 1
+"""
+
+
 class RedisJournal:
     """`{prefix}:log` (a list of JSON records, RPUSHed) and `{prefix}:snapshot` (a string).
 
@@ -173,10 +185,16 @@ class RedisJournal:
     `redis_client` is a `redis.Redis` (bytes or decoded responses both work).
     """
 
-    def __init__(self, redis_client: Any, prefix: str = "pdserve:kvstore:master") -> None:
+    def __init__(self, redis_client: Any, prefix: str = "pdserve:kvstore:master",
+                 fence: tuple[str, str] | None = None) -> None:
         self.redis = redis_client
         self.log_key = f"{prefix}:log"
         self.snapshot_key = f"{prefix}:snapshot"
+        # fence = (leader lease key, our candidate id): appends land only while we hold the
+        # lease, checked inside Redis in the same script as the RPUSH, so a deposed leader that
+        # has not noticed yet cannot write after its successor has loaded the log.
+        self.fence = fence
+        self._fenced_push = redis_client.register_script(_FENCED_RPUSH) if fence else None
         tail = self.redis.lindex(self.log_key, -1)
         self._last_seq = (_decode(tail, self.log_key).seq if tail is not None
                           else _read_snapshot_doc(self.redis.get(self.snapshot_key),
@@ -186,7 +204,13 @@ class RedisJournal:
         if not records:
             return
         last = _check_order(self._last_seq, records)
-        self.redis.rpush(self.log_key, *[_encode(r) for r in records])
+        encoded = [_encode(r) for r in records]
+        if self._fenced_push is None:
+            self.redis.rpush(self.log_key, *encoded)
+        elif not int(self._fenced_push(keys=[self.fence[0], self.log_key],
+                                       args=[self.fence[1], *encoded])):
+            raise JournalFenced(f"not the lease holder of {self.fence[0]} any more; "
+                                f"{len(records)} records not written")
         self._last_seq = last
 
     def write_snapshot(self, snapshot: dict[str, Any], upto_seq: int) -> None:

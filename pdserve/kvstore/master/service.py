@@ -19,6 +19,7 @@ import grpc
 
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.master.core import MasterCore
+from pdserve.kvstore.master.journal import JournalFenced
 from pdserve.kvstore.master.model import (AlreadyExists, InvalidArgument, MasterError, NoSpace,
                                           NotFound, Placement, PutInProgress, UnknownNode)
 from pdserve.kvstore.transport.base import Extent, TransportError
@@ -32,6 +33,16 @@ def placement_pb(p: Placement) -> pb.Placement:
     return pb.Placement(node_id=p.node_id, host_id=p.host_id, data_address=p.data_address,
                         segment_id=p.segment_id, shm_path=p.shm_path, offset_bytes=p.offset,
                         size_bytes=p.size, tier=p.tier)
+
+
+def _status_of(e: MasterError) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, NoSpace):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after 1s"
+    if isinstance(e, PutInProgress):
+        return grpc.StatusCode.ABORTED, str(e)
+    return grpc.StatusCode.FAILED_PRECONDITION, f"{type(e).__name__}: {e}"
 
 
 def _extent(p: Placement) -> Extent:
@@ -61,10 +72,16 @@ class MasterService(pb_grpc.KVMasterServicer):
         log.info("master state loaded: %d journal records after the snapshot", len(records))
 
     def _flush(self) -> None:
-        """Make this call's records durable before the caller hears back."""
+        """Make this call's records durable before the caller hears back. A fenced journal
+        (we lost the lease) makes us step down: the change is not acknowledged."""
         records = self.core.take_journal()
         if records:
-            self.journal.append(records)
+            try:
+                self.journal.append(records)
+            except JournalFenced:
+                log.warning("journal refused our writes: lost the leader lease; stepping down")
+                self.core = None
+                raise
         if self.core.snapshot_due():
             snap = self.core.snapshot()
             self.journal.write_snapshot(snap, snap["journal_seq"])
@@ -97,18 +114,15 @@ class MasterService(pb_grpc.KVMasterServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"not the leader; leader is {leader}")
             try:
                 out = fn(self.clock())
-            except InvalidArgument as e:
-                self._flush()
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except NoSpace as e:
-                self._flush()
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after 1s")
-            except PutInProgress as e:
-                context.abort(grpc.StatusCode.ABORTED, str(e))
-            except MasterError as e:
-                self._flush()
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{type(e).__name__}: {e}")
-            self._flush()
+                error = None
+            except (InvalidArgument, NoSpace, PutInProgress, MasterError) as e:
+                error = e
+            try:
+                self._flush()  # a failed call may still have changed state (e.g. evicted)
+            except JournalFenced:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "lost the leader lease; retry")
+            if error is not None:
+                context.abort(*_status_of(error))
             return out
 
     # ---- maintenance --------------------------------------------------------------------------

@@ -128,3 +128,20 @@ def test_redis_journal_snapshot_trims_covered_records_atomically(redis_client) -
 
 def test_redis_journal_empty(redis_client) -> None:
     assert RedisJournal(redis_client, prefix="none").load() == (None, [])
+
+
+def test_a_fenced_redis_journal_refuses_writes_after_the_lease_moves(redis_client) -> None:
+    from pdserve.kvstore.master.election import LeaderElection
+    from pdserve.kvstore.master.journal import JournalFenced, RedisJournal
+    from pdserve.kvstore.master.model import Record
+
+    old = LeaderElection(redis_client, "fence:leader", "old", lease_s=30)
+    assert old.try_acquire()
+    journal = RedisJournal(redis_client, prefix="fence", fence=("fence:leader", "old"))
+    journal.append([Record(1, "remove", {"key": "a", "now_s": 0.0})])
+    old.release()
+    new = LeaderElection(redis_client, "fence:leader", "new", lease_s=30)
+    assert new.try_acquire()
+    with pytest.raises(JournalFenced):
+        journal.append([Record(2, "remove", {"key": "b", "now_s": 0.0})])
+    assert [r.seq for r in RedisJournal(redis_client, prefix="fence").load()[1]] == [1]
