@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.common import emit
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -456,8 +457,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     if args.model is None:
         from pdserve.engine.loader import default_model_path
         args.model = default_model_path()
@@ -482,16 +481,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         torch.set_num_threads(threads)  # in-process callers (tests) get their setting back
-    written = write_outputs(result, args.out) if args.out else []
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-    else:
-        console = Console()
-        print_table(result, console)
-        for path in written:
-            console.print(f"wrote {path}")
-    return 0
+    return emit(result, json_out=args.json, out_dir=args.out, write_outputs=write_outputs,
+                print_tables=print_table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,6 @@ hour; `timestamp` (ms from start), `input_length`, `output_length`, `hash_ids` (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.bench.common import emit
 from pdserve.bench import kvstore_measure as m
 from pdserve.bench.kvstore_procs import (
     PdserveStore, ProcessStartError, RedisServer, redis_server_path,
@@ -342,8 +342,6 @@ def settings_from_args(args: argparse.Namespace) -> KVStoreBenchSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from pdserve.bench.kvstore_report import print_tables, write_outputs
 
     try:
@@ -354,16 +352,8 @@ def run(args: argparse.Namespace) -> int:
     except ProcessStartError as e:
         print(f"pdserve bench kvstore: {e}", file=sys.stderr)
         return 1
-    written = write_outputs(result, args.out) if args.out else []
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-    else:
-        console = Console()
-        print_tables(result, console)
-        for path in written:
-            console.print(f"wrote {path}")
-    return 0
+    return emit(result, json_out=args.json, out_dir=args.out, write_outputs=write_outputs,
+                print_tables=print_tables)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,26 +78,6 @@ def load_checkpoint(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
 
 
 def load_model_config(path: str) -> ModelConfig:
-    """The architecture alone, without reading any weights (the router needs only this)."""
-    if os.path.isdir(path):
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise CheckpointError(f"{path!r} has no config.json")
-        with open(cfg_path, encoding="utf-8") as f:
-            return ModelConfig.from_hf_dict(json.load(f),
-                                            name=os.path.basename(os.path.normpath(path)))
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        from pdserve.engine.gguf_meta import read_gguf_header
-
-        header = read_gguf_header(path)
-        return config_from_gguf(header.metadata, [t.name for t in header.tensors],
-                                name=os.path.basename(path)[: -len(".gguf")])
-    if not os.path.exists(path):
-        raise ModelNotFoundError(f"model path {path!r} does not exist")
-    raise CheckpointError(f"model path {path!r} is neither a folder with config.json nor a .gguf file")
-
-
-def load_model_config(path: str) -> ModelConfig:
     """The ModelConfig of a checkpoint without reading its weights (for the router)."""
     if os.path.isdir(path):
         return _hf_config(path)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.engine.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.linear import Linear
 
@@ -127,7 +127,7 @@ class LlamaModel:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, kv_cache: "PagedKVCache") -> torch.Tensor:  # noqa: F821
+    def forward(self, step: StepInput, kv_cache: PagedKVCache) -> torch.Tensor:
         """Run every scheduled token; write their K/V into the cache; return final hidden states [T, d]."""
         cfg = self.cfg
         t = step.input_ids.shape[0]

@@ -1,0 +1,26 @@
+"""What every `pdserve bench` subcommand does with its result: files, JSON or a table."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+from rich.console import Console
+
+
+def emit(result: dict[str, Any], *, json_out: bool, out_dir: str | None,
+         write_outputs: Callable[[dict[str, Any], str], list[str]],
+         print_tables: Callable[[dict[str, Any], Console], None]) -> int:
+    """Write the JSON/PNG files to `out_dir` if given; print one JSON document on stdout with
+    `json_out`, else the tables and the paths written. Returns the exit code (0)."""
+    written = write_outputs(result, out_dir) if out_dir else []
+    if json_out:
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+        return 0
+    console = Console()
+    print_tables(result, console)
+    for path in written:
+        console.print(f"wrote {path}")
+    return 0
