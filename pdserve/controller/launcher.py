@@ -124,7 +124,9 @@ class LocalCluster:
                 "pdserve.kvstore.master", "--address", store_addr,
                 "--journal-dir", os.path.join(self.log_dir, "kvmaster-journal")])
             node = self._spawn("kvnode-0", "", [
-                "pdserve.kvstore.node", "--node-id", "node0", "--data-address", f"{s.host}:0",
+                # Unique per cluster: a node removes stale segment files of its own id at start.
+                "pdserve.kvstore.node", "--node-id", f"node0-{s.store_port}",
+                "--data-address", f"{s.host}:0",
                 "--dram-bytes", str(s.store_capacity_bytes), "--master", store_addr])
             workers = []
             roles = ["prefill"] * s.prefill_workers + ["decode"] * s.decode_workers

@@ -232,3 +232,22 @@ def test_batch_get_reads_many_objects_with_one_master_call(cluster):
         sizes = client.batch_get_into(list(objs) + ["missing"], bufs)
         assert sizes == [64 * 1024] * 50 + [None]
         assert all(np.array_equal(b, v) for b, v in zip(bufs, objs.values()))
+
+
+def test_a_restarted_node_removes_the_segment_file_its_killed_predecessor_left(tmp_path):
+    master = f"127.0.0.1:{free_port()}"
+    procs = [start_master(master, str(tmp_path / "journal"))]
+    try:
+        first, info = start_node("stale-node", master, dram_bytes=4 * MIB)
+        procs.append(first)
+        stale = info["segments"][0]["shm_path"]
+        first.kill()  # kill -9: no chance to unlink its segment
+        first.wait()
+        assert os.path.exists(stale)
+        second, info2 = start_node("stale-node", master, dram_bytes=4 * MIB)
+        procs.append(second)
+        assert not os.path.exists(stale)
+        assert os.path.exists(info2["segments"][0]["shm_path"])
+    finally:
+        for p in reversed(procs):
+            stop(p)

@@ -66,6 +66,7 @@ class StorageNode:
         """Creates the DRAM segment (and SSD tier), starts the data server; NodeStartError."""
         c = self.config
         infos: list[SegmentInfo] = []
+        self._remove_stale_segments()
         try:
             dram_id = f"{c.node_id}.{self.incarnation}.dram0"
             path = os.path.join(c.shm_dir, f"pdserve-{dram_id}")
@@ -87,6 +88,22 @@ class StorageNode:
             raise NodeStartError(f"node {c.node_id}: {e}") from None
         self.info = NodeInfo(c.node_id, c.host_id, address, tuple(infos))
         return self.info
+
+    def _remove_stale_segments(self) -> None:
+        """Unlink segment files an earlier incarnation of this node left behind (killed with
+        -9, it could not). Node ids are cluster-unique and the master dropped that incarnation's
+        replicas when this one registers, so nothing can still need them."""
+        prefix = f"pdserve-{self.config.node_id}."
+        try:
+            names = os.listdir(self.config.shm_dir)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(prefix) and name.count(".") == 2:
+                try:
+                    os.unlink(os.path.join(self.config.shm_dir, name))
+                except OSError:
+                    pass  # gone already, or not ours to remove
 
     def stop(self) -> None:
         """Stops serving, then unmaps and unlinks every segment. Idempotent."""
