@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from pdserve.engine.sampling import SamplingParams
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.kv_blocks import fetch_block
+from pdserve.worker.kv_blocks import fetch_run
 
 
 
@@ -40,11 +40,7 @@ class DecodeRole:
         full = n_prompt // bs
         n_local = self.loop.call(lambda: engine.cached_prefix_blocks(hashes[:full]))
         blocks = [(h, None) for h in hashes[:n_local]]
-        for h, key in zip(hashes[n_local:], keys[n_local:]):
-            data = fetch_block(self.store, key, engine)
-            if data is None:
-                break  # the rest is recomputed locally
-            blocks.append((h, data))
+        blocks += fetch_run(self.store, engine, hashes[n_local:], keys[n_local:])
         with self._lock:
             self.blocks_local += n_local
             self.blocks_fetched += len(blocks) - n_local

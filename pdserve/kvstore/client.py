@@ -280,6 +280,16 @@ class KVStoreClient:
         response = self._unary(self._stub.Exists, pb.ExistsRequest(keys=keys), "exists")
         return list(response.exists)
 
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys of a block chain are stored (the same call as the distributed
+        store's, answered here with one exists())."""
+        n = 0
+        for present in self.exists(keys) if keys else []:
+            if not present:
+                break
+            n += 1
+        return n
+
     def remove(self, key: str) -> bool:
         """Deletes `key`; returns whether it existed."""
         return self._unary(self._stub.Remove, pb.RemoveRequest(key=key), f"remove {key}").found

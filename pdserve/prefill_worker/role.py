@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pdserve.engine.block_pool import prompt_block_hashes
 from pdserve.engine.sampling import SamplingParams
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.kv_blocks import block_key, block_to_buffer, fetch_block
+from pdserve.worker.kv_blocks import block_key, block_to_buffer, fetch_run
 
 
 @dataclass
@@ -51,13 +51,8 @@ class PrefillRole:
             return
         layers = engine.model_config.num_hidden_layers
         keys = [block_key(self.model_id, salt, h, layers) for h in hashes]
-        n_store = self.store.longest_prefix(keys) if hasattr(self.store, "longest_prefix") else 0
-        blocks = []
-        for h, key in zip(hashes[n_local:n_store], keys[n_local:n_store]):
-            data = fetch_block(self.store, key, engine)
-            if data is None:
-                break
-            blocks.append((h, data))
+        n_store = self.store.longest_prefix(keys)
+        blocks = fetch_run(self.store, engine, hashes[n_local:n_store], keys[n_local:n_store])
         if blocks:
             placed = self.loop.call(lambda: engine.import_cached_blocks(blocks))
             with self._lock:

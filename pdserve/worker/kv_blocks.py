@@ -40,3 +40,15 @@ def fetch_block(store, key: str, engine) -> torch.Tensor | None:
     except _MISSING:  # missing, evicted, node lost, every replica corrupt: recompute
         return None
     return block if n == block.numel() * block.element_size() else None
+
+
+def fetch_run(store, engine, hashes: list[bytes], keys: list[str]
+              ) -> list[tuple[bytes, torch.Tensor]]:
+    """Fetch blocks in order until the first one the store cannot give; the rest is recomputed."""
+    out = []
+    for h, key in zip(hashes, keys):
+        data = fetch_block(store, key, engine)
+        if data is None:
+            break
+        out.append((h, data))
+    return out

@@ -190,3 +190,11 @@ def test_sigterm_stops_the_store_cleanly() -> None:
     assert time.monotonic() - started < 5
     out, err = process_output(p)
     assert f"ready on {address}" in out, err
+
+
+def test_longest_prefix_counts_leading_stored_keys(client) -> None:
+    keys = [f"lp/{i}" for i in range(4)]
+    for k in (keys[0], keys[1], keys[3]):
+        client.put_from(k, b"x" * 16)
+    assert client.longest_prefix(keys) == 2
+    assert client.longest_prefix([]) == 0
