@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
+# Check for the generator before deleting anything, so a wrong interpreter leaves the stubs be.
+if ! "$PYTHON" -c "import grpc_tools.protoc" 2>/dev/null; then
+  echo "gen_proto.sh: $PYTHON has no grpc_tools; set PYTHON to the project's venv python" >&2
+  exit 1
+fi
 # Remove old stubs first so a deleted .proto leaves no orphan module behind.
 rm -f pdserve/proto/*_pb2.py pdserve/proto/*_pb2.pyi pdserve/proto/*_pb2_grpc.py
 # -I . makes generated imports read `from pdserve.proto import common_pb2`.

@@ -3,7 +3,8 @@
 Owns one benchmark run, all on this machine, every figure beside its baseline from the same run:
 1. put/get GB/s of objects of `--sizes` MiB between this process (client) and a storage node
    subprocess (plus a master subprocess): `DistStoreClient` end to end over shared memory (client
-   host_id == node host_id) and TCP (a different host_id), the raw transports alone
+   host_id == node host_id), TCP and UCX (a different host_id; UCX where `ucxx` is installed, and
+   with no RDMA on these machines UCX carries its bytes over TCP), the raw transports alone
    (`pdserve.kvstore.transport.measure`), a memoryview memcpy and the object checksum of the same bytes, a
    private `redis-server` through redis-py SET/GET, and Mooncake Store put_from/get_into where it
    is installed (`kvstore_mooncake`, imported only then; otherwise the document says why not);
@@ -136,12 +137,18 @@ def _measure_processes(s: KVStoreBenchSettings, bar: _Progress, raw: dict[str, A
     from pdserve.kvstore.dist_client import DistStoreClient
     from pdserve.kvstore.transport.shm import ShmTransport
     from pdserve.kvstore.transport.tcp import TcpTransport
+    from pdserve.kvstore.transport.ucx import ucx_available
 
     with ExitStack() as stack:
-        store = stack.enter_context(PdserveStore(s.node_segment_bytes()))
+        ucx = ucx_available()
+        raw["ucx"] = {"available": ucx, **({} if ucx else {
+            "reason": "ucxx is not installed (pip install ucxx-cu12) or PDSERVE_UCX=0"})}
+        store = stack.enter_context(PdserveStore(s.node_segment_bytes(), ucx=ucx))
         shm_client = stack.enter_context(DistStoreClient(store.master_address, store.host_id))
         tcp_client = stack.enter_context(
-            DistStoreClient(store.master_address, store.host_id + REMOTE_SUFFIX))
+            DistStoreClient(store.master_address, store.host_id + REMOTE_SUFFIX, ucx=False))
+        ucx_client = stack.enter_context(DistStoreClient(
+            store.master_address, store.host_id + REMOTE_SUFFIX, ucx=True)) if ucx else None
         store.wait_registered(shm_client)
         raw["node"] = {"host_id": store.host_id, "segment_bytes": s.node_segment_bytes(),
                        "master_lease_s": store.lease_s}
@@ -180,6 +187,8 @@ def _measure_processes(s: KVStoreBenchSettings, bar: _Progress, raw: dict[str, A
             row["pdserve_shm"] = m.client_rounds(shm_client, src, dst, s.repeats, "shm")
             row["raw_tcp"] = m.raw_transport(tcp_t, extent, size, s.repeats)
             row["pdserve_tcp"] = m.client_rounds(tcp_client, src, dst, s.repeats, "tcp")
+            if ucx_client is not None:
+                row["pdserve_ucx"] = m.client_rounds(ucx_client, src, dst, s.repeats, "ucx")
             if rds is not None:
                 row["redis"] = m.redis_rounds(rds, src, s.repeats)
             if mc is not None:
@@ -200,6 +209,8 @@ def _measure_processes(s: KVStoreBenchSettings, bar: _Progress, raw: dict[str, A
         batch["pdserve_shm"] = m.batch_get_client(shm_client, keys, data, size, s.repeats)
         bar.step(task)
         batch["pdserve_tcp"] = m.batch_get_client(tcp_client, keys, data, size, s.repeats)
+        if ucx_client is not None:
+            batch["pdserve_ucx"] = m.batch_get_client(ucx_client, keys, data, size, s.repeats)
         bar.step(task)
         if rds is not None:
             got = m.batch_redis(rds, data, n, size, s.repeats)

@@ -98,8 +98,10 @@ class PdserveStore:
     their bytes back quickly (a removed object's bytes wait for its lease to end).
     """
 
-    def __init__(self, node_dram_bytes: int, host_id: str | None = None, lease_s: float = 0.2):
+    def __init__(self, node_dram_bytes: int, host_id: str | None = None, lease_s: float = 0.2,
+                 ucx: bool = False):
         self.node_dram_bytes = node_dram_bytes
+        self.ucx = ucx  # the node also serves its segment over UCX
         self.host_id = host_id or socket.gethostname()
         self.lease_s = lease_s
         self.master_address = ""
@@ -121,7 +123,8 @@ class PdserveStore:
         node = Child("storage node", [
             sys.executable, "-m", "pdserve.kvstore.node", "--node-id", "bench0",
             "--host-id", self.host_id, "--dram-bytes", str(self.node_dram_bytes),
-            "--master", self.master_address], stdout=subprocess.PIPE)
+            "--master", self.master_address, *(["--ucx-port", "0"] if self.ucx else [])],
+            stdout=subprocess.PIPE)
         self._children.append(node)
         line = node.proc.stdout.readline() if node.proc.stdout else b""
         if not line:

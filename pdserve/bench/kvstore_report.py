@@ -22,6 +22,8 @@ ROWS = [("pdserve_shm", "get", "pdserve shm get_into"),
         ("pdserve_tcp", "get", "pdserve tcp get_into"),
         ("pdserve_tcp", "put", "pdserve tcp put_from"),
         ("raw_tcp", "get", "raw tcp read_into"), ("raw_tcp", "put", "raw tcp write"),
+        ("pdserve_ucx", "get", "pdserve ucx get_into"),
+        ("pdserve_ucx", "put", "pdserve ucx put_from"),
         ("redis", "get", "redis GET"), ("redis", "put", "redis SET"),
         ("mooncake", "get", "Mooncake get_into"), ("mooncake", "put", "Mooncake put_from")]
 
@@ -106,6 +108,7 @@ def _plot_bandwidth(result: dict[str, Any], path: str) -> None:
     sizes = [s / MiB for s in _sizes(result)]
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     styles = {"pdserve_shm": "o-", "raw_shm": "o:", "pdserve_tcp": "s-", "raw_tcp": "s:",
+              "pdserve_ucx": "v-",
               "redis": "^-", "mooncake": "D-"}
     for i, op in enumerate(("get", "put")):
         ax = fig.add_subplot(1, 2, i + 1)

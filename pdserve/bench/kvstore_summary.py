@@ -37,6 +37,7 @@ CONVENTIONS = {
 SYSTEMS = {  # label, how: for tables and plots
     "pdserve_shm": ("pdserve shm", "DistStoreClient, same host_id as the node: shared memory"),
     "pdserve_tcp": ("pdserve tcp", "DistStoreClient, another host_id: the node's TCP data server"),
+    "pdserve_ucx": ("pdserve ucx", "DistStoreClient, another host_id: the node's ucxx listener"),
     "raw_shm": ("raw shm", "ShmTransport write/read_into, no master, no crc32"),
     "raw_tcp": ("raw tcp", "TcpTransport write/read_into, no master, no crc32"),
     "redis": ("redis", "redis-py SET/GET, redis-server on loopback"),
@@ -45,6 +46,7 @@ SYSTEMS = {  # label, how: for tables and plots
 BATCH_SYSTEMS = {
     "pdserve_shm": "pdserve shm (batch_get_into: one master call)",
     "pdserve_tcp": "pdserve tcp (batch_get_into: one master call)",
+    "pdserve_ucx": "pdserve ucx (batch_get_into: one master call)",
     "redis_mget": "redis MGET (one command)",
     "redis_pipeline": "redis pipeline of GETs",
     "mooncake": "Mooncake batch_get_into",
@@ -141,7 +143,10 @@ def _aims(series: dict[str, list[dict[str, Any]]], mooncake: dict[str, Any]) -> 
                                             "ShmTransport read_into / its memcpy, every size"),
     }
     for name, num in (("tcp_get_vs_mooncake", "pdserve_tcp"),
-                      ("tcp_raw_get_vs_mooncake", "raw_tcp")):
+                      ("tcp_raw_get_vs_mooncake", "raw_tcp"),
+                      ("ucx_get_vs_mooncake", "pdserve_ucx")):
+        if num == "pdserve_ucx" and num not in series:
+            continue  # ucxx not installed: the document's "ucx" entry says why
         if "mooncake" in series:
             aims[name] = _ratio_aim(AIM_TCP_VS_MOONCAKE, ratio(num, "mooncake"),
                                     f"{SYSTEMS[num][0]} get / Mooncake get_into, every size")
@@ -169,6 +174,7 @@ def summarize(s: Any, machine: dict[str, Any], raw: dict[str, Any],
         "conventions": CONVENTIONS,
         "redis": raw["redis"],
         "mooncake": raw["mooncake"],
+        "ucx": raw.get("ucx", {"available": False, "reason": "not measured"}),
         "bandwidth": {"systems": {k: v[1] for k, v in SYSTEMS.items() if k in series},
                       "series": series},
         "batch_get": _batch(s, raw["batch"]),

@@ -1,8 +1,8 @@
 """Client of the distributed store: metadata from the master, bytes straight to and from nodes.
 
 Owns one put and one get end to end: `put_from` asks the master where (PutStart), writes every
-replica through the best transport for that node (shared memory on the same host, TCP across
-hosts), then commits; `get_into` asks where (Get, which grants a read lease), reads the nearest
+replica through the best transport for that node (shared memory on the same host, UCX across
+hosts where the node serves it and `ucxx` is installed, TCP otherwise), then commits; `get_into` asks where (Get, which grants a read lease), reads the nearest
 replica, verifies its checksum (`kvstore.checksum`), and on a mismatch reports the bad replica and tries the next one.
 Follows the leader among several masters. Must not import `pdserve.engine`.
 """
@@ -10,6 +10,7 @@ Follows the leader among several masters. Must not import `pdserve.engine`.
 from __future__ import annotations
 
 import socket
+from collections import Counter
 from collections.abc import Sequence
 
 import grpc
@@ -40,12 +41,15 @@ class AllReplicasBad(DistStoreError):
 def _extent(p: pb.Placement) -> Extent:
     return Extent(node_id=p.node_id, host_id=p.host_id, data_address=p.data_address,
                   segment_id=p.segment_id, shm_path=p.shm_path, offset=p.offset_bytes,
-                  size=p.size_bytes, tier=p.tier or "dram")
+                  size=p.size_bytes, tier=p.tier or "dram", ucx_address=p.ucx_address)
 
 
 class DistStoreClient:
     def __init__(self, master_addresses: Sequence[str] | str, host_id: str | None = None,
-                 timeout_s: float = 30.0, default_replicas: int = 1) -> None:
+                 timeout_s: float = 30.0, default_replicas: int = 1,
+                 ucx: bool | None = None) -> None:
+        """`ucx`: use UCX to nodes on other hosts that serve it (None: where `ucxx` is installed;
+        False: never, TCP instead)."""
         if isinstance(master_addresses, str):
             master_addresses = master_addresses.split(",")
         self.masters = list(master_addresses)
@@ -56,7 +60,10 @@ class DistStoreClient:
         self._stubs = [pb_grpc.KVMasterStub(c) for c in self._channels]
         self._shm = ShmTransport()
         self._tcp = TcpTransport()
+        self._ucx = None
+        self._use_ucx = ucx
         self.corrupt_reports = 0
+        self.reads_by_transport: Counter[str] = Counter()  # replica reads, per transport kind
         self.default_replicas = default_replicas
 
     # ---- master calls, following the leader --------------------------------------------------
@@ -76,8 +83,34 @@ class DistStoreClient:
         raise DistStoreError(f"{method}: no master answered ({last.details() if last else ''})")
 
     def _transport(self, ext: Extent):
-        kind = pick_transport(ext.host_id, self.host_id, tier=ext.tier)
+        kind = pick_transport(ext.host_id, self.host_id, tier=ext.tier, ucx=self._use_ucx,
+                              node_serves_ucx=bool(ext.ucx_address))
+        if kind == "ucx":
+            return self._ucx_transport()
         return self._shm if kind == "shm" else self._tcp
+
+    def _ucx_transport(self):
+        # Made on first use: importing ucxx starts UCX, which a same-host client never needs.
+        if self._ucx is None:
+            from pdserve.kvstore.transport.ucx import UcxTransport
+
+            self._ucx = UcxTransport()
+        return self._ucx
+
+    def locate(self, key: str) -> list[tuple[str, str]]:
+        """(node id, tier) of each replica of `key` (grants a read lease, like a get)."""
+        info = self._call("Get", pb.MasterGetRequest(keys=[key])).objects[0]
+        if not info.found:
+            raise ObjectNotFound(f"{key} is not stored")
+        return [(p.node_id, p.tier or "dram") for p in info.replicas]
+
+    def transport_kind(self, key: str) -> str:
+        """Which transport a get of `key` would use first (for tests and diagnostics)."""
+        info = self._call("Get", pb.MasterGetRequest(keys=[key])).objects[0]
+        if not info.found:
+            raise ObjectNotFound(f"{key} is not stored")
+        p = sorted(info.replicas, key=lambda p: (p.host_id != self.host_id, p.tier != "dram"))[0]
+        return self._transport(_extent(p)).kind
 
     # ---- data ---------------------------------------------------------------------------------
     def put_from(self, key: str, buffer, replicas: int = 1) -> bool:
@@ -108,10 +141,12 @@ class DistStoreClient:
         for p in order:
             ext = _extent(p)
             dst = view[: info.size_bytes]
+            transport = self._transport(ext)
             try:
-                self._transport(ext).read_into(ext, dst)
+                transport.read_into(ext, dst)
             except (TransportError, OSError):
                 continue  # a dead node: the master will drop it; try the next replica
+            self.reads_by_transport[transport.kind] += 1
             if object_checksum(dst) == info.checksum:
                 return info.size_bytes
             self.corrupt_reports += 1
@@ -169,6 +204,8 @@ class DistStoreClient:
     def close(self) -> None:
         self._shm.close()
         self._tcp.close()
+        if self._ucx is not None:
+            self._ucx.close()
         for c in self._channels:
             c.close()
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Placement(_message.Message):
-    __slots__ = ("node_id", "host_id", "data_address", "segment_id", "shm_path", "offset_bytes", "size_bytes", "tier")
+    __slots__ = ("node_id", "host_id", "data_address", "segment_id", "shm_path", "offset_bytes", "size_bytes", "tier", "ucx_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Placement(_message.Message):
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     host_id: str
     data_address: str
@@ -24,7 +25,8 @@ class Placement(_message.Message):
     offset_bytes: int
     size_bytes: int
     tier: str
-    def __init__(self, node_id: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., segment_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+    ucx_address: str
+    def __init__(self, node_id: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., segment_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., ucx_address: _Optional[str] = ...) -> None: ...
 
 class SegmentInfo(_message.Message):
     __slots__ = ("segment_id", "size_bytes", "tier", "shm_path")
@@ -39,16 +41,18 @@ class SegmentInfo(_message.Message):
     def __init__(self, segment_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., shm_path: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "host_id", "data_address", "segments")
+    __slots__ = ("node_id", "host_id", "data_address", "segments", "ucx_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     host_id: str
     data_address: str
     segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
-    def __init__(self, node_id: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ...) -> None: ...
+    ucx_address: str
+    def __init__(self, node_id: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., ucx_address: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)

@@ -95,6 +95,17 @@ def test_bandwidth_of_both_transports_and_their_raw_figures(run) -> None:
         _check_bandwidth_rows(series[name], raw=True)
 
 
+def test_ucx_measured_or_says_why_not(run) -> None:
+    doc, _ = run
+    if doc["ucx"]["available"]:
+        _check_bandwidth_rows(doc["bandwidth"]["series"]["pdserve_ucx"], raw=False)
+        assert "ucx_get_vs_mooncake" in doc["aims"]
+        assert doc["batch_get"]["systems"]["pdserve_ucx"]["objects_per_s"] > 0
+    else:
+        assert "ucxx" in doc["ucx"]["reason"]
+        assert "pdserve_ucx" not in doc["bandwidth"]["series"]
+
+
 def test_batch_get(run) -> None:
     doc, _ = run
     b = doc["batch_get"]

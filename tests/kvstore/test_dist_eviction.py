@@ -85,6 +85,16 @@ def test_evicted_objects_spill_to_ssd_and_read_back(tmp_path):
                 client.get_into(key, out)
                 assert np.array_equal(out, data), key
             assert os.listdir(tmp_path / "ssd")
+            # A cold object read from SSD comes back into DRAM (the master copies it after the
+            # read), and reads back intact from there.
+            cold = next(k for k in objects if [t for _, t in client.locate(k)] == ["ssd"])
+            deadline = time.monotonic() + 20
+            while [t for _, t in client.locate(cold)] != ["dram"]:
+                assert time.monotonic() < deadline, f"{cold} was not promoted back to DRAM"
+                time.sleep(0.2)
+            out = np.zeros(MIB, dtype=np.uint8)
+            client.get_into(cold, out)
+            assert np.array_equal(out, objects[cold])
     finally:
         for p in reversed(procs):
             stop(p)

@@ -22,6 +22,7 @@ class NodeState:
     segments: dict[str, SegmentSpec]  # registration order is first-fit order
     allocators: dict[str, ExtentAllocator] = field(default_factory=dict)
     last_seen_s: float = 0.0
+    ucx_address: str = ""
 
     def free_bytes(self, tier: str) -> int:
         return sum(a.size_bytes - a.used_bytes for sid, a in self.allocators.items()
@@ -29,7 +30,7 @@ class NodeState:
 
     def to_dict(self) -> dict:
         return {"node_id": self.node_id, "host_id": self.host_id,
-                "data_address": self.data_address,
+                "data_address": self.data_address, "ucx_address": self.ucx_address,
                 "segments": [s.to_dict() for s in self.segments.values()]}
 
 
@@ -41,10 +42,10 @@ class Cluster:
     # -- membership --------------------------------------------------------------------------
 
     def add_node(self, node_id: str, host_id: str, data_address: str,
-                 segments: list[SegmentSpec], now_s: float) -> None:
+                 segments: list[SegmentSpec], now_s: float, ucx_address: str = "") -> None:
         assert node_id not in self.nodes
         node = NodeState(node_id, host_id, data_address, {s.segment_id: s for s in segments},
-                         last_seen_s=now_s)
+                         last_seen_s=now_s, ucx_address=ucx_address)
         for s in segments:
             node.allocators[s.segment_id] = ExtentAllocator(s.size_bytes, self.align_bytes)
         self.nodes[node_id] = node
@@ -79,7 +80,8 @@ class Cluster:
                 offset = node.allocators[sid].alloc(size)
                 if offset is not None:
                     return Placement(node_id, node.host_id, node.data_address, sid,
-                                     seg.shm_path, offset, size, tier)
+                                     seg.shm_path, offset, size, tier,
+                                     node.ucx_address if tier == "dram" else "")
         return None
 
     def place(self, size: int, count: int, tiers: tuple[str, ...],

@@ -33,6 +33,9 @@ class MasterConfig:
     # Mooncake conversation trace a 16-wide window kept far fewer reachable prefix blocks than
     # exact LRU (`pdserve bench kvstore --trace`), so exact is the default.
     eviction_sample: int = 0
+    # A read of an object whose replicas are all on SSD moves one back to DRAM on its node
+    # (asynchronously, like a demotion; the read itself is served from SSD).
+    promote_on_read: bool = True
     # Every allocation's length (hence every offset) is a multiple of this.
     alloc_align_bytes: int = 4096
     # snapshot_due() turns true after this many journal records since the last snapshot.

@@ -2,7 +2,8 @@
 
 Owns the protocol: node registration and liveness, two-phase puts with replica placement,
 reads with leases, pins, the longest cached prefix, corruption reports, and watermark eviction
-(approximate LRU by sampling; DRAM replicas demoted to SSD on the same node when there is room).
+(approximate LRU by sampling; DRAM replicas demoted to SSD on the same node when there is room;
+an object read while only on SSD promoted back to DRAM on its node).
 Every committed-state change goes through a journal record (see `state.py`), so a master rebuilt
 with `restore` knows every committed object and no uncommitted one. Must not do I/O, read clocks
 or take locks: the adapter serialises calls, passes `now_s` (one clock shared by all masters,
@@ -19,6 +20,11 @@ Decisions worth knowing:
   the nodes it still needs. Bytes already leaving (demotions in flight, frees deferred behind a
   lease) do not count as pressure. A demoted object stays readable from DRAM until
   `demote_done`; `demote_abort` (or put_timeout_s) cancels and keeps the DRAM copy.
+- Promotion reuses the demotion machinery (a "tier move": the same outbox, `demote_done` /
+  `demote_abort` and journal record), in the other direction: `get` of an object with no DRAM
+  replica orders a copy of one SSD replica into DRAM on the same node, making room there by
+  demoting colder objects if needed (the copy then waits for a later read). The reader is
+  served from SSD meanwhile; later reads find the DRAM copy.
 - `longest_prefix` leases the matched blocks (the router is about to send a worker to read
   them) but does not refresh their LRU time; `exists` does neither.
 """
@@ -54,6 +60,7 @@ class MasterCore(MasterState):
     def __init__(self, config: MasterConfig | None = None) -> None:
         super().__init__(config or MasterConfig())
         self._demotion_outbox: list[Demotion] = []
+        self.promotions_ordered = 0
         self._sample_cursor = 0  # the rotating window of eviction candidates
 
     @classmethod
@@ -70,10 +77,12 @@ class MasterCore(MasterState):
     # -- nodes ---------------------------------------------------------------------------------
 
     def register_node(self, node_id: str, host_id: str, data_address: str,
-                      segments: Sequence[SegmentSpec | tuple], now_s: float) -> None:
+                      segments: Sequence[SegmentSpec | tuple], now_s: float,
+                      ucx_address: str = "") -> None:
         """Adds a storage node; a node already known is treated as restarted (replicas dropped)."""
         _check_key(node_id)
-        for name, value in (("host_id", host_id), ("data_address", data_address)):
+        for name, value in (("host_id", host_id), ("data_address", data_address),
+                            ("ucx_address", ucx_address)):
             if not isinstance(value, str):
                 raise InvalidArgument(f"node {node_id!r}: {name} must be a string, got {value!r}")
         specs = [s if isinstance(s, SegmentSpec) else SegmentSpec(*s) for s in segments]
@@ -85,7 +94,8 @@ class MasterCore(MasterState):
         if node_id in self._cluster.nodes:
             self._record("node_dead", now_s, node_id=node_id)
         self._record("register_node", now_s, node_id=node_id, host_id=host_id,
-                     data_address=data_address, segments=[s.to_dict() for s in specs])
+                     data_address=data_address, ucx_address=ucx_address,
+                     segments=[s.to_dict() for s in specs])
 
     def heartbeat(self, node_id: str, now_s: float) -> None:
         node = self._cluster.nodes.get(node_id)
@@ -186,7 +196,30 @@ class MasterCore(MasterState):
             raise NotFound(f"no committed object under key {key!r}")
         obj.touched_s = max(obj.touched_s, now_s)
         self._lease(obj, now_s)
-        return ObjectInfo(key, obj.size, obj.checksum, tuple(obj.replicas), obj.lease_until_s)
+        info = ObjectInfo(key, obj.size, obj.checksum, tuple(obj.replicas), obj.lease_until_s)
+        if self.config.promote_on_read:
+            self._maybe_promote(obj, now_s)
+        return info
+
+    def _maybe_promote(self, obj: ObjectState, now_s: float) -> None:
+        """Orders one SSD replica of an SSD-only object back into DRAM on its node."""
+        if any(p.tier == "dram" for p in obj.replicas):
+            return
+        for p in obj.replicas:
+            if (obj.key, p.node_id) in self._demotions:
+                return  # a move of this object is already in flight
+        for p in obj.replicas:
+            target = self._cluster.allocate_on(p.node_id, ("dram",), p.size)
+            if target is None:
+                # No room: demote colder objects off this node; a later read finds room.
+                self._evict_tier("dram", now_s, need_bytes=self._cluster.length_of(p.size),
+                                 nodes={p.node_id})
+                continue
+            self._demotions[(obj.key, p.node_id)] = InFlightDemotion(p, target, now_s)
+            self._outgoing["ssd"] += self._cluster.length_of(p.size)
+            self.promotions_ordered += 1
+            self._demotion_outbox.append(Demotion(obj.key, p, target))
+            return
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is committed; no lease, no LRU refresh."""
@@ -248,7 +281,8 @@ class MasterCore(MasterState):
         self._maybe_evict(now_s)
 
     def take_demotions(self) -> list[Demotion]:
-        """Demotions ordered since the last call; carry each out, then demote_done/abort."""
+        """Tier moves (demotions to SSD, promotions to DRAM) ordered since the last call; carry
+        each out (copy source to target), then demote_done/abort."""
         out, self._demotion_outbox = self._demotion_outbox, []
         return out
 

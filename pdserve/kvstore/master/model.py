@@ -20,6 +20,7 @@ REMOVED = "removed"
 EVICTED = "evicted"  # the object is gone: its last replica was evicted, lost or corrupt
 REPLICA_DROPPED = "replica_dropped"  # one replica gone, the object still has others
 DEMOTED = "demoted"  # a replica moved from DRAM to SSD on the same node
+PROMOTED = "promoted"  # a replica moved back from SSD to DRAM on the same node (read again)
 
 
 class MasterError(Exception):
@@ -103,6 +104,7 @@ class Placement:
     offset: int
     size: int
     tier: str
+    ucx_address: str = ""  # the node's UCX listener; "" when it serves none
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

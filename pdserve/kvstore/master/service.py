@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def placement_pb(p: Placement) -> pb.Placement:
     return pb.Placement(node_id=p.node_id, host_id=p.host_id, data_address=p.data_address,
                         segment_id=p.segment_id, shm_path=p.shm_path, offset_bytes=p.offset,
-                        size_bytes=p.size, tier=p.tier)
+                        size_bytes=p.size, tier=p.tier, ucx_address=p.ucx_address)
 
 
 def _status_of(e: MasterError) -> tuple[grpc.StatusCode, str]:
@@ -164,7 +164,8 @@ class MasterService(pb_grpc.KVMasterServicer):
     def RegisterNode(self, request, context):
         segs = [(s.segment_id, s.size_bytes, s.tier, s.shm_path) for s in request.segments]
         self._serve(context, lambda now: self.core.register_node(
-            request.node_id, request.host_id, request.data_address, segs, now))
+            request.node_id, request.host_id, request.data_address, segs, now,
+            request.ucx_address))
         return pb.RegisterNodeResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     def Heartbeat(self, request, context):

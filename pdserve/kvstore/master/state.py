@@ -23,7 +23,8 @@ from typing import Any, Iterable
 from pdserve.kvstore.master.cluster import Cluster
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.master.model import (
-    DEMOTED, EVICTED, NODE_DEAD, NODE_JOINED, REMOVED, REPLICA_DROPPED, STORED, TIERS, Event,
+    DEMOTED, EVICTED, NODE_DEAD, NODE_JOINED, PROMOTED, REMOVED, REPLICA_DROPPED, STORED, TIERS,
+    Event,
     EventsLost, Placement, Record, RestoreError, SegmentSpec,
 )
 
@@ -119,7 +120,8 @@ class MasterState:
         if f["node_id"] in self._cluster.nodes:
             raise RestoreError(f"node {f['node_id']!r} registered twice without node_dead")
         segments = [SegmentSpec.from_dict(s) for s in f["segments"]]
-        self._cluster.add_node(f["node_id"], f["host_id"], f["data_address"], segments, now_s)
+        self._cluster.add_node(f["node_id"], f["host_id"], f["data_address"], segments, now_s,
+                               f.get("ucx_address", ""))
         self._emit(NODE_JOINED, "", (f["node_id"],))
 
     def _apply_node_dead(self, f: dict, now_s: float) -> None:
@@ -181,7 +183,7 @@ class MasterState:
             raise RestoreError(f"demote of {obj.key!r}: extent {target} is not free")
         obj.replicas = [target if p is source else p for p in obj.replicas]
         self._release(source, obj.lease_until_s, now_s)
-        self._emit(DEMOTED, obj.key, (f["node_id"],))
+        self._emit(PROMOTED if target.tier == "dram" else DEMOTED, obj.key, (f["node_id"],))
 
     def _apply_pin(self, f: dict, now_s: float) -> None:
         self._objects[f["key"]].pin_until_s = f["pin_until_s"]
@@ -283,7 +285,8 @@ class MasterState:
             self._event_seq = int(snap["event_seq"])
             for n in snap["nodes"]:
                 self._cluster.add_node(n["node_id"], n["host_id"], n["data_address"],
-                                       [SegmentSpec.from_dict(s) for s in n["segments"]], now_s)
+                                       [SegmentSpec.from_dict(s) for s in n["segments"]], now_s,
+                                       n.get("ucx_address", ""))
             for o in snap["objects"]:
                 replicas = [Placement.from_dict(p) for p in o["replicas"]]
                 for p in replicas:

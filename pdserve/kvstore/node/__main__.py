@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="data connections served at once")
     parser.add_argument("--frame-timeout-s", type=float, default=30.0,
                         help="seconds one request may take once started")
+    parser.add_argument("--ucx-port", type=int, default=None,
+                        help="also serve the DRAM segment over UCX on this port (0: any free "
+                             "port); needs ucxx (pip install ucxx-cu12)")
     parser.add_argument("--master", default=None,
                         help="comma-separated master addresses to register with and heartbeat")
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             node_id=args.node_id, host_id=args.host_id, dram_bytes=args.dram_bytes,
             data_address=args.data_address, shm_dir=args.shm_dir, ssd_dir=args.ssd_dir,
             ssd_bytes=args.ssd_bytes, ssd_fsync=args.ssd_fsync,
-            max_connections=args.max_connections, frame_timeout_s=args.frame_timeout_s)
+            max_connections=args.max_connections, frame_timeout_s=args.frame_timeout_s,
+            ucx_port=args.ucx_port)
     except ConfigError as e:
         parser.error(str(e))
 

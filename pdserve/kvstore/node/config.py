@@ -41,6 +41,8 @@ class NodeConfig:
     max_connections: int = 64
     # A request, once its first byte arrived, must complete within this many seconds.
     frame_timeout_s: float = 30.0
+    # Also serve the DRAM segment over UCX on this port (0: any free port; None: no UCX).
+    ucx_port: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not _NODE_ID.fullmatch(self.node_id):
@@ -64,5 +66,8 @@ class NodeConfig:
         if not isinstance(self.max_connections, int) or self.max_connections < 1:
             raise ConfigError(
                 f"max_connections must be an integer >= 1, got {self.max_connections!r}")
+        if self.ucx_port is not None and (not isinstance(self.ucx_port, int)
+                                          or not 0 <= self.ucx_port <= 65535):
+            raise ConfigError(f"ucx_port must be an integer in [0, 65535], got {self.ucx_port!r}")
         if not self.frame_timeout_s > 0:
             raise ConfigError(f"frame_timeout_s must be > 0, got {self.frame_timeout_s!r}")

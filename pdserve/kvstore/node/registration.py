@@ -35,7 +35,7 @@ class Membership:
     def _request(self) -> pb.RegisterNodeRequest:
         return pb.RegisterNodeRequest(
             node_id=self.info.node_id, host_id=self.info.host_id,
-            data_address=self.info.data_address,
+            data_address=self.info.data_address, ucx_address=self.info.ucx_address,
             segments=[pb.SegmentInfo(segment_id=s.segment_id, size_bytes=s.size_bytes,
                                      tier=s.tier, shm_path=s.shm_path)
                       for s in self.info.segments])

@@ -44,6 +44,7 @@ class NodeInfo:
     host_id: str
     data_address: str
     segments: tuple[SegmentInfo, ...]
+    ucx_address: str = ""  # "" when the node serves no UCX
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -60,6 +61,7 @@ class StorageNode:
         self._segments: dict[str, ShmSegment] = {}
         self._ssd: SsdTier | None = None
         self._server: DataServer | None = None
+        self._ucx_server = None
         self.info: NodeInfo | None = None
 
     def start(self) -> NodeInfo:
@@ -83,11 +85,25 @@ class StorageNode:
                                       max_connections=c.max_connections,
                                       frame_timeout_s=c.frame_timeout_s)
             address = self._server.start()
+            ucx_address = self._start_ucx(address) if c.ucx_port is not None else ""
         except (SegmentError, SsdError, OSError) as e:
             self.stop()
             raise NodeStartError(f"node {c.node_id}: {e}") from None
-        self.info = NodeInfo(c.node_id, c.host_id, address, tuple(infos))
+        self.info = NodeInfo(c.node_id, c.host_id, address, tuple(infos), ucx_address)
         return self.info
+
+    def _start_ucx(self, data_address: str) -> str:
+        """Serves the DRAM segment over UCX too, on the data server's host; its address."""
+        from pdserve.kvstore.node.ucx_server import UcxDataServer  # imports ucxx: only if asked
+        from pdserve.kvstore.transport.ucx import ucx_available
+
+        if not ucx_available():
+            raise NodeStartError(f"node {self.config.node_id}: ucx_port is set but ucxx is not "
+                                 "installed (pip install ucxx-cu12) or PDSERVE_UCX=0")
+        host = data_address.rpartition(":")[0].strip("[]")
+        self._ucx_server = UcxDataServer(self._segments, host, self.config.ucx_port or 0,
+                                         self.config.max_connections)
+        return self._ucx_server.start()
 
     def _remove_stale_segments(self) -> None:
         """Unlink segment files an earlier incarnation of this node left behind (killed with
@@ -107,6 +123,9 @@ class StorageNode:
 
     def stop(self) -> None:
         """Stops serving, then unmaps and unlinks every segment. Idempotent."""
+        if self._ucx_server is not None:
+            self._ucx_server.stop()
+            self._ucx_server = None
         if self._server is not None:
             self._server.stop()
             self._server = None

@@ -79,6 +79,7 @@ class Extent:
     offset: int
     size: int  # bytes reserved; a transfer may use a prefix of them
     tier: str = "dram"  # "dram" | "ssd"
+    ucx_address: str = ""  # "host:port" of the node's UCX listener; "" if it serves none
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:

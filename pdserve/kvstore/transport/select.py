@@ -1,7 +1,7 @@
 """Which transport reaches a replica from here: a pure choice from host ids and the tier.
 
-Owns the rule: for DRAM, shared memory on the same host, UCX across hosts where it is available,
-TCP otherwise; for SSD always TCP (the node reads and writes its own files). Must not construct
+Owns the rule: for DRAM, shared memory on the same host, UCX across hosts where both this process
+and the node have it, TCP otherwise; for SSD always TCP (the node reads and writes its own files). Must not construct
 transports or do I/O beyond asking (once, cached) whether UCX is available.
 """
 
@@ -15,15 +15,16 @@ TransportKind = Literal["shm", "ucx", "tcp"]
 
 
 def pick_transport(extent_host_id: str, my_host_id: str, *, tier: str = "dram",
-                   ucx: bool | None = None) -> TransportKind:
+                   ucx: bool | None = None, node_serves_ucx: bool = True) -> TransportKind:
     """The transport kind for an extent on host `extent_host_id`, seen from `my_host_id`.
 
-    `ucx` overrides the UCX availability check (None: `ucx_available()`).
+    `ucx` overrides this process's UCX availability check (None: `ucx_available()`);
+    `node_serves_ucx` says whether the extent's node has a UCX listener.
     """
     if tier == "ssd":
         return "tcp"
     if extent_host_id == my_host_id:
         return "shm"
-    if ucx if ucx is not None else ucx_available():
+    if node_serves_ucx and (ucx if ucx is not None else ucx_available()):
         return "ucx"
     return "tcp"

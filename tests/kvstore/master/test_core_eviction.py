@@ -87,8 +87,9 @@ def test_sampled_eviction_takes_the_oldest_of_each_window() -> None:
 
 
 def test_dram_eviction_demotes_to_ssd_on_the_same_node() -> None:
+    # Promotion on read is tested on its own below; here reads must not move anything back.
     core = make_core(nodes=2, dram_pages=10, ssd_pages=100, high_watermark=0.8,
-                     low_watermark=0.6)
+                     low_watermark=0.6, promote_on_read=False)
     for i in range(16):
         put(core, KEYS[i], now_s=i)  # 16/20 pages: at, not past, 80%
     put(core, "new", now_s=20)  # 17/20: demote down to 12/20, the five oldest
@@ -186,3 +187,64 @@ def test_default_eviction_is_exact_lru_over_many_objects() -> None:
     kept = set(keys_of(core, KEYS[:90]))
     expected = {KEYS[i] for i in order[-49:]}  # the 49 most recently read (+ "new" = 50)
     assert kept == expected
+
+
+def _demote_everything_but(core, keep: int, now_s: float) -> list:
+    orders = core.take_demotions()
+    for d in orders:
+        assert core.demote_done(d.key, d.source.node_id, now_s=now_s)
+    core.reclaim_pending(now_s=now_s + 100)  # leases over: demoted DRAM extents freed
+    return orders
+
+
+def test_reading_an_object_that_lives_only_on_ssd_promotes_it_back_to_dram() -> None:
+    core = make_core(dram_pages=10, ssd_pages=100, high_watermark=0.8, low_watermark=0.6)
+    for i in range(9):
+        put(core, KEYS[i], now_s=i)  # 9/10 pages: the three oldest are demoted
+    demoted = _demote_everything_but(core, 6, now_s=10)
+    cold = demoted[0].key
+    assert [p.tier for p in core.get(cold, now_s=200).replicas] == ["ssd"]  # served from SSD
+    [promo] = core.take_demotions()
+    assert promo.key == cold and promo.source.tier == "ssd" and promo.target.tier == "dram"
+    assert promo.source.node_id == promo.target.node_id
+    core.check_invariants()
+    # A second read while the copy runs orders nothing more and still reads the SSD copy.
+    assert [p.tier for p in core.get(cold, now_s=201).replicas] == ["ssd"]
+    assert core.take_demotions() == []
+    assert core.demote_done(cold, promo.source.node_id, now_s=202)
+    assert core.get(cold, now_s=203).replicas == (promo.target,)
+    assert core.events_since(0)[-1].kind == "promoted"
+    core.reclaim_pending(now_s=400)
+    assert core.stats()["ssd"].used_bytes == (len(demoted) - 1) * PAGE  # the SSD copy freed
+    core.check_invariants()
+    # The journal replays to the same placement.
+    restored = core.restore(core.config, None, core.take_journal(), now_s=500)
+    assert restored.get(cold, now_s=500).replicas == (promo.target,)
+
+
+def test_promotion_makes_room_by_demoting_colder_objects_and_can_be_turned_off() -> None:
+    core = make_core(dram_pages=10, ssd_pages=100, high_watermark=1.0, low_watermark=0.9)
+    for i in range(10):
+        put(core, KEYS[i], now_s=i)  # DRAM exactly full
+    [hot] = put(core, "hot", now_s=10)  # no room: k000's demotion starts, "hot" lands on SSD
+    assert hot.tier == "ssd"
+    [first] = core.take_demotions()
+    assert first.key == KEYS[0]
+    core.get("hot", now_s=11)  # DRAM full (k000's copy still running): demote a colder one
+    [second] = core.take_demotions()
+    assert second.key == KEYS[1] and second.source.tier == "dram"
+    for d in (first, second):
+        core.demote_done(d.key, "n0", now_s=12)
+    core.reclaim_pending(now_s=200)
+    core.get("hot", now_s=201)  # now there is room: "hot" comes back
+    [promo] = core.take_demotions()
+    assert promo.key == "hot" and promo.target.tier == "dram"
+    core.check_invariants()
+
+    off = make_core(dram_pages=10, ssd_pages=100, high_watermark=0.8, low_watermark=0.6,
+                    promote_on_read=False)
+    for i in range(9):
+        put(off, KEYS[i], now_s=i)
+    demoted = _demote_everything_but(off, 6, now_s=10)
+    off.get(demoted[0].key, now_s=200)
+    assert off.take_demotions() == []

@@ -33,8 +33,13 @@ def test_pick_transport():
     assert pick_transport("h1", "h2") == ("ucx" if ucx_available() else "tcp")
 
 
-def test_ucx_is_an_honest_stub():
-    assert ucx_available() is False  # nodes serve TCP only, whether or not ucxx is installed
+def test_pick_transport_needs_a_node_that_serves_ucx():
+    assert pick_transport("h1", "h2", ucx=True, node_serves_ucx=False) == "tcp"
+
+
+def test_ucx_transport_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("PDSERVE_UCX", "0")
+    assert ucx_available() is False
     with pytest.raises(TransportUnavailable, match="UcxTransport unavailable"):
         UcxTransport()
 
