@@ -34,6 +34,10 @@ class ObjectNotFound(DistStoreError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class PutInProgress(DistStoreError):
+    """Another writer is putting the same key right now (the master answered ABORTED)."""
+
+
 class AllReplicasBad(DistStoreError):
     """Every replica failed its checksum or could not be read: the caller recomputes."""
 
@@ -77,6 +81,8 @@ class DistStoreClient:
                 return out
             except grpc.RpcError as e:
                 # A standby answers UNAVAILABLE (not the leader); a dead master too. Try the next.
+                if e.code() == grpc.StatusCode.ABORTED:
+                    raise PutInProgress(f"{method}: {e.details()}") from None
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise DistStoreError(f"{method}: {e.code().name}: {e.details()}") from None
                 last = e
@@ -114,11 +120,17 @@ class DistStoreClient:
 
     # ---- data ---------------------------------------------------------------------------------
     def put_from(self, key: str, buffer, replicas: int = 1) -> bool:
-        """Store the bytes of `buffer` under `key`; False if the key was already stored."""
+        """Store the bytes of `buffer` under `key`; False if the key was already stored or
+        another writer is storing it right now (keys name content, so theirs are the same
+        bytes; a reader that comes before their commit misses and recomputes)."""
         view = memoryview(buffer).cast("B")
         checksum = object_checksum(view)
-        start = self._call("PutStart", pb.PutStartRequest(key=key, size_bytes=view.nbytes,
-                                                          checksum=checksum, replicas=replicas))
+        try:
+            start = self._call("PutStart", pb.PutStartRequest(key=key, size_bytes=view.nbytes,
+                                                              checksum=checksum,
+                                                              replicas=replicas))
+        except PutInProgress:
+            return False
         if start.already_exists:
             return False
         try:

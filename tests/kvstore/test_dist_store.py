@@ -110,6 +110,14 @@ def test_put_get_over_shared_memory_and_tcp_with_two_replicas(cluster):
         assert local.longest_prefix(["k0", "k1", "nope", "k2"]) == 2
         with pytest.raises(ObjectNotFound):
             local.get_into("nope", np.zeros(10, dtype=np.uint8))
+        # Two writers of the same content-named key at once (two prefills of one prompt): the
+        # second steps aside instead of failing, and the first one's commit serves readers.
+        data = payload(9, 8192)
+        local._call("PutStart", pb.PutStartRequest(key="race", size_bytes=8192, replicas=1))
+        assert not remote.put_from("race", data)
+        assert not local.exists(["race"])[0]
+        local._call("PutAbort", pb.PutAbortRequest(key="race"))
+        assert remote.put_from("race", data)
 
 
 def test_storage_node_killed_with_two_replicas_every_object_reads_back(cluster):
