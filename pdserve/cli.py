@@ -26,18 +26,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     rpc.catch_stop_signals()  # Ctrl-C or SIGTERM while starting still stops every child
     spec = ClusterSpec(model_path=args.model or _default_model(), dtype=args.dtype, host=args.host,
                        router_port=args.port, store_port=args.store_port,
+                       http_host=args.http_host, http_port=None if args.no_http else args.http_port,
                        worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,
                        decode_workers=args.decode_workers, num_blocks=args.num_blocks,
                        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
-                       threads_per_worker=args.threads_per_worker)
+                       threads_per_worker=args.threads_per_worker, routing=args.routing)
     cluster = LocalCluster(spec)
     try:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
                             f"{spec.decode_workers} decode workers, router ({spec.model_path})"):
             cluster.start()
-        console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address} "
+        http = f", OpenAI API on http://{cluster.http_address}/v1" if cluster.http_address else ""
+        console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address}{http} "
                       f"(logs in {cluster.log_dir}); Ctrl-C stops it")
-        print(f"pdserve ready on {cluster.router_address}", flush=True)
+        http_note = f" http={cluster.http_address}" if cluster.http_address else ""
+        print(f"pdserve ready on {cluster.router_address}{http_note}", flush=True)
         rpc.wait_for_signal()
     except Exception as e:  # a child failed to start: say which and why
         console.print(f"[bold red]pdserve failed to start[/]: {e}")
@@ -91,11 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    s.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP API host")
+    s.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port (0: a free port, printed when ready)")
+    s.add_argument("--no-http", action="store_true", help="serve gRPC only")
     s.add_argument("--store-port", type=int, default=50070)
     s.add_argument("--worker-base-port", type=int, default=50061)
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
     s.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
+    s.add_argument("--routing", default="auto",
+                   choices=["auto", "round_robin", "least_loaded", "power_of_two", "kv_aware"],
+                   help="prefill routing policy (auto: kv_aware with 2+ prefill workers, "
+                        "else round_robin)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="compute threads per worker (default: this machine's cores split evenly)")
     s.add_argument("--ready-timeout-s", type=float, default=300.0)
@@ -119,12 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     from pdserve.bench import decode as bench_decode
     from pdserve.bench import kvstore as bench_kvstore
+    from pdserve.bench import route as bench_route
 
     d = bsub.add_parser("decode", help="engine decode/prefill tokens/s vs transformers")
     bench_decode.add_arguments(d)
     d.set_defaults(func=bench_decode.run)
     k = bsub.add_parser("kvstore", help="KV store put/get GB/s, batch gets, trace hit rate")
     bench_kvstore.add_arguments(k).set_defaults(func=bench_kvstore.run)
+    r = bsub.add_parser("route", help="prefix-cache hit rate and TTFT per routing policy on "
+                                      "the Mooncake trace")
+    bench_route.add_arguments(r).set_defaults(func=bench_route.run)
     return p
 
 

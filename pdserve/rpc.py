@@ -74,6 +74,11 @@ def make_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=_OPTIONS)
 
 
+def make_aio_channel(address: str) -> grpc.aio.Channel:
+    """As make_channel, for asyncio callers; create it inside the event loop that uses it."""
+    return grpc.aio.insecure_channel(address, options=_OPTIONS)
+
+
 def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
     """Polls the health service at `address` until `service` is SERVING.
 

@@ -6,7 +6,7 @@ Owns only the mapping (and the proto defaults' meaning); validation stays in
 
 from __future__ import annotations
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.proto import common_pb2
 
 DEFAULT_MAX_TOKENS = 16  # as vLLM's completions API when the client sets none
@@ -30,6 +30,7 @@ def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
 
 
@@ -39,7 +40,15 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     return msg
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[common_pb2.Logprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
 def finish_to_proto(reason: str | None) -> int:

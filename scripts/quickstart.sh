@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PORT=${PDSERVE_PORT:-50051}
+HTTP_PORT=${PDSERVE_HTTP_PORT:-8000}
 log=$(mktemp -t pdserve-serve.XXXXXX)
-pdserve serve --port "$PORT" >"$log" 2>&1 &
+pdserve serve --port "$PORT" --http-port "$HTTP_PORT" >"$log" 2>&1 &
 serve_pid=$!
 trap 'kill -TERM $serve_pid 2>/dev/null; wait $serve_pid 2>/dev/null' EXIT INT TERM
 echo "starting pdserve (log: $log) ..."
@@ -18,5 +19,8 @@ echo "ready on 127.0.0.1:$PORT; asking it something:"
 pdserve generate --chat --max-tokens 64 --address "127.0.0.1:$PORT" \
   "What are three good reasons to split LLM prefill and decode onto different machines?"
 echo
-echo "Still serving on 127.0.0.1:$PORT: try  pdserve generate --chat \"Hello\"  in another shell. Ctrl-C stops it."
+echo "Still serving on 127.0.0.1:$PORT: try  pdserve generate --chat \"Hello\"  in another shell,"
+echo "or the OpenAI-compatible API:  curl http://127.0.0.1:${HTTP_PORT}/v1/chat/completions \\"
+echo "  -H 'content-type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'"
+echo "Ctrl-C stops it."
 wait $serve_pid

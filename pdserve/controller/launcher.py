@@ -8,6 +8,7 @@ says SERVING. `stop()` sends SIGTERM to all, waits, and kills whatever is left.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,10 @@ class ClusterSpec:
     dtype: str = "float32"
     host: str = "127.0.0.1"
     router_port: int = 50051
+    # The router's OpenAI-compatible HTTP API: None turns it off, 0 picks a free port
+    # (LocalCluster.http_address says which).
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 8000
     store_port: int = 50070
     worker_base_port: int = 50061
     prefill_workers: int = 1
@@ -36,6 +41,9 @@ class ClusterSpec:
     log_dir: str | None = None
     worker_ports: tuple[int, ...] | None = None  # explicit ports (prefill first); else base + i
     threads_per_worker: int | None = None  # None: split this machine's cores among the workers
+    # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
+    # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
+    routing: str = "auto"
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -66,6 +74,9 @@ class LocalCluster:
     spec: ClusterSpec
     children: list[Child] = field(default_factory=list)
     log_dir: str = ""
+    http_address: str | None = None  # "host:port" of the OpenAI HTTP API once started
+    # Worker address -> its Prometheus /metrics URL (pdserve.metrics), once started.
+    worker_metrics: dict = field(default_factory=dict)
 
     @property
     def router_address(self) -> str:
@@ -138,20 +149,82 @@ class LocalCluster:
                     "--num-blocks", str(s.num_blocks),
                     "--block-size-tokens", str(s.block_size_tokens),
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-                    "--threads", str(s.worker_threads())]))
+                    "--threads", str(s.worker_threads()), "--metrics-port", "0"]))
             self._wait([master])
             self._wait_store_nodes(store_addr, [node])
             self._wait(workers)
+            for w in workers:  # each worker's Prometheus endpoint (a free port)
+                self.worker_metrics[w.address] = self._ready_field(w, "metrics")
             prefill = ",".join(w.address for w in workers if w.name.startswith("prefill"))
             decode = ",".join(w.address for w in workers if w.name.startswith("decode"))
+            http = [] if s.http_port is None else ["--http-host", s.http_host,
+                                                   "--http-port", str(s.http_port)]
+            # One request never holds more KV than a worker's pool: the router refuses longer
+            # ones up front, and chat's default max_tokens (the rest of the context) fits.
+            capacity = str(s.num_blocks * s.block_size_tokens)
             router = self._spawn("router", self.router_address, [
                 "pdserve.router", "--model", s.model_path, "--address", self.router_address,
-                "--prefill", prefill, "--decode", decode])
+                "--prefill", prefill, "--decode", decode, "--max-model-len-tokens", capacity,
+                *http, *self.routing_args(s.routing)])
             self._wait([router])
+            if http:
+                self.http_address = self._ready_field(router, "http")
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def store_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.store_port}"
+
+    def worker_addresses(self, role: str) -> list[str]:
+        """Addresses of the running workers started in `role` ("prefill" or "decode")."""
+        return [c.address for c in self.children if c.name.startswith(f"{role}-")]
+
+    def routing_args(self, routing: str) -> list[str]:
+        return ["--routing", routing, "--block-size-tokens", str(self.spec.block_size_tokens),
+                "--store-address", self.store_address]
+
+    def add_router(self, name: str, port: int, routing: str, extra_args: tuple[str, ...] = ()
+                   ) -> str:
+        """Start one more router (gRPC only) over this cluster's workers, with its own policy
+        and `extra_args` (e.g. admission bounds, an API key file); returns its address once
+        healthy. `stop()` stops it with the rest."""
+        address = f"{self.spec.host}:{port}"
+        child = self._spawn(name, address, [
+            "pdserve.router", "--model", self.spec.model_path, "--address", address,
+            "--prefill", ",".join(self.worker_addresses("prefill")),
+            "--decode", ",".join(self.worker_addresses("decode")), *self.routing_args(routing),
+            "--max-model-len-tokens", str(self.spec.num_blocks * self.spec.block_size_tokens),
+            *extra_args])
+        self._wait([child])
+        return address
+
+    def stop_child(self, address: str, timeout_s: float = 10.0) -> None:
+        """Stop the child serving `address` (e.g. a router from add_router)."""
+        for c in [c for c in self.children if c.address == address]:
+            c.proc.send_signal(signal.SIGTERM)
+            try:
+                c.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+            self.children.remove(c)
+
+    def _ready_field(self, child: Child, key: str, timeout_s: float = 30.0) -> str:
+        """`key=value` from the child's ready line (printed just after its gRPC is healthy)."""
+        deadline = time.monotonic() + timeout_s
+        pattern = re.compile(rf" ready on \S+ .*\b{key}=(\S+)")
+        while True:
+            with open(child.log_path, errors="replace") as f:
+                m = pattern.search(f.read())
+            if m:
+                return m.group(1)
+            if child.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{child.name} printed no ready line with {key}=; its log "
+                                   f"({child.log_path}) ends:\n{_tail(child.log_path)}")
+            time.sleep(0.05)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         # Router first (no new requests), then workers, then the store they write to.

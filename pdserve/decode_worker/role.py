@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_blocks import fetch_run
 
@@ -23,6 +23,7 @@ from pdserve.worker.kv_blocks import fetch_run
 class DecodeChunk:
     token_ids: list[int]
     finish_reason: str | None  # set on the last chunk
+    logprobs: list[TokenLogprobs] | None = None  # parallel to token_ids, when asked for
 
 
 class DecodeRole:
@@ -81,7 +82,8 @@ class DecodeRole:
                     raise item.error
                 out = item.output
                 assert out is not None
-                yield DecodeChunk(out.new_token_ids, out.finish_reason if out.finished else None)
+                yield DecodeChunk(out.new_token_ids, out.finish_reason if out.finished else None,
+                                  out.logprobs)
                 if out.finished:
                     return
         except GeneratorExit:

@@ -6,12 +6,18 @@ cached blocks that nobody holds. It must not touch tensors: it hands out block i
 Hashes are chained: a block's hash covers its parent's hash, its tokens and a salt (the tenant),
 so two prompts share a block only if they share everything before it too, and one tenant never
 hits another's blocks (invariant 6).
+
+The pool also reports its prefix cache's changes (`BlockEventLog`): a block registered under a
+hash is "stored", a cached block taken for other content is "removed". The log is bounded: past
+`max_events` the oldest go (counted), and a reader that asks for lost events is told to resync
+from a snapshot of the cached hashes. The worker streams it to routers (KV-aware routing).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 
@@ -36,6 +42,54 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, salt: str = "",
     return hashes
 
 
+STORED = "stored"
+REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    seq: int
+    kind: str  # STORED or REMOVED
+    block_hash: bytes
+
+
+class BlockEventLog:
+    """Bounded log of prefix-cache changes. Written by the engine thread; read by RPC threads
+    (hence the condition), which wait for new events instead of polling."""
+
+    def __init__(self, max_events: int = 4096) -> None:
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        self._events: deque[BlockEvent] = deque(maxlen=max_events)
+        self._cond = threading.Condition()
+        self.last_seq = 0
+        self.dropped = 0
+
+    def append(self, kind: str, block_hash: bytes) -> None:
+        with self._cond:
+            if len(self._events) == self._events.maxlen:
+                self.dropped += 1
+            self.last_seq += 1
+            self._events.append(BlockEvent(self.last_seq, kind, block_hash))
+            self._cond.notify_all()
+
+    def since(self, seq: int) -> tuple[list[BlockEvent], bool]:
+        """(events with seq > `seq`, lost): lost means some of them were dropped, and the
+        reader must resync from a snapshot."""
+        with self._cond:
+            if seq >= self.last_seq:
+                return [], False
+            first = self._events[0].seq if self._events else self.last_seq + 1
+            if seq < first - 1:
+                return [], True
+            return list(self._events)[seq - first + 1:], False
+
+    def wait(self, seq: int, timeout_s: float) -> bool:
+        """Block until an event after `seq` exists or `timeout_s` passes; True if one does."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.last_seq > seq, timeout=timeout_s)
+
+
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than asked for (the scheduler checks first)."""
 
@@ -49,7 +103,7 @@ class PoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, max_events: int = 4096) -> None:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -57,6 +111,7 @@ class BlockPool:
         # Blocks with ref 0, oldest first: a plain free block or a cached one to evict last-used-first.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.evictions = 0
+        self.events = BlockEventLog(max_events)
 
     @property
     def num_free(self) -> int:
@@ -83,6 +138,7 @@ class BlockPool:
                 del self.by_hash[old]
                 self.block_hash[bid] = None
                 self.evictions += 1
+                self.events.append(REMOVED, old)
             self.ref[bid] = 1
             out.append(bid)
         return out
@@ -106,6 +162,11 @@ class BlockPool:
             return  # already cached (maybe by another block holding the same content)
         self.block_hash[block_id] = h
         self.by_hash[h] = block_id
+        self.events.append(STORED, h)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds now (the snapshot a resync starts from)."""
+        return list(self.by_hash)
 
     def stats(self) -> PoolStats:
         return PoolStats(self.num_blocks, len(self.free), len(self.by_hash), self.evictions)

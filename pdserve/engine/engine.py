@@ -18,7 +18,8 @@ from pdserve.engine.block_pool import BlockPool, hash_block
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.loader import load_checkpoint
 from pdserve.engine.model import LlamaModel, StepInput
-from pdserve.engine.sampling import InvalidArgumentError, SamplingParams, sample
+from pdserve.engine.sampling import (InvalidArgumentError, SamplingParams, TokenLogprobs, sample,
+                                     token_logprobs)
 from pdserve.engine.scheduler import Scheduler, Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,6 +34,8 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     prefill_done: bool = False  # prefill-only request: first token sampled, KV parked for export
+    # Parallel to new_token_ids when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -217,8 +220,12 @@ class LLMEngine:
             logits = self.model.compute_logits(hidden[rows])
             tokens = sample(logits, [s.params for s in samplers],
                             [len(s.output_ids) for s in samplers])
-            for seq, tok in zip(samplers, tokens):
-                outputs.append(self._append(seq, tok))
+            lps = token_logprobs(logits, tokens, [s.params.logprobs for s in samplers])
+            for seq, tok, lp in zip(samplers, tokens, lps):
+                out = self._append(seq, tok)
+                if lp is not None:
+                    out.logprobs = [lp]
+                outputs.append(out)
         return outputs
 
     def _check_stop(self, seq: Sequence, tok: int) -> bool:

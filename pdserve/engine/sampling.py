@@ -4,13 +4,18 @@ Owns the rules that turn logits into tokens: greedy, temperature, top-k, top-p, 
 seed. Randomness is drawn from a generator seeded by (seed, output index), so the token at a given
 position is the same whichever process samples it: the prefill worker samples the first token and
 the decode worker the rest, and a seeded request still reproduces the single-process result.
+
+Also owns log-probabilities: when a request asks for them, each sampled token is reported with its
+log-probability and the top-k alternatives, from the model's raw logits (log_softmax before
+temperature, top-k and top-p, as vLLM's default "raw logprobs"). Reporting never changes which
+token is sampled.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,6 +29,18 @@ class InvalidArgumentError(ValueError):
         self.message = message
 
 
+MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the `k` most likely tokens (best first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
@@ -34,6 +51,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
 
     def validate(self, *, max_model_len: int | None = None, prompt_len: int | None = None,
                  vocab_size: int | None = None) -> None:
@@ -62,6 +80,11 @@ class SamplingParams:
         for s in self.stop:
             if not s:
                 raise InvalidArgumentError("stop", "stop strings must be non-empty")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidArgumentError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], "
+                                       f"got {self.logprobs!r}")
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a concrete seed, so every hop samples from the same stream."""
@@ -107,3 +130,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], out_index: list[i
         gen = torch.Generator().manual_seed(_mix(p.seed or 0, out_index[i]))
         tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int],
+                   ks: list[int | None]) -> list[TokenLogprobs | None]:
+    """logits [n, V] (raw, as the model gave them); per row, the sampled token's logprob and the
+    top ks[i] alternatives, or None where ks[i] is None. Only the rows that ask are computed."""
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    index = torch.tensor([[tokens[i]] for i in rows], device=logp.device)
+    chosen = logp.gather(1, index).squeeze(1).tolist()
+    k_max = max(ks[i] for i in rows)
+    top_v, top_i = torch.topk(logp, k_max, dim=-1) if k_max else (None, None)
+    for j, i in enumerate(rows):
+        k = ks[i]
+        top = (list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else [])
+        out[i] = TokenLogprobs(tokens[i], chosen[j], top)
+    return out

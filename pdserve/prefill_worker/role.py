@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 
 from pdserve.engine.block_pool import prompt_block_hashes
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_blocks import block_key, block_to_buffer, fetch_run
 
@@ -26,6 +26,7 @@ class PrefillResult:
     keys: list[str]
     num_tokens: int
     num_cached_tokens: int
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 class PrefillRole:
@@ -90,7 +91,8 @@ class PrefillRole:
             self.blocks_deduped += len(keys) - len(todo)
         out = item.output
         return PrefillResult(out.new_token_ids[0], out.finish_reason if out.finished else None,
-                             kv.block_hashes, keys, kv.num_tokens, out.num_cached_tokens)
+                             kv.block_hashes, keys, kv.num_tokens, out.num_cached_tokens,
+                             out.logprobs[0] if out.logprobs else None)
 
 
 

@@ -13,9 +13,18 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     ROLE_PREFILL: _ClassVar[Role]
     ROLE_DECODE: _ClassVar[Role]
+
+class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_STORED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_REMOVED: _ClassVar[KvEventKind]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
+KV_EVENT_KIND_UNSPECIFIED: KvEventKind
+KV_EVENT_KIND_STORED: KvEventKind
+KV_EVENT_KIND_REMOVED: KvEventKind
 
 class KvHandle(_message.Message):
     __slots__ = ("model_id", "tenant_salt", "block_size_tokens", "num_tokens", "block_hashes", "keys", "store_address")
@@ -48,18 +57,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "finish_reason", "kv", "num_cached_tokens")
+    __slots__ = ("request_id", "first_token_id", "finish_reason", "kv", "num_cached_tokens", "first_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     finish_reason: _common_pb2.FinishReason
     kv: KvHandle
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    first_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv")
@@ -76,12 +87,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason")
+    __slots__ = ("token_ids", "finish_reason", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -120,7 +133,14 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store")
+    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport")
+    class KvStoreReadsByTransportEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +156,7 @@ class WorkerStats(_message.Message):
     ROLE_SWITCHES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FROM_STORE_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_READS_BY_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
     num_running: int
@@ -151,4 +172,33 @@ class WorkerStats(_message.Message):
     role_switches: int
     weight_loads: int
     kv_blocks_from_store: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ...) -> None: ...
+    kv_store_reads_by_transport: _containers.ScalarMap[str, int]
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvCacheEvent(_message.Message):
+    __slots__ = ("kind", "block_hash")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    kind: KvEventKind
+    block_hash: bytes
+    def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("snapshot", "seq", "events", "block_size_tokens", "model_id", "events_dropped")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
+    block_size_tokens: int
+    model_id: str
+    events_dropped: int
+    def __init__(self, snapshot: _Optional[bool] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., block_size_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., events_dropped: _Optional[int] = ...) -> None: ...

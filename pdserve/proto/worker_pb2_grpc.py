@@ -60,6 +60,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/pdserve.v1.Worker/WatchKvEvents',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -103,6 +108,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """Streams this worker's prefix-cache changes for KV-aware routing: first a snapshot of every
+        cached block, then the blocks stored and removed as they happen; a new snapshot whenever
+        the reader fell behind the worker's bounded event log.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +144,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdserve_dot_proto_dot_worker__pb2.GetStatsRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +287,33 @@ class Worker:
             '/pdserve.v1.Worker/GetStats',
             pdserve_dot_proto_dot_worker__pb2.GetStatsRequest.SerializeToString,
             pdserve_dot_proto_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/WatchKvEvents',
+            pdserve_dot_proto_dot_worker__pb2.WatchKvEventsRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

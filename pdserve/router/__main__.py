@@ -6,9 +6,11 @@ import argparse
 import logging
 import sys
 
+from pdserve import logctx
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.engine.config import ConfigError
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import ROUTING_CHOICES, RouterConfig
+from pdserve.router.policy import DECODE_POLICIES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,13 +24,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len-tokens", type=int, default=None)
     p.add_argument("--rpc-threads", type=int, default=64)
     p.add_argument("--max-concurrent-rpcs", type=int, default=256)
+    p.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP API host")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP API port (0: a free port; default: no HTTP)")
+    p.add_argument("--http-max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--routing", default="auto", choices=ROUTING_CHOICES,
+                   help="prefill routing policy (auto: kv_aware with 2+ prefill workers)")
+    p.add_argument("--decode-routing", default="free_kv", choices=DECODE_POLICIES)
+    p.add_argument("--block-size-tokens", type=int, default=16,
+                   help="the workers' KV block size (prompts are hashed with it)")
+    p.add_argument("--store-address", default="",
+                   help="store master(s) whose events feed the KV index (default: none)")
+    p.add_argument("--kv-overlap-weight", type=float, default=1.0)
+    p.add_argument("--kv-fetch-weight", type=float, default=0.2)
+    p.add_argument("--kv-request-cost-tokens", type=float, default=64.0)
+    p.add_argument("--routing-seed", type=int, default=0)
+    p.add_argument("--max-in-flight", type=int, default=128,
+                   help="requests held at once; more get RESOURCE_EXHAUSTED / HTTP 429")
+    p.add_argument("--max-in-flight-per-tenant", type=int, default=0)
+    p.add_argument("--tenant-rate-rps", type=float, default=0.0,
+                   help="requests/s one tenant may start (0: no limit)")
+    p.add_argument("--tenant-burst", type=int, default=8)
+    p.add_argument("--api-keys-file", default=None,
+                   help="file of 'KEY TENANT' lines; PDSERVE_API_KEYS=KEY:TENANT,... adds more")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logctx.configure(logging.INFO)
     try:
         cfg = RouterConfig(model_path=a.model, prefill_addresses=tuple(a.prefill.split(",")),
                            decode_addresses=tuple(a.decode.split(",")), address=a.address,
                            model_name=a.model_name, max_model_len_tokens=a.max_model_len_tokens,
-                           rpc_threads=a.rpc_threads, max_concurrent_rpcs=a.max_concurrent_rpcs)
+                           rpc_threads=a.rpc_threads, max_concurrent_rpcs=a.max_concurrent_rpcs,
+                           http_host=a.http_host, http_port=a.http_port,
+                           http_max_body_bytes=a.http_max_body_bytes, routing=a.routing,
+                           decode_routing=a.decode_routing, block_size_tokens=a.block_size_tokens,
+                           store_address=a.store_address, kv_overlap_weight=a.kv_overlap_weight,
+                           kv_fetch_weight=a.kv_fetch_weight,
+                           kv_request_cost_tokens=a.kv_request_cost_tokens,
+                           routing_seed=a.routing_seed, max_in_flight=a.max_in_flight,
+                           max_in_flight_per_tenant=a.max_in_flight_per_tenant,
+                           tenant_rate_rps=a.tenant_rate_rps, tenant_burst=a.tenant_burst,
+                           api_keys_file=a.api_keys_file)
     except ConfigError as e:
         p.error(str(e))
     from pdserve.router.server import run

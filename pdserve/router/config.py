@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.config import ConfigError
+from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
+
+ROUTING_CHOICES = ("auto", *PREFILL_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,33 @@ class RouterConfig:
     rpc_threads: int = 64
     max_concurrent_rpcs: int = 256  # beyond this gRPC answers RESOURCE_EXHAUSTED
     request_timeout_s: float = 600.0
+    # Prefill policy: round_robin, least_loaded, power_of_two, kv_aware; "auto" is kv_aware
+    # with 2+ prefill workers (nothing to choose between with one: round_robin).
+    routing: str = "auto"
+    decode_routing: str = "free_kv"  # or least_loaded, round_robin, power_of_two
+    # Must equal the workers' block size: the router hashes prompts as their engines do (a
+    # worker reporting another size counts as caching nothing).
+    block_size_tokens: int = 16
+    # The store master(s) whose WatchEvents feed the index ("" = workers' caches only).
+    store_address: str = ""
+    kv_overlap_weight: float = 1.0  # KV-aware: weight of the prefill cost against queue load
+    kv_fetch_weight: float = 0.2  # a block fetched from the store costs this x computing it
+    kv_request_cost_tokens: float = 64.0  # queue load per request in flight, in prompt tokens
+    routing_seed: int = 0  # power_of_two's random draws (reproducible)
+    stats_interval_s: float = 1.0  # how often worker stats (free KV, batch) are polled
+    # The OpenAI-compatible HTTP API (pdserve.router.openai_api): None turns it off, 0 picks a
+    # free port (the ready line says which).
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    http_max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    # Admission (pdserve.router.admission): requests held at once, overall and per tenant
+    # (0: no per-tenant bound), and a per-tenant rate limit (0: none) with its burst.
+    max_in_flight: int = 128
+    max_in_flight_per_tenant: int = 0
+    tenant_rate_rps: float = 0.0
+    tenant_burst: int = 8
+    # API keys (`KEY TENANT` lines); PDSERVE_API_KEYS adds more. None and no variable: no auth.
+    api_keys_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill_addresses:
@@ -27,3 +57,28 @@ class RouterConfig:
             raise ConfigError("decode_addresses: at least one decode worker is needed")
         if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:
             raise ConfigError("rpc_threads and max_concurrent_rpcs must be >= 1")
+        if self.routing not in ROUTING_CHOICES:
+            raise ConfigError(f"routing must be one of {ROUTING_CHOICES}, got {self.routing!r}")
+        if self.decode_routing not in DECODE_POLICIES:
+            raise ConfigError(f"decode_routing must be one of {DECODE_POLICIES}, "
+                              f"got {self.decode_routing!r}")
+        if self.block_size_tokens < 1:
+            raise ConfigError(f"block_size_tokens must be >= 1, got {self.block_size_tokens}")
+        for f in ("kv_overlap_weight", "kv_fetch_weight", "kv_request_cost_tokens",
+                  "stats_interval_s"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f} must be >= 0, got {getattr(self, f)}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"http_port: must be in [0, 65535], got {self.http_port}")
+        if self.max_in_flight < 1 or self.max_in_flight_per_tenant < 0:
+            raise ConfigError("max_in_flight must be >= 1 and max_in_flight_per_tenant >= 0")
+        if self.tenant_rate_rps < 0 or self.tenant_burst < 1:
+            raise ConfigError("tenant_rate_rps must be >= 0 and tenant_burst >= 1")
+        if self.http_max_body_bytes < 1024:
+            raise ConfigError(f"http_max_body_bytes: must be >= 1024, got "
+                              f"{self.http_max_body_bytes}")
+
+    def prefill_policy(self) -> str:
+        if self.routing != "auto":
+            return self.routing
+        return "kv_aware" if len(self.prefill_addresses) >= 2 else "round_robin"

@@ -1,46 +1,249 @@
-"""Routing policies as pure cores: the workers' loads in, a choice out; no I/O, no clock.
+"""Routing policies as pure cores: a `RouteInput` in, a `RouteDecision` out; no I/O, no clock.
 
-The controller's simulator runs these unchanged. A policy sees only `WorkerLoad`s (the router's
-view of each worker), never sockets or stubs.
+The controller's simulator runs these unchanged. A policy sees only the router's view of each
+worker (`WorkerLoad`: requests and predicted prefill tokens in flight, how many of the prompt's
+leading blocks the worker caches, what the worker last reported about its KV blocks and batch),
+never sockets, stubs or the block index itself. Randomness comes from an injected
+`random.Random`, so a seeded policy makes the same choices every run.
+
+Policies:
+- `RoundRobin`, `LeastLoaded` (fewest requests in flight), `PowerOfTwo` (two random workers, the
+  less loaded of them; Mitzenmacher's power of two choices).
+- `KvAware` (prefill): cost = overlap_weight x prefill cost + queue load, after NVIDIA Dynamo's
+  KV router (`cost = overlap_score_weight x prefill_blocks + active_blocks`). The prefill cost
+  counts the prompt tokens the worker must compute, plus `fetch_weight` x the tokens it would
+  fetch from the shared store (cached there but not on the worker: read, not recomputed). The
+  queue load is the predicted prefill work already in flight to the worker (the same units)
+  plus `request_cost_tokens` per request in flight (the fixed per-request cost in token units).
+  Defaults from this repo's CPU measurements (docs/benchmarks.md, bench route): fetching a block
+  from the store costs about 0.2x computing it; a request's fixed cost about 50-60 tokens.
+- `DecodeChooser` (decode): among workers whose reported free KV blocks fit the request, the one
+  with the smallest running batch; if none fits, the one with the most free blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    address: str
-    in_flight: int  # requests the router has sent and not yet seen finish
-    healthy: bool = True
+import math
+import random
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 class NoWorkerError(RuntimeError):
     """No healthy worker of the needed role (mapped to UNAVAILABLE)."""
 
 
+@dataclass(frozen=True)
+class WorkerLoad:
+    """The router's view of one worker at the moment of a choice."""
+
+    address: str
+    in_flight: int  # requests the router has sent and not yet seen finish
+    healthy: bool = True
+    in_flight_tokens: float = 0  # predicted prefill work (token units) summed over in_flight
+    cached_blocks: int = 0  # leading blocks of this prompt in the worker's own prefix cache
+    # Last reported by the worker (GetStats); None before the first report.
+    free_blocks: int | None = None
+    running: int = 0  # requests in the worker's running batch
+    waiting: int = 0  # requests queued for admission
+
+
+@dataclass(frozen=True)
+class RouteInput:
+    """One request's routing question. Block counts are of full blocks of the reusable prompt
+    (all tokens but the last: one token is always computed)."""
+
+    workers: tuple[WorkerLoad, ...]
+    prompt_tokens: int = 0
+    block_size_tokens: int = 16
+    store_cached_blocks: int = 0  # leading blocks of this prompt in the shared store
+    need_blocks: int = 0  # KV blocks the request will hold on a decode worker
+
+
+@dataclass(frozen=True)
+class WorkerScore:
+    """Why a worker got its cost (KV-aware): for logs and tests."""
+
+    index: int
+    local_blocks: int  # reused from the worker's own cache
+    fetch_blocks: int  # fetched from the store
+    compute_tokens: int  # prompt tokens to compute
+    work_tokens: float  # compute + fetch_weight x fetched tokens
+    load_tokens: float  # queue load in token units
+    cost: float
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    index: int
+    scores: tuple[WorkerScore, ...] = ()  # KV-aware only, one per healthy worker
+    # KV-aware: the chosen worker's predicted prefill work in token units (compute plus
+    # fetch_weight x fetched tokens); the pool adds it to the worker's in-flight tokens.
+    work_tokens: float | None = None
+    fits: bool | None = None  # decode only: the chosen worker reported room for the request
+
+
+def _live(workers) -> list[int]:
+    live = [i for i, w in enumerate(workers) if w.healthy]
+    if not live:
+        raise NoWorkerError("no healthy worker")
+    return live
+
+
 class RoundRobin:
+    name = "round_robin"
+
     def __init__(self) -> None:
         self._next = 0
 
     def choose(self, workers: list[WorkerLoad]) -> int:
-        live = [i for i, w in enumerate(workers) if w.healthy]
-        if not live:
-            raise NoWorkerError("no healthy worker")
+        live = _live(workers)
         pick = live[self._next % len(live)]
         self._next += 1
         return pick
+
+    def decide(self, inp: RouteInput) -> RouteDecision:
+        return RouteDecision(self.choose(list(inp.workers)))
 
 
 class LeastLoaded:
     """Fewest requests in flight; ties go to the lowest index, so the choice is deterministic."""
 
+    name = "least_loaded"
+
     def choose(self, workers: list[WorkerLoad]) -> int:
-        live = [(w.in_flight, i) for i, w in enumerate(workers) if w.healthy]
-        if not live:
-            raise NoWorkerError("no healthy worker")
-        return min(live)[1]
+        return min((workers[i].in_flight, i) for i in _live(workers))[1]
+
+    def decide(self, inp: RouteInput) -> RouteDecision:
+        return RouteDecision(self.choose(list(inp.workers)))
 
 
-POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
+class PowerOfTwo:
+    """Two distinct healthy workers drawn at random; the one with fewer requests in flight
+    (then fewer tokens in flight; then the first drawn)."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng if rng is not None else random.Random(0)
+
+    def choose(self, workers: list[WorkerLoad]) -> int:
+        live = _live(workers)
+        if len(live) == 1:
+            return live[0]
+        a, b = self.rng.sample(live, 2)
+        key = lambda i: (workers[i].in_flight, workers[i].in_flight_tokens)  # noqa: E731
+        return b if key(b) < key(a) else a
+
+    def decide(self, inp: RouteInput) -> RouteDecision:
+        return RouteDecision(self.choose(list(inp.workers)))
+
+
+def prefill_parts(inp: RouteInput, w: WorkerLoad) -> tuple[int, int, int]:
+    """(local blocks, fetched blocks, tokens to compute) of the prompt on worker `w`."""
+    bs = inp.block_size_tokens
+    reusable = max(0, inp.prompt_tokens - 1) // bs
+    local = min(w.cached_blocks, reusable)
+    fetch = max(0, min(inp.store_cached_blocks, reusable) - local)
+    return local, fetch, inp.prompt_tokens - (local + fetch) * bs
+
+
+@dataclass
+class KvAware:
+    """Lowest cost = overlap_weight x (compute + fetch_weight x fetch tokens) + queue load.
+
+    `temperature` > 0 samples from softmax(-cost / (temperature x mean |cost|)) with `rng`
+    instead of taking the minimum (Dynamo's router temperature); 0 is deterministic, ties going
+    to fewer requests in flight, then the lowest index.
+    """
+
+    overlap_weight: float = 1.0
+    fetch_weight: float = 0.2
+    request_cost_tokens: float = 64.0
+    temperature: float = 0.0
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    name: ClassVar[str] = "kv_aware"
+
+    def __post_init__(self) -> None:
+        for f in ("overlap_weight", "fetch_weight", "request_cost_tokens", "temperature"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+
+    def score(self, inp: RouteInput) -> tuple[WorkerScore, ...]:
+        out = []
+        for i in _live(inp.workers):
+            w = inp.workers[i]
+            local, fetch, compute = prefill_parts(inp, w)
+            load = w.in_flight_tokens + self.request_cost_tokens * w.in_flight
+            work = compute + self.fetch_weight * fetch * inp.block_size_tokens
+            out.append(WorkerScore(i, local, fetch, compute, work, load,
+                                   self.overlap_weight * work + load))
+        return tuple(out)
+
+    def decide(self, inp: RouteInput) -> RouteDecision:
+        scores = self.score(inp)
+        if self.temperature > 0 and len(scores) > 1:
+            best = self._sample(scores)
+        else:
+            best = min(scores, key=lambda s: (s.cost, inp.workers[s.index].in_flight, s.index))
+        return RouteDecision(best.index, scores, best.work_tokens)
+
+    def _sample(self, scores: tuple[WorkerScore, ...]) -> WorkerScore:
+        scale = self.temperature * max(1e-9, sum(abs(s.cost) for s in scores) / len(scores))
+        low = min(s.cost for s in scores)
+        weights = [math.exp(-(s.cost - low) / scale) for s in scores]
+        return self.rng.choices(scores, weights=weights)[0]
+
+
+class DecodeChooser:
+    """Decode workers by free KV blocks and running batch (both as last reported).
+
+    A worker fits when its reported free blocks cover `need_blocks`; among those that fit, the
+    smallest batch wins (running + waiting as reported, or the router's own requests in flight
+    if more: a report is up to one poll old), then the most free blocks, then the lowest index.
+    If none fits (or nothing was reported yet), the worker with the most free blocks is taken
+    (unknown counts as zero) with the same tie-breaks: it queues the request rather than fail.
+    """
+
+    name = "free_kv"
+
+    def decide(self, inp: RouteInput) -> RouteDecision:
+        live = _live(inp.workers)
+
+        def batch(i: int) -> int:
+            w = inp.workers[i]
+            return max(w.running + w.waiting, w.in_flight)
+
+        def free(i: int) -> int:
+            return inp.workers[i].free_blocks or 0
+
+        fits = [i for i in live if inp.workers[i].free_blocks is not None
+                and free(i) >= inp.need_blocks]
+        if fits:
+            return RouteDecision(min(fits, key=lambda i: (batch(i), -free(i), i)), fits=True)
+        return RouteDecision(min(live, key=lambda i: (-free(i), batch(i), i)), fits=False)
+
+
+PREFILL_POLICIES = ("round_robin", "least_loaded", "power_of_two", "kv_aware")
+DECODE_POLICIES = ("free_kv", "least_loaded", "round_robin", "power_of_two")
+
+
+def make_policy(name: str, *, seed: int = 0, overlap_weight: float = 1.0,
+                fetch_weight: float = 0.2, request_cost_tokens: float = 64.0):
+    """A fresh policy by name (see PREFILL_POLICIES / DECODE_POLICIES)."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "power_of_two":
+        return PowerOfTwo(random.Random(seed))
+    if name == "kv_aware":
+        return KvAware(overlap_weight, fetch_weight, request_cost_tokens, rng=random.Random(seed))
+    if name == "free_kv":
+        return DecodeChooser()
+    raise ValueError(f"unknown routing policy {name!r}; choose from "
+                     f"{sorted(set(PREFILL_POLICIES) | set(DECODE_POLICIES))}")
+
+
+POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo,
+            "kv_aware": KvAware, "free_kv": DecodeChooser}

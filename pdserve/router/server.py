@@ -1,14 +1,23 @@
-"""Builds the router process: tokenizer and model config (no weights), worker pools, gRPC server."""
+"""Builds the router process: tokenizer and model config (no weights), worker pools, gRPC server,
+and the OpenAI-compatible HTTP server beside it (when configured)."""
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Sequence
 
 from pdserve import rpc
 from pdserve.engine.loader import load_model_config
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import api_pb2_grpc
+from pdserve.metrics import CONTENT_TYPE_LATEST, RouterMetrics, render
+from pdserve.router.admission import Admission, AdmissionConfig
+from pdserve.router.auth import ApiKeys, KeyFileError
 from pdserve.router.config import RouterConfig
+from pdserve.router.kv_feed import KvFeeds
+from pdserve.router.policy import make_policy
+from pdserve.router.pool import WorkerPool
 from pdserve.router.service import RouterService
 
 
@@ -20,25 +29,109 @@ def served_names(cfg: RouterConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
+def build_pools(cfg: RouterConfig) -> tuple[WorkerPool, WorkerPool]:
+    """The prefill pool (its policy; with kv_aware, the block index fed by the workers' and the
+    store's event streams) and the decode pool (its policy over polled worker stats)."""
+    weights = dict(overlap_weight=cfg.kv_overlap_weight, fetch_weight=cfg.kv_fetch_weight,
+                   request_cost_tokens=cfg.kv_request_cost_tokens)
+    name = cfg.prefill_policy()
+    feeds = None
+    if name == "kv_aware":
+        feeds = KvFeeds(cfg.prefill_addresses, cfg.store_address).start()
+    prefill = WorkerPool(cfg.prefill_addresses,
+                         make_policy(name, seed=cfg.routing_seed, **weights),
+                         block_size_tokens=cfg.block_size_tokens, feeds=feeds,
+                         stats_interval_s=cfg.stats_interval_s)
+    decode = WorkerPool(cfg.decode_addresses,
+                        make_policy(cfg.decode_routing, seed=cfg.routing_seed + 1, **weights),
+                        block_size_tokens=cfg.block_size_tokens,
+                        stats_interval_s=cfg.stats_interval_s)
+    return prefill, decode
+
+
 def build_service(cfg: RouterConfig) -> RouterService:
     model_config = load_model_config(cfg.model_path)
     tokenizer = Tokenizer.from_path(cfg.model_path)
     max_len = min(cfg.max_model_len_tokens or model_config.max_position_embeddings,
                   model_config.max_position_embeddings)
-    prefill, decode = RouterService.default_pools(cfg.prefill_addresses, cfg.decode_addresses)
-    return RouterService(tokenizer, model_config, served_names(cfg), max_len, prefill, decode,
-                         cfg.request_timeout_s)
+    prefill, decode = build_pools(cfg)
+    names = served_names(cfg)
+    admission = Admission(AdmissionConfig(
+        max_in_flight=cfg.max_in_flight, max_in_flight_per_tenant=cfg.max_in_flight_per_tenant,
+        tenant_rate_rps=cfg.tenant_rate_rps, tenant_burst=cfg.tenant_burst))
+    return RouterService(tokenizer, model_config, names, max_len, prefill, decode,
+                         cfg.request_timeout_s, admission=admission,
+                         api_keys=ApiKeys.load(cfg.api_keys_file),
+                         metrics=RouterMetrics(names[0]))
 
 
-def run(cfg: RouterConfig) -> int:
+def loopback(address: str) -> str:
+    """Where this process reaches its own server bound at `address` (wildcards -> loopback)."""
+    host, _, port = address.rpartition(":")
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host in ("[::]", "::"):
+        host = "[::1]"
+    return f"{host}:{port}"
+
+
+def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
+               extra_routes: Sequence = ()):
+    """The HTTP server (not started): an OpenAIApp calling this router's gRPC over loopback."""
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from pdserve.router.openai_api import HttpServer, OpenAIApp
+
+    async def metrics(request):
+        return Response(render(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    extra_routes = (Route("/metrics", metrics, methods=["GET"]), *extra_routes)
+    app = OpenAIApp(loopback(grpc_address), service.model_names, service.max_model_len,
+                    service.tokenizer, service.model_config.vocab_size,
+                    max_body_bytes=cfg.http_max_body_bytes,
+                    request_timeout_s=cfg.request_timeout_s, extra_routes=extra_routes)
+    # Bounded (invariant 5): connections past this get 503 from uvicorn.
+    return HttpServer(app.app, cfg.http_host, cfg.http_port or 0,
+                      max_connections=4 * cfg.max_concurrent_rpcs)
+
+
+def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
+    """Serve gRPC (and HTTP when cfg.http_port is set) until SIGTERM/SIGINT; an exit code."""
+    from pdserve.router.openai_api import HttpStartError
+
     rpc.catch_stop_signals()
-    service = build_service(cfg)
+    try:
+        service = build_service(cfg)
+    except (KeyFileError, OSError) as e:  # a bad key file: say which line, do not serve
+        print(f"pdserve.router: {e}", file=sys.stderr, flush=True)
+        return 2
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     api_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
-    code = rpc.run_until_signal(
-        server, health, cfg.address,
-        lambda where: f"pdserve.router ready on {where} model={service.model_names[0]}")
+    try:
+        port = server.add_insecure_port(cfg.address)
+    except RuntimeError as e:
+        print(f"cannot bind {cfg.address}: {e}", file=sys.stderr, flush=True)
+        return 1
+    server.start()
+    where = f"{cfg.address.rsplit(':', 1)[0]}:{port}"
+    http = None
+    try:
+        if cfg.http_port is not None:
+            http = build_http(cfg, service, where, extra_routes)
+            http.start()
+    except HttpStartError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        server.stop(grace=None)
+        return 1
+    http_note = f" http={http.address}" if http is not None else ""
+    print(f"pdserve.router ready on {where} model={service.model_names[0]}{http_note}", flush=True)
+    rpc.wait_for_signal()
+    health.enter_graceful_shutdown()
+    if http is not None:
+        http.stop()
+    server.stop(grace=2.0).wait()
     service.prefill.close()
     service.decode.close()
-    return code
+    return 0

@@ -7,6 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
+from pdserve import logctx
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.engine.config import ConfigError
 from pdserve.worker.config import WorkerConfig
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = int if f.type == "int" else str
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logctx.configure(logging.INFO)
     try:
         cfg = WorkerConfig(**vars(args))
     except ConfigError as e:

@@ -33,6 +33,8 @@ class WorkerConfig:
     # split its cores: two OpenMP pools on the same cores spin against each other and a step
     # can take many times longer.
     threads: int = 0
+    # Prometheus /metrics on this port of the worker's host (0: a free port; -1: none).
+    metrics_port: int = -1
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -43,6 +45,8 @@ class WorkerConfig:
             raise ConfigError(f"store_kind must be 'distributed' or 'simple', got {self.store_kind!r}")
         if self.store_replicas < 1:
             raise ConfigError("store_replicas must be >= 1")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be -1 (none) or a port, got {self.metrics_port}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:

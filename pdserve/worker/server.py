@@ -56,9 +56,20 @@ def run(cfg: WorkerConfig) -> int:
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Worker"])
+    metrics_note, metrics_server = "", None
+    if cfg.metrics_port >= 0:
+        from pdserve.metrics import WorkerCollector, serve_worker
+
+        host = cfg.address.rpartition(":")[0].strip("[]")
+        metrics_server, port = serve_worker(
+            WorkerCollector(model_id, lambda: service.metrics_snapshot()), host, cfg.metrics_port)
+        metrics_note = f" metrics=http://{host}:{port}/metrics"
     code = rpc.run_until_signal(
         server, health, cfg.address,
-        lambda where: f"pdserve.worker ready on {where} role={cfg.role} model={model_id}")
+        lambda where: f"pdserve.worker ready on {where} role={cfg.role} model={model_id}"
+                      f"{metrics_note}")
+    if metrics_server is not None:
+        metrics_server.shutdown()
     loop.stop()
     store.close()
     return code

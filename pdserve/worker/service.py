@@ -1,4 +1,5 @@
-"""The worker's gRPC service: Prefill, Decode, Abort, SetRole (with drain), GetStats.
+"""The worker's gRPC service: Prefill, Decode, Abort, SetRole (with drain), GetStats,
+WatchKvEvents (the prefix cache's changes, for KV-aware routing).
 
 Owns request admission per role and the role switch: both roles are built once over the same
 engine, so switching is a flag flip after in-flight requests drain, never a weight reload.
@@ -9,21 +10,26 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import contextmanager
 
 import grpc
 
 from pdserve.decode_worker.role import DecodeRole
+from pdserve.logctx import request_context
+from pdserve.engine.block_pool import REMOVED, STORED
 from pdserve.engine.sampling import InvalidArgumentError
 from pdserve.engine.scheduler import QueueFullError
 from pdserve.prefill_worker.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.wire import finish_to_proto, params_from_proto
+from pdserve.wire import finish_to_proto, logprobs_to_proto, params_from_proto
 from pdserve.worker.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 ROLE_NAMES = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
+_KV_EVENT_KINDS = {STORED: pb.KV_EVENT_KIND_STORED, REMOVED: pb.KV_EVENT_KIND_REMOVED}
+_KV_EVENT_BATCH_S = 0.02
 
 
 class _Rejected(Exception):
@@ -59,7 +65,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.weight_loads = 1  # the engine was built once, at start
 
     @contextmanager
-    def _admit(self, role: int):
+    def _admit(self, role: int, request_id: str = ""):
         with self._cond:
             if role != self.role:
                 raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
@@ -68,7 +74,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise _Rejected(grpc.StatusCode.UNAVAILABLE, "worker is draining for a role switch")
             self._inflight += 1
         try:
-            yield
+            with request_context(request_id):  # the router's id on this hop's log lines
+                yield
         finally:
             with self._cond:
                 self._inflight -= 1
@@ -77,7 +84,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def Prefill(self, request, context):
         try:
-            with self._admit(pb.ROLE_PREFILL):
+            with self._admit(pb.ROLE_PREFILL, request.request_id):
                 res = self.prefill_role.prefill(
                     request.request_id, list(request.prompt_token_ids),
                     params_from_proto(request.sampling), request.tenant_salt)
@@ -86,13 +93,16 @@ class WorkerService(pb_grpc.WorkerServicer):
         kv = pb.KvHandle(model_id=self.model_id, tenant_salt=request.tenant_salt,
                          block_size_tokens=self.loop.engine.block_size, num_tokens=res.num_tokens,
                          block_hashes=res.block_hashes, keys=res.keys)
-        return pb.PrefillResponse(request_id=request.request_id, first_token_id=res.first_token,
+        resp = pb.PrefillResponse(request_id=request.request_id, first_token_id=res.first_token,
                                   finish_reason=finish_to_proto(res.finish_reason), kv=kv,
                                   num_cached_tokens=res.num_cached_tokens)
+        if res.first_logprobs is not None:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto(res.first_logprobs))
+        return resp
 
     def Decode(self, request, context):
         try:
-            with self._admit(pb.ROLE_DECODE):
+            with self._admit(pb.ROLE_DECODE, request.request_id):
                 if request.kv.model_id and request.kv.model_id != self.model_id:
                     raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"KV is for {request.kv.model_id}, this worker serves "
@@ -102,8 +112,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                     params_from_proto(request.sampling), list(request.kv.block_hashes),
                     list(request.kv.keys), request.kv.tenant_salt, context.is_active)
                 for c in chunks:
-                    yield pb.DecodeResponse(token_ids=c.token_ids,
-                                            finish_reason=finish_to_proto(c.finish_reason))
+                    yield pb.DecodeResponse(
+                        token_ids=c.token_ids, finish_reason=finish_to_proto(c.finish_reason),
+                        logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()])
         except Exception as e:
             context.abort(*_status_of(e))
 
@@ -135,6 +146,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.SetRoleResponse(previous_role=previous, role=request.role,
                                   drained_requests=drained)
 
+    def metrics_snapshot(self) -> dict:
+        """Engine and role counters for the Prometheus collector (pdserve.metrics)."""
+        s = dict(self.loop.call(self.loop.engine.stats))
+        s.update(kv_blocks_put=self.prefill_role.blocks_put,
+                 kv_blocks_fetched=self.decode_role.blocks_fetched,
+                 reads_by_transport=dict(getattr(self.decode_role.store, "reads_by_transport",
+                                                 {})))
+        return s
+
     def GetStats(self, request, context):
         s = self.loop.call(self.loop.engine.stats)
         return pb.WorkerStats(
@@ -148,4 +168,32 @@ class WorkerService(pb_grpc.WorkerServicer):
             kv_blocks_local_hits=self.decode_role.blocks_local,
             requests_finished=self.requests_finished, role_switches=self.role_switches,
             weight_loads=self.weight_loads,
-            kv_blocks_from_store=self.prefill_role.blocks_from_store)
+            kv_blocks_from_store=self.prefill_role.blocks_from_store,
+            kv_store_reads_by_transport=dict(getattr(self.decode_role.store,
+                                                     "reads_by_transport", {})))
+
+    def WatchKvEvents(self, request, context):
+        """A snapshot of the prefix cache, then its changes; a new snapshot after lost events.
+        Reads the pool's event log from this RPC thread (it is locked); only the snapshot runs
+        on the engine thread, so the snapshot and its sequence number agree."""
+        pool = self.loop.engine.pool
+        meta = dict(block_size_tokens=self.loop.engine.block_size, model_id=self.model_id)
+        seq = None
+        while context.is_active():
+            if seq is None:
+                seq, hashes = self.loop.call(lambda: (pool.events.last_seq, pool.cached_hashes()))
+                yield pb.KvEventBatch(snapshot=True, seq=seq, events=[
+                    pb.KvCacheEvent(kind=pb.KV_EVENT_KIND_STORED, block_hash=h) for h in hashes],
+                    events_dropped=pool.events.dropped, **meta)
+                continue
+            if not pool.events.wait(seq, timeout_s=0.5):
+                continue
+            time.sleep(_KV_EVENT_BATCH_S)  # let a step's events gather: fewer, larger messages
+            events, lost = pool.events.since(seq)
+            if lost:
+                seq = None
+                continue
+            seq = events[-1].seq
+            yield pb.KvEventBatch(seq=seq, events=[
+                pb.KvCacheEvent(kind=_KV_EVENT_KINDS[e.kind], block_hash=e.block_hash)
+                for e in events], events_dropped=pool.events.dropped, **meta)

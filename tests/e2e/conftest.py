@@ -10,7 +10,7 @@ from tests.helpers import free_port
 
 def cluster_spec(model_path: str, **overrides) -> ClusterSpec:
     n = overrides.get("prefill_workers", 1) + overrides.get("decode_workers", 1)
-    defaults = dict(router_port=free_port(), store_port=free_port(),
+    defaults = dict(router_port=free_port(), store_port=free_port(), http_port=0,
                     worker_ports=tuple(free_port() for _ in range(n)), num_blocks=256,
                     store_capacity_bytes=512 << 20, ready_timeout_s=180.0)
     return ClusterSpec(model_path=model_path, **{**defaults, **overrides})

@@ -102,6 +102,7 @@ def test_prefix_reuse_counts_cached_blocks_and_keeps_output(smollm2_cluster, smo
     (dict(token_ids=list(range(600))), "prompt"),  # the tiny model's context is 512
     (dict(token_ids=[10**9]), "token_ids"),
     (dict(chat=[]), "chat.messages"),
+    (dict(prompt="hi", logprobs=21), "logprobs"),
 ])
 def test_bad_input_names_the_field_and_cluster_keeps_serving(tiny_cluster, kwargs, field):
     with pytest.raises(grpc.RpcError) as err:

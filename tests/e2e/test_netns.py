@@ -1,7 +1,9 @@
 """Another host: the decode worker runs in its own network namespace, joined by a veth pair,
-and pulls its KV from the store's node over the network (TCP). Output equals the engine's.
+and pulls its KV from the store's node over the network (TCP, or UCX when the node serves it).
+Output equals the engine's.
 
-Needs root and iproute2 (`ip netns`); otherwise it skips and says why.
+Needs root and iproute2 (`ip netns`); otherwise it skips and says why. The UCX case also needs
+`ucxx` (PyPI `ucxx-cu12`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import kvmaster_pb2 as kpb
 from pdserve.proto import kvmaster_pb2_grpc as kpb_grpc
+from pdserve.kvstore.transport.ucx import ucx_available
 from tests.e2e.test_cluster import generate, worker_stats
 from tests.helpers import free_port, start_process, stop_process
 from tests.kvstore.test_dist_store import stop
@@ -54,7 +57,11 @@ def netns():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_decode_worker_on_another_host_pulls_kv_over_the_network(netns, tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_decode_worker_on_another_host_pulls_kv_over_the_network(netns, tiny_llama_dir, tmp_path,
+                                                                  transport):
+    if transport == "ucx" and not ucx_available():
+        pytest.skip("ucxx is not installed (pip install ucxx-cu12)")
     ns, host_ip, ns_ip = netns
     py = sys.executable
     procs = []
@@ -64,7 +71,9 @@ def test_decode_worker_on_another_host_pulls_kv_over_the_network(netns, tiny_lla
                                     "--journal-dir", str(tmp_path / "journal")], master))
         node = subprocess.Popen([py, "-m", "pdserve.kvstore.node", "--node-id", "netns-node",
                                  "--data-address", f"{host_ip}:0", "--dram-bytes", str(64 << 20),
-                                 "--master", master], stdout=subprocess.PIPE, text=True)
+                                 "--master", master,
+                                 *(["--ucx-port", "0"] if transport == "ucx" else [])],
+                                stdout=subprocess.PIPE, text=True)
         procs.append(node)
         assert node.stdout.readline()
         with rpc.make_channel(master) as ch:
@@ -92,7 +101,10 @@ def test_decode_worker_on_another_host_pulls_kv_over_the_network(netns, tiny_lla
         ids, *_ = generate(router, token_ids=prompt, max_tokens=24, ignore_eos=True)
         engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=64)))
         assert ids == engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
-        assert worker_stats(decode).kv_blocks_fetched >= len(prompt) // 16
+        stats = worker_stats(decode)
+        assert stats.kv_blocks_fetched >= len(prompt) // 16
+        # Every block crossed the veth pair over the transport under test (never shm).
+        assert dict(stats.kv_store_reads_by_transport) == {transport: stats.kv_blocks_fetched}
     finally:
         for p in reversed(procs):
             if hasattr(p, "pdserve_stdout"):

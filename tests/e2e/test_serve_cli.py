@@ -16,7 +16,7 @@ from tests.helpers import free_port
 def test_serve_then_sigterm_leaves_no_child_behind(tiny_llama_dir, tmp_path):
     port = free_port()
     args = [sys.executable, "-m", "pdserve.cli", "serve", "--model", tiny_llama_dir,
-            "--port", str(port), "--store-port", str(free_port()),
+            "--port", str(port), "--store-port", str(free_port()), "--http-port", "0",
             "--worker-base-port", str(free_port()), "--num-blocks", "64",
             "--log-dir", str(tmp_path)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -40,7 +40,7 @@ def test_children_die_with_a_killed_serve(tiny_llama_dir, tmp_path):
     """Even kill -9 of `pdserve serve` leaves nothing: children carry a parent-death signal."""
     port = free_port()
     args = [sys.executable, "-m", "pdserve.cli", "serve", "--model", tiny_llama_dir,
-            "--port", str(port), "--store-port", str(free_port()),
+            "--port", str(port), "--store-port", str(free_port()), "--http-port", "0",
             "--worker-base-port", str(free_port()), "--num-blocks", "64",
             "--log-dir", str(tmp_path)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

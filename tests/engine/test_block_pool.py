@@ -199,3 +199,42 @@ def test_one_tenant_never_hits_anothers_cached_blocks():
     theirs = prompt_block_hashes([1, 2, 3, 4], 2, salt="tenant-b")
     assert [pool.lookup(h) is not None for h in mine] == [True, True]
     assert [pool.lookup(h) for h in theirs] == [None, None]
+
+
+# ---- prefix-cache events (KV-aware routing) ------------------------------------------------------
+
+def test_register_emits_stored_and_eviction_emits_removed():
+    from pdserve.engine.block_pool import REMOVED, STORED
+
+    pool = make_pool(2)
+    cache_blocks(pool, [[1, 2], [3, 4]])
+    h1 = hash_block(None, [1, 2])
+    h2 = hash_block(h1, [3, 4])
+    events, lost = pool.events.since(0)
+    assert not lost and [(e.kind, e.block_hash) for e in events] == [(STORED, h1), (STORED, h2)]
+    assert sorted(pool.cached_hashes()) == sorted([h1, h2])
+    # Taking a cached block for other content removes its hash (tail released first, so the
+    # prefix's last block goes first).
+    pool.allocate(1)
+    events, lost = pool.events.since(2)
+    assert not lost and [(e.seq, e.kind, e.block_hash) for e in events] == [(3, REMOVED, h2)]
+    assert pool.events.since(3) == ([], False)
+
+
+def test_registering_a_cached_hash_again_emits_nothing():
+    pool = make_pool(4)
+    cache_blocks(pool, [[1, 2]])
+    bid = pool.allocate(1)[0]
+    pool.register(bid, hash_block(None, [1, 2]))  # same content in another block: not indexed
+    assert pool.events.last_seq == 1
+
+
+def test_event_log_is_bounded_and_asks_for_a_resync_when_events_were_lost():
+    pool = BlockPool(16, max_events=3)
+    cache_blocks(pool, [[i] for i in range(5)])
+    assert pool.events.dropped == 2
+    events, lost = pool.events.since(0)
+    assert lost and events == []  # seq 1 and 2 are gone: snapshot (cached_hashes) instead
+    events, lost = pool.events.since(2)
+    assert not lost and [e.seq for e in events] == [3, 4, 5]
+    assert pool.events.wait(4, timeout_s=0.01) and not pool.events.wait(5, timeout_s=0.01)

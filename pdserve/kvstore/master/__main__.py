@@ -12,6 +12,7 @@ import logging
 import sys
 import threading
 
+from pdserve import logctx
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve import rpc
 from pdserve.kvstore.master.config import MasterConfig
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if bool(a.journal_dir) == bool(a.redis_url):
         p.error("give exactly one of --journal-dir or --redis-url")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logctx.configure(logging.INFO)
     config = MasterConfig(node_timeout_s=a.node_timeout_s, put_timeout_s=a.put_timeout_s,
                           lease_s=a.lease_s, high_watermark=a.high_watermark,
                           low_watermark=a.low_watermark)

@@ -1,0 +1,420 @@
+"""`pdserve bench route`: prefix-cache hit rate and TTFT per routing policy, on a real trace.
+
+Owns one benchmark run on this machine: an embedded cluster (`LocalCluster`: store master and
+node, `prefill_workers` prefill workers with `num_blocks` KV blocks each, one decode worker),
+then for each policy a fresh router process with that policy over the same workers, fed the
+first `requests` requests of the Mooncake conversation trace (`route_trace`: lengths and block
+size scaled down by `token_scale`, arrivals sped up by `speedup`) as token-id prompts through
+the router's `Generate` (max_tokens 1: the answer is the first token, so its latency is TTFT).
+Each policy's run draws different token ids for the same trace (its own seed), so no run hits
+another's cache, and all runs see the same sharing structure.
+
+Per policy: the hit rate of the worker's own prefix cache (prompt tokens reused locally / prompt
+tokens), the hit rate including blocks fetched from the shared store, TTFT mean and p90 (from
+the trace's arrival time, so waiting in the client counts), requests per worker. Beside them the
+ideal: one unbounded prefix cache fed the same prompts (`route_trace.ideal_hit_tokens`), and
+KV-aware's own-cache hit rate as a fraction of it (the aim is >= 0.9; reported, never asserted).
+Own-cache hits = the router's `cached_prompt_tokens` (local and store) minus the store blocks
+the prefill workers fetched in the run (their `kv_blocks_from_store`, from GetStats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from pdserve.bench.common import emit
+from pdserve.bench.route_trace import (
+    TRACE_BLOCK_TOKENS, PromptMaker, TraceError, default_trace_path, ideal_hit_tokens,
+    load_requests,
+)
+from pdserve.router.policy import PREFILL_POLICIES
+
+MiB = 1 << 20
+
+
+class BenchConfigError(ValueError):
+    """A benchmark setting is invalid; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class RouteBenchSettings:
+    trace_path: str = ""  # "" -> ../shared/traces/mooncake_conversation_trace.jsonl
+    requests: int = 600
+    token_scale: int = 32  # a 512-token trace block becomes 16 tokens
+    speedup: float = 3.0  # trace seconds per replay second
+    policies: tuple[str, ...] = PREFILL_POLICIES
+    prefill_workers: int = 2
+    # KV blocks per worker, bounded so that routing matters: for the first 600 requests one
+    # 4096-block LRU cache gets about half the ideal hit rate, one of 8192 about 94%.
+    num_blocks: int = 4096
+    block_size_tokens: int = 16
+    model_path: str = ""  # "" -> a small random Llama built for the run (route_model)
+    # None: room for every run's blocks with 25% to spare, so the store never evicts and no
+    # run pays for an earlier run's objects (runs share one store; each has its own tokens).
+    store_capacity_bytes: int | None = None
+    max_prompt_tokens: int = 4096
+    max_in_flight: int = 64  # client threads; requests past them wait in the client (and count)
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise BenchConfigError(f"requests must be >= 1, got {self.requests}")
+        if self.token_scale < 1 or TRACE_BLOCK_TOKENS % self.token_scale:
+            raise BenchConfigError(f"token_scale must divide {TRACE_BLOCK_TOKENS}, "
+                                   f"got {self.token_scale}")
+        if (TRACE_BLOCK_TOKENS // self.token_scale) % self.block_size_tokens:
+            raise BenchConfigError(
+                f"block_size_tokens ({self.block_size_tokens}) must divide the scaled trace "
+                f"block ({TRACE_BLOCK_TOKENS // self.token_scale}), or shared prefixes split")
+        if self.speedup <= 0:
+            raise BenchConfigError(f"speedup must be > 0, got {self.speedup}")
+        bad = [p for p in self.policies if p not in PREFILL_POLICIES]
+        if not self.policies or bad:
+            raise BenchConfigError(f"policies must be among {PREFILL_POLICIES}, got {bad or '()'}")
+        if self.prefill_workers < 2:
+            raise BenchConfigError("prefill_workers must be >= 2 (routing needs a choice)")
+        if self.num_blocks * self.block_size_tokens <= self.max_prompt_tokens:
+            raise BenchConfigError("num_blocks x block_size_tokens must exceed max_prompt_tokens")
+
+
+QUICK = RouteBenchSettings(requests=200, num_blocks=1024, speedup=4.0)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(-(-q * len(s) // 1)) - 1))]
+
+
+class Replay:
+    """Sends prompts through one router at their (scaled) arrival times; records each answer."""
+
+    def __init__(self, address: str, prompts: list[list[int]], arrivals_s: list[float],
+                 max_in_flight: int, timeout_s: float, on_done=None) -> None:
+        self.address, self.prompts, self.arrivals_s = address, prompts, arrivals_s
+        self.max_in_flight, self.timeout_s, self.on_done = max_in_flight, timeout_s, on_done
+        self.ttft_s: list[float | None] = [None] * len(prompts)
+        self.cached: list[int] = [0] * len(prompts)
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+
+    def _one(self, stub, i: int, t_arrival: float) -> None:
+        from pdserve.proto import api_pb2, common_pb2
+
+        req = api_pb2.GenerateRequest(
+            request_id=uuid.uuid4().hex, token_ids=api_pb2.TokenIds(ids=self.prompts[i]),
+            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
+        try:
+            for resp in stub.Generate(req, timeout=self.timeout_s):
+                if self.ttft_s[i] is None:
+                    self.ttft_s[i] = time.perf_counter() - t_arrival
+                if resp.HasField("usage"):
+                    self.cached[i] = resp.usage.cached_prompt_tokens
+        except Exception as e:  # any failure is recorded and counted, never hidden
+            with self._lock:
+                self.errors.append(f"request {i}: {type(e).__name__}: {e}")
+        if self.on_done is not None:
+            self.on_done()
+
+    def run(self) -> float:
+        """Replay everything; returns the wall time in seconds."""
+        from pdserve import rpc
+        from pdserve.proto import api_pb2_grpc
+
+        with rpc.make_channel(self.address) as ch, \
+                ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="replay") as pool:
+            stub = api_pb2_grpc.GenerationStub(ch)
+            t0 = time.perf_counter()
+            for i, at in enumerate(self.arrivals_s):
+                delay = t0 + at - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                pool.submit(self._one, stub, i, t0 + at)
+        return time.perf_counter() - t0
+
+
+def _worker_stats(addresses: list[str]) -> list[Any]:
+    from pdserve import rpc
+    from pdserve.proto import worker_pb2 as wpb
+    from pdserve.proto import worker_pb2_grpc as wpb_grpc
+
+    out = []
+    for a in addresses:
+        with rpc.make_channel(a) as ch:
+            out.append(wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=60))
+    return out
+
+
+def _cpu_s(cluster) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each child of the cluster and this process."""
+    import psutil
+
+    me = psutil.Process().cpu_times()
+    out = {"bench-client": me.user + me.system}
+    for c in cluster.children:
+        try:
+            t = psutil.Process(c.proc.pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[c.name] = t.user + t.system
+    return out
+
+
+def run_policy(cluster, port: int, policy: str, seed: int, s: RouteBenchSettings, reqs,
+               on_done=None) -> tuple[dict[str, Any], list[list[int]]]:
+    """One policy's replay on a fresh router; its figures and the prompts it sent."""
+    maker = PromptMaker(s.token_scale, seed, s.max_prompt_tokens)
+    prompts = [maker.prompt(r) for r in reqs]
+    arrivals = [r.arrival_s / s.speedup for r in reqs]
+    prefill = cluster.worker_addresses("prefill")
+    address = cluster.add_router(f"router-{policy}", port, policy)
+    try:
+        before, cpu_before = _worker_stats(prefill), _cpu_s(cluster)
+        replay = Replay(address, prompts, arrivals, s.max_in_flight, s.request_timeout_s, on_done)
+        wall_s = replay.run()
+        after, cpu_after = _worker_stats(prefill), _cpu_s(cluster)
+    finally:
+        cluster.stop_child(address)
+    prompt_tokens = sum(len(p) for p in prompts)
+    cached = sum(replay.cached)
+    store_tokens = s.block_size_tokens * sum(
+        a.kv_blocks_from_store - b.kv_blocks_from_store for a, b in zip(after, before))
+    local = max(0, cached - store_tokens)
+    ttfts = [t for t in replay.ttft_s if t is not None]
+    return {
+        "policy": policy, "seed": seed, "requests": len(prompts),
+        "errors": len(replay.errors), "error_examples": replay.errors[:3],
+        "prompt_tokens": prompt_tokens, "cached_tokens": cached, "store_tokens": store_tokens,
+        "local_hit_tokens": local, "local_hit_rate": local / prompt_tokens,
+        "total_hit_rate": cached / prompt_tokens,
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "ttft_p50_s": percentile(ttfts, 0.5) if ttfts else None,
+        "ttft_p90_s": percentile(ttfts, 0.9) if ttfts else None,
+        "wall_s": wall_s,
+        # Where the machine's time went: CPU seconds per process during the replay.
+        "cpu_s": {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()
+                  if k in cpu_before or k == f"router-{policy}"},
+        "requests_per_worker": [a.requests_finished - b.requests_finished
+                                for a, b in zip(after, before)],
+    }, prompts
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _store_bytes(s: RouteBenchSettings, reqs, mc) -> int:
+    """Store room for every block of every run (fp32 KV), plus 25% and 64 MiB."""
+    block_bytes = mc.num_hidden_layers * 2 * s.block_size_tokens * mc.num_key_value_heads \
+        * mc.head_dim * 4
+    blocks = sum(min(s.max_prompt_tokens, -(-r.input_length // s.token_scale))
+                 // s.block_size_tokens for r in reqs)
+    return int(1.25 * len(s.policies) * blocks * block_bytes) + 64 * MiB
+
+
+def _trace_ideal(reqs) -> float:
+    """Ideal hit rate on the trace's own blocks (hash ids), as `bench kvstore` reports it."""
+    seen: set[int] = set()
+    hits = total = 0
+    for r in reqs:
+        n = 0
+        while n < len(r.hash_ids) and r.hash_ids[n] in seen:
+            n += 1
+        hits, total = hits + n, total + len(r.hash_ids)
+        seen.update(r.hash_ids)
+    return hits / total if total else 0.0
+
+
+def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
+    from pdserve.bench.route_model import build_bench_model
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+
+    from pdserve.engine.loader import load_model_config
+
+    trace = s.trace_path or default_trace_path()
+    reqs = load_requests(trace, s.requests)
+    started = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix="pdserve-bench-route-")
+    rows: dict[str, Any] = {}
+    ideal = (0, 0)
+    try:
+        with _Progress(progress) as bar:
+            bar.note("building the bench model" if not s.model_path else "")
+            model = s.model_path or build_bench_model(os.path.join(tmp, "bench-llama"))
+            capacity = s.store_capacity_bytes or _store_bytes(s, reqs, load_model_config(model))
+            bar.note(f"starting the cluster: store ({capacity / MiB:,.0f} MiB), "
+                     f"{s.prefill_workers} prefill workers, 1 decode worker")
+            spec = ClusterSpec(
+                model_path=model, router_port=_free_port(), store_port=_free_port(),
+                worker_ports=tuple(_free_port() for _ in range(s.prefill_workers + 1)),
+                prefill_workers=s.prefill_workers, decode_workers=1, num_blocks=s.num_blocks,
+                block_size_tokens=s.block_size_tokens,
+                store_capacity_bytes=capacity, routing="round_robin",
+                http_port=None, log_dir=os.path.join(tmp, "logs"))
+            with LocalCluster(spec) as cluster:
+                for seed, policy in enumerate(s.policies):
+                    task = bar.task(f"{policy:<13}", len(reqs))
+                    rows[policy], prompts = run_policy(
+                        cluster, _free_port(), policy, seed, s, reqs,
+                        on_done=lambda t=task: bar.step(t))
+                    if seed == 0:
+                        ideal = ideal_hit_tokens(prompts, s.block_size_tokens)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return summarize(s, trace, reqs, rows, ideal, model_desc=s.model_path or "bench-llama "
+                     "(random, hidden 256, 4 layers, SmolLM2 tokenizer)",
+                     wall_s=time.perf_counter() - started)
+
+
+def summarize(s: RouteBenchSettings, trace: str, reqs, rows: dict[str, Any],
+              ideal: tuple[int, int], model_desc: str, wall_s: float) -> dict[str, Any]:
+    ideal_rate = ideal[0] / ideal[1] if ideal[1] else 0.0
+    base = rows.get("round_robin")
+    for r in rows.values():
+        r["local_vs_ideal"] = r["local_hit_rate"] / ideal_rate if ideal_rate else None
+        r["ttft_mean_vs_round_robin"] = (
+            r["ttft_mean_s"] / base["ttft_mean_s"]
+            if base and base["ttft_mean_s"] and r["ttft_mean_s"] else None)
+    kv = rows.get("kv_aware")
+    ratio = kv["local_vs_ideal"] if kv else None
+    settings = asdict(s)
+    settings["trace_path"] = trace
+    return {
+        "bench": "route",
+        "settings": settings,
+        "scale": {"token_scale": s.token_scale,
+                  "trace_block_tokens": TRACE_BLOCK_TOKENS,
+                  "scaled_block_tokens": TRACE_BLOCK_TOKENS // s.token_scale,
+                  "speedup": s.speedup,
+                  "statement": f"prompt lengths / {s.token_scale} (512-token trace blocks -> "
+                               f"{TRACE_BLOCK_TOKENS // s.token_scale} tokens), arrival times "
+                               f"/ {s.speedup:g}"},
+        "trace": {"path": trace, "requests": len(reqs),
+                  "span_s": reqs[-1].arrival_s if reqs else 0.0,
+                  "attribution": "Mooncake (FAST '25) release traces, conversation workload, "
+                                 "Apache-2.0",
+                  "ideal_block_hit_rate": _trace_ideal(reqs)},
+        "model": model_desc,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "python": platform.python_version()},
+        "ideal": {"hit_tokens": ideal[0], "prompt_tokens": ideal[1], "hit_rate": ideal_rate},
+        "policies": rows,
+        "aim": {"kv_aware_local_vs_ideal_min": 0.9, "kv_aware_local_vs_ideal": ratio,
+                "met": None if ratio is None else ratio >= 0.9},
+        "wall_s": wall_s,
+    }
+
+
+class _Progress:
+    """Rich progress bars on stderr (one per policy), or nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+            )
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(),
+                                 console=Console(stderr=True))
+
+    def __enter__(self) -> "_Progress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def note(self, text: str) -> None:
+        if self._bar is not None and text:
+            self._bar.console.print(text)
+
+    def task(self, description: str, total: int) -> Any:
+        return self._bar.add_task(description, total=total) if self._bar else None
+
+    def step(self, task: Any) -> None:
+        if self._bar is not None:
+            self._bar.advance(task)  # thread-safe: replay threads call it
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = RouteBenchSettings()
+    parser.add_argument("--trace", metavar="PATH", default=None,
+                        help="Mooncake-format JSONL trace (default "
+                             "../shared/traces/mooncake_conversation_trace.jsonl)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help=f"replay the first N requests (default {d.requests}; "
+                             f"--quick {QUICK.requests})")
+    parser.add_argument("--token-scale", type=int, default=None,
+                        help=f"prompt lengths / this (default {d.token_scale}: 512-token trace "
+                             f"blocks become {TRACE_BLOCK_TOKENS // d.token_scale} tokens)")
+    parser.add_argument("--speedup", type=float, default=None,
+                        help=f"arrival times / this (default {d.speedup:g})")
+    parser.add_argument("--policies", default=None,
+                        help=f"comma-separated, from {','.join(PREFILL_POLICIES)} (default all)")
+    parser.add_argument("--prefill-workers", type=int, default=None,
+                        help=f"default {d.prefill_workers}")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help=f"KV blocks per worker (default {d.num_blocks})")
+    parser.add_argument("--model", default=None,
+                        help="model path (default: a small random Llama built for the run)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument("--out", metavar="DIR",
+                        help="also write DIR/route.json and DIR/route.png")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"short run: {QUICK.requests} requests, {QUICK.num_blocks} blocks "
+                             f"per worker, speedup {QUICK.speedup:g} (explicit flags still win)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> RouteBenchSettings:
+    base = QUICK if args.quick else RouteBenchSettings()
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) \
+        if args.policies else None
+    given = {"trace_path": args.trace, "requests": args.requests,
+             "token_scale": args.token_scale, "speedup": args.speedup, "policies": policies,
+             "prefill_workers": args.prefill_workers, "num_blocks": args.num_blocks,
+             "model_path": args.model}
+    return replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.bench.route_report import print_tables, write_outputs
+
+    try:
+        result = measure(settings_from_args(args), progress=not args.no_progress)
+    except (BenchConfigError, TraceError) as e:
+        print(f"pdserve bench route: {e}", file=sys.stderr)
+        return 2
+    return emit(result, json_out=args.json, out_dir=args.out, write_outputs=write_outputs,
+                print_tables=print_tables)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="pdserve bench route", description=__doc__.split("\n", 1)[0]))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

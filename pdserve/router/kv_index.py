@@ -1,0 +1,108 @@
+"""Where KV blocks live, as the router knows it: a bounded map source -> cached block hashes.
+
+A source is a worker's own prefix cache (named by the worker's address, fed by its
+`WatchKvEvents` stream) or the shared store (`store_source(model_id)`, fed by the master's
+`WatchEvents`). Hashes are the engine's chained block hashes (`prompt_block_hashes`), so the
+overlap of a prompt with a source is the number of leading hashes the source holds.
+
+Owns the map and its bounds. Pure: events in, overlaps out; no I/O, no clock, no threads (the
+feeds that apply events hold a lock around it). Must not talk to workers or the store.
+
+Bounded (invariant 5): at most `max_blocks_per_source` hashes per source and `max_sources`
+sources. Past the first bound the least recently stored hash is forgotten (`dropped` counts
+them); events for a source past the second are ignored (`refused`). Forgetting only shortens
+later overlaps, and an index that is stale in the other direction (a removal not seen yet) only
+sends a request where its prefix no longer is: the worker then computes it. Either way routing
+gets less good, never wrong.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+STORED = "stored"
+REMOVED = "removed"
+CLEARED = "cleared"  # the source's entries are unknown from here on (resync, reconnect)
+
+
+def store_source(model_id: str) -> str:
+    """The index source of the shared store's blocks of one model."""
+    return f"store:{model_id}"
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    source: str
+    kind: str  # STORED, REMOVED or CLEARED
+    hashes: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in (STORED, REMOVED, CLEARED):
+            raise ValueError(f"kind must be {STORED!r}, {REMOVED!r} or {CLEARED!r}, "
+                             f"got {self.kind!r}")
+
+
+class KvIndex:
+    def __init__(self, max_blocks_per_source: int = 200_000, max_sources: int = 256) -> None:
+        if max_blocks_per_source < 1 or max_sources < 1:
+            raise ValueError("max_blocks_per_source and max_sources must be >= 1")
+        self.max_blocks_per_source = max_blocks_per_source
+        self.max_sources = max_sources
+        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        self.applied = 0
+        self.dropped = 0
+        self.refused = 0
+
+    def apply(self, event: KvEvent) -> None:
+        blocks = self._blocks.get(event.source)
+        if blocks is None:
+            if event.kind != STORED:
+                return  # nothing known to remove or clear
+            if len(self._blocks) >= self.max_sources:
+                self.refused += 1
+                return
+            blocks = self._blocks[event.source] = OrderedDict()
+        self.applied += 1
+        if event.kind == CLEARED:
+            blocks.clear()
+        elif event.kind == REMOVED:
+            for h in event.hashes:
+                blocks.pop(h, None)
+        else:
+            for h in event.hashes:
+                blocks[h] = None
+                blocks.move_to_end(h)
+            while len(blocks) > self.max_blocks_per_source:
+                blocks.popitem(last=False)
+                self.dropped += 1
+
+    def apply_all(self, events: Iterable[KvEvent]) -> None:
+        for e in events:
+            self.apply(e)
+
+    def overlap(self, source: str, hashes: Sequence[bytes]) -> int:
+        """Leading entries of the chained `hashes` that `source` holds."""
+        blocks = self._blocks.get(source)
+        if not blocks:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def overlaps(self, sources: Sequence[str], hashes: Sequence[bytes]) -> list[int]:
+        return [self.overlap(s, hashes) for s in sources]
+
+    def size(self, source: str) -> int:
+        return len(self._blocks.get(source, ()))
+
+    def holds(self, source: str, block_hash: bytes) -> bool:
+        return block_hash in self._blocks.get(source, ())
+
+    @property
+    def sources(self) -> list[str]:
+        return list(self._blocks)

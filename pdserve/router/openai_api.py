@@ -1,0 +1,355 @@
+"""The OpenAI-compatible HTTP API of the router: Starlette routes served by uvicorn in a thread.
+
+Owns the HTTP side: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
+(whole responses or SSE streams ending with `data: [DONE]`), `GET /health`, request bodies
+capped in size, and every error in OpenAI's shape (404 for unknown routes and models, 413 for
+oversized bodies, the gRPC status mapped otherwise: see `openai_schema.error_from_status`).
+Each request is one call of the router's own gRPC `Generate` over loopback, so HTTP and gRPC
+clients get the same validation, routing and tokens; a client that goes away cancels that call,
+which cancels the decode on the worker and frees the request's KV.
+Must not run the model, pick workers or tokenize for generation (the gRPC service does all
+three); it tokenizes a chat only to count its tokens for chat's default max_tokens.
+Other code adds routes (e.g. `/metrics`) through `extra_routes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from pdserve import rpc
+from pdserve.engine.sampling import InvalidArgumentError
+from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
+from pdserve.router.openai_format import Renderer, token_texts
+from pdserve.router.openai_schema import (ApiRequest, OpenAIError, bad, error_from_status,
+                                          model_not_found, parse_chat, parse_completion)
+from pdserve.router.validate import prompt_ids_of
+
+log = logging.getLogger(__name__)
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none (gRPC's is greedy)
+
+
+class HttpStartError(RuntimeError):
+    """The HTTP server could not bind its address or did not start."""
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def grpc_error(e: grpc.aio.AioRpcError, req: ApiRequest) -> OpenAIError:
+    trailers = e.trailing_metadata()
+    retry = trailers.get("retry-after") if trailers is not None else None
+    return error_from_status(e.code().name, e.details() or "", req,
+                             retry if isinstance(retry, str) else None)
+
+
+def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    """The client's API key goes on to the gRPC service, which decides the tenant."""
+    auth = request.headers.get("authorization")
+    if auth is None:
+        return ()
+    if not (auth.isascii() and auth.isprintable()):
+        raise OpenAIError(401, "the authorization header must be 'Bearer <key>' in ASCII",
+                          code="invalid_api_key")
+    return (("authorization", auth),)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (call after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIApp:
+    """The Starlette app and its gRPC loopback client; the event loop is uvicorn's."""
+
+    def __init__(self, grpc_target: str, model_names: tuple[str, ...], max_model_len: int,
+                 tokenizer, vocab_size: int, *, max_body_bytes: int = 1 << 20,
+                 request_timeout_s: float = 600.0,
+                 extra_routes: Sequence[BaseRoute] = ()) -> None:
+        self.grpc_target = grpc_target
+        self.model_names = model_names
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_body_bytes = max_body_bytes
+        self.timeout_s = request_timeout_s
+        self.token_text = token_texts(tokenizer)
+        self.created = int(time.time())
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: api_pb2_grpc.GenerationStub | None = None
+        self.routes: list[BaseRoute] = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            *extra_routes,
+        ]
+        self.app = Starlette(routes=self.routes, lifespan=self._lifespan, exception_handlers={
+            HTTPException: self._http_error, Exception: self._internal_error})
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        self._channel = rpc.make_aio_channel(self.grpc_target)
+        self._stub = api_pb2_grpc.GenerationStub(self._channel)
+        try:
+            yield
+        finally:
+            await self._channel.close(grace=None)
+
+    # ---- errors -----------------------------------------------------------------------------
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            e = OpenAIError(404, f"Invalid URL ({request.method} {request.url.path})",
+                            code="unknown_url")
+        else:
+            e = OpenAIError(exc.status_code, f"{exc.detail} ({request.method} "
+                            f"{request.url.path})", code="invalid_request")
+        return error_response(e)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}",
+                                          code="internal_error"))
+
+    # ---- simple routes ----------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": n, "object": "model", "created": self.created, "owned_by": "pdserve",
+             "root": self.model_names[0], "max_model_len": self.max_model_len}
+            for n in self.model_names]})
+
+    async def health(self, request: Request) -> Response:
+        """200 when the router's gRPC Generation service answers SERVING over loopback."""
+        assert self._channel is not None
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=2.0)
+            ok = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            ok = False
+        if ok:
+            return Response(status_code=200)
+        return error_response(OpenAIError(503, "the router is not serving",
+                                          code="service_unavailable"))
+
+    # ---- generation -------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat, "chatcmpl")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion, "cmpl")
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = declared.isdigit() and int(declared) > limit
+        body = bytearray()
+        seen = 0
+        # Read (without keeping) what the client sends past the cap, up to a bound, so it
+        # sees the 413 instead of a reset connection.
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > limit:
+                too_big = True
+                if seen > 16 * limit:
+                    break
+            elif not too_big:
+                body += chunk
+        if too_big:
+            raise OpenAIError(413, f"the request body exceeds {limit} bytes",
+                              code="request_too_large")
+        if not body:
+            raise bad(None, "the request body is empty; expected a JSON object", "invalid_json")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise bad(None, f"the request body is not valid JSON: {e}", "invalid_json") from None
+
+    def _generate_request(self, req: ApiRequest, rid: str) -> api_pb2.GenerateRequest:
+        if req.model and req.model not in self.model_names:
+            raise model_not_found(req.model)
+        s = common_pb2.SamplingParams(top_k=req.top_k, stop=req.stop,
+                                      stop_token_ids=req.stop_token_ids,
+                                      ignore_eos=req.ignore_eos)
+        s.temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+        for name in ("top_p", "seed", "max_tokens", "logprobs"):
+            if getattr(req, name) is not None:
+                setattr(s, name, getattr(req, name))
+        g = api_pb2.GenerateRequest(request_id=rid, model=req.model or "", sampling=s,
+                                    cache_salt=req.cache_salt)
+        if req.kind == "chat":
+            g.chat.messages.extend(api_pb2.ChatMessage(role=r, content=c) for r, c in req.messages)
+            if req.max_tokens is None:
+                # As vLLM: a chat without max_tokens may use the rest of the context.
+                try:
+                    n = len(prompt_ids_of(g, self.tokenizer, self.vocab_size))
+                except InvalidArgumentError as e:
+                    raise error_from_status("INVALID_ARGUMENT", str(e), req) from None
+                if n < self.max_model_len:
+                    g.sampling.max_tokens = self.max_model_len - n  # (g holds a copy of s)
+        elif req.prompt_ids is not None:
+            g.token_ids.ids.extend(req.prompt_ids)
+        else:
+            g.prompt = req.prompt or ""
+        return g
+
+    async def _generate(self, request: Request, parse: Callable[[Any], ApiRequest],
+                        prefix: str) -> Response:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            metadata = _metadata(request)
+            req = parse(await self._read_json(request))
+            greq = self._generate_request(req, rid)
+        except OpenAIError as e:
+            return error_response(e)
+        assert self._stub is not None
+        call = self._stub.Generate(greq, timeout=self.timeout_s, metadata=metadata)
+        render = Renderer(req, rid, req.model or self.model_names[0], int(time.time()),
+                          self.token_text)
+        try:
+            if req.stream:
+                # Wait for the first message, so errors before any token get their own status.
+                first = await self._unless_gone(request, call, call.read())
+                return self._stream(req, call, first, render)
+            msgs = await self._unless_gone(request, call, _collect(call))
+        except grpc.aio.AioRpcError as e:
+            return error_response(grpc_error(e, req))
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        except BaseException:
+            call.cancel()  # e.g. the server shutting down mid-request
+            raise
+        if not msgs or not msgs[-1].finish_reason:
+            return error_response(OpenAIError(500, "generation ended without a finish reason",
+                                              code="internal_error"))
+        return JSONResponse(render.full(msgs))
+
+    @staticmethod
+    async def _unless_gone(request: Request, call, work):
+        """Await `work`; if the client disconnects first, cancel the gRPC call."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            call.cancel()
+            task.cancel()
+            raise _ClientGone()
+        finally:
+            watch.cancel()
+
+    def _stream(self, req: ApiRequest, call, first, render: Renderer) -> Response:
+        async def events():
+            try:
+                for c in render.first_chunks():
+                    yield _sse(c)
+                msg = first
+                while msg is not grpc.aio.EOF:
+                    for c in render.chunks(msg):
+                        yield _sse(c)
+                    if msg.finish_reason:
+                        break
+                    msg = await call.read()
+                else:
+                    yield _sse(OpenAIError(500, "generation ended without a finish reason",
+                                           code="internal_error").body())
+            except grpc.aio.AioRpcError as e:
+                yield _sse(grpc_error(e, req).body())
+            finally:
+                # A client that left cancels the stream's task here: the router then cancels
+                # the decode, and the worker frees the request's KV.
+                call.cancel()
+            yield "data: [DONE]\n\n"
+
+        return _CallStream(call, events(), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})
+
+
+class _CallStream(StreamingResponse):
+    """An SSE response that cancels its gRPC call however the response ends (done, error or
+    the client gone mid-write, where the body generator may never be resumed)."""
+
+    def __init__(self, call, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._call.cancel()
+
+
+async def _collect(call) -> list[api_pb2.GenerateResponse]:
+    return [m async for m in call]
+
+
+class HttpServer:
+    """uvicorn serving an ASGI app on its own thread and event loop, next to the gRPC server."""
+
+    def __init__(self, app, host: str, port: int, *, max_connections: int = 1024,
+                 graceful_s: int = 2) -> None:
+        self.host = host
+        self.port = port
+        self._config = uvicorn.Config(app, http="h11", loop="asyncio", lifespan="on",
+                                      log_config=None, access_log=False,
+                                      limit_concurrency=max_connections,
+                                      timeout_graceful_shutdown=graceful_s)
+        self._server = uvicorn.Server(self._config)
+        self._thread: threading.Thread | None = None
+        self.address = ""
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Bind, start serving, return the bound "host:port" (port 0 picks a free one)."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise HttpStartError(f"cannot bind http {self.host}:{self.port}: {e}") from None
+        host = f"[{self.host}]" if family == socket.AF_INET6 else self.host
+        self.address = f"{host}:{sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise HttpStartError(f"http server on {self.address} did not start")
+            time.sleep(0.01)
+        return self.address
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)

@@ -1,0 +1,131 @@
+"""`pdserve.v1.GenerateResponse` messages in, OpenAI response bodies and stream chunks out.
+
+Owns the JSON shapes of `/v1/chat/completions` and `/v1/completions` (whole responses and SSE
+chunks, usage, both logprobs formats). Pure: no sockets, no asyncio; token ids become text
+through the `token_text` callable it is given.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pdserve.proto import api_pb2, common_pb2
+from pdserve.router.openai_schema import ApiRequest
+
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+          common_pb2.FINISH_REASON_ABORT: "abort"}
+# JSON has no -inf; vLLM reports an impossible token's logprob as -9999.0 too.
+MIN_LOGPROB = -9999.0
+
+
+def token_texts(tokenizer, cache_size: int = 1 << 16) -> Callable[[int], str]:
+    """id -> the token's text as a client sees it (special tokens included), memoised."""
+    @functools.lru_cache(maxsize=cache_size)
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    return text
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) and x > MIN_LOGPROB else MIN_LOGPROB
+
+
+def usage_of(u: api_pb2.Usage) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+class Renderer:
+    """One request's response: chunks as gRPC messages arrive, or the whole body at the end."""
+
+    def __init__(self, req: ApiRequest, request_id: str, model: str, created: int,
+                 token_text: Callable[[int], str]) -> None:
+        self.req = req
+        self.id = request_id
+        self.model = model
+        self.created = created
+        self.token_text = token_text
+        self._offset = 0  # completions' text_offset runs across chunks
+        self.chat = req.kind == "chat"
+
+    # ---- logprobs ---------------------------------------------------------------------------
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        t = self.token_text(token_id)
+        return {"token": t, "logprob": _lp(logprob), "bytes": list(t.encode("utf-8"))}
+
+    def logprobs(self, lps: Iterable[common_pb2.TokenLogprobs]) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        lps = list(lps)
+        if self.chat:
+            return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [self._entry(t.token_id, t.logprob)
+                                                  for t in lp.top]} for lp in lps]}
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in lps:
+            t = self.token_text(lp.token_id)
+            tokens.append(t)
+            values.append(_lp(lp.logprob))
+            # As OpenAI's legacy format and vLLM: the top k, plus the sampled token if not in them.
+            top = {self.token_text(x.token_id): _lp(x.logprob) for x in lp.top}
+            top.setdefault(t, _lp(lp.logprob))
+            tops.append(top)
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    # ---- streaming --------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])]
+
+    def chunks(self, r: api_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """The SSE chunks for one gRPC message (the last one also carries finish and usage)."""
+        out = []
+        if r.text or (r.token_ids and self.req.logprobs is not None):
+            lps = self.logprobs(r.logprobs)
+            if self.chat:
+                choice = {"index": 0, "delta": {"content": r.text}, "logprobs": lps,
+                          "finish_reason": None}
+            else:
+                choice = {"index": 0, "text": r.text, "logprobs": lps, "finish_reason": None}
+            out.append(self._chunk([choice]))
+        if r.finish_reason:
+            finish = FINISH.get(r.finish_reason, "stop")
+            if self.chat:
+                choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+            out.append(self._chunk([choice]))
+            if self.req.include_usage:
+                out.append({**self._chunk([]), "usage": usage_of(r.usage)})
+        return out
+
+    # ---- whole response ---------------------------------------------------------------------
+    def full(self, responses: list[api_pb2.GenerateResponse]) -> dict[str, Any]:
+        text = "".join(r.text for r in responses)
+        last = responses[-1]
+        lps = self.logprobs(lp for r in responses for lp in r.logprobs)
+        finish = FINISH.get(last.finish_reason, "stop")
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": lps, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": usage_of(last.usage)}

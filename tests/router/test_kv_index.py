@@ -1,0 +1,86 @@
+"""The router's block index: events in, overlaps out; bounded; removed events honoured."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.block_pool import prompt_block_hashes
+from pdserve.router.kv_feed import store_event, worker_batch_events
+from pdserve.router.kv_index import CLEARED, REMOVED, STORED, KvEvent, KvIndex, store_source
+from pdserve.kvstore.client import BlockKey, Plane, format_key
+from pdserve.proto import worker_pb2 as wpb
+
+TOKENS = list(range(100, 100 + 16 * 6))
+HASHES = prompt_block_hashes(TOKENS, 16)
+
+
+def test_overlap_is_the_longest_cached_prefix():
+    idx = KvIndex()
+    idx.apply(KvEvent("w0", STORED, tuple(HASHES[:4])))
+    idx.apply(KvEvent("w1", STORED, (HASHES[0], HASHES[2])))  # a hole after block 0
+    assert idx.overlap("w0", HASHES) == 4
+    assert idx.overlap("w1", HASHES) == 1
+    assert idx.overlap("nobody", HASHES) == 0
+    assert idx.overlaps(["w0", "w1"], HASHES[:2]) == [2, 1]
+
+
+def test_removed_blocks_cut_the_overlap_and_cleared_forgets_a_source():
+    idx = KvIndex()
+    idx.apply(KvEvent("w0", STORED, tuple(HASHES)))
+    idx.apply(KvEvent("w0", REMOVED, (HASHES[3],)))
+    assert idx.overlap("w0", HASHES) == 3
+    idx.apply(KvEvent("w0", STORED, (HASHES[3],)))
+    assert idx.overlap("w0", HASHES) == 6
+    idx.apply(KvEvent("w0", CLEARED))
+    assert idx.overlap("w0", HASHES) == 0 and idx.size("w0") == 0
+
+
+def test_a_salted_prompt_shares_nothing():
+    idx = KvIndex()
+    idx.apply(KvEvent("w0", STORED, tuple(HASHES)))
+    assert idx.overlap("w0", prompt_block_hashes(TOKENS, 16, salt="tenant-b")) == 0
+
+
+def test_bounded_per_source_drops_the_oldest_stored():
+    idx = KvIndex(max_blocks_per_source=4)
+    idx.apply(KvEvent("w0", STORED, tuple(HASHES)))
+    assert idx.size("w0") == 4 and idx.dropped == 2
+    # The two oldest (the prefix's head) are gone: the overlap is now 0, never too long.
+    assert idx.overlap("w0", HASHES) == 0
+    assert idx.holds("w0", HASHES[5])
+
+
+def test_bounded_number_of_sources():
+    idx = KvIndex(max_sources=2)
+    for s in ("a", "b", "c"):
+        idx.apply(KvEvent(s, STORED, (HASHES[0],)))
+    assert sorted(idx.sources) == ["a", "b"] and idx.refused == 1
+    with pytest.raises(ValueError):
+        KvIndex(max_blocks_per_source=0)
+
+
+def test_worker_batches_become_ordered_events():
+    batch = wpb.KvEventBatch(snapshot=True, events=[
+        wpb.KvCacheEvent(kind=wpb.KV_EVENT_KIND_STORED, block_hash=HASHES[0]),
+        wpb.KvCacheEvent(kind=wpb.KV_EVENT_KIND_STORED, block_hash=HASHES[1]),
+        wpb.KvCacheEvent(kind=wpb.KV_EVENT_KIND_REMOVED, block_hash=HASHES[1]),
+        wpb.KvCacheEvent(kind=wpb.KV_EVENT_KIND_STORED, block_hash=HASHES[2])])
+    events = worker_batch_events("w0", batch)
+    assert [(e.kind, len(e.hashes)) for e in events] == [
+        (CLEARED, 0), (STORED, 2), (REMOVED, 1), (STORED, 1)]
+    idx = KvIndex()
+    idx.apply(KvEvent("w0", STORED, (HASHES[5],)))
+    idx.apply_all(events)
+    assert idx.overlap("w0", HASHES) == 1 and not idx.holds("w0", HASHES[5])
+
+
+def test_store_keys_map_back_to_block_hashes():
+    key = format_key(BlockKey("m@float32", "", HASHES[0], 0, 2, Plane.FULL))
+    assert store_event("stored", key) == KvEvent(store_source("m@float32"), STORED, (HASHES[0],))
+    assert store_event("evicted", key).kind == REMOVED
+    assert store_event("removed", key).kind == REMOVED
+    assert store_event("replica_dropped", key) is None  # other replicas remain
+    assert store_event("demoted", key) is None  # still in the store, on SSD
+    assert store_event("stored", "not/a/block/key") is None
+    anchor = format_key(BlockKey("m@float32", "", HASHES[0], 0, 2, Plane.ANCHOR))
+    assert store_event("stored", anchor) is None  # a plane alone is not the whole block
