@@ -1,0 +1,136 @@
+"""Prometheus metrics of the router and the workers, named `pdserve:<name>` with vLLM's meanings.
+
+Owns the metric definitions (one registry per process, never the global one, so tests can build
+several), the worker's scrape-time collector over engine and role counters, and a tiny HTTP
+server for a worker's `/metrics`. The router serves its registry on its HTTP API's `/metrics`.
+Must not decide anything: callers observe values; nothing here changes behaviour.
+
+Names and meanings follow vLLM's `vllm:` metrics: time_to_first_token_seconds,
+inter_token_latency_seconds, e2e_request_latency_seconds, request_queue_time_seconds,
+num_requests_running / num_requests_waiting, kv_cache_usage_perc (a fraction in [0, 1], as vLLM),
+prefix_cache_queries / prefix_cache_hits (in tokens), prompt_tokens / generation_tokens,
+request_success (by finish_reason); plus pdserve's own: requests_rejected (by reason), and the
+transfer counters kv_blocks_put / kv_blocks_fetched / kv_store_reads (by transport). The
+spec-decode counters exist from the start and stay at zero until speculative decoding lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, start_http_server
+
+__all__ = ["RouterMetrics", "WorkerCollector", "CONTENT_TYPE_LATEST", "render", "serve_worker"]
+
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                  0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus' text format."""
+    return generate_latest(registry)
+
+
+class RouterMetrics:
+    """The router's request-level metrics (one instance per router process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        label = ["model_name"]
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds",
+                              "Time from arrival to the first token.", label,
+                              buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds",
+                             "Time between successive output tokens (per token).", label,
+                             buckets=_ITL_BUCKETS_S, registry=r).labels(model_name)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds",
+                             "Time from arrival to the last token.", label,
+                             buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        self.queue_time = Histogram("pdserve:request_queue_time_seconds",
+                                    "Time from arrival until a prefill worker took the request.",
+                                    label, buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        self.running = Gauge("pdserve:num_requests_running",
+                             "Requests being prefilled or decoded.", label,
+                             registry=r).labels(model_name)
+        self.waiting = Gauge("pdserve:num_requests_waiting",
+                             "Requests admitted and waiting for a prefill worker.", label,
+                             registry=r).labels(model_name)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", label,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", label,
+                                         registry=r).labels(model_name)
+        self.prefix_queries = Counter("pdserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", label,
+                                      registry=r).labels(model_name)
+        self.prefix_hits = Counter("pdserve:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.", label,
+                                   registry=r).labels(model_name)
+        self._success = Counter("pdserve:request_success", "Requests finished, by reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._rejected = Counter("pdserve:requests_rejected",
+                                 "Requests refused at the door, by reason.",
+                                 ["model_name", "reason"], registry=r)
+        self.model_name = model_name
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+
+class WorkerCollector:
+    """Reads a worker's counters at scrape time through `read()` (a dict, see `metrics_of`)."""
+
+    def __init__(self, model_name: str, read: Callable[[], dict[str, Any]]) -> None:
+        self.model_name = model_name
+        self.read = read
+
+    def collect(self):
+        s = self.read()
+        m = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float):
+            g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float):
+            c = CounterMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
+            c.add_metric(m, value)
+            return c
+
+        total = max(1, s["num_total_blocks"])
+        yield gauge("num_requests_running", "Requests in the running batch.", s["num_running"])
+        yield gauge("num_requests_waiting", "Requests queued for admission.", s["num_waiting"])
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).",
+                    1.0 - s["num_free_blocks"] / total)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s["prefix_cache_queries_tokens"])
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s["prefix_cache_hits_tokens"])
+        yield counter("kv_blocks_put", "KV blocks written to the store.", s["kv_blocks_put"])
+        yield counter("kv_blocks_fetched", "KV blocks read from the store.",
+                      s["kv_blocks_fetched"])
+        reads = CounterMetricFamily("pdserve:kv_store_reads", "Store object reads, by transport.",
+                                    labels=["model_name", "transport"])
+        for kind, n in sorted(s.get("reads_by_transport", {}).items()):
+            reads.add_metric([self.model_name, kind], n)
+        yield reads
+        for name, doc in (("spec_decode_num_drafts", "Draft proposals verified."),
+                          ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                          ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")):
+            yield counter(name, doc, s.get(name, 0))
+
+
+def serve_worker(collector: WorkerCollector, host: str, port: int):
+    """Serves `/metrics` for a worker on host:port (0: a free port); returns (server, port)."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_port
