@@ -23,9 +23,18 @@ _PACK_HINT_ROWS = 32
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     if os.environ.get("PDSERVE_LINEAR", "") == "reference":
         return False
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if not (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    # oneDNN packs bf16 only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT; elsewhere the
+    # reorder raises, so bf16 takes the plain path there.
+    return dtype != torch.bfloat16 or _bf16_packing_supported()
+
+
+def _bf16_packing_supported() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 class Linear:

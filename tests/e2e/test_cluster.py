@@ -177,7 +177,11 @@ def test_prefix_computed_by_one_prefill_worker_is_reused_by_another(smollm2_gguf
                                                    {"role": "user", "content": q}]),
                           add_special_tokens=False)
                for q in ("Summarise it.", "Translate its first line.")]
-    with LocalCluster(cluster_spec(smollm2_gguf_path, prefill_workers=2)) as cluster:
+    # Round robin on purpose: KV-aware routing (the default with two prefill workers) would send
+    # the second prompt to the worker that already holds the prefix, and the store path under
+    # test would not run.
+    with LocalCluster(cluster_spec(smollm2_gguf_path, prefill_workers=2,
+                                   routing="round_robin")) as cluster:
         pre = workers(cluster, "prefill")
         outs = [generate(cluster.router_address, token_ids=p, max_tokens=16, ignore_eos=True)
                 for p in prompts]  # round robin: one prompt per prefill worker
