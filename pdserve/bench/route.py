@@ -1,13 +1,14 @@
 """`pdserve bench route`: prefix-cache hit rate and TTFT per routing policy, on a real trace.
 
-Owns one benchmark run on this machine: an embedded cluster (`LocalCluster`: store master and
-node, `prefill_workers` prefill workers with `num_blocks` KV blocks each, one decode worker),
-then for each policy a fresh router process with that policy over the same workers, fed the
-first `requests` requests of the Mooncake conversation trace (`route_trace`: lengths and block
-size scaled down by `token_scale`, arrivals sped up by `speedup`) as token-id prompts through
-the router's `Generate` (max_tokens 1: the answer is the first token, so its latency is TTFT).
-Each policy's run draws different token ids for the same trace (its own seed), so no run hits
-another's cache, and all runs see the same sharing structure.
+Owns one benchmark run on this machine. For each policy, a fresh embedded cluster
+(`LocalCluster`: store master and node, `prefill_workers` prefill workers with `num_blocks` KV
+blocks each, one decode worker, a router with that policy) is fed the first `requests` requests
+of the Mooncake conversation trace (`route_trace`: lengths and block size scaled down by
+`token_scale`, arrivals sped up by `speedup`) as token-id prompts through the router's
+`Generate` (max_tokens 1: the answer is the first token, so its latency is TTFT). Every policy
+gets the same prompts. With `fresh_cluster` off (`--one-cluster`, for tests) one cluster serves
+all policies, each through its own router process and with its own token ids (its own seed), so
+no run hits another's cache; all runs still see the same sharing structure.
 
 Per policy: the hit rate of the worker's own prefix cache (prompt tokens reused locally / prompt
 tokens), the hit rate including blocks fetched from the shared store, TTFT mean and p90 (from
@@ -27,17 +28,16 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pdserve.bench.common import emit
+from pdserve.bench.route_replay import Replay, cpu_s, percentile, worker_stats
 from pdserve.bench.route_trace import (
     TRACE_BLOCK_TOKENS, PromptMaker, TraceError, default_trace_path, ideal_hit_tokens,
-    load_requests,
+    load_requests, lru_hit_tokens,
 )
 from pdserve.router.policy import PREFILL_POLICIES
 
@@ -67,6 +67,11 @@ class RouteBenchSettings:
     max_prompt_tokens: int = 4096
     max_in_flight: int = 64  # client threads; requests past them wait in the client (and count)
     request_timeout_s: float = 300.0
+    # True: a fresh cluster per policy (same prompts; no run sees another's store or journal:
+    # the master's snapshots grow with its objects). False: one cluster, a router per policy,
+    # each run its own token ids: faster (tests), but later runs meet a fuller store.
+    fresh_cluster: bool = True
+    kv_fetch_weight: float | None = None  # None: the router's default (kv_aware's store term)
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -85,6 +90,8 @@ class RouteBenchSettings:
             raise BenchConfigError(f"policies must be among {PREFILL_POLICIES}, got {bad or '()'}")
         if self.prefill_workers < 2:
             raise BenchConfigError("prefill_workers must be >= 2 (routing needs a choice)")
+        if self.kv_fetch_weight is not None and self.kv_fetch_weight < 0:
+            raise BenchConfigError(f"kv_fetch_weight must be >= 0, got {self.kv_fetch_weight}")
         if self.num_blocks * self.block_size_tokens <= self.max_prompt_tokens:
             raise BenchConfigError("num_blocks x block_size_tokens must exceed max_prompt_tokens")
 
@@ -92,101 +99,27 @@ class RouteBenchSettings:
 QUICK = RouteBenchSettings(requests=200, num_blocks=1024, speedup=4.0)
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(-(-q * len(s) // 1)) - 1))]
-
-
-class Replay:
-    """Sends prompts through one router at their (scaled) arrival times; records each answer."""
-
-    def __init__(self, address: str, prompts: list[list[int]], arrivals_s: list[float],
-                 max_in_flight: int, timeout_s: float, on_done=None) -> None:
-        self.address, self.prompts, self.arrivals_s = address, prompts, arrivals_s
-        self.max_in_flight, self.timeout_s, self.on_done = max_in_flight, timeout_s, on_done
-        self.ttft_s: list[float | None] = [None] * len(prompts)
-        self.cached: list[int] = [0] * len(prompts)
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
-
-    def _one(self, stub, i: int, t_arrival: float) -> None:
-        from pdserve.proto import api_pb2, common_pb2
-
-        req = api_pb2.GenerateRequest(
-            request_id=uuid.uuid4().hex, token_ids=api_pb2.TokenIds(ids=self.prompts[i]),
-            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
-        try:
-            for resp in stub.Generate(req, timeout=self.timeout_s):
-                if self.ttft_s[i] is None:
-                    self.ttft_s[i] = time.perf_counter() - t_arrival
-                if resp.HasField("usage"):
-                    self.cached[i] = resp.usage.cached_prompt_tokens
-        except Exception as e:  # any failure is recorded and counted, never hidden
-            with self._lock:
-                self.errors.append(f"request {i}: {type(e).__name__}: {e}")
-        if self.on_done is not None:
-            self.on_done()
-
-    def run(self) -> float:
-        """Replay everything; returns the wall time in seconds."""
-        from pdserve import rpc
-        from pdserve.proto import api_pb2_grpc
-
-        with rpc.make_channel(self.address) as ch, \
-                ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="replay") as pool:
-            stub = api_pb2_grpc.GenerationStub(ch)
-            t0 = time.perf_counter()
-            for i, at in enumerate(self.arrivals_s):
-                delay = t0 + at - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                pool.submit(self._one, stub, i, t0 + at)
-        return time.perf_counter() - t0
-
-
-def _worker_stats(addresses: list[str]) -> list[Any]:
-    from pdserve import rpc
-    from pdserve.proto import worker_pb2 as wpb
-    from pdserve.proto import worker_pb2_grpc as wpb_grpc
-
-    out = []
-    for a in addresses:
-        with rpc.make_channel(a) as ch:
-            out.append(wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=60))
-    return out
-
-
-def _cpu_s(cluster) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by each child of the cluster and this process."""
-    import psutil
-
-    me = psutil.Process().cpu_times()
-    out = {"bench-client": me.user + me.system}
-    for c in cluster.children:
-        try:
-            t = psutil.Process(c.proc.pid).cpu_times()
-        except psutil.Error:
-            continue
-        out[c.name] = t.user + t.system
-    return out
-
-
-def run_policy(cluster, port: int, policy: str, seed: int, s: RouteBenchSettings, reqs,
+def run_policy(cluster, policy: str, seed: int, s: RouteBenchSettings, reqs,
                on_done=None) -> tuple[dict[str, Any], list[list[int]]]:
-    """One policy's replay on a fresh router; its figures and the prompts it sent."""
+    """One policy's replay (the cluster's own router if it routes by `policy`, else a new
+    router over its workers); its figures and the prompts it sent."""
     maker = PromptMaker(s.token_scale, seed, s.max_prompt_tokens)
     prompts = [maker.prompt(r) for r in reqs]
     arrivals = [r.arrival_s / s.speedup for r in reqs]
     prefill = cluster.worker_addresses("prefill")
-    address = cluster.add_router(f"router-{policy}", port, policy)
+    own = cluster.spec.routing == policy
+    address = cluster.router_address if own else \
+        cluster.add_router(f"router-{policy}", _free_port(), policy)
+    router_name = "router" if own else f"router-{policy}"
     try:
-        before, cpu_before = _worker_stats(prefill), _cpu_s(cluster)
+        load_start = os.getloadavg()[0]
+        before, cpu_before = worker_stats(prefill), cpu_s(cluster)
         replay = Replay(address, prompts, arrivals, s.max_in_flight, s.request_timeout_s, on_done)
         wall_s = replay.run()
-        after, cpu_after = _worker_stats(prefill), _cpu_s(cluster)
+        after, cpu_after = worker_stats(prefill), cpu_s(cluster)
     finally:
-        cluster.stop_child(address)
+        if not own:
+            cluster.stop_child(address)
     prompt_tokens = sum(len(p) for p in prompts)
     cached = sum(replay.cached)
     store_tokens = s.block_size_tokens * sum(
@@ -203,9 +136,12 @@ def run_policy(cluster, port: int, policy: str, seed: int, s: RouteBenchSettings
         "ttft_p50_s": percentile(ttfts, 0.5) if ttfts else None,
         "ttft_p90_s": percentile(ttfts, 0.9) if ttfts else None,
         "wall_s": wall_s,
+        # The machine is shared: the 1-minute load average when the replay started and ended.
+        "loadavg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         # Where the machine's time went: CPU seconds per process during the replay.
-        "cpu_s": {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()
-                  if k in cpu_before or k == f"router-{policy}"},
+        "cpu_s": {("router" if k == router_name else k): round(v - cpu_before.get(k, 0.0), 2)
+                  for k, v in cpu_after.items()
+                  if k in cpu_before and (k == router_name or not k.startswith("router"))},
         "requests_per_worker": [a.requests_finished - b.requests_finished
                                 for a, b in zip(after, before)],
     }, prompts
@@ -218,12 +154,13 @@ def _free_port() -> int:
 
 
 def _store_bytes(s: RouteBenchSettings, reqs, mc) -> int:
-    """Store room for every block of every run (fp32 KV), plus 25% and 64 MiB."""
+    """Store room for every block of every run on it (fp32 KV), plus 25% and 64 MiB."""
     block_bytes = mc.num_hidden_layers * 2 * s.block_size_tokens * mc.num_key_value_heads \
         * mc.head_dim * 4
     blocks = sum(min(s.max_prompt_tokens, -(-r.input_length // s.token_scale))
                  // s.block_size_tokens for r in reqs)
-    return int(1.25 * len(s.policies) * blocks * block_bytes) + 64 * MiB
+    runs = 1 if s.fresh_cluster else len(s.policies)
+    return int(1.25 * runs * blocks * block_bytes) + 64 * MiB
 
 
 def _trace_ideal(reqs) -> float:
@@ -242,7 +179,6 @@ def _trace_ideal(reqs) -> float:
 def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
     from pdserve.bench.route_model import build_bench_model
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
-
     from pdserve.engine.loader import load_model_config
 
     trace = s.trace_path or default_trace_path()
@@ -251,37 +187,54 @@ def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="pdserve-bench-route-")
     rows: dict[str, Any] = {}
     ideal = (0, 0)
+    capacity = s.store_capacity_bytes
+    lru: dict[int, int] = {}
     try:
         with _Progress(progress) as bar:
             bar.note("building the bench model" if not s.model_path else "")
             model = s.model_path or build_bench_model(os.path.join(tmp, "bench-llama"))
             capacity = s.store_capacity_bytes or _store_bytes(s, reqs, load_model_config(model))
-            bar.note(f"starting the cluster: store ({capacity / MiB:,.0f} MiB), "
-                     f"{s.prefill_workers} prefill workers, 1 decode worker")
-            spec = ClusterSpec(
-                model_path=model, router_port=_free_port(), store_port=_free_port(),
-                worker_ports=tuple(_free_port() for _ in range(s.prefill_workers + 1)),
-                prefill_workers=s.prefill_workers, decode_workers=1, num_blocks=s.num_blocks,
-                block_size_tokens=s.block_size_tokens,
-                store_capacity_bytes=capacity, routing="round_robin",
-                http_port=None, log_dir=os.path.join(tmp, "logs"))
-            with LocalCluster(spec) as cluster:
-                for seed, policy in enumerate(s.policies):
+            bar.note(f"cluster: store of {capacity / MiB:,.0f} MiB, {s.prefill_workers} prefill "
+                     f"workers x {s.num_blocks} KV blocks, 1 decode worker; "
+                     + ("a fresh one per policy" if s.fresh_cluster else "one for all policies"))
+
+            router_args = () if s.kv_fetch_weight is None else \
+                ("--kv-fetch-weight", repr(s.kv_fetch_weight))
+
+            def spec(routing: str, k: int) -> ClusterSpec:
+                return ClusterSpec(
+                    model_path=model, router_port=_free_port(), store_port=_free_port(),
+                    worker_ports=tuple(_free_port() for _ in range(s.prefill_workers + 1)),
+                    prefill_workers=s.prefill_workers, decode_workers=1, num_blocks=s.num_blocks,
+                    block_size_tokens=s.block_size_tokens, store_capacity_bytes=capacity,
+                    routing=routing, http_port=None, log_dir=os.path.join(tmp, f"logs{k}"),
+                    router_args=router_args)
+
+            with ExitStack() as stack:
+                shared = None if s.fresh_cluster else \
+                    stack.enter_context(LocalCluster(spec(s.policies[0], 0)))
+                for k, policy in enumerate(s.policies):
                     task = bar.task(f"{policy:<13}", len(reqs))
-                    rows[policy], prompts = run_policy(
-                        cluster, _free_port(), policy, seed, s, reqs,
-                        on_done=lambda t=task: bar.step(t))
-                    if seed == 0:
+                    with ExitStack() as per_policy:
+                        cluster = shared or per_policy.enter_context(
+                            LocalCluster(spec(policy, k)))
+                        rows[policy], prompts = run_policy(
+                            cluster, policy, k if shared else 0, s, reqs,
+                            on_done=lambda t=task: bar.step(t))
+                    if k == 0:
                         ideal = ideal_hit_tokens(prompts, s.block_size_tokens)
+                        lru = {n: lru_hit_tokens(prompts, s.block_size_tokens, n * s.num_blocks)
+                               for n in (1, s.prefill_workers)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return summarize(s, trace, reqs, rows, ideal, model_desc=s.model_path or "bench-llama "
-                     "(random, hidden 256, 4 layers, SmolLM2 tokenizer)",
-                     wall_s=time.perf_counter() - started)
+    return summarize(replace(s, store_capacity_bytes=capacity), trace, reqs, rows, ideal, lru,
+                     model_desc=s.model_path or "bench-llama (random, hidden 256, 4 layers, "
+                     "SmolLM2 tokenizer)", wall_s=time.perf_counter() - started)
 
 
 def summarize(s: RouteBenchSettings, trace: str, reqs, rows: dict[str, Any],
-              ideal: tuple[int, int], model_desc: str, wall_s: float) -> dict[str, Any]:
+              ideal: tuple[int, int], lru: dict[int, int], model_desc: str,
+              wall_s: float) -> dict[str, Any]:
     ideal_rate = ideal[0] / ideal[1] if ideal[1] else 0.0
     base = rows.get("round_robin")
     for r in rows.values():
@@ -311,7 +264,12 @@ def summarize(s: RouteBenchSettings, trace: str, reqs, rows: dict[str, Any],
         "model": model_desc,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version()},
-        "ideal": {"hit_tokens": ideal[0], "prompt_tokens": ideal[1], "hit_rate": ideal_rate},
+        "ideal": {"hit_tokens": ideal[0], "prompt_tokens": ideal[1], "hit_rate": ideal_rate,
+                  # What the bound costs: one exact-LRU cache of one worker's blocks, and of all
+                  # prefill workers' blocks together (what perfect partitioning could reach).
+                  "lru_hit_rate_by_capacity_blocks": {
+                      str(n * s.num_blocks): h / ideal[1] if ideal[1] else 0.0
+                      for n, h in lru.items()}},
         "policies": rows,
         "aim": {"kv_aware_local_vs_ideal_min": 0.9, "kv_aware_local_vs_ideal": ratio,
                 "met": None if ratio is None else ratio >= 0.9},
@@ -375,6 +333,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"default {d.prefill_workers}")
     parser.add_argument("--num-blocks", type=int, default=None,
                         help=f"KV blocks per worker (default {d.num_blocks})")
+    parser.add_argument("--kv-fetch-weight", type=float, default=None,
+                        help="kv_aware: cost of a store fetch relative to computing a block "
+                             "(default: the router's, 0.2)")
     parser.add_argument("--model", default=None,
                         help="model path (default: a small random Llama built for the run)")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -383,6 +344,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help=f"short run: {QUICK.requests} requests, {QUICK.num_blocks} blocks "
                              f"per worker, speedup {QUICK.speedup:g} (explicit flags still win)")
+    parser.add_argument("--one-cluster", action="store_true",
+                        help="one cluster for all policies (a router each, own token ids): "
+                             "faster, but later runs meet a fuller store")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return parser
 
@@ -394,8 +358,9 @@ def settings_from_args(args: argparse.Namespace) -> RouteBenchSettings:
     given = {"trace_path": args.trace, "requests": args.requests,
              "token_scale": args.token_scale, "speedup": args.speedup, "policies": policies,
              "prefill_workers": args.prefill_workers, "num_blocks": args.num_blocks,
-             "model_path": args.model}
-    return replace(base, **{k: v for k, v in given.items() if v is not None})
+             "model_path": args.model, "kv_fetch_weight": args.kv_fetch_weight}
+    return replace(base, fresh_cluster=not args.one_cluster,
+                   **{k: v for k, v in given.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:

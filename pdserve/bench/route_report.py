@@ -1,9 +1,9 @@
 """What a person sees of `pdserve bench route`: a rich table, and the JSON + PNG files of --out.
 
 Owns the layout: one row per policy (own-cache hit rate, with store hits, share of the ideal,
-TTFT mean and p90 and mean vs round-robin, requests per worker, errors) under the ideal hit
-rate and the scale; the plot `route.png` (hit rates per policy beside the ideal as a line,
-TTFT mean and p90 per policy). Must not compute figures: it reads the result document.
+TTFT mean and p90 and mean vs round-robin, requests per worker, errors), then the ideal hit
+rate and exact-LRU references, and the scale; the plot `route.png` (hit rates per policy beside
+the ideal and the LRU references as lines, TTFT mean and p90 per policy). Must not compute figures: it reads the result document.
 """
 
 from __future__ import annotations
@@ -40,9 +40,13 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
                   "n/a" if vs is None else f"{vs:.2f}x",
                   "/".join(str(n) for n in r["requests_per_worker"]), str(r["errors"]))
     t.add_row("ideal", _pct(ideal), _pct(ideal), "100%", "", "", "", "", "")
+    for blocks, rate in result["ideal"].get("lru_hit_rate_by_capacity_blocks", {}).items():
+        t.add_row(f"one LRU, {int(blocks):,} blocks", _pct(rate), "", _pct(rate / ideal)
+                  if ideal else "n/a", "", "", "", "", "")
     t.caption = (f"hit rate = prompt tokens reused / prompt tokens. own: from the worker's "
                  f"prefix cache; +store: also blocks fetched from the shared store; ideal: one "
-                 f"unbounded cache; TTFT mean and p90, mean vs round_robin. "
+                 f"unbounded cache; one LRU: an exact LRU cache of that many blocks (one worker's, all "
+                 f"workers' together); TTFT mean and p90, mean vs round_robin. "
                  f"model: {result['model']}. trace: {tr['attribution']}")
     console.print(t)
     aim = result["aim"]
@@ -66,6 +70,10 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.bar([i + w / 2 for i in x], [r["total_hit_rate"] for r in rows], w,
            label="with store fetches")
     ax.axhline(ideal, color="k", linestyle=":", label=f"ideal (unbounded) {ideal:.1%}")
+    for (blocks, rate), style in zip(
+            result["ideal"].get("lru_hit_rate_by_capacity_blocks", {}).items(), ("--", "-.")):
+        ax.axhline(rate, color="grey", linestyle=style,
+                   label=f"one LRU of {int(blocks):,} blocks {rate:.1%}")
     ax.set_xticks(x, names, fontsize=8)
     ax.set_ylabel("prefix-cache hit rate (tokens)")
     ax.set_ylim(0, max(0.05, ideal * 1.25))

@@ -11,14 +11,15 @@ identical token blocks and shared prefixes stay shared; a prompt is its blocks' 
 ceil(input_length / token_scale). A different run seed gives every block different tokens, so
 runs on one cluster never hit each other's cache. Also owns the ideal: one unbounded prefix
 cache fed the same prompts in order, counted exactly as the engine counts hits (whole blocks
-of all prompt tokens but the last; every full prompt block cached after). Pure: no I/O besides
-reading the trace, no clock.
+of all prompt tokens but the last; every full prompt block cached after), and an exact LRU
+cache of a given size counted the same way. Pure: no I/O besides reading the trace, no clock.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdserve.bench.kvstore_trace import TraceError, default_trace_path  # noqa: F401 (re-export)
@@ -111,3 +112,23 @@ def ideal_hit_tokens(prompts: list[list[int]], block_size_tokens: int) -> tuple[
         total += len(p)
         seen.update(prompt_block_hashes(p, block_size_tokens))
     return hits, total
+
+
+def lru_hit_tokens(prompts: list[list[int]], block_size_tokens: int, capacity_blocks: int) -> int:
+    """Prompt tokens one exact-LRU prefix cache of `capacity_blocks` serves (counted as
+    `ideal_hit_tokens` counts; every prompt block is touched after)."""
+    lru: OrderedDict[bytes, None] = OrderedDict()
+    hits = 0
+    for p in prompts:
+        n = 0
+        for h in prompt_block_hashes(p[:-1], block_size_tokens):
+            if h not in lru:
+                break
+            n += 1
+        hits += n * block_size_tokens
+        for h in prompt_block_hashes(p, block_size_tokens):
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return hits

@@ -44,6 +44,7 @@ class ClusterSpec:
     # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
     # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
     routing: str = "auto"
+    router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 1 or self.decode_workers < 1:
@@ -165,7 +166,7 @@ class LocalCluster:
             router = self._spawn("router", self.router_address, [
                 "pdserve.router", "--model", s.model_path, "--address", self.router_address,
                 "--prefill", prefill, "--decode", decode, "--max-model-len-tokens", capacity,
-                *http, *self.routing_args(s.routing)])
+                *http, *self.routing_args(s.routing), *s.router_args])
             self._wait([router])
             if http:
                 self.http_address = self._ready_field(router, "http")
@@ -197,7 +198,7 @@ class LocalCluster:
             "--prefill", ",".join(self.worker_addresses("prefill")),
             "--decode", ",".join(self.worker_addresses("decode")), *self.routing_args(routing),
             "--max-model-len-tokens", str(self.spec.num_blocks * self.spec.block_size_tokens),
-            *extra_args])
+            *self.spec.router_args, *extra_args])
         self._wait([child])
         return address
 

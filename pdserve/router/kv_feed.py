@@ -68,6 +68,13 @@ def store_event(kind: str, key: str) -> KvEvent | None:
     return KvEvent(store_source(bk.model_id), k, (bk.block_hash,))
 
 
+def resume_after(details: str) -> int | None:
+    """The seq to resume the store's event stream after, from the master's EventsLost error
+    ("... the log starts at seq N": everything from N on is still there), or None."""
+    m = _LOG_STARTS.search(details or "")
+    return int(m.group(1)) - 1 if m else None
+
+
 class KvFeeds:
     def __init__(self, worker_addresses: Sequence[str], store_address: str = "",
                  index: KvIndex | None = None, retry_s: float = 1.0) -> None:
@@ -182,11 +189,11 @@ class KvFeeds:
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return
-                start = _LOG_STARTS.search(e.details() or "")
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and start:
+                resume = resume_after(e.details())
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and resume is not None:
                     # We fell behind the master's bounded event log: forget, resume at its start.
                     self._reset_store()
-                    after = int(start.group(1)) - 1
+                    after = resume
                     continue
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.info("store at %s has no event stream; store overlaps stay 0", address)

@@ -5,7 +5,8 @@ The trace is written here in the Mooncake format: 7 conversations of 4 turns, ea
 repeating its conversation's earlier blocks and adding two, all starting with one block every
 request shares. Seven is odd on purpose: round-robin over 2 workers then sends consecutive turns
 of a conversation to alternating workers (with an even count it would keep each conversation
-on one worker by accident). One cluster, two policies, well under a minute on 2 cores.
+on one worker by accident). One cluster (`--one-cluster`), two policies, about half a minute
+on 2 cores.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def run(tmp_path_factory):
         rc = bench.main(["--json", "--out", str(tmp / "out"), "--no-progress",
                          "--trace", str(trace), "--requests", str(CONVERSATIONS * TURNS),
                          "--num-blocks", "512", "--speedup", "1",
-                         "--policies", "round_robin,kv_aware"])
+                         "--policies", "round_robin,kv_aware", "--one-cluster"])
     assert rc == 0
     return json.loads(stdout.getvalue()), tmp / "out"
 
@@ -61,6 +62,9 @@ def test_document_fields_and_arithmetic(run):
     ideal = doc["ideal"]
     assert 0 < ideal["hit_tokens"] < ideal["prompt_tokens"]
     assert ideal["hit_rate"] == pytest.approx(ideal["hit_tokens"] / ideal["prompt_tokens"])
+    lru = ideal["lru_hit_rate_by_capacity_blocks"]
+    assert sorted(lru, key=int) == ["512", "1024"]  # one worker's blocks, both workers'
+    assert lru["512"] <= lru["1024"] <= ideal["hit_rate"]
     assert list(doc["policies"]) == ["round_robin", "kv_aware"]
     for name, r in doc["policies"].items():
         assert r["requests"] == CONVERSATIONS * TURNS and r["errors"] == 0, r["error_examples"]

@@ -100,3 +100,42 @@ def test_router_feed_indexes_the_workers_cache(worker):
         assert feeds.overlaps(hashes, 32) == ([0], 0)  # another block size: nothing claimed
     finally:
         feeds.close()
+
+
+def test_router_feed_indexes_the_stores_blocks(tmp_path):
+    """The store master's WatchEvents feed the index: keys map back to block hashes."""
+    from pdserve.kvstore.client import BlockKey, Plane, format_key
+    from pdserve.kvstore.dist_client import DistStoreClient
+    from pdserve.router.kv_index import store_source
+    from tests.kvstore.test_dist_store import start_master, start_node, stop, wait_nodes
+
+    master = f"127.0.0.1:{free_port()}"
+    procs = [start_master(master, str(tmp_path / "journal"))]
+    procs.append(start_node("feed-node", master)[0])
+    feeds = KvFeeds([], master, retry_s=0.2).start()
+    hashes = prompt_block_hashes(list(range(300, 300 + 4 * BS)), BS)
+    keys = [format_key(BlockKey("m@float32", "", h, 0, 2, Plane.FULL)) for h in hashes]
+    source = store_source("m@float32")
+
+    def overlap() -> int:
+        with feeds.lock:
+            return feeds.index.overlap(source, hashes)
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 20
+        while overlap() != n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert overlap() == n
+
+    try:
+        with DistStoreClient(master) as client:
+            wait_nodes(client, 1)
+            for k in keys:
+                client.put_from(k, bytes(1024))
+            wait_for(4)
+            client.remove(keys[1])
+            wait_for(1)
+    finally:
+        feeds.close()
+        for p in reversed(procs):
+            stop(p)

@@ -84,3 +84,18 @@ def test_store_keys_map_back_to_block_hashes():
     assert store_event("stored", "not/a/block/key") is None
     anchor = format_key(BlockKey("m@float32", "", HASHES[0], 0, 2, Plane.ANCHOR))
     assert store_event("stored", anchor) is None  # a plane alone is not the whole block
+
+
+def test_resume_point_is_read_from_the_masters_events_lost_error():
+    from pdserve.kvstore.master import EventsLost, MasterCore
+    from pdserve.kvstore.master.config import MasterConfig
+    from pdserve.router.kv_feed import resume_after
+
+    core = MasterCore(MasterConfig(max_events=2))
+    for i in range(4):
+        core.register_node(f"n{i}", "h", f"127.0.0.1:{i + 1}", [(f"s{i}", 1 << 20, "dram", "")], 0.0)
+    with pytest.raises(EventsLost) as lost:
+        core.events_since(0)
+    after = resume_after(f"EventsLost: {lost.value}")  # as the master's service words it
+    assert after is not None and core.events_since(after)  # the retained events follow
+    assert resume_after("UNAVAILABLE: not the leader") is None
