@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import socket
 import threading
 import time
@@ -42,7 +41,6 @@ from pdserve.router.openai_schema import (ApiRequest, OpenAIError, bad, error_fr
                                           model_not_found, parse_chat, parse_completion)
 from pdserve.router.validate import prompt_ids_of
 
-log = logging.getLogger(__name__)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none (gRPC's is greedy)
 
 
@@ -134,7 +132,7 @@ class OpenAIApp:
         return error_response(e)
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        # Starlette re-raises after this answer, and uvicorn logs the traceback.
         return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}",
                                           code="internal_error"))
 
