@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -126,6 +127,9 @@ def test_overload_gets_resource_exhausted_with_a_retry_hint_and_accepted_request
         tiny_cluster):
     router = tiny_cluster.add_router("router-small", free_port(), "round_robin",
                                      ("--max-in-flight", "2"))
+    [proc] = [psutil.Process(c.proc.pid) for c in tiny_cluster.children if c.address == router]
+    generate(router, prompt="warm up", max_tokens=2)
+    rss_before = proc.memory_info().rss
     prompt = _prompt(tiny_cluster, "Burst traffic arrives all at once. ")
     results: list[tuple[str, object]] = []
     lock = threading.Lock()
@@ -143,19 +147,24 @@ def test_overload_gets_resource_exhausted_with_a_retry_hint_and_accepted_request
         with lock:
             results.append(outcome)
 
-    threads = [threading.Thread(target=one) for _ in range(20)]  # 10x the bound
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    threads = []
+    for _ in range(3):  # three bursts of 10x the bound: refusals must not pile up memory
+        burst = [threading.Thread(target=one) for _ in range(20)]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join(300)
+        threads += burst
+    rss_growth = proc.memory_info().rss - rss_before
     kinds = {k for k, _ in results}
-    assert len(results) == 20 and kinds <= {"ok", "RESOURCE_EXHAUSTED"}, [r for r in results if r[0] not in ("ok", "RESOURCE_EXHAUSTED")]
+    assert len(results) == 60 and kinds <= {"ok", "RESOURCE_EXHAUSTED"}, [r for r in results if r[0] not in ("ok", "RESOURCE_EXHAUSTED")]
     refused = [v for k, v in results if k == "RESOURCE_EXHAUSTED"]
     accepted = [v for k, v in results if k == "ok"]
     assert refused and accepted
     assert all("retry after" in d and float(h) > 0 for d, h in refused)
     assert all(r.finish_reason == common_pb2.FINISH_REASON_LENGTH
                and r.usage.completion_tokens == 24 for r in accepted)
+    assert rss_growth < 64 << 20, f"router RSS grew {rss_growth >> 20} MiB over three bursts"
     ids, *_ = generate(router, token_ids=prompt, max_tokens=3, ignore_eos=True)
     assert len(ids) == 3  # still serving
     tiny_cluster.stop_child(router)
