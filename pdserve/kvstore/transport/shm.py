@@ -15,6 +15,9 @@ from pdserve.kvstore.node.segment import SegmentError, ShmSegment
 from pdserve.kvstore.transport.base import Extent, TransportError, TransportUnavailable, byte_view
 
 
+_READ_PIECE_BYTES = 64 << 20
+
+
 class ShmTransport:
     """Writes and reads DRAM extents of nodes on this host through their segment files."""
 
@@ -59,7 +62,12 @@ class ShmTransport:
     def read_into(self, extent: Extent, dst: object) -> None:
         view = byte_view(dst, extent, writable=True)
         with self._view(extent, len(view)) as src:
-            view[:] = src
+            # Copied in pieces: measured here, one memmove of 256 MiB out of a tmpfs mapping
+            # runs at about 4.4 GB/s and 64 MiB pieces at about 8.9 (glibc's large-copy path);
+            # writes into the segment are faster in one piece, so they stay whole.
+            for start in range(0, len(view), _READ_PIECE_BYTES):
+                end = start + _READ_PIECE_BYTES
+                view[start:end] = src[start:end]
 
     def forget(self, shm_path: str) -> None:
         """Unmaps one segment (its node died or restarted); a later use maps it afresh."""
