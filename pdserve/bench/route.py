@@ -72,6 +72,7 @@ class RouteBenchSettings:
     # each run its own token ids: faster (tests), but later runs meet a fuller store.
     fresh_cluster: bool = True
     kv_fetch_weight: float | None = None  # None: the router's default (kv_aware's store term)
+    kv_request_cost_tokens: float | None = None  # None: the router's default (load per request)
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -90,6 +91,9 @@ class RouteBenchSettings:
             raise BenchConfigError(f"policies must be among {PREFILL_POLICIES}, got {bad or '()'}")
         if self.prefill_workers < 2:
             raise BenchConfigError("prefill_workers must be >= 2 (routing needs a choice)")
+        if self.kv_request_cost_tokens is not None and self.kv_request_cost_tokens < 0:
+            raise BenchConfigError("kv_request_cost_tokens must be >= 0, got "
+                                   f"{self.kv_request_cost_tokens}")
         if self.kv_fetch_weight is not None and self.kv_fetch_weight < 0:
             raise BenchConfigError(f"kv_fetch_weight must be >= 0, got {self.kv_fetch_weight}")
         if self.num_blocks * self.block_size_tokens <= self.max_prompt_tokens:
@@ -198,8 +202,10 @@ def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
                      f"workers x {s.num_blocks} KV blocks, 1 decode worker; "
                      + ("a fresh one per policy" if s.fresh_cluster else "one for all policies"))
 
-            router_args = () if s.kv_fetch_weight is None else \
-                ("--kv-fetch-weight", repr(s.kv_fetch_weight))
+            router_args = (() if s.kv_fetch_weight is None else
+                           ("--kv-fetch-weight", repr(s.kv_fetch_weight)))
+            if s.kv_request_cost_tokens is not None:
+                router_args += ("--kv-request-cost-tokens", repr(s.kv_request_cost_tokens))
 
             def spec(routing: str, k: int) -> ClusterSpec:
                 return ClusterSpec(
@@ -336,6 +342,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-fetch-weight", type=float, default=None,
                         help="kv_aware: cost of a store fetch relative to computing a block "
                              "(default: the router's, 0.2)")
+    parser.add_argument("--kv-request-cost-tokens", type=float, default=None,
+                        help="kv_aware: queue load per request in flight, in prompt tokens "
+                             "(default: the router's, 64)")
     parser.add_argument("--model", default=None,
                         help="model path (default: a small random Llama built for the run)")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -358,7 +367,8 @@ def settings_from_args(args: argparse.Namespace) -> RouteBenchSettings:
     given = {"trace_path": args.trace, "requests": args.requests,
              "token_scale": args.token_scale, "speedup": args.speedup, "policies": policies,
              "prefill_workers": args.prefill_workers, "num_blocks": args.num_blocks,
-             "model_path": args.model, "kv_fetch_weight": args.kv_fetch_weight}
+             "model_path": args.model, "kv_fetch_weight": args.kv_fetch_weight,
+             "kv_request_cost_tokens": args.kv_request_cost_tokens}
     return replace(base, fresh_cluster=not args.one_cluster,
                    **{k: v for k, v in given.items() if v is not None})
 
