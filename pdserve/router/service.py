@@ -103,6 +103,9 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                         m.prefix_queries.inc(u.prompt_tokens)
                         m.prefix_hits.inc(u.cached_prompt_tokens)
                         m.finished(finish)
+                        log.info("finished: %s, %d prompt tokens (%d cached), %d generated, "
+                                 "%.3f s", finish, u.prompt_tokens, u.cached_prompt_tokens,
+                                 u.completion_tokens, now - arrival)
                     yield resp
         finally:
             (m.waiting if state["waiting"] else m.running).dec()

@@ -75,6 +75,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._inflight += 1
         try:
             with request_context(request_id):  # the router's id on this hop's log lines
+                log.info("%s started", ROLE_NAMES.get(role))
                 yield
         finally:
             with self._cond:

@@ -206,3 +206,23 @@ def test_prometheus_metrics_on_the_router_and_every_worker(tiny_cluster):
             assert any(k.startswith(name) for k in w), (address, name)
     [prefill] = workers(tiny_cluster, "prefill")
     assert _metric(_scrape(tiny_cluster.worker_metrics[prefill]), "pdserve:kv_blocks_put") >= 0
+
+
+def test_the_request_id_is_on_log_lines_of_every_hop(tiny_cluster):
+    rid = f"trace-me-{free_port()}"
+    req = api_pb2.GenerateRequest(request_id=rid, prompt="Follow this request",
+                                  sampling=common_pb2.SamplingParams(max_tokens=3))
+    with rpc.make_channel(tiny_cluster.router_address) as ch:
+        assert all(r.request_id == rid
+                   for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=120))
+    hops = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for c in tiny_cluster.children:
+            if c.name in ("router", "prefill-0", "decode-1"):
+                with open(c.log_path, errors="replace") as f:
+                    hops[c.name] = f"[req={rid}]" in f.read()
+        if len(hops) == 3 and all(hops.values()):
+            break
+        time.sleep(0.2)
+    assert hops == {"router": True, "prefill-0": True, "decode-1": True}
