@@ -121,6 +121,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (greedy requests only for now; sampled ones get no drafts)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # most draft tokens per request per step
+    ngram_min: int = 1  # n-gram drafter: shortest match tried
+    ngram_max: int = 3  # n-gram drafter: longest match tried (tried first)
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram",):
+            raise ConfigError(f"spec.method must be 'ngram', got {self.method!r}")
+        if self.num_speculative_tokens <= 0:
+            raise ConfigError("spec.num_speculative_tokens must be positive")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError("spec.ngram_min and ngram_max need 1 <= ngram_min <= ngram_max")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     dtype: str = "float32"  # "float32" or "bfloat16"
@@ -128,6 +146,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len_tokens: int | None = None  # defaults to the model's context length
+    spec: SpecConfig | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

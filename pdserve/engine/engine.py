@@ -4,6 +4,12 @@ Owns a step: schedule, build the flat batch, run the model, sample, apply stop r
 It is single-threaded on purpose; a worker process drives it from one loop thread. It also owns
 moving a request's KV in and out as whole blocks (`take_parked_kv`, `add_prefilled_request`), which
 is how the prefill and decode roles hand a request over without the engine knowing about a store.
+
+With `EngineConfig.spec` set, each step first asks the drafter for draft tokens for every
+greedy request in decode; the drafts run after the request's last token in the same forward,
+the target's argmax at every position decides how many are accepted (`spec.verify_greedy`),
+and the slots of rejected drafts are given back. Sampled requests (temperature > 0) get no
+drafts yet. With `spec` None a step is exactly the plain one.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pdserve.engine.model import LlamaModel, StepInput
 from pdserve.engine.sampling import (InvalidArgumentError, SamplingParams, TokenLogprobs, sample,
                                      token_logprobs)
 from pdserve.engine.scheduler import Scheduler, Sequence
+from pdserve.engine.spec import SpecStats, make_drafter, verify_greedy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,6 +80,9 @@ class LLMEngine:
         self.eos_ids = set(model_config.eos_token_ids)
         self.steps = 0
         self._ids = itertools.count()
+        self.drafter = make_drafter(cfg.spec) if cfg.spec is not None else None
+        self.spec_stats = (SpecStats(cfg.spec.num_speculative_tokens)
+                           if cfg.spec is not None else None)
 
     # ---- requests in -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -187,6 +197,8 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        if self.drafter is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         outputs: list[StepOutput] = []
         if batch.empty:
@@ -199,12 +211,14 @@ class LLMEngine:
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new):
             start = seq.num_computed
-            ids.extend(seq.token_ids[start:start + n])
+            n_spec = len(seq.spec_token_ids)  # drafts run after the sequence's own tokens
+            ids.extend(seq.token_ids[start:start + n - n_spec])
+            ids.extend(seq.spec_token_ids)
             pos.extend(range(start, start + n))
             meta_in.append((start, n, seq.block_table))
             row += n
-            if start + n == seq.num_tokens:
-                logit_rows.append(row - 1)
+            if start + n - n_spec == seq.num_tokens:
+                logit_rows.extend(range(row - 1 - n_spec, row))
                 samplers.append(seq)
         dev = self.model.device
         step = StepInput(torch.tensor(ids, dtype=torch.long, device=dev),
@@ -212,21 +226,78 @@ class LLMEngine:
                          build_attention_metadata(meta_in, self.block_size, dev))
         hidden = self.model.forward(step, self.kv)
         for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
+            seq.num_computed += n - len(seq.spec_token_ids)  # drafts count once accepted
             self.scheduler.register_full_blocks(seq)
         self.steps += 1
         if samplers:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden[rows])
-            tokens = sample(logits, [s.params for s in samplers],
-                            [len(s.output_ids) for s in samplers])
-            lps = token_logprobs(logits, tokens, [s.params.logprobs for s in samplers])
-            for seq, tok, lp in zip(samplers, tokens, lps):
-                out = self._append(seq, tok)
-                if lp is not None:
-                    out.logprobs = [lp]
+            # One row per sampler, plus one per draft token of a speculating one.
+            params = [s.params for s in samplers for _ in range(1 + len(s.spec_token_ids))]
+            index = [len(s.output_ids) + j for s in samplers
+                     for j in range(1 + len(s.spec_token_ids))]
+            tokens = sample(logits, params, index)
+            lps = token_logprobs(logits, tokens, [p.logprobs for p in params])
+            r = 0
+            for seq in samplers:
+                n_rows = 1 + len(seq.spec_token_ids)
+                if n_rows == 1:
+                    out = self._append(seq, tokens[r])
+                    if lps[r] is not None:
+                        out.logprobs = [lps[r]]
+                else:
+                    out = self._verify(seq, tokens[r:r + n_rows], lps[r:r + n_rows])
                 outputs.append(out)
+                r += n_rows
         return outputs
+
+    # ---- speculative decoding ----------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Drafts for every running greedy request whose next step is a decode."""
+        assert self.drafter is not None and self.cfg.spec is not None
+        k = self.cfg.spec.num_speculative_tokens
+        seqs: list[Sequence] = []
+        ks: list[int] = []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            if (seq.prefill_only or seq.params.temperature != 0
+                    or seq.num_computed != seq.num_tokens - 1):
+                continue
+            # Never draft past max_tokens (the bonus token comes on top) or the context length.
+            room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
+                       self.max_model_len - seq.num_tokens)
+            if room > 0:
+                seqs.append(seq)
+                ks.append(room)
+        if not seqs:
+            return
+        drafts = self.drafter.propose([s.token_ids for s in seqs], ks)
+        for seq, kk, d in zip(seqs, ks, drafts):
+            seq.spec_token_ids = list(d[:kk])
+
+    def _verify(self, seq: Sequence, target: list[int], lps: list) -> StepOutput:
+        """Accept the drafts the target agrees with, emit them plus the target's next token
+        (cut at a stop rule), and give back the slots of the rest."""
+        assert self.spec_stats is not None
+        draft = seq.spec_token_ids
+        seq.spec_token_ids = []
+        accepted, emit = verify_greedy(draft, target)
+        self.spec_stats.record(len(draft), accepted)
+        new: list[int] = []
+        for tok in emit:
+            seq.token_ids.append(tok)
+            new.append(tok)
+            if self._check_stop(seq, tok):
+                break
+        out_lps = lps[:len(new)] if seq.params.logprobs is not None else None
+        if seq.finish_reason is not None:
+            self._finish(seq, seq.finish_reason)
+        else:
+            seq.num_computed += accepted  # accepted drafts' KV was computed on the true prefix
+            self.scheduler.register_full_blocks(seq)
+            self.scheduler.trim_blocks(seq, seq.num_computed)
+        return StepOutput(seq.request_id, new, seq.finish_reason is not None, seq.finish_reason,
+                          len(seq.prompt_ids), seq.num_cached_tokens, logprobs=out_lps)
 
     def _check_stop(self, seq: Sequence, tok: int) -> bool:
         p = seq.params
@@ -286,9 +357,9 @@ class LLMEngine:
                 outs[o.request_id].extend(o.new_token_ids)
         return [outs[r] for r in rids]
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | list[int]]:
         ps = self.pool.stats()
-        return {
+        out: dict[str, int | list[int]] = {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": ps.num_free,
@@ -298,4 +369,7 @@ class LLMEngine:
             "prefix_cache_hits_tokens": self.scheduler.prefix_hits_tokens,
             "evictions": ps.evictions,
         }
+        if self.spec_stats is not None:
+            out.update(self.spec_stats.as_dict())
+        return out
 

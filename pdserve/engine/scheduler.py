@@ -5,6 +5,12 @@ sequences first (a decode is one token, an unfinished prefill its next chunk), t
 budget, sequence slots and KV blocks last. Prefill chunks and decode tokens share one batch, so a
 decode worker can take a prefill chunk too. When blocks run out the newest running sequence is
 preempted and later recomputed. It must not run the model or sample.
+
+Speculative decoding: a running sequence may carry draft tokens (`spec_token_ids`, set by the
+engine before `schedule`); they run after its last token in the same step, so they take budget
+and KV slots like any token. Drafts are cut to fit the budget and dropped when the free blocks
+cannot hold them (nothing is preempted to make room for a sequence's own drafts; drafts taken
+earlier in the loop can still leave a later sequence short, which preempts as usual).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or an import
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    # Draft tokens to verify this step (after the last token); empty without speculation.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -94,6 +102,7 @@ class Scheduler:
         self.running.remove(seq)
         self.free(seq)
         seq.num_computed = 0
+        seq.spec_token_ids = []
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -127,6 +136,12 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.spec_token_ids:
+                keep = min(len(seq.spec_token_ids), budget - n)
+                if self._blocks_needed(seq, seq.num_computed + n + keep) > self.pool.num_free:
+                    keep = 0
+                seq.spec_token_ids = seq.spec_token_ids[:keep]
+                n += keep
             need = self._blocks_needed(seq, seq.num_computed + n)
             while need > self.pool.num_free:
                 victim = self.running[-1]
@@ -182,6 +197,15 @@ class Scheduler:
                                 seq.salt)
             seq.block_hashes.append(parent)
 
+    def trim_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past those holding positions [0, num_tokens): after verification,
+        the slots of rejected drafts. Those blocks were allocated for the drafts this step, so
+        they are never cached or shared."""
+        keep = -(-num_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: index every newly completed block so later prompts can share it."""
         n_full = seq.num_computed // self.block_size
@@ -201,3 +225,4 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.spec_token_ids = []

@@ -1,0 +1,12 @@
+"""Speculative decoding: drafters that propose tokens, and the rule that verifies them.
+
+Owns the drafter interface (`Drafter`), the drafters (`NgramDrafter` so far), greedy
+verification (`verify_greedy`) and the acceptance counters (`SpecStats`). It must not schedule,
+touch the KV cache or run the target model: the engine feeds drafts through its ordinary step and
+hands the target's argmaxes back here. See `pdserve.engine.engine` for how a step verifies.
+"""
+
+from pdserve.engine.spec.base import Drafter, SpecStats, make_drafter, verify_greedy
+from pdserve.engine.spec.ngram import NgramDrafter
+
+__all__ = ["Drafter", "NgramDrafter", "SpecStats", "make_drafter", "verify_greedy"]
