@@ -30,7 +30,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,
                        decode_workers=args.decode_workers, num_blocks=args.num_blocks,
                        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
-                       threads_per_worker=args.threads_per_worker, routing=args.routing)
+                       threads_per_worker=args.threads_per_worker, routing=args.routing,
+                       spec_method=args.spec or "")
     cluster = LocalCluster(spec)
     try:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["auto", "round_robin", "least_loaded", "power_of_two", "kv_aware"],
                    help="prefill routing policy (auto: kv_aware with 2+ prefill workers, "
                         "else round_robin)")
+    s.add_argument("--spec", default=None, choices=["ngram"],
+                   help="speculative decoding on the decode workers (greedy requests; "
+                        "default: off)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="compute threads per worker (default: this machine's cores split evenly)")
     s.add_argument("--ready-timeout-s", type=float, default=300.0)

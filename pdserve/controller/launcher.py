@@ -44,6 +44,8 @@ class ClusterSpec:
     # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
     # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
     routing: str = "auto"
+    # Speculative decoding on the decode workers ("": off; "ngram").
+    spec_method: str = ""
     router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
 
     def __post_init__(self) -> None:
@@ -150,7 +152,9 @@ class LocalCluster:
                     "--num-blocks", str(s.num_blocks),
                     "--block-size-tokens", str(s.block_size_tokens),
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-                    "--threads", str(s.worker_threads()), "--metrics-port", "0"]))
+                    "--threads", str(s.worker_threads()), "--metrics-port", "0",
+                    *(["--spec-method", s.spec_method]
+                      if s.spec_method and role == "decode" else [])]))
             self._wait([master])
             self._wait_store_nodes(store_addr, [node])
             self._wait(workers)

@@ -33,6 +33,10 @@ class WorkerConfig:
     # split its cores: two OpenMP pools on the same cores spin against each other and a step
     # can take many times longer.
     threads: int = 0
+    # Speculative decoding on this worker's decodes ("": off; "ngram": prompt lookup), with at
+    # most this many draft tokens per request per step.
+    spec_method: str = ""
+    num_speculative_tokens: int = 4
     # Prometheus /metrics on this port of the worker's host (0: a free port; -1: none).
     metrics_port: int = -1
 
@@ -45,6 +49,10 @@ class WorkerConfig:
             raise ConfigError(f"store_kind must be 'distributed' or 'simple', got {self.store_kind!r}")
         if self.store_replicas < 1:
             raise ConfigError("store_replicas must be >= 1")
+        if self.spec_method not in ("", "ngram"):
+            raise ConfigError(f"spec_method must be '' or 'ngram', got {self.spec_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError("num_speculative_tokens must be >= 1")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be -1 (none) or a port, got {self.metrics_port}")
         if self.threads < 0:

@@ -8,7 +8,7 @@ import torch
 
 from pdserve import rpc
 from pdserve.decode_worker.role import DecodeRole
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.dist_client import DistStoreClient
@@ -32,7 +32,10 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
         cache=CacheConfig(block_size_tokens=cfg.block_size_tokens, num_blocks=cfg.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  max_waiting=cfg.max_waiting)))
+                                  max_waiting=cfg.max_waiting),
+        spec=SpecConfig(method=cfg.spec_method,
+                        num_speculative_tokens=cfg.num_speculative_tokens)
+        if cfg.spec_method else None))
 
 
 def connect_store(cfg: WorkerConfig):
