@@ -24,6 +24,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.master.core import MasterCore
@@ -47,9 +48,16 @@ def default_trace_path() -> str:
     return os.path.normpath(os.path.join(root, DEFAULT_TRACE))
 
 
-def load_trace(path: str, limit: int | None = None) -> list[tuple[float, list[str]]]:
-    """(timestamp in seconds, block keys) per request, in timestamp order (stable), at most
-    `limit` of them (the earliest)."""
+@dataclass(frozen=True)
+class TraceRecord:
+    timestamp_s: float  # the record's `timestamp` (ms from the trace's start) in seconds
+    input_length: int  # prompt tokens, unscaled
+    hash_ids: tuple[int, ...]  # one id per 512-token prefix block
+
+
+def read_records(path: str, limit: int | None = None) -> list[TraceRecord]:
+    """The trace's records in timestamp order (stable), at most `limit` (the earliest); every
+    benchmark that replays a trace reads it here. TraceError names the file and line."""
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
@@ -61,16 +69,24 @@ def load_trace(path: str, limit: int | None = None) -> list[tuple[float, list[st
                 continue
             try:
                 rec = json.loads(line)
-                ts, ids = float(rec["timestamp"]), rec["hash_ids"]
+                ids = rec["hash_ids"]
                 if not isinstance(ids, list):
                     raise TypeError("hash_ids is not a list")
+                out.append(TraceRecord(float(rec["timestamp"]) / 1000.0,
+                                       int(rec["input_length"]),
+                                       tuple(int(h) for h in ids)))
             except (ValueError, KeyError, TypeError) as e:
                 raise TraceError(f"{path}:{lineno}: not a trace record ({e})") from None
-            out.append((ts / 1000.0, [str(h) for h in ids]))
     if not out:
         raise TraceError(f"trace {path} has no records")
-    out.sort(key=lambda r: r[0])
+    out.sort(key=lambda r: r.timestamp_s)
     return out[:limit] if limit is not None else out
+
+
+def load_trace(path: str, limit: int | None = None) -> list[tuple[float, list[str]]]:
+    """(timestamp in seconds, block keys) per request, in timestamp order (stable), at most
+    `limit` of them (the earliest)."""
+    return [(r.timestamp_s, [str(h) for h in r.hash_ids]) for r in read_records(path, limit)]
 
 
 def ideal_hits(requests: Sequence[tuple[float, list[str]]]) -> tuple[int, int]:

@@ -17,12 +17,13 @@ cache of a given size counted the same way. Pure: no I/O besides reading the tra
 
 from __future__ import annotations
 
-import json
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pdserve.bench.kvstore_trace import TraceError, default_trace_path  # noqa: F401 (re-export)
+from pdserve.bench.kvstore_trace import (  # noqa: F401 (TraceError, default_trace_path re-exported)
+    TraceError, default_trace_path, read_records,
+)
 from pdserve.engine.block_pool import prompt_block_hashes
 
 TRACE_BLOCK_TOKENS = 512
@@ -38,29 +39,10 @@ class TraceRequest:
 
 
 def load_requests(path: str, limit: int | None = None) -> list[TraceRequest]:
-    """The first `limit` requests (all if None) in timestamp order (stable)."""
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise TraceError(f"cannot read trace {path}: {e}") from None
-    out = []
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ids = tuple(int(h) for h in rec["hash_ids"])
-                out.append(TraceRequest(float(rec["timestamp"]) / 1000.0,
-                                        int(rec["input_length"]), ids))
-            except (ValueError, KeyError, TypeError) as e:
-                raise TraceError(f"{path}:{lineno}: not a trace record ({e})") from None
-    if not out:
-        raise TraceError(f"trace {path} has no records")
-    out.sort(key=lambda r: r.arrival_s)
-    out = out[:limit] if limit is not None else out
-    t0 = out[0].arrival_s
-    return [TraceRequest(r.arrival_s - t0, r.input_length, r.hash_ids) for r in out]
+    """The first `limit` requests (all if None) in timestamp order, arrivals from the first."""
+    records = read_records(path, limit)
+    t0 = records[0].timestamp_s
+    return [TraceRequest(r.timestamp_s - t0, r.input_length, r.hash_ids) for r in records]
 
 
 class PromptMaker:
