@@ -115,8 +115,11 @@ class DistStoreClient:
         info = self._call("Get", pb.MasterGetRequest(keys=[key])).objects[0]
         if not info.found:
             raise ObjectNotFound(f"{key} is not stored")
-        p = sorted(info.replicas, key=lambda p: (p.host_id != self.host_id, p.tier != "dram"))[0]
-        return self._transport(_extent(p)).kind
+        return self._transport(_extent(self._nearest_first(info)[0])).kind
+
+    def _nearest_first(self, info: pb.ObjectInfo) -> list:
+        """Replicas in read order: this host's before others', DRAM before SSD."""
+        return sorted(info.replicas, key=lambda p: (p.host_id != self.host_id, p.tier != "dram"))
 
     # ---- data ---------------------------------------------------------------------------------
     def put_from(self, key: str, buffer, replicas: int = 1) -> bool:
@@ -149,7 +152,7 @@ class DistStoreClient:
         return sum(self.put_from(item[0], item[1], self.default_replicas) for item in items)
 
     def _read_replicas(self, info: pb.ObjectInfo, view: memoryview) -> int:
-        order = sorted(info.replicas, key=lambda p: (p.host_id != self.host_id, p.tier != "dram"))
+        order = self._nearest_first(info)
         for p in order:
             ext = _extent(p)
             dst = view[: info.size_bytes]

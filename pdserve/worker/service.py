@@ -148,7 +148,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                                   drained_requests=drained)
 
     def metrics_snapshot(self) -> dict:
-        """Engine and role counters for the Prometheus collector (pdserve.metrics)."""
+        """Engine and role counters, one read for both GetStats and the Prometheus collector
+        (pdserve.metrics)."""
         s = dict(self.loop.call(self.loop.engine.stats))
         s.update(kv_blocks_put=self.prefill_role.blocks_put,
                  kv_blocks_fetched=self.decode_role.blocks_fetched,
@@ -157,21 +158,19 @@ class WorkerService(pb_grpc.WorkerServicer):
         return s
 
     def GetStats(self, request, context):
-        s = self.loop.call(self.loop.engine.stats)
+        s = self.metrics_snapshot()
         return pb.WorkerStats(
             role=self.role, model_id=self.model_id, num_running=s["num_running"],
             num_waiting=s["num_waiting"], num_free_blocks=s["num_free_blocks"],
             num_total_blocks=s["num_total_blocks"],
             prefix_cache_queries_tokens=s["prefix_cache_queries_tokens"],
             prefix_cache_hits_tokens=s["prefix_cache_hits_tokens"],
-            kv_blocks_put=self.prefill_role.blocks_put,
-            kv_blocks_fetched=self.decode_role.blocks_fetched,
+            kv_blocks_put=s["kv_blocks_put"], kv_blocks_fetched=s["kv_blocks_fetched"],
             kv_blocks_local_hits=self.decode_role.blocks_local,
             requests_finished=self.requests_finished, role_switches=self.role_switches,
             weight_loads=self.weight_loads,
             kv_blocks_from_store=self.prefill_role.blocks_from_store,
-            kv_store_reads_by_transport=dict(getattr(self.decode_role.store,
-                                                     "reads_by_transport", {})))
+            kv_store_reads_by_transport=s["reads_by_transport"])
 
     def WatchKvEvents(self, request, context):
         """A snapshot of the prefix cache, then its changes; a new snapshot after lost events.
