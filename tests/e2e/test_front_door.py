@@ -187,7 +187,9 @@ def _metric(samples: dict[str, float], prefix: str) -> float:
 
 
 def test_prometheus_metrics_on_the_router_and_every_worker(tiny_cluster):
-    generate(tiny_cluster.router_address, prompt="Metrics please", max_tokens=6, ignore_eos=True)
+    # A prompt of several full blocks no earlier test sent: the prefill worker must put them.
+    fresh = f"Metrics please, run {free_port()}: " + "count the blocks written. " * 10
+    generate(tiny_cluster.router_address, prompt=fresh, max_tokens=6, ignore_eos=True)
     router = _scrape(f"http://{tiny_cluster.http_address}/metrics")
     assert _metric(router, "pdserve:time_to_first_token_seconds_count") >= 1
     assert _metric(router, "pdserve:inter_token_latency_seconds_count") >= 5
@@ -205,7 +207,7 @@ def test_prometheus_metrics_on_the_router_and_every_worker(tiny_cluster):
                      "pdserve:spec_decode_num_drafts_total"):
             assert any(k.startswith(name) for k in w), (address, name)
     [prefill] = workers(tiny_cluster, "prefill")
-    assert _metric(_scrape(tiny_cluster.worker_metrics[prefill]), "pdserve:kv_blocks_put") >= 0
+    assert _metric(_scrape(tiny_cluster.worker_metrics[prefill]), "pdserve:kv_blocks_put") >= 2
 
 
 def test_the_request_id_is_on_log_lines_of_every_hop(tiny_cluster):
