@@ -6,6 +6,7 @@ Owns argument parsing and what a person sees; the work is in the packages it cal
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import uuid
 
@@ -14,6 +15,23 @@ def _default_model() -> str:
     from pdserve.engine.loader import default_model_path
 
     return default_model_path()
+
+
+def _spec_args(args: argparse.Namespace) -> dict:
+    """--spec / --draft as ClusterSpec fields; a drafter's kind comes from its config.json."""
+    if args.draft:
+        from pdserve.engine.spec.draft_model import read_draft_kind
+
+        kind = read_draft_kind(args.draft)
+        if args.spec not in (None, kind):
+            raise SystemExit(f"--spec {args.spec} does not match the drafter at --draft "
+                             f"({kind})")
+        return dict(spec_method=kind, draft_path=os.path.abspath(args.draft),
+                    num_speculative_tokens=args.num_speculative_tokens)
+    if args.spec not in (None, "ngram"):
+        raise SystemExit(f"--spec {args.spec} needs --draft PATH (train one with "
+                         f"`pdserve train-draft --kind {args.spec}`)")
+    return dict(spec_method=args.spec or "", num_speculative_tokens=args.num_speculative_tokens)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -31,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        decode_workers=args.decode_workers, num_blocks=args.num_blocks,
                        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
                        threads_per_worker=args.threads_per_worker, routing=args.routing,
-                       spec_method=args.spec or "")
+                       **_spec_args(args))
     cluster = LocalCluster(spec)
     try:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
@@ -108,9 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["auto", "round_robin", "least_loaded", "power_of_two", "kv_aware"],
                    help="prefill routing policy (auto: kv_aware with 2+ prefill workers, "
                         "else round_robin)")
-    s.add_argument("--spec", default=None, choices=["ngram"],
-                   help="speculative decoding on the decode workers (greedy requests; "
-                        "default: off)")
+    s.add_argument("--spec", default=None, choices=["ngram", "eagle", "dflash", "dspark"],
+                   help="speculative decoding on the decode workers (default: off); the "
+                        "trained drafters need --draft")
+    s.add_argument("--draft", default=None, metavar="PATH",
+                   help="a drafter from `pdserve train-draft` (implies --spec of its kind)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="most draft tokens per request per step (gamma)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="compute threads per worker (default: this machine's cores split evenly)")
     s.add_argument("--ready-timeout-s", type=float, default=300.0)

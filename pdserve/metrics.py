@@ -126,6 +126,17 @@ class WorkerCollector:
                           ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
                           ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")):
             yield counter(name, doc, s.get(name, 0))
+        per_pos = CounterMetricFamily(
+            "pdserve:spec_decode_num_accepted_tokens_per_pos",
+            "Verifications whose draft token at this position was accepted.",
+            labels=["model_name", "position"])
+        for i, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([self.model_name, str(i)], n)
+        yield per_pos
+        drafts = s.get("spec_decode_num_drafts", 0)
+        yield gauge("spec_decode_mean_acceptance_length",
+                    "Tokens emitted per verification step (accepted drafts + 1); 0 before any.",
+                    1.0 + s.get("spec_decode_num_accepted_tokens", 0) / drafts if drafts else 0.0)
 
 
 def serve_worker(collector: WorkerCollector, host: str, port: int):

@@ -44,8 +44,11 @@ class ClusterSpec:
     # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
     # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
     routing: str = "auto"
-    # Speculative decoding on the decode workers ("": off; "ngram").
+    # Speculative decoding on the decode workers ("": off; "ngram"; "eagle", "dflash" or
+    # "dspark" with a trained drafter at draft_path).
     spec_method: str = ""
+    draft_path: str = ""
+    num_speculative_tokens: int = 4
     router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
 
     def __post_init__(self) -> None:
@@ -153,7 +156,8 @@ class LocalCluster:
                     "--block-size-tokens", str(s.block_size_tokens),
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),
                     "--threads", str(s.worker_threads()), "--metrics-port", "0",
-                    *(["--spec-method", s.spec_method]
+                    *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
+                       "--num-speculative-tokens", str(s.num_speculative_tokens)]
                       if s.spec_method and role == "decode" else [])]))
             self._wait([master])
             self._wait_store_nodes(store_addr, [node])

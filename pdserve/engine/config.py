@@ -120,22 +120,32 @@ class SchedulerConfig:
             raise ConfigError("scheduler limits must be positive")
 
 
+SPEC_METHODS = ("ngram", "eagle", "dflash", "dspark")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding (greedy requests only for now; sampled ones get no drafts)."""
+    """Speculative decoding on this engine's decode steps (greedy and sampled requests)."""
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 4  # most draft tokens per request per step
+    method: str = "ngram"  # "ngram", or a trained drafter: "eagle", "dflash", "dspark"
+    num_speculative_tokens: int = 4  # most draft tokens per request per step (gamma)
     ngram_min: int = 1  # n-gram drafter: shortest match tried
     ngram_max: int = 3  # n-gram drafter: longest match tried (tried first)
+    draft_path: str | None = None  # trained drafter directory (safetensors + config.json)
+    # Confidence scheduling: cut each request's draft to the prefix that maximises expected
+    # tokens per unit of step time, from a step-cost table profiled per batch size.
+    schedule: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram",):
-            raise ConfigError(f"spec.method must be 'ngram', got {self.method!r}")
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"spec.method must be one of {', '.join(SPEC_METHODS)}, "
+                              f"got {self.method!r}")
         if self.num_speculative_tokens <= 0:
             raise ConfigError("spec.num_speculative_tokens must be positive")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("spec.ngram_min and ngram_max need 1 <= ngram_min <= ngram_max")
+        if self.method != "ngram" and not self.draft_path:
+            raise ConfigError(f"spec.draft_path is required for spec.method {self.method!r}")
 
 
 @dataclass(frozen=True)

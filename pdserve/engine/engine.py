@@ -6,10 +6,12 @@ moving a request's KV in and out as whole blocks (`take_parked_kv`, `add_prefill
 is how the prefill and decode roles hand a request over without the engine knowing about a store.
 
 With `EngineConfig.spec` set, each step first asks the drafter for draft tokens for every
-greedy request in decode; the drafts run after the request's last token in the same forward,
-the target's argmax at every position decides how many are accepted (`spec.verify_greedy`),
-and the slots of rejected drafts are given back. Sampled requests (temperature > 0) get no
-drafts yet. With `spec` None a step is exactly the plain one.
+request in decode; the drafts run after the request's last token in the same forward, the
+token the target draws at every position (argmax, or a sample from that position's seeded
+generator) decides how many are accepted (`spec.verify_greedy`; see `_verify` for why this is
+the lossless rejection rule), and the slots of rejected drafts are given back. Drafters that
+read the target's hidden states get each request's last rows (`_keep_hidden`). With `spec`
+None a step is exactly the plain one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pdserve.engine.model import LlamaModel, StepInput
 from pdserve.engine.sampling import (InvalidArgumentError, SamplingParams, TokenLogprobs, sample,
                                      token_logprobs)
 from pdserve.engine.scheduler import Scheduler, Sequence
-from pdserve.engine.spec import SpecStats, make_drafter, verify_greedy
+from pdserve.engine.spec import DraftRequest, SpecStats, make_drafter, verify_greedy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +82,7 @@ class LLMEngine:
         self.eos_ids = set(model_config.eos_token_ids)
         self.steps = 0
         self._ids = itertools.count()
-        self.drafter = make_drafter(cfg.spec) if cfg.spec is not None else None
+        self.drafter = make_drafter(cfg.spec, self.model) if cfg.spec is not None else None
         self.spec_stats = (SpecStats(cfg.spec.num_speculative_tokens)
                            if cfg.spec is not None else None)
 
@@ -225,17 +227,26 @@ class LLMEngine:
                          torch.tensor(pos, dtype=torch.long, device=dev),
                          build_attention_metadata(meta_in, self.block_size, dev))
         hidden = self.model.forward(step, self.kv)
+        keep_hidden = self.drafter is not None and self.drafter.needs_hidden
+        row = 0
         for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n - len(seq.spec_token_ids)  # drafts count once accepted
+            n_own = n - len(seq.spec_token_ids)
+            if keep_hidden:  # drafts' rows are added once verified (in _verify)
+                self._keep_hidden(seq, hidden[row:row + n_own], seq.num_computed)
+            seq.num_computed += n_own  # drafts count once accepted
             self.scheduler.register_full_blocks(seq)
+            row += n
         self.steps += 1
         if samplers:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
-            logits = self.model.compute_logits(hidden[rows])
+            sel = hidden[rows]
+            logits = self.model.compute_logits(sel)
             # One row per sampler, plus one per draft token of a speculating one.
             params = [s.params for s in samplers for _ in range(1 + len(s.spec_token_ids))]
             index = [len(s.output_ids) + j for s in samplers
                      for j in range(1 + len(s.spec_token_ids))]
+            # Each row is sampled with its own output position's seeded generator, so a
+            # draft is accepted exactly when the target draws the same token (see _verify).
             tokens = sample(logits, params, index)
             lps = token_logprobs(logits, tokens, [p.logprobs for p in params])
             r = 0
@@ -246,38 +257,66 @@ class LLMEngine:
                     if lps[r] is not None:
                         out.logprobs = [lps[r]]
                 else:
-                    out = self._verify(seq, tokens[r:r + n_rows], lps[r:r + n_rows])
+                    out = self._verify(seq, tokens[r:r + n_rows], lps[r:r + n_rows],
+                                       sel[r + 1:r + n_rows] if keep_hidden else None)
                 outputs.append(out)
                 r += n_rows
         return outputs
 
+    def _keep_hidden(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
+        """Append the target's hidden states at positions start.. to the request's window
+        (a drafter reads them); a gap (preemption, imported KV) restarts the window."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        w = max(1, self.drafter.window if self.drafter is not None else 1)
+        rows = rows[-w:]
+        if seq.hidden is not None and seq.hidden_end == start:
+            rows = torch.cat([seq.hidden, rows])[-w:]
+        seq.hidden = rows.clone()
+        seq.hidden_end = start + n
+
     # ---- speculative decoding ----------------------------------------------------------
     def _propose_drafts(self) -> None:
-        """Drafts for every running greedy request whose next step is a decode."""
+        """Drafts for every running request whose next step is a decode."""
         assert self.drafter is not None and self.cfg.spec is not None
         k = self.cfg.spec.num_speculative_tokens
         seqs: list[Sequence] = []
-        ks: list[int] = []
+        reqs: list[DraftRequest] = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
-            if (seq.prefill_only or seq.params.temperature != 0
-                    or seq.num_computed != seq.num_tokens - 1):
+            if seq.prefill_only or seq.num_computed != seq.num_tokens - 1:
                 continue
             # Never draft past max_tokens (the bonus token comes on top) or the context length.
             room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
                        self.max_model_len - seq.num_tokens)
-            if room > 0:
-                seqs.append(seq)
-                ks.append(room)
+            if room <= 0:
+                continue
+            hidden = None
+            if self.drafter.needs_hidden:
+                hidden = seq.hidden if seq.hidden_end == seq.num_computed else None
+                if hidden is None:
+                    continue  # no window yet (just handed over, or recomputed): next step
+            seqs.append(seq)
+            reqs.append(DraftRequest(seq.token_ids, room, hidden))
         if not seqs:
             return
-        drafts = self.drafter.propose([s.token_ids for s in seqs], ks)
-        for seq, kk, d in zip(seqs, ks, drafts):
-            seq.spec_token_ids = list(d[:kk])
+        drafts = self.drafter.propose(reqs)
+        for seq, req, d in zip(seqs, reqs, drafts):
+            seq.spec_token_ids = list(d.tokens[:req.k])
 
-    def _verify(self, seq: Sequence, target: list[int], lps: list) -> StepOutput:
+    def _verify(self, seq: Sequence, target: list[int], lps: list,
+                draft_hidden: torch.Tensor | None) -> StepOutput:
         """Accept the drafts the target agrees with, emit them plus the target's next token
-        (cut at a stop rule), and give back the slots of the rest."""
+        (cut at a stop rule), and give back the slots of the rest.
+
+        `target[j]` is the token the target draws at draft position j with that output
+        position's own seeded generator (the argmax when greedy). Accepting a draft exactly when
+        it equals that token is the standard lossless rule (accept with probability
+        min(1, p/q), else draw from the residual max(p - q, 0)) for a draft that is a point
+        mass q: a token x is accepted with probability p(x), and when it is not, the emitted
+        token is distributed as p without x, renormalised, which is the residual. It also
+        makes a seeded request's output identical with and without speculation."""
         assert self.spec_stats is not None
         draft = seq.spec_token_ids
         seq.spec_token_ids = []
@@ -293,6 +332,8 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason)
         else:
+            if draft_hidden is not None:
+                self._keep_hidden(seq, draft_hidden[:accepted], seq.num_computed)
             seq.num_computed += accepted  # accepted drafts' KV was computed on the true prefix
             self.scheduler.register_full_blocks(seq)
             self.scheduler.trim_blocks(seq, seq.num_computed)

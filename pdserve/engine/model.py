@@ -70,8 +70,9 @@ class LlamaModel:
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"],
-                              pack=pack_weights)
+        # The unpacked head, kept for drafters that reuse a slice of its rows (tied: the embedding).
+        self.lm_head_weight = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = Linear(self.lm_head_weight, pack=pack_weights)
         self.layers = [self._fuse_layer(w, i, pack_weights) for i in range(cfg.num_hidden_layers)]
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim

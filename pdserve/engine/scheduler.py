@@ -50,6 +50,10 @@ class Sequence:
     finish_reason: str | None = None
     # Draft tokens to verify this step (after the last token); empty without speculation.
     spec_token_ids: list[int] = field(default_factory=list)
+    # For drafters that read the target's hidden states: the last rows computed (a tensor
+    # [w, d], positions hidden_end - w .. hidden_end - 1), kept by the engine.
+    hidden: object = None
+    hidden_end: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -133,7 +133,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport")
+    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
     class KvStoreReadsByTransportEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,10 @@ class WorkerStats(_message.Message):
     WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FROM_STORE_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_READS_BY_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
     num_running: int
@@ -173,7 +177,11 @@ class WorkerStats(_message.Message):
     weight_loads: int
     kv_blocks_from_store: int
     kv_store_reads_by_transport: _containers.ScalarMap[str, int]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ()

@@ -13,6 +13,14 @@ from pdserve.engine.config import ConfigError
 from pdserve.worker.config import WorkerConfig
 
 
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     parser = argparse.ArgumentParser(prog="python -m pdserve.worker")
@@ -20,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in fields(WorkerConfig):
         if f.name == "model_path":
             continue
-        kind = int if f.type == "int" else str
+        kind = {"int": int, "bool": _flag}.get(f.type, str)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = parser.parse_args(argv)
     logctx.configure(logging.INFO)

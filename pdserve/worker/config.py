@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.config import ConfigError
+from pdserve.engine.config import SPEC_METHODS, ConfigError
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,13 @@ class WorkerConfig:
     # split its cores: two OpenMP pools on the same cores spin against each other and a step
     # can take many times longer.
     threads: int = 0
-    # Speculative decoding on this worker's decodes ("": off; "ngram": prompt lookup), with at
-    # most this many draft tokens per request per step.
+    # Speculative decoding on this worker's decodes ("": off; "ngram": prompt lookup; "eagle",
+    # "dflash", "dspark": a trained drafter at draft_path), with at most this many draft tokens
+    # per request per step, cut by the confidence scheduler unless spec_schedule is off.
     spec_method: str = ""
     num_speculative_tokens: int = 4
+    draft_path: str = ""
+    spec_schedule: bool = True
     # Prometheus /metrics on this port of the worker's host (0: a free port; -1: none).
     metrics_port: int = -1
 
@@ -49,8 +52,11 @@ class WorkerConfig:
             raise ConfigError(f"store_kind must be 'distributed' or 'simple', got {self.store_kind!r}")
         if self.store_replicas < 1:
             raise ConfigError("store_replicas must be >= 1")
-        if self.spec_method not in ("", "ngram"):
-            raise ConfigError(f"spec_method must be '' or 'ngram', got {self.spec_method!r}")
+        if self.spec_method not in ("", *SPEC_METHODS):
+            raise ConfigError(f"spec_method must be '' or one of {', '.join(SPEC_METHODS)}, "
+                              f"got {self.spec_method!r}")
+        if self.spec_method not in ("", "ngram") and not self.draft_path:
+            raise ConfigError(f"draft_path is required with spec_method {self.spec_method!r}")
         if self.num_speculative_tokens < 1:
             raise ConfigError("num_speculative_tokens must be >= 1")
         if not -1 <= self.metrics_port <= 65535:

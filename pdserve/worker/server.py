@@ -34,7 +34,8 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   max_waiting=cfg.max_waiting),
         spec=SpecConfig(method=cfg.spec_method,
-                        num_speculative_tokens=cfg.num_speculative_tokens)
+                        num_speculative_tokens=cfg.num_speculative_tokens,
+                        draft_path=cfg.draft_path or None, schedule=cfg.spec_schedule)
         if cfg.spec_method else None))
 
 

@@ -170,7 +170,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             requests_finished=self.requests_finished, role_switches=self.role_switches,
             weight_loads=self.weight_loads,
             kv_blocks_from_store=self.prefill_role.blocks_from_store,
-            kv_store_reads_by_transport=s["reads_by_transport"])
+            kv_store_reads_by_transport=s["reads_by_transport"],
+            spec_decode_num_drafts=s.get("spec_decode_num_drafts", 0),
+            spec_decode_num_draft_tokens=s.get("spec_decode_num_draft_tokens", 0),
+            spec_decode_num_accepted_tokens=s.get("spec_decode_num_accepted_tokens", 0),
+            spec_decode_num_accepted_tokens_per_pos=s.get(
+                "spec_decode_num_accepted_tokens_per_pos", []))
 
     def WatchKvEvents(self, request, context):
         """A snapshot of the prefix cache, then its changes; a new snapshot after lost events.

@@ -17,7 +17,8 @@ from pdserve.engine.config import (CacheConfig, ConfigError, EngineConfig, Sched
                                    SpecConfig)
 from pdserve.engine.engine import LLMEngine, StepOutput
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.spec import Drafter, NgramDrafter, SpecStats, verify_greedy
+from pdserve.engine.spec import (Draft, Drafter, DraftRequest, NgramDrafter, SpecStats,
+                                 verify_greedy)
 from pdserve.engine.spec.ngram import ngram_lookup
 
 from tests.conftest import SMOLLM2_VOCAB_SIZE, make_tiny_hf_model
@@ -114,8 +115,10 @@ def test_ngram_drafter_batch_and_per_request_k():
     d = NgramDrafter(min_n=1, max_n=3)
     assert isinstance(d, Drafter)
     hists = [[1, 2, 3, 1, 2], [5, 6], [8, 8]]
-    assert d.propose(hists, 2) == [[3, 1], [], [8, 8]]
-    assert d.propose(hists, [1, 3, 0]) == [[3], [], []]
+    assert [x.tokens for x in d.propose([DraftRequest(h, 2) for h in hists])] == [
+        [3, 1], [], [8, 8]]
+    assert [x.tokens for x in d.propose([DraftRequest(h, k) for h, k in
+                                         zip(hists, [1, 3, 0])])] == [[3], [], []]
     with pytest.raises(ValueError):
         NgramDrafter(min_n=3, max_n=2)
     with pytest.raises(ConfigError):
@@ -175,20 +178,20 @@ class NoisyOracle(Drafter):
     def __init__(self, truth: dict[tuple[int, ...], list[int]]) -> None:
         self.truth = truth
 
-    def propose(self, token_histories, k):
-        ks = k if isinstance(k, list) else [k] * len(token_histories)
+    def propose(self, requests):
         out = []
-        for h, kk in zip(token_histories, ks):
+        for r in requests:
+            h, kk = r.token_ids, r.k
             for prompt, full in self.truth.items():
                 if tuple(h[:len(prompt)]) == prompt:
                     d = list(full[len(h):len(h) + kk])
                     bad = (len(h) * 7 + len(prompt)) % (kk + 2)
                     if bad < len(d):
                         d[bad] = (d[bad] + 1) % SMOLLM2_VOCAB_SIZE
-                    out.append(d)
+                    out.append(Draft(d))
                     break
             else:
-                out.append([])
+                out.append(Draft([]))
         return out
 
 

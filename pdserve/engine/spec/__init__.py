@@ -6,7 +6,8 @@ touch the KV cache or run the target model: the engine feeds drafts through its 
 hands the target's argmaxes back here. See `pdserve.engine.engine` for how a step verifies.
 """
 
-from pdserve.engine.spec.base import Drafter, SpecStats, make_drafter, verify_greedy
+from pdserve.engine.spec.base import (Draft, Drafter, DraftRequest, SpecStats, make_drafter,
+                                      verify_greedy)
 from pdserve.engine.spec.ngram import NgramDrafter
 
-__all__ = ["Drafter", "NgramDrafter", "SpecStats", "make_drafter", "verify_greedy"]
+__all__ = ["Draft", "DraftRequest", "Drafter", "NgramDrafter", "SpecStats", "make_drafter", "verify_greedy"]

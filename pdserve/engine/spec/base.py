@@ -11,17 +11,52 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.config import SpecConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class DraftRequest:
+    """What a drafter may look at for one request.
+
+    `token_ids` is the prompt plus the output so far; its last token has not yet run through the
+    target. `hidden` (only for drafters with `needs_hidden`) holds the target's final hidden
+    states (before the final norm) at the w positions before the last token's: row j was
+    computed at position len(token_ids) - 1 - w + j, so the token that followed it is
+    token_ids[len(token_ids) - w + j]. w may be 0 (a request just handed over by a prefill
+    worker has no hidden states yet)."""
+
+    token_ids: list[int]
+    k: int  # most draft tokens wanted
+    hidden: "torch.Tensor | None" = None  # [w, hidden_size]
+
+
+@dataclass
+class Draft:
+    """A drafter's proposal for one request.
+
+    `confidence[i]`, when the drafter predicts it, is the probability that draft i is accepted
+    given that drafts 0..i-1 were. Drafts are deterministic proposals (the drafter's argmax), so
+    the verifier treats the draft distribution as a point mass on each token."""
+
+    tokens: list[int]
+    confidence: list[float] | None = None
 
 
 class Drafter(ABC):
     """Proposes draft tokens for a batch of requests."""
 
+    needs_hidden: bool = False  # wants the target's hidden states (DraftRequest.hidden)
+    window: int = 0  # how many hidden rows per request it reads at most
+
     @abstractmethod
-    def propose(self, token_histories: list[list[int]], k: int | list[int]) -> list[list[int]]:
-        """Per request (its prompt plus output so far), up to k draft tokens to follow it; a
-        request may get fewer or none. `k` is one bound for all or one per request."""
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Per request, up to `k` draft tokens to follow its history; a request may get fewer
+        or none."""
 
 
 def verify_greedy(draft: list[int], target: list[int]) -> tuple[int, list[int]]:
@@ -70,9 +105,17 @@ class SpecStats:
         }
 
 
-def make_drafter(cfg: SpecConfig) -> Drafter:
+def make_drafter(cfg: SpecConfig, target=None) -> Drafter:
+    """The drafter `cfg` names; model drafters share the target's (a LlamaModel) embeddings,
+    final norm and LM head."""
     if cfg.method == "ngram":
         from pdserve.engine.spec.ngram import NgramDrafter
 
         return NgramDrafter(min_n=cfg.ngram_min, max_n=cfg.ngram_max)
+    if cfg.method in ("eagle", "dflash", "dspark"):
+        from pdserve.engine.spec.draft_model import load_drafter
+
+        if cfg.draft_path is None or target is None:
+            raise ValueError(f"spec.method {cfg.method!r} needs spec.draft_path and the target")
+        return load_drafter(cfg.draft_path, target, expect_kind=cfg.method)
     raise ValueError(f"unknown speculative method {cfg.method!r}")

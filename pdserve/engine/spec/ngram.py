@@ -10,7 +10,7 @@ Pure and deterministic; it must not keep state between calls or look at other re
 
 from __future__ import annotations
 
-from pdserve.engine.spec.base import Drafter
+from pdserve.engine.spec.base import Draft, Drafter, DraftRequest
 
 
 def ngram_lookup(history: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -39,6 +39,5 @@ class NgramDrafter(Drafter):
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_histories: list[list[int]], k: int | list[int]) -> list[list[int]]:
-        ks = k if isinstance(k, list) else [k] * len(token_histories)
-        return [ngram_lookup(h, kk, self.min_n, self.max_n) for h, kk in zip(token_histories, ks)]
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft(ngram_lookup(r.token_ids, r.k, self.min_n, self.max_n)) for r in requests]
