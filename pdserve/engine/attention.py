@@ -30,11 +30,22 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     prefills: list[PrefillSpan] = field(default_factory=list)
-    decode_idx: torch.Tensor | None = None  # [B] rows of the flat batch that are single-token decodes
+    # Decodes: sequences with cached context running at most SHORT_SPAN tokens (one, or one
+    # plus drafts to verify), attended in one batched call. Each has Q query slots (the longest
+    # span); a shorter span's spare slots repeat its last row and are dropped.
+    decode_idx: torch.Tensor | None = None  # [B * Q] rows of the flat batch, slot by slot
     decode_tables: torch.Tensor | None = None  # [B, nblk] block ids of each context (padded with 0)
     decode_len: int = 0  # Lmax, the longest decode context
     block_size: int = 16
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool, or None if no padding
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] or [B, Q, Lmax] bool; None: no padding
+    decode_q: int = 1  # Q, query slots per decode
+    decode_keep: torch.Tensor | None = None  # [B * Q] bool: real slots (None when Q == 1)
+    decode_out: torch.Tensor | None = None  # rows of the flat batch the real slots fill
+
+
+# Speculative verification runs 1 + gamma tokens per sequence; up to this many query tokens on
+# top of a cached context go through the batched decode attention instead of one call each.
+SHORT_SPAN = 16
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -49,14 +60,16 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
     dec_rows: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
+    dec_q: list[int] = []
     row = 0
     for computed, n_new, table in seqs:
         ctx_len = computed + n_new
         slots.extend(_slots(table, computed, ctx_len, block_size))
-        if n_new == 1 and computed > 0:
+        if computed > 0 and n_new <= SHORT_SPAN:
             dec_rows.append(row)
             dec_tables.append(table)
             dec_lens.append(ctx_len)
+            dec_q.append(n_new)
         elif computed == 0:
             prefills.append(PrefillSpan(row, n_new, ctx_len, None, None))
         else:
@@ -77,11 +90,26 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
             n = min(len(tb), nblk)
             tables[i, :n] = torch.tensor(tb[:n], dtype=torch.long)
         mask = None
-        if min(dec_lens) != lmax:
-            lens = torch.tensor(dec_lens, dtype=torch.long)
-            valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
-            mask = valid.view(len(dec_rows), 1, 1, lmax).to(device)
-        meta.decode_idx = torch.tensor(dec_rows, dtype=torch.long, device=device)
+        lens = torch.tensor(dec_lens, dtype=torch.long)
+        qmax = max(dec_q)
+        if qmax == 1:
+            if min(dec_lens) != lmax:
+                valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
+                mask = valid.view(len(dec_rows), 1, 1, lmax).to(device)
+            meta.decode_idx = torch.tensor(dec_rows, dtype=torch.long, device=device)
+        else:
+            # Slot i of a span of q tokens sees keys up to position (ctx_len - q) + i; spare
+            # slots (i >= q) repeat slot q - 1.
+            q = torch.tensor(dec_q, dtype=torch.long)
+            i = torch.minimum(torch.arange(qmax).unsqueeze(0), (q - 1).unsqueeze(1))  # [B, Q]
+            rows = torch.tensor(dec_rows, dtype=torch.long).unsqueeze(1) + i
+            last = (lens - q).unsqueeze(1) + i  # [B, Q] last visible key position
+            mask = (torch.arange(lmax).view(1, 1, lmax) <= last.unsqueeze(2)).to(device)
+            keep = (torch.arange(qmax).unsqueeze(0) < q.unsqueeze(1)).flatten()
+            meta.decode_idx = rows.flatten().to(device)
+            meta.decode_keep = keep.to(device)
+            meta.decode_out = rows.flatten()[keep].to(device)
+            meta.decode_q = qmax
         meta.decode_tables = tables.to(device)
         meta.decode_len = lmax
         meta.decode_mask = mask
@@ -123,12 +151,23 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     if meta.decode_idx is not None:
         kd = _gather_blocks(k_cache, meta.decode_tables, meta.block_size, meta.decode_len)
         vd = _gather_blocks(v_cache, meta.decode_tables, meta.block_size, meta.decode_len)
-        # One query token per sequence: the query heads that share a KV head become the rows
-        # of one [group, D] query against it, which is exact and cheaper than enable_gqa.
-        b, kvh = kd.shape[0], kd.shape[1]
-        qd = q[meta.decode_idx].view(b, kvh, -1, q.shape[-1])  # [B, Hkv, H/Hkv, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        out[meta.decode_idx] = o.reshape(b, -1, q.shape[-1])
+        # The query heads that share a KV head (times the query slots) become the rows of one
+        # [group * Q, D] query against it, which is exact and cheaper than enable_gqa.
+        b, kvh, d = kd.shape[0], kd.shape[1], q.shape[-1]
+        nq = meta.decode_q
+        if nq == 1:
+            qd = q[meta.decode_idx].view(b, kvh, -1, d)  # [B, Hkv, H/Hkv, D]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            out[meta.decode_idx] = o.reshape(b, -1, d)
+        else:
+            g = q.shape[1] // kvh
+            qd = (q[meta.decode_idx].view(b, nq, kvh, g, d).permute(0, 2, 3, 1, 4)
+                  .reshape(b, kvh, g * nq, d))
+            mask = (meta.decode_mask.unsqueeze(1).unsqueeze(1).expand(b, 1, g, nq, -1)
+                    .reshape(b, 1, g * nq, -1))
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
+            o = o.view(b, kvh, g, nq, d).permute(0, 3, 1, 2, 4).reshape(b * nq, kvh * g, d)
+            out[meta.decode_out] = o[meta.decode_keep]
     return out
 
 
