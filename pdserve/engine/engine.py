@@ -17,6 +17,7 @@ None a step is exactly the plain one.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,11 @@ from pdserve.engine.sampling import (InvalidArgumentError, SamplingParams, Token
                                      token_logprobs)
 from pdserve.engine.scheduler import Scheduler, Sequence
 from pdserve.engine.spec import DraftRequest, SpecStats, make_drafter, verify_greedy
+from pdserve.engine.spec.schedule import (AcceptanceEstimator, StepCostTable, plan_draft_lengths,
+                                          profile_step_costs)
+
+# Per step without drafts, the acceptance evidence is scaled by this (about 70 steps to halve).
+_FORGET_WHEN_IDLE = 0.99
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,6 +91,13 @@ class LLMEngine:
         self.drafter = make_drafter(cfg.spec, self.model) if cfg.spec is not None else None
         self.spec_stats = (SpecStats(cfg.spec.num_speculative_tokens)
                            if cfg.spec is not None else None)
+        # Confidence scheduling: measured acceptance per draft position, the target's step
+        # cost per batch size (profiled on first use), and the drafter's own time per request.
+        self.spec_schedule = cfg.spec is not None and cfg.spec.schedule
+        self.spec_estimator = (AcceptanceEstimator()
+                               if self.spec_schedule else None)
+        self.step_costs: StepCostTable | None = None
+        self._draft_s_per_req = 0.0
 
     # ---- requests in -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -278,13 +291,19 @@ class LLMEngine:
 
     # ---- speculative decoding ----------------------------------------------------------
     def _propose_drafts(self) -> None:
-        """Drafts for every running request whose next step is a decode."""
+        """Drafts for every running request whose next step is a decode.
+
+        With scheduling on, each request's draft length is planned twice: before drafting,
+        from the measured acceptance per position (a busy machine drafts nothing and pays no
+        drafter time), and after, from the drafter's own confidences when it predicts them."""
         assert self.drafter is not None and self.cfg.spec is not None
         k = self.cfg.spec.num_speculative_tokens
         seqs: list[Sequence] = []
         reqs: list[DraftRequest] = []
+        base = 0  # tokens this step runs anyway: every decode's own token, prefill chunks
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
+            base += max(1, seq.num_tokens - seq.num_computed)
             if seq.prefill_only or seq.num_computed != seq.num_tokens - 1:
                 continue
             # Never draft past max_tokens (the bonus token comes on top) or the context length.
@@ -301,9 +320,42 @@ class LLMEngine:
             reqs.append(DraftRequest(seq.token_ids, room, hidden))
         if not seqs:
             return
+        base = min(base, self.cfg.scheduler.max_num_batched_tokens)
+        if self.spec_schedule:
+            assert self.spec_estimator is not None
+            est = self.spec_estimator.probs(k)
+            plan = self._plan([est[:r.k] for r in reqs], base, len(reqs))
+            keep = [i for i, n in enumerate(plan) if n > 0]
+            if not keep:
+                # Nothing measured while nothing is drafted: let old evidence fade so that
+                # drafting is tried again after a while (the load, or the text, may change).
+                self.spec_estimator.forget(_FORGET_WHEN_IDLE)
+                return
+            seqs = [seqs[i] for i in keep]
+            reqs = [reqs[i] for i in keep]
+            if not self.drafter.has_confidence:
+                for r, i in zip(reqs, keep):
+                    r.k = plan[i]
+        t0 = time.perf_counter()
         drafts = self.drafter.propose(reqs)
-        for seq, req, d in zip(seqs, reqs, drafts):
-            seq.spec_token_ids = list(d.tokens[:req.k])
+        spent = time.perf_counter() - t0
+        self._draft_s_per_req = 0.8 * self._draft_s_per_req + 0.2 * spent / len(reqs)
+        lengths = [min(len(d.tokens), r.k) for d, r in zip(drafts, reqs)]
+        if self.spec_schedule and self.drafter.has_confidence:
+            conf = [list(d.confidence or [])[:n] for d, n in zip(drafts, lengths)]
+            lengths = self._plan(conf, base, 0)
+        for seq, d, n in zip(seqs, drafts, lengths):
+            seq.spec_token_ids = list(d.tokens[:n])
+
+    def _plan(self, probs: list[list[float]], base: int, drafting: int) -> list[int]:
+        """Draft lengths that maximise expected tokens per second of step (plus `drafting`
+        requests' drafter time when the drafter has yet to run)."""
+        if self.step_costs is None:
+            self.step_costs = profile_step_costs(
+                self.model, block_size=self.block_size,
+                max_tokens=self.cfg.scheduler.max_num_batched_tokens)
+        return plan_draft_lengths(probs, base, self.step_costs,
+                                  draft_cost_s=self._draft_s_per_req * drafting)
 
     def _verify(self, seq: Sequence, target: list[int], lps: list,
                 draft_hidden: torch.Tensor | None) -> StepOutput:
@@ -322,6 +374,8 @@ class LLMEngine:
         seq.spec_token_ids = []
         accepted, emit = verify_greedy(draft, target)
         self.spec_stats.record(len(draft), accepted)
+        if self.spec_estimator is not None:
+            self.spec_estimator.update(len(draft), accepted)
         new: list[int] = []
         for tok in emit:
             seq.token_ids.append(tok)

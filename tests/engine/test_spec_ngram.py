@@ -147,7 +147,8 @@ def test_ngram_speculation_is_lossless_with_ragged_acceptance(repeaty_llama_dir)
     plain = make_engine(repeaty_llama_dir)
     want, _ = run(plain, prompts, GREEDY)
     assert "spec_decode_num_drafts" not in plain.stats()  # speculation off: stats as before
-    spec = make_engine(repeaty_llama_dir, SpecConfig(method="ngram", num_speculative_tokens=K))
+    spec = make_engine(repeaty_llama_dir,
+                       SpecConfig(method="ngram", num_speculative_tokens=K, schedule=False))
     got, steps = run(spec, prompts, GREEDY)
     assert got == want
     assert all(len(o) == GREEDY.max_tokens for o in got)
@@ -204,7 +205,7 @@ def test_any_drafter_is_lossless_under_tight_budget_and_pool(repeaty_llama_dir, 
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
     params = [GREEDY] * 4 + [sampled]
     want, _ = run(make_engine(repeaty_llama_dir), prompts, params)
-    spec = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K),
+    spec = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K, schedule=False),
                        budget=budget, num_blocks=num_blocks)
     spec.drafter = NoisyOracle({tuple(p): p + o for p, o in zip(prompts[:4], want[:4])})
     got, steps = run(spec, prompts, params)
@@ -216,7 +217,7 @@ def test_any_drafter_is_lossless_under_tight_budget_and_pool(repeaty_llama_dir, 
 
 def test_max_tokens_and_stop_inside_an_accepted_run(repeaty_llama_dir):
     prompts = repetitive_prompts()
-    cfg = SpecConfig(num_speculative_tokens=K)
+    cfg = SpecConfig(num_speculative_tokens=K, schedule=False)
     for max_tokens in (1, 2, 7):
         p = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         want, _ = run(make_engine(repeaty_llama_dir), prompts, p)
@@ -281,10 +282,40 @@ def test_logprobs_with_speculation_match(repeaty_llama_dir):
         return [lps[r] for r in rids]
 
     want = run_lp(make_engine(repeaty_llama_dir))
-    spec = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K))
+    spec = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K, schedule=False))
     got = run_lp(spec)
     assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
     for a, b in zip(want, got):
         assert [x.token_id for x in a] == [x.token_id for x in b]
         assert [x.top[0][0] for x in a] == [x.top[0][0] for x in b]
         assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a, b))
+
+
+# ---- the confidence scheduler in the engine ----------------------------------------------------
+def test_scheduler_drafts_on_an_idle_machine_and_cuts_drafts_on_a_busy_one(repeaty_llama_dir):
+    """With a step cost that barely grows with the batch, whole drafts are verified; with one
+    that grows steeply past the decode batch, speculation would make the step slower than the
+    tokens it could win, so nothing is drafted. Outputs are the same either way."""
+    from pdserve.engine.spec.schedule import StepCostTable
+
+    prompts = repetitive_prompts(4, seed=3)
+    want, _ = run(make_engine(repeaty_llama_dir), prompts, GREEDY)
+
+    idle = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K))
+    idle.step_costs = StepCostTable({1: 1.0, 64: 1.01})
+    got, _ = run(idle, prompts, GREEDY)
+    assert got == want
+    s = assert_stats_consistent(idle)
+    assert s["spec_decode_num_draft_tokens"] > 2 * s["spec_decode_num_drafts"]  # long drafts
+
+    busy = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K))
+    busy.step_costs = StepCostTable({1: 1.0, 4: 1.0, 5: 10.0, 64: 200.0})
+    got, _ = run(busy, prompts, GREEDY)
+    assert got == want
+    assert busy.stats()["spec_decode_num_draft_tokens"] == 0
+
+    off = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K, schedule=False))
+    off.step_costs = StepCostTable({1: 1.0, 4: 1.0, 5: 10.0, 64: 200.0})  # ignored when off
+    got, _ = run(off, prompts, GREEDY)
+    assert got == want
+    assert off.stats()["spec_decode_num_draft_tokens"] > 0

@@ -51,6 +51,7 @@ class Drafter(ABC):
     """Proposes draft tokens for a batch of requests."""
 
     needs_hidden: bool = False  # wants the target's hidden states (DraftRequest.hidden)
+    has_confidence: bool = False  # fills Draft.confidence
     window: int = 0  # how many hidden rows per request it reads at most
 
     @abstractmethod

@@ -134,14 +134,17 @@ def plan_draft_lengths(accept_probs: Sequence[Sequence[float]], base_tokens: int
     lengths = [0] * len(accept_probs)
     if not cands:
         return lengths
+
+    def rate(value: float, step_s: float) -> float:
+        return value / step_s if step_s > 0 else math.inf
+
     value = float(len(accept_probs))
-    best_m, best = 0, value / cost(base_tokens)
+    best_m, best = 0, rate(value, cost(base_tokens))
     for m, (neg_c, _, _) in enumerate(cands, start=1):
         value -= neg_c
-        step_s = cost(base_tokens + m) + draft_cost_s
-        ratio = value / step_s if step_s > 0 else math.inf
-        if ratio > best * (1 + 1e-12):  # strictly better: float noise never buys tokens
-            best_m, best = m, ratio
+        x = rate(value, cost(base_tokens + m) + draft_cost_s)
+        if x > best * (1 + 1e-12):  # strictly better: float noise never buys tokens
+            best_m, best = m, x
     for _, r, _ in cands[:best_m]:
         lengths[r] += 1
     return lengths
@@ -162,8 +165,8 @@ class AcceptanceEstimator:
             raise ValueError("prior_mean must be in (0, 1) and prior_weight positive")
         self.prior_mean = prior_mean
         self.prior_weight = prior_weight
-        self.tried: list[int] = []
-        self.accepted: list[int] = []
+        self.tried: list[float] = []  # counts, fractional once `forget` scales them
+        self.accepted: list[float] = []
 
     def update(self, num_draft: int, num_accepted: int) -> None:
         """One verification: `num_draft` drafts proposed, the first `num_accepted` accepted."""
@@ -177,6 +180,15 @@ class AcceptanceEstimator:
             self.tried[i] += 1
         for i in range(num_accepted):
             self.accepted[i] += 1
+
+    def forget(self, factor: float) -> None:
+        """Scale all evidence by `factor` in (0, 1]. Called once per step, old evidence fades
+        and the estimate drifts back to the prior, so positions the planner stopped drafting
+        (and so stopped measuring) are tried again after a while instead of never."""
+        if not 0.0 < factor <= 1.0:
+            raise ValueError(f"factor must be in (0, 1], got {factor}")
+        self.tried = [t * factor for t in self.tried]
+        self.accepted = [a * factor for a in self.accepted]
 
     def probs(self, k: int) -> list[float]:
         a, w = self.prior_mean * self.prior_weight, self.prior_weight
