@@ -49,6 +49,7 @@ class ClusterSpec:
     spec_method: str = ""
     draft_path: str = ""
     num_speculative_tokens: int = 4
+    spec_schedule: bool = True  # the confidence scheduler (off: always verify whole drafts)
     router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
 
     def __post_init__(self) -> None:
@@ -157,7 +158,8 @@ class LocalCluster:
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),
                     "--threads", str(s.worker_threads()), "--metrics-port", "0",
                     *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
-                       "--num-speculative-tokens", str(s.num_speculative_tokens)]
+                       "--num-speculative-tokens", str(s.num_speculative_tokens),
+                       "--spec-schedule", str(s.spec_schedule)]
                       if s.spec_method and role == "decode" else [])]))
             self._wait([master])
             self._wait_store_nodes(store_addr, [node])

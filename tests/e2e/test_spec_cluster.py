@@ -17,14 +17,31 @@ def test_ngram_speculation_in_the_cluster_gives_the_same_tokens(tiny_cluster, ti
                                        "a b c d a b c d a b c d a b", "Hello there, hello there")]
     want = [generate(tiny_cluster.router_address, token_ids=p, max_tokens=40, ignore_eos=True)[0]
             for p in prompts]
-    with LocalCluster(cluster_spec(tiny_llama_dir, spec_method="ngram")) as spec_cluster:
+    with LocalCluster(cluster_spec(tiny_llama_dir, spec_method="ngram",
+                                   spec_schedule=False)) as spec_cluster:
         got = [generate(spec_cluster.router_address, token_ids=p, max_tokens=40,
                         ignore_eos=True)[0] for p in prompts]
         [decode] = workers(spec_cluster, "decode")
         assert worker_stats(decode).kv_blocks_fetched > 0  # it pulled KV from the store
         with urllib.request.urlopen(spec_cluster.worker_metrics[decode], timeout=30) as r:
             text = r.read().decode()
+        ws = worker_stats(decode)
     assert got == want
-    drafts = [line for line in text.splitlines()
-              if line.startswith("pdserve:spec_decode_num_draft_tokens_total")]
-    assert drafts and float(drafts[0].rsplit(" ", 1)[1]) > 0  # it did speculate
+    def value(prefix: str) -> list[float]:
+        return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith(prefix)]
+
+    [draft_tokens] = value("pdserve:spec_decode_num_draft_tokens_total")
+    [n_drafts] = value("pdserve:spec_decode_num_drafts_total")
+    [accepted] = value("pdserve:spec_decode_num_accepted_tokens_total")
+    assert draft_tokens > 0  # it did speculate
+    # Per draft position: as many series as positions, non-increasing (accepting position i
+    # needs i - 1 accepted), summing to the accepted total; the mean acceptance length agrees.
+    per_pos = value("pdserve:spec_decode_num_accepted_tokens_per_pos_total")
+    assert len(per_pos) == 4 and sum(per_pos) == accepted
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    [mean_len] = value("pdserve:spec_decode_mean_acceptance_length")
+    assert abs(mean_len - (1 + accepted / n_drafts)) < 1e-9
+    # GetStats carries the same counters.
+    assert ws.spec_decode_num_draft_tokens >= draft_tokens
+    assert sum(ws.spec_decode_num_accepted_tokens_per_pos) == ws.spec_decode_num_accepted_tokens
