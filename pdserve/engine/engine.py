@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention import PagedKVCache, build_attention_metadata
+from pdserve.engine.attention import SHORT_SPAN, PagedKVCache, build_attention_metadata
 from pdserve.engine.block_pool import BlockPool, hash_block
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.loader import load_checkpoint
@@ -97,6 +97,10 @@ class LLMEngine:
         self.spec_estimator = (AcceptanceEstimator()
                                if self.spec_schedule else None)
         self.step_costs: StepCostTable | None = None
+        # Progressive KV: most tokens drafted on anchor precision before the exact KV lands,
+        # and the verifications of those drafts.
+        self.max_anchor_drafts = SHORT_SPAN - 1
+        self.anchor_stats = SpecStats(self.max_anchor_drafts)
         self._draft_s_per_req = 0.0
 
     # ---- requests in -------------------------------------------------------------------
@@ -158,7 +162,7 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_ids: list[int], first_token: int,
                               params: SamplingParams, blocks: list[tuple[bytes, torch.Tensor | None]],
-                              *, salt: str = "") -> str | None:
+                              *, salt: str = "", approximate: bool = False) -> str | None:
         """Join a request whose prompt was prefilled elsewhere; returns a finish reason if the
         first token already ends it (then nothing runs), else None.
 
@@ -166,6 +170,10 @@ class LLMEngine:
         local pool should already hold that hash. Only the leading run of blocks that can be
         placed is used; whatever is missing is recomputed here, so a lost block costs time,
         never a wrong token.
+
+        `approximate`: the data is anchor precision (progressive transfer). The request then
+        decodes drafts on it, emitting nothing, until `finish_anchor` brings the exact KV and
+        the drafts are verified; its blocks are never shared through the prefix cache before.
         """
         self.validate(prompt_ids, params)
         if request_id in self.seqs:
@@ -181,7 +189,7 @@ class LLMEngine:
             elif data is not None and self.pool.num_free > 0:
                 bid = self.pool.allocate(1)[0]
                 self.kv.write_block(bid, data)
-                if is_full and self.cfg.cache.enable_prefix_caching:
+                if is_full and self.cfg.cache.enable_prefix_caching and not approximate:
                     self.pool.register(bid, h)
             else:
                 break
@@ -196,7 +204,41 @@ class LLMEngine:
         self.seqs[request_id] = seq
         if self._check_stop(seq, first_token):
             self._finish(seq, seq.finish_reason)
+        elif approximate:
+            seq.anchor_from = seq.num_tokens
         return seq.finish_reason
+
+    def finish_anchor(self, request_id: str,
+                      blocks: list[tuple[bytes, torch.Tensor | None]]) -> int:
+        """The exact KV of a request joined with `approximate=True` has arrived: write it over
+        the anchor-precision blocks (data None: that block was exact already), drop the KV
+        computed on the approximation, and queue the drafts made on it for verification in the
+        next step. Returns how many drafts will be verified (0 if the request is gone or was
+        recomputed exactly meanwhile)."""
+        seq = self.seqs.get(request_id)
+        if seq is None or not seq.anchor_from:
+            return 0
+        n_prompt = len(seq.prompt_ids)
+        for bid, (_h, data) in zip(seq.block_table, blocks):
+            if data is not None:
+                self.kv.write_block(bid, data)
+        drafts = seq.token_ids[seq.anchor_from:]
+        del seq.token_ids[seq.anchor_from:]
+        seq.anchor_from = 0
+        seq.paused = False
+        # Every position from the first token on was computed on approximate KV: redo them.
+        seq.num_computed = min(seq.num_computed, n_prompt)
+        full = seq.num_computed // self.block_size
+        del seq.block_hashes[full:]
+        if self.cfg.cache.enable_prefix_caching:
+            for bid, h in zip(seq.block_table, seq.block_hashes):
+                if self.pool.lookup(h) is None:
+                    self.pool.register(bid, h)
+        self.scheduler.trim_blocks(seq, seq.num_tokens)
+        room = min(len(drafts), seq.params.max_tokens - len(seq.output_ids) - 1,
+                   self.max_model_len - seq.num_tokens)
+        seq.forced_drafts = drafts[:max(0, room)]
+        return len(seq.forced_drafts)
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id) or self.parked.pop(request_id, None)
@@ -214,6 +256,11 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         if self.drafter is not None:
             self._propose_drafts()
+        for seq in self.scheduler.running:
+            if seq.forced_drafts:  # drafts made on anchor KV, verified now on exact KV
+                seq.spec_token_ids = seq.forced_drafts
+                seq.forced_drafts = []
+                seq.verifying_anchor = True
         batch = self.scheduler.schedule()
         outputs: list[StepOutput] = []
         if batch.empty:
@@ -265,6 +312,10 @@ class LLMEngine:
             r = 0
             for seq in samplers:
                 n_rows = 1 + len(seq.spec_token_ids)
+                if seq.anchor_from:
+                    self._draft_on_anchor(seq, tokens[r])
+                    r += n_rows
+                    continue
                 if n_rows == 1:
                     out = self._append(seq, tokens[r])
                     if lps[r] is not None:
@@ -275,6 +326,18 @@ class LLMEngine:
                 outputs.append(out)
                 r += n_rows
         return outputs
+
+    def _draft_on_anchor(self, seq: Sequence, tok: int) -> None:
+        """A token decoded on anchor-precision KV: kept as a draft, not emitted. Drafting
+        pauses at a stop token or once the verification could not take more."""
+        seq.token_ids.append(tok)
+        p = seq.params
+        n = seq.num_tokens - seq.anchor_from
+        if (n >= self.max_anchor_drafts or (tok in self.eos_ids and not p.ignore_eos)
+                or tok in p.stop_token_ids
+                or len(seq.output_ids) >= p.max_tokens
+                or seq.num_tokens >= self.max_model_len):
+            seq.paused = True
 
     def _keep_hidden(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
         """Append the target's hidden states at positions start.. to the request's window
@@ -304,7 +367,8 @@ class LLMEngine:
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             base += max(1, seq.num_tokens - seq.num_computed)
-            if seq.prefill_only or seq.num_computed != seq.num_tokens - 1:
+            if (seq.prefill_only or seq.anchor_from or seq.forced_drafts
+                    or seq.num_computed != seq.num_tokens - 1):
                 continue
             # Never draft past max_tokens (the bonus token comes on top) or the context length.
             room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
@@ -369,13 +433,17 @@ class LLMEngine:
         mass q: a token x is accepted with probability p(x), and when it is not, the emitted
         token is distributed as p without x, renormalised, which is the residual. It also
         makes a seeded request's output identical with and without speculation."""
-        assert self.spec_stats is not None
         draft = seq.spec_token_ids
         seq.spec_token_ids = []
         accepted, emit = verify_greedy(draft, target)
-        self.spec_stats.record(len(draft), accepted)
-        if self.spec_estimator is not None:
-            self.spec_estimator.update(len(draft), accepted)
+        if seq.verifying_anchor:
+            seq.verifying_anchor = False
+            self.anchor_stats.record(len(draft), accepted)
+        else:
+            assert self.spec_stats is not None
+            self.spec_stats.record(len(draft), accepted)
+            if self.spec_estimator is not None:
+                self.spec_estimator.update(len(draft), accepted)
         new: list[int] = []
         for tok in emit:
             seq.token_ids.append(tok)
@@ -466,5 +534,8 @@ class LLMEngine:
         }
         if self.spec_stats is not None:
             out.update(self.spec_stats.as_dict())
+        a = self.anchor_stats
+        out.update(anchor_num_drafts=a.drafts, anchor_num_draft_tokens=a.draft_tokens,
+                   anchor_num_accepted_tokens=a.accepted_tokens)
         return out
 

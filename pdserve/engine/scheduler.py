@@ -54,6 +54,13 @@ class Sequence:
     # [w, d], positions hidden_end - w .. hidden_end - 1), kept by the engine.
     hidden: object = None
     hidden_end: int = 0
+    # Progressive KV: >0 while the prompt's KV is anchor precision (approximate). Tokens from
+    # this index on are drafts decoded on it, never emitted; `paused` stops scheduling when
+    # enough are drafted. `forced_drafts` are verified next step, once the exact KV is in.
+    anchor_from: int = 0
+    paused: bool = False
+    forced_drafts: list[int] = field(default_factory=list)
+    verifying_anchor: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -97,7 +104,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting) or any(not s.paused for s in self.running)
 
     def _blocks_needed(self, seq: Sequence, upto_tokens: int) -> int:
         return max(0, -(-upto_tokens // self.block_size) - len(seq.block_table))
@@ -107,6 +114,11 @@ class Scheduler:
         self.free(seq)
         seq.num_computed = 0
         seq.spec_token_ids = []
+        if seq.anchor_from:  # recomputing makes the KV exact: drafts made on the anchor go
+            del seq.token_ids[seq.anchor_from:]
+            seq.anchor_from = 0
+            seq.paused = False
+        seq.forced_drafts = []
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -137,8 +149,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SeqStatus.RUNNING or seq.paused:
+                continue  # preempted earlier in this loop, or waiting for its exact KV
             n = min(seq.num_tokens - seq.num_computed, budget)
             if seq.spec_token_ids:
                 keep = min(len(seq.spec_token_ids), budget - n)
@@ -219,7 +231,7 @@ class Scheduler:
                                 seq.salt)
             # Hashes are kept even with caching off: exporting KV names blocks by them.
             seq.block_hashes.append(parent)
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and not seq.anchor_from:  # approximate KV: no
                 self.pool.register(seq.block_table[i], parent)
 
     def finish(self, seq: Sequence, reason: str | None) -> None:
