@@ -4,7 +4,9 @@ Owns the byte format (see docs/kvcodec.md) and its PyTorch reference: `split` tu
 bfloat16 or float16 tensor into an *anchor* plane (high-order information, sent first) and a
 *residual* plane (the rest); `join` rebuilds the original bytes exactly for every bit pattern
 (invariant 3); `dequantize_anchor` gives a usable approximation from the anchor alone, for drafting
-before the residual lands. The Triton kernels in `kvcodec_triton` produce the same bytes.
+before the residual lands. The Triton kernels in `kvcodec_triton` (CUDA) and the C loops in
+`kvcodec_cpu` (CPU, compiled on first use) produce the same bytes; `backend="auto"` picks Triton
+for CUDA tensors, C for CPU tensors when it builds, else this reference.
 It must not know where the planes go (store, transport) or what the tensor means (K or V, layer).
 
 Format version 1, by dtype (n = numel, G = 32, groups = ceil(n / G), the tail group padded with +0):
@@ -125,9 +127,13 @@ def split(x: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.T
     """x -> (anchor, residual): contiguous 1-d uint8 planes on x's device (sizes: `CodecSpec`)."""
     _check_dtype(x.dtype)
     x = x.contiguous()
-    if _pick(backend, x.device) == "triton":
+    chosen = _pick(backend, x.device)
+    if chosen == "triton":
         from pdserve.engine import kvcodec_triton
         return kvcodec_triton.split(x)
+    if chosen == "c":
+        from pdserve.engine import kvcodec_cpu
+        return kvcodec_cpu.split(x)
     return _split_torch(x)
 
 
@@ -137,9 +143,13 @@ def join(anchor: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype,
     spec = CodecSpec(dtype, tuple(shape))
     spec.check_planes(anchor, residual)
     anchor, residual = anchor.contiguous(), residual.contiguous()
-    if _pick(backend, anchor.device) == "triton":
+    chosen = _pick(backend, anchor.device)
+    if chosen == "triton":
         from pdserve.engine import kvcodec_triton
         return kvcodec_triton.join(anchor, residual, dtype, spec.shape)
+    if chosen == "c":
+        from pdserve.engine import kvcodec_cpu
+        return kvcodec_cpu.join(anchor, residual, dtype, spec.shape)
     return _join_torch(anchor, residual, dtype, spec.shape)
 
 
@@ -149,9 +159,13 @@ def dequantize_anchor(anchor: torch.Tensor, dtype: torch.dtype, shape: tuple[int
     spec = CodecSpec(dtype, tuple(shape))
     spec.check_planes(anchor)
     anchor = anchor.contiguous()
-    if _pick(backend, anchor.device) == "triton":
+    chosen = _pick(backend, anchor.device)
+    if chosen == "triton":
         from pdserve.engine import kvcodec_triton
         return kvcodec_triton.dequantize_anchor(anchor, dtype, spec.shape)
+    if chosen == "c":
+        from pdserve.engine import kvcodec_cpu
+        return kvcodec_cpu.dequantize_anchor(anchor, dtype, spec.shape)
     return _dequantize_torch(anchor, dtype, spec.shape)
 
 
@@ -161,10 +175,19 @@ def _check_dtype(dtype: torch.dtype) -> None:
 
 
 def _pick(backend: str, device: torch.device) -> str:
+    """auto: Triton for CUDA tensors; C for CPU tensors when it builds (else the reference)."""
     if backend == "auto":
-        return "triton" if device.type == "cuda" and torch.cuda.is_available() else "torch"
-    if backend not in ("torch", "triton"):
-        raise KVCodecError(f"backend {backend!r}: want 'torch', 'triton' or 'auto'")
+        if device.type == "cuda" and torch.cuda.is_available():
+            return "triton"
+        if device.type == "cpu":
+            from pdserve.engine import kvcodec_cpu
+            if kvcodec_cpu.available():
+                return "c"
+        return "torch"
+    if backend not in ("torch", "triton", "c"):
+        raise KVCodecError(f"backend {backend!r}: want 'torch', 'triton', 'c' or 'auto'")
+    if backend == "c" and device.type != "cpu":
+        raise KVCodecError(f"backend 'c' takes CPU tensors, got {device}")
     return backend
 
 

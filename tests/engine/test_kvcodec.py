@@ -1,10 +1,13 @@
 """The anchor/residual KV codec rebuilds every bit pattern exactly (invariant 3), its Triton kernels
-write the same bytes as the PyTorch reference, and the anchor alone is within the documented bounds.
+and C loops write the same bytes as the PyTorch reference, and the anchor alone is within the
+documented bounds.
 
 Inputs are bit patterns, not floats: per value either arbitrary bits (NaN payloads, infinities,
 signed zeros, subnormals all appear), a value a few binades under a per-example base exponent
 (the normal-mode groups real KV makes, near the 7 and 37 binade limits), or a listed special.
 The Triton kernels run on CPU under TRITON_INTERPRET=1, set below before triton decorates them.
+The C backend is compiled on first use (into $PDSERVE_CACHE or ~/.cache/pdserve); its tests skip
+where no C compiler is found.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -20,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine import kvcodec
+from pdserve.engine import kvcodec, kvcodec_cpu
 from pdserve.engine.kvcodec import CodecSpec, KVCodecError, anchor_fraction, dequantize_anchor, join, split
 
 if not torch.cuda.is_available():
@@ -35,6 +40,8 @@ LAYOUT = {torch.float32: (32, 23, np.uint32, np.int32), torch.bfloat16: (16, 7, 
           torch.float16: (16, 10, np.uint16, np.int16)}
 DTYPES = list(LAYOUT)
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+BACKENDS = ["torch", "triton", "c"]
+needs_c = pytest.mark.skipif(not kvcodec_cpu.available(), reason="kvcodec C backend: no C compiler")
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -73,6 +80,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def roundtrip(x: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "c" and not kvcodec_cpu.available():
+        pytest.skip("kvcodec C backend: no C compiler")
     anchor, residual = split(x, backend=backend)
     spec = CodecSpec.for_tensor(x)
     assert anchor.dtype == residual.dtype == torch.uint8 and anchor.is_contiguous()
@@ -102,7 +111,68 @@ def test_triton_matches_reference_bytes(dtype, data):
                       dequantize_anchor(ref[0], dtype, x.shape, backend="torch"))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=st.data())
+@settings(max_examples=80, **SETTINGS)
+def test_c_matches_reference_bytes(dtype, data):
+    x = as_tensor(data.draw(patterns(dtype)), dtype)
+    ref = split(x, backend="torch")
+    got = roundtrip(x, "c")
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    assert same_bytes(dequantize_anchor(ref[0], dtype, x.shape, backend="c"),
+                      dequantize_anchor(ref[0], dtype, x.shape, backend="torch"))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=st.data())
+@settings(max_examples=40, **SETTINGS)
+def test_c_follows_reference_on_arbitrary_planes(dtype, data):
+    """Planes no split wrote (any header, delta and ext): C join and dequantize give the reference's bytes."""
+    n = data.draw(st.integers(1, 200))
+    spec = CodecSpec(dtype, (n,))
+    headers = st.sampled_from([0, 1, 3, 6, 7, 8, 37, 100, 200, 254, 255]) | st.integers(0, 255)
+    anchor = torch.tensor(data.draw(st.lists(headers, min_size=spec.num_groups, max_size=spec.num_groups))
+                          + data.draw(st.lists(st.integers(0, 255), min_size=n, max_size=n)), dtype=torch.uint8)
+    residual = torch.tensor(data.draw(st.lists(st.integers(0, 255), min_size=spec.residual_nbytes,
+                                               max_size=spec.residual_nbytes)), dtype=torch.uint8)
+    assert same_bytes(join(anchor, residual, dtype, (n,), backend="c"),
+                      join(anchor, residual, dtype, (n,), backend="torch"))
+    assert same_bytes(dequantize_anchor(anchor, dtype, (n,), backend="c"),
+                      dequantize_anchor(anchor, dtype, (n,), backend="torch"))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_c_large_tensor_in_threaded_chunks(dtype):
+    """Chunks cut at group boundaries (threads=2) write the reference's bytes; a tail group included."""
+    w, m, unsigned, signed = LAYOUT[dtype]
+    rng = np.random.default_rng(5)
+    n = (1 << 21) + 17  # above the chunking threshold, not a multiple of 32
+    x = torch.from_numpy((rng.standard_normal(n) * 0.3).astype(np.float32)).to(dtype)
+    bits = x.view(INT_VIEW[dtype])
+    hit = torch.from_numpy(rng.choice(n, 2000, replace=False))  # raw groups and odd values, scattered
+    bits[hit] = torch.from_numpy(rng.integers(0, 1 << w, 2000, dtype=np.uint64).astype(unsigned).view(signed))
+    ref = split(x, backend="torch")
+    for threads in (1, 2, 5):
+        a, r = kvcodec_cpu.split(x, threads=threads)
+        assert torch.equal(a, ref[0]) and torch.equal(r, ref[1])
+        assert same_bytes(kvcodec_cpu.join(a, r, dtype, x.shape, threads=threads), x)
+    want = dequantize_anchor(ref[0], dtype, x.shape, backend="torch")
+    assert same_bytes(kvcodec_cpu.dequantize_anchor(ref[0], dtype, x.shape, threads=2), want)
+    # Into the caller's buffers (reused across calls on a hot path): same bytes, the buffers returned.
+    planes = (torch.full_like(ref[0], 7), torch.full_like(ref[1], 7))
+    got = kvcodec_cpu.split(x, threads=2, out=planes)
+    assert got[0] is planes[0] and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    buf = torch.empty_like(x)
+    assert kvcodec_cpu.join(*ref, dtype, x.shape, out=buf).data_ptr() == buf.data_ptr() and same_bytes(buf, x)
+    assert same_bytes(kvcodec_cpu.dequantize_anchor(ref[0], dtype, x.shape, out=buf), want)
+    with pytest.raises(ValueError, match="out"):
+        kvcodec_cpu.split(x, out=(planes[0][1:], planes[1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_specials_alone_and_among_normal_values(dtype, backend):
     sp = specials(dtype)
@@ -115,7 +185,7 @@ def test_specials_alone_and_among_normal_values(dtype, backend):
         roundtrip(as_tensor([v] * 32 + [0], dtype), backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(), (0,), (1,), (31,), (33,), (3, 5, 7), (2, 2, 16, 2, 8)])
 def test_shapes(dtype, backend, shape):
@@ -129,13 +199,20 @@ def test_kv_block_realistic_values_and_non_contiguous_input(dtype):
     g = torch.Generator().manual_seed(0)
     scale = torch.logspace(-2, 1, 8).view(1, 1, 1, 8, 1)  # a per-head scale, 3 decades
     x = (torch.randn(4, 2, 16, 8, 64, generator=g) * scale).to(dtype)
-    roundtrip(x, "torch")
+    ref = roundtrip(x, "torch")
     roundtrip(x.transpose(2, 3), "torch")  # split copies it contiguous; join gives the same bytes
+    if kvcodec_cpu.available():
+        for y in (x, x.transpose(2, 3)):
+            want = split(y.contiguous(), backend="torch")
+            got = roundtrip(y, "c")
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert same_bytes(dequantize_anchor(ref[0], dtype, x.shape, backend="c"),
+                          dequantize_anchor(ref[0], dtype, x.shape, backend="torch"))
     if dtype != torch.float16:  # real KV fits normal mode
         assert (split(x, backend="torch")[0][:CodecSpec.for_tensor(x).num_groups] != 255).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_group_mode_boundaries(dtype, backend):
     """A gap of 37 binades (or a subnormal) stays normal mode; 38, inf or NaN makes the group raw."""
@@ -233,5 +310,48 @@ def test_spec_header_roundtrip_and_checks():
         dequantize_anchor(anchor, torch.float32, (41,))
     with pytest.raises(KVCodecError, match="backend"):
         split(torch.ones(2), backend="cuda")
-    assert kvcodec._pick("auto", torch.device("cpu")) == "torch"
+    assert kvcodec._pick("auto", torch.device("cpu")) == ("c" if kvcodec_cpu.available() else "torch")
+    with pytest.raises(KVCodecError, match="CPU"):
+        split(torch.ones(2, device="meta"), backend="c")
     assert math.prod(()) == CodecSpec(torch.float32, ()).numel == 1
+
+
+# ---- the C backend's build and the backend choice
+
+def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(kvcodec_cpu, "_lib", None)
+    monkeypatch.setattr(kvcodec_cpu, "_error", None)
+    assert not kvcodec_cpu.available()
+    with pytest.raises(kvcodec_cpu.CBackendUnavailable, match="no-such-cc.*not found"):
+        split(torch.ones(40), backend="c")
+    assert kvcodec._pick("auto", torch.device("cpu")) == "torch"
+    x = torch.randn(100)
+    anchor, residual = split(x)  # auto: the reference
+    assert torch.equal(anchor, split(x, backend="torch")[0])
+    assert same_bytes(join(anchor, residual, x.dtype, x.shape), x)
+
+
+def test_c_build_is_cached_by_source_and_atomic(monkeypatch, tmp_path):
+    if not kvcodec_cpu.available():
+        pytest.skip("kvcodec C backend: no C compiler")
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    path = kvcodec_cpu.library_path()
+    assert path.parent == tmp_path / "kvcodec" and not path.exists()
+    edited = tmp_path / "kvcodec_c.c"  # an edit to the source gets a library of its own
+    edited.write_text(kvcodec_cpu.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(kvcodec_cpu, "SOURCE", edited)
+    assert kvcodec_cpu.library_path() != path
+    monkeypatch.undo()
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    # Two builders at once (threads here; processes do the same): each compiles to a temp name and
+    # os.replace()s it, so the library is whole whichever lands last, and no temp file is left.
+    errors = []
+    builders = [threading.Thread(target=lambda: errors.append(kvcodec_cpu._build(path))) for _ in range(2)]
+    for t in builders:
+        t.start()
+    for t in builders:
+        t.join()
+    assert errors == [None, None] and sorted(os.listdir(path.parent)) == [path.name]
+    probe = ("import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).kvc_abi() != %d)" % kvcodec_cpu.ABI)
+    assert subprocess.run([sys.executable, "-c", probe, str(path)]).returncode == 0
