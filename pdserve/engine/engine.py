@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -100,6 +101,10 @@ class LLMEngine:
         # Progressive KV: most tokens drafted on anchor precision before the exact KV lands,
         # and the verifications of those drafts.
         self.max_anchor_drafts = SHORT_SPAN - 1
+        # Layer-wise KV streaming (prefill role): called as on_prefill_layer(layer, spans) the
+        # moment a layer's K/V are in the cache, spans = [(request id, start, end)] of the
+        # prefill-only requests' positions computed this step; read them with `read_layer_kv`.
+        self.on_prefill_layer: Callable[[int, list[tuple[str, int, int]]], None] | None = None
         self.anchor_stats = SpecStats(self.max_anchor_drafts)
         self._draft_s_per_req = 0.0
 
@@ -286,7 +291,14 @@ class LLMEngine:
         step = StepInput(torch.tensor(ids, dtype=torch.long, device=dev),
                          torch.tensor(pos, dtype=torch.long, device=dev),
                          build_attention_metadata(meta_in, self.block_size, dev))
-        hidden = self.model.forward(step, self.kv)
+        on_layer = None
+        if self.on_prefill_layer is not None:
+            spans = [(s.request_id, s.num_computed, s.num_computed + n)
+                     for s, n in zip(batch.seqs, batch.num_new) if s.prefill_only]
+            if spans:
+                def on_layer(li: int, spans=spans) -> None:
+                    self.on_prefill_layer(li, spans)
+        hidden = self.model.forward(step, self.kv, on_layer)
         keep_hidden = self.drafter is not None and self.drafter.needs_hidden
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new):
@@ -504,6 +516,17 @@ class LLMEngine:
         if release:
             self.release_parked(request_id)
         return ParkedKV(hashes, blocks, n_prompt)
+
+    def read_layer_kv(self, request_id: str, layer: int, start: int, end: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of one layer's K and V [end - start, kv_heads, head_dim] at a running or parked
+        request's positions [start, end); for streaming a layer as soon as it is computed."""
+        seq = self.seqs.get(request_id) or self.parked[request_id]
+        bs = self.block_size
+        slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in range(start, end)],
+                             dtype=torch.long, device=self.kv.k.device)
+        k, v = self.kv.layer(layer)
+        return k.index_select(0, slots), v.index_select(0, slots)
 
     def release_parked(self, request_id: str) -> None:
         seq = self.parked.pop(request_id, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -128,8 +129,11 @@ class LlamaModel:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, kv_cache: PagedKVCache) -> torch.Tensor:
-        """Run every scheduled token; write their K/V into the cache; return final hidden states [T, d]."""
+    def forward(self, step: StepInput, kv_cache: PagedKVCache,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run every scheduled token; write their K/V into the cache; return final hidden states [T, d].
+
+        `on_layer(i)` runs as soon as layer i's K/V are in the cache (layer-wise KV streaming)."""
         cfg = self.cfg
         t = step.input_ids.shape[0]
         h = F.embedding(step.input_ids, self.embed)
@@ -150,6 +154,8 @@ class LlamaModel:
             k = self._rope(k, cos, sin)
             k_cache, v_cache = kv_cache.layer(li)
             write_kv(k_cache, v_cache, k, v, step.attn.slot_mapping)
+            if on_layer is not None:
+                on_layer(li)
             o = paged_attention(q, k, v, k_cache, v_cache, step.attn)
             h = h + layer["o"](o.reshape(t, self.q_size))
             x = self._rms(h, layer["post_norm"])

@@ -165,3 +165,37 @@ def test_abort_while_drafting_frees_the_blocks(llama_dir):
     assert s["num_free_blocks"] == s["num_total_blocks"]
     assert s["num_cached_blocks"] == 0  # approximate blocks never entered the prefix cache
     assert e.finish_anchor("r", list(zip(kv.block_hashes, kv.blocks))) == 0
+
+
+def test_prefill_streams_each_layer_as_it_is_computed(llama_dir):
+    """on_prefill_layer fires once per layer per step, in layer order, with the prefill-only
+    requests' positions; what it reads equals the KV the request hands over at the end."""
+    prompts, params = prompts_and_params()
+    e = make_engine(llama_dir)
+    e.scheduler.cfg = SchedulerConfig(max_num_batched_tokens=8)  # chunks: several steps each
+    got: dict[tuple[str, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    order = []
+
+    def on_layer(li, spans):
+        order.append(li)
+        for rid, start, end in spans:
+            k, v = e.read_layer_kv(rid, li, start, end)
+            got.setdefault((rid, li), []).append((start, k, v))
+
+    e.on_prefill_layer = on_layer
+    rids = [e.add_request(None, p, q, prefill_only=True) for p, q in zip(prompts, params)]
+    done = []
+    while e.has_work():
+        done += [o.request_id for o in e.step() if o.prefill_done]
+    layers = e.model_config.num_hidden_layers
+    assert order[:layers] == list(range(layers))
+    for rid, p in zip(rids, prompts):
+        kv = e.take_parked_kv(rid)
+        full = torch.cat(kv.blocks, dim=2)[:, :, :len(p)]  # [layers, 2, tokens, heads, dim]
+        for li in range(layers):
+            parts = sorted(got[(rid, li)], key=lambda x: x[0])
+            assert [s for s, _, _ in parts][0] == 0
+            k = torch.cat([k for _, k, _ in parts])
+            v = torch.cat([v for _, _, v in parts])
+            assert k.shape[0] == len(p)  # every prompt position, once
+            assert torch.equal(k, full[li, 0]) and torch.equal(v, full[li, 1])
