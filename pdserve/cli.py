@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     r = bsub.add_parser("route", help="prefix-cache hit rate and TTFT per routing policy on "
                                       "the Mooncake trace")
     bench_route.add_arguments(r).set_defaults(func=bench_route.run)
+    from pdserve.bench import spec as bench_spec
+
+    bench_spec.add_spec_bench_parser(bsub)
+
+    from pdserve.engine.spec import train as spec_train
+
+    spec_train.add_train_draft_parser(sub)
     return p
 
 
