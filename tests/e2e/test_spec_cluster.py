@@ -45,3 +45,31 @@ def test_ngram_speculation_in_the_cluster_gives_the_same_tokens(tiny_cluster, ti
     # GetStats carries the same counters.
     assert ws.spec_decode_num_draft_tokens >= draft_tokens
     assert sum(ws.spec_decode_num_accepted_tokens_per_pos) == ws.spec_decode_num_accepted_tokens
+
+
+def test_trained_drafter_in_the_cluster_gives_the_same_tokens(tiny_cluster, tiny_llama_dir,
+                                                              tmp_path, monkeypatch):
+    """An EAGLE-style drafter on the decode worker: it has no hidden states for a request it
+    just pulled from the store, builds them from its own decode steps, then drafts."""
+    from pdserve.engine.spec.train import train_draft
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    draft = str(tmp_path / "eagle")
+    train_draft(tiny_llama_dir, "eagle", draft, epochs=4, max_new_tokens=16, window=8,
+                draft_vocab_size=256, seed=0, batch_size=2, progress=False,
+                prompts=[f"Say something about {w}." for w in ("cats", "rain", "maps", "tea")],
+                eval_prompts=["Say something about ice."])
+    tok = Tokenizer.from_path(tiny_llama_dir)
+    prompts = [tok.encode(t) for t in ("Say something about cats.", "a b c d a b c d a b",
+                                       "Hello there, hello there")]
+    want = [generate(tiny_cluster.router_address, token_ids=p, max_tokens=30, ignore_eos=True)[0]
+            for p in prompts]
+    with LocalCluster(cluster_spec(tiny_llama_dir, spec_method="eagle", draft_path=draft,
+                                   spec_schedule=False)) as spec_cluster:
+        got = [generate(spec_cluster.router_address, token_ids=p, max_tokens=30,
+                        ignore_eos=True)[0] for p in prompts]
+        [decode] = workers(spec_cluster, "decode")
+        ws = worker_stats(decode)
+    assert got == want
+    assert ws.kv_blocks_fetched > 0
+    assert ws.spec_decode_num_draft_tokens > 0
