@@ -240,7 +240,7 @@ def profile_step_costs(model: "LlamaModel", sizes: Sequence[int] = DEFAULT_PROFI
                        budget_s: float | None = 5.0,
                        clock: Callable[[], float] = time.perf_counter) -> StepCostTable:
     """Time target forwards of each size in `sizes` (capped at `max_tokens`), smallest first,
-    and return the table of median seconds over `reps` runs (one untimed warm-up forward first).
+    and return the table of the fastest of `reps` runs (one untimed warm-up forward first).
 
     The batch is decode-shaped: sequences of `tokens_per_seq` new tokens (1: plain decode;
     1 + gamma: a verification) after a short shared context, on a scratch paged KV cache of
@@ -283,7 +283,9 @@ def profile_step_costs(model: "LlamaModel", sizes: Sequence[int] = DEFAULT_PROFI
             model.forward(step, kv)
             sync()
             times.append(clock() - t0)
-        points[t] = statistics.median(times)
+        # The fastest run: other processes on the same cores only ever add time, and one
+        # disturbed profile would mislead every later plan of this engine.
+        points[t] = min(times)
     return StepCostTable(points)
 
 
