@@ -50,6 +50,9 @@ class ClusterSpec:
     draft_path: str = ""
     num_speculative_tokens: int = 4
     spec_schedule: bool = True  # the confidence scheduler (off: always verify whole drafts)
+    # Progressive KV transfer on every worker (--progressive-kv): layer-wise anchor/residual
+    # streaming through the store instead of whole blocks.
+    progressive_kv: bool = False
     router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
 
     def __post_init__(self) -> None:
@@ -157,6 +160,7 @@ class LocalCluster:
                     "--block-size-tokens", str(s.block_size_tokens),
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),
                     "--threads", str(s.worker_threads()), "--metrics-port", "0",
+                    *(["--progressive-kv", "true"] if s.progressive_kv else []),
                     *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
                        "--num-speculative-tokens", str(s.num_speculative_tokens),
                        "--spec-schedule", str(s.spec_schedule)]

@@ -3,19 +3,27 @@
 Owns the decode side of the hand-over: blocks the local pool already caches are not fetched;
 the rest come from the store. A block the store cannot return (evicted, node lost) ends the
 import there and the engine recomputes the remainder locally: slower, never wrong.
+A streamed request (progressive transfer, `StreamHandle`) is read by `progressive`: joined on
+its anchors and made exact when the residuals land, or joined exact when they already have.
 Must not decide routing.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from pdserve.decode_worker.progressive import ResidualWaiter, StreamReader
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_blocks import fetch_run
+from pdserve.worker.kv_stream import StreamHandle
+
+log = logging.getLogger(__name__)
 
 
 
@@ -27,13 +35,51 @@ class DecodeChunk:
 
 
 class DecodeRole:
-    def __init__(self, loop: EngineLoop, store, poll_s: float = 0.05) -> None:
+    def __init__(self, loop: EngineLoop, store, poll_s: float = 0.05,
+                 stream_wait_s: float = 30.0) -> None:
         self.loop = loop
         self.store = store
         self.poll_s = poll_s
+        self.reader = StreamReader(store, loop.engine, stream_wait_s)
         self.blocks_fetched = 0
         self.blocks_local = 0
+        self.progressive_requests = 0
+        self.progressive_anchor_joins = 0
+        self.progressive_exact_joins = 0
+        self.progressive_fallbacks = 0
         self._lock = threading.Lock()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def _stream_blocks(self, request_id: str, hashes: list[bytes], keys: list[str],
+                       n_prompt: int, h: StreamHandle, is_active):
+        """(blocks, approximate, anchors, prefix) for a streamed request: see `progressive`."""
+        bs = self.loop.engine.block_size
+        self._count("progressive_requests")
+        n_pre = h.start // bs
+        prefix = self._fetch(hashes[:n_pre], keys[:n_pre], n_pre * bs)
+        if len(prefix) < n_pre:  # a prefix block lost: recompute from there
+            self._count("progressive_fallbacks")
+            return prefix, False, None, prefix
+        anchors = self.reader.fetch(h, "anchor", time.monotonic() + self.reader.wait_s,
+                                    is_active)
+        if anchors is None:
+            log.warning("anchors of %s late past %.1fs: recomputing the prompt", request_id,
+                        self.reader.wait_s)
+            self._count("progressive_fallbacks")
+            return prefix, False, None, prefix
+        if self.reader.all_present(h, "residual"):
+            res = self.reader.fetch(h, "residual", time.monotonic(), is_active)
+            if res is not None:
+                log.info("residuals of %s already stored: joining exact", request_id)
+                self._count("progressive_exact_joins")
+                return (prefix + self.reader.to_blocks(h, hashes, n_prompt, anchors, res),
+                        False, None, prefix)
+        self._count("progressive_anchor_joins")
+        return (prefix + self.reader.to_blocks(h, hashes, n_prompt, anchors, None), True,
+                anchors, prefix)
 
     def _fetch(self, hashes: list[bytes], keys: list[str], n_prompt: int):
         engine = self.loop.engine
@@ -49,30 +95,54 @@ class DecodeRole:
 
     def decode(self, request_id: str, prompt_ids: list[int], first_token: int,
                params: SamplingParams, hashes: list[bytes], keys: list[str], salt: str,
-               is_active: Callable[[], bool]) -> Iterator[DecodeChunk]:
+               is_active: Callable[[], bool], stream: StreamHandle | None = None
+               ) -> Iterator[DecodeChunk]:
         engine = self.loop.engine
-        blocks = self._fetch(hashes, keys, len(prompt_ids))
+        approximate, anchors, prefix = False, None, []
+        if stream is not None:
+            blocks, approximate, anchors, prefix = self._stream_blocks(
+                request_id, hashes, keys, len(prompt_ids), stream, is_active)
+        else:
+            blocks = self._fetch(hashes, keys, len(prompt_ids))
 
         def add():
-            stream = self.loop.open_stream(request_id)
+            out = self.loop.open_stream(request_id)
             try:
                 reason = engine.add_prefilled_request(request_id, prompt_ids, first_token,
-                                                      params, blocks, salt=salt)
+                                                      params, blocks, salt=salt,
+                                                      approximate=approximate)
             except Exception:
                 self.loop.close_stream(request_id)
                 raise
             if reason is not None:  # the first token already ended it
                 self.loop.close_stream(request_id)
-            return stream, reason
+            return out, reason
 
-        stream, reason = self.loop.call(add)
+        out_stream, reason = self.loop.call(add)
         if reason is not None:
             yield DecodeChunk([], reason)
             return
+        cancelled = threading.Event()
+        if approximate:
+            def readd() -> bool:
+                """Engine thread: the residuals are not coming; recompute the prompt exactly.
+                The request has emitted nothing on the anchors, so nothing is taken back."""
+                seq = engine.seqs.get(request_id)
+                if seq is None or not seq.anchor_from:
+                    return False  # gone, finished, or made exact by a preemption meanwhile
+                engine.abort(request_id)
+                engine.add_prefilled_request(request_id, prompt_ids, first_token, params,
+                                             prefix, salt=salt)
+                return True
+
+            assert stream is not None and anchors is not None
+            ResidualWaiter(self.loop, self.reader, request_id, stream, hashes, len(prompt_ids),
+                           anchors, prefix, readd,
+                           lambda: self._count("progressive_fallbacks"), cancelled).start()
         try:
             while True:
                 try:
-                    item = stream.get(timeout=self.poll_s)
+                    item = out_stream.get(timeout=self.poll_s)
                 except queue.Empty:
                     if not is_active():
                         self.abort(request_id)
@@ -89,6 +159,8 @@ class DecodeRole:
         except GeneratorExit:
             self.abort(request_id)
             raise
+        finally:
+            cancelled.set()
 
     def abort(self, request_id: str) -> bool:
         self.loop.close_stream(request_id)

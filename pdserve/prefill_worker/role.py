@@ -4,17 +4,27 @@ Owns the prefill side of the hand-over, and the store as a cluster-wide prefix c
 computing, the prompt's leading blocks that the store holds (written by any worker) and the local
 pool does not are fetched and placed in the local prefix cache, so prefill skips them. Blocks the
 store already holds are not written again. Must not decide routing.
+
+With a `KvStreamSender` (progressive transfer, `--progressive-kv`) the prompt's computed KV is
+streamed layer by layer while prefill runs (anchor planes first, residuals after; see
+`kv_sender`) and is not put as whole blocks; only the blocks before the first computed position
+(a prefix served from the local pool or the store) are put whole, as in the plain transfer. The
+result returns as soon as the first token is sampled, without waiting for the stream to drain.
+A request that could not be streamed whole (sender queue over its bound, a chunk recomputed
+after preemption) falls back to the plain whole-block put.
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
 from dataclasses import dataclass
 
 
 from pdserve.engine.block_pool import prompt_block_hashes
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
+from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.worker.kv_blocks import block_key, block_to_buffer, fetch_run
 
 
@@ -27,12 +37,19 @@ class PrefillResult:
     num_tokens: int
     num_cached_tokens: int
     first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    # Progressive transfer: the stream's id and the prompt ranges each chunk computed
+    # ("" and [] for a plain transfer).
+    stream_id: str = ""
+    spans: list[tuple[int, int]] | None = None
 
 
 class PrefillRole:
     def __init__(self, loop: EngineLoop, store, model_id: str,
-                 result_timeout_s: float = 600.0) -> None:
+                 result_timeout_s: float = 600.0, sender: KvStreamSender | None = None) -> None:
         self.loop = loop
+        self.sender = sender
+        if sender is not None:
+            loop.engine.on_prefill_layer = sender.on_layer
         self.store = store
         self.model_id = model_id
         self.timeout_s = result_timeout_s
@@ -63,36 +80,52 @@ class PrefillRole:
                 salt: str = "") -> PrefillResult:
         engine = self.loop.engine
         self._fetch_cached_prefix(prompt_ids, salt)
+        sender = self.sender
+        # Unique per attempt: a retried prefill never mixes its planes with an earlier one's.
+        stream_id = f"{request_id}-{uuid.uuid4().hex[:12]}" if sender is not None else ""
 
         def add():
             stream = self.loop.open_stream(request_id)
             try:
+                if sender is not None:
+                    sender.register(request_id, self.model_id, stream_id)
                 engine.add_request(request_id, prompt_ids, params, salt=salt, prefill_only=True)
             except Exception:
                 self.loop.close_stream(request_id)
+                if sender is not None:
+                    sender.finish(request_id)
                 raise
             return stream
 
         stream = self.loop.call(add)
-        item = stream.get(timeout=self.timeout_s)
-        self.loop.close_stream(request_id)
+        try:
+            item = stream.get(timeout=self.timeout_s)
+        finally:
+            self.loop.close_stream(request_id)
+            spans = sender.finish(request_id) if sender is not None else None
         if item.error is not None:
             raise item.error
         assert item.output is not None and item.kv is not None
         kv = item.kv
         layers = engine.model_config.num_hidden_layers
         keys = [block_key(self.model_id, salt, h, layers) for h in kv.block_hashes]
-        present = self.store.exists(keys) if keys else []
-        todo = [(k, *block_to_buffer(b)) for k, b, p in zip(keys, kv.blocks, present) if not p]
+        whole = len(keys)  # blocks put whole: all, or (streaming) those before the first span
+        if spans and spans[0][0] % engine.block_size == 0 and spans[-1][1] == kv.num_tokens:
+            whole = spans[0][0] // engine.block_size
+        else:
+            spans, stream_id = None, ""
+        present = self.store.exists(keys[:whole]) if whole else []
+        todo = [(k, *block_to_buffer(b))
+                for k, b, p in zip(keys[:whole], kv.blocks[:whole], present) if not p]
         if todo:
             self.store.batch_put_from(todo)
         with self._lock:
             self.blocks_put += len(todo)
-            self.blocks_deduped += len(keys) - len(todo)
+            self.blocks_deduped += whole - len(todo)
         out = item.output
         return PrefillResult(out.new_token_ids[0], out.finish_reason if out.finished else None,
                              kv.block_hashes, keys, kv.num_tokens, out.num_cached_tokens,
-                             out.logprobs[0] if out.logprobs else None)
+                             out.logprobs[0] if out.logprobs else None, stream_id, spans)
 
 
 

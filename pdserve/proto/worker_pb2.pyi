@@ -27,7 +27,7 @@ KV_EVENT_KIND_STORED: KvEventKind
 KV_EVENT_KIND_REMOVED: KvEventKind
 
 class KvHandle(_message.Message):
-    __slots__ = ("model_id", "tenant_salt", "block_size_tokens", "num_tokens", "block_hashes", "keys", "store_address")
+    __slots__ = ("model_id", "tenant_salt", "block_size_tokens", "num_tokens", "block_hashes", "keys", "store_address", "stream_id", "span_starts", "span_ends", "num_layers", "kv_dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,11 @@ class KvHandle(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    SPAN_STARTS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_ENDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tenant_salt: str
     block_size_tokens: int
@@ -42,7 +47,12 @@ class KvHandle(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     keys: _containers.RepeatedScalarFieldContainer[str]
     store_address: str
-    def __init__(self, model_id: _Optional[str] = ..., tenant_salt: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., keys: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ...) -> None: ...
+    stream_id: str
+    span_starts: _containers.RepeatedScalarFieldContainer[int]
+    span_ends: _containers.RepeatedScalarFieldContainer[int]
+    num_layers: int
+    kv_dtype: str
+    def __init__(self, model_id: _Optional[str] = ..., tenant_salt: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., keys: _Optional[_Iterable[str]] = ..., store_address: _Optional[str] = ..., stream_id: _Optional[str] = ..., span_starts: _Optional[_Iterable[int]] = ..., span_ends: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant_salt")
@@ -133,7 +143,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
+    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "progressive_requests", "progressive_anchor_joins", "progressive_exact_joins", "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens", "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks", "kv_stream_put_failures")
     class KvStoreReadsByTransportEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +171,16 @@ class WorkerStats(_message.Message):
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESSIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESSIVE_ANCHOR_JOINS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESSIVE_EXACT_JOINS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESSIVE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAM_LAYERS_PUT_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAM_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAM_PUT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
     num_running: int
@@ -181,7 +201,17 @@ class WorkerStats(_message.Message):
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
     spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    progressive_requests: int
+    progressive_anchor_joins: int
+    progressive_exact_joins: int
+    progressive_fallbacks: int
+    anchor_num_drafts: int
+    anchor_num_draft_tokens: int
+    anchor_num_accepted_tokens: int
+    kv_stream_layers_put: int
+    kv_stream_fallbacks: int
+    kv_stream_put_failures: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., progressive_requests: _Optional[int] = ..., progressive_anchor_joins: _Optional[int] = ..., progressive_exact_joins: _Optional[int] = ..., progressive_fallbacks: _Optional[int] = ..., anchor_num_drafts: _Optional[int] = ..., anchor_num_draft_tokens: _Optional[int] = ..., anchor_num_accepted_tokens: _Optional[int] = ..., kv_stream_layers_put: _Optional[int] = ..., kv_stream_fallbacks: _Optional[int] = ..., kv_stream_put_failures: _Optional[int] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ()

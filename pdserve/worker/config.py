@@ -40,6 +40,15 @@ class WorkerConfig:
     num_speculative_tokens: int = 4
     draft_path: str = ""
     spec_schedule: bool = True
+    # Progressive KV transfer (docs/architecture.md): a prefill streams each layer's KV through
+    # the store as it is computed (anchor planes first, residuals after; no whole blocks but a
+    # cached prefix's), and a decode joins on the anchors and verifies once the residuals land.
+    # Both ends of a transfer need it on. The sender queue is bounded in bytes (past it a
+    # request falls back to whole blocks); a decode waits this long for a stream's objects
+    # before recomputing what is missing.
+    progressive_kv: bool = False
+    progressive_queue_bytes: int = 256 << 20
+    progressive_wait_ms: int = 30000
     # Prometheus /metrics on this port of the worker's host (0: a free port; -1: none).
     metrics_port: int = -1
 
@@ -61,6 +70,8 @@ class WorkerConfig:
             raise ConfigError("num_speculative_tokens must be >= 1")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be -1 (none) or a port, got {self.metrics_port}")
+        if self.progressive_queue_bytes < 1 or self.progressive_wait_ms < 1:
+            raise ConfigError("progressive_queue_bytes and progressive_wait_ms must be >= 1")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:

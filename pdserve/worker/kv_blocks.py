@@ -1,8 +1,8 @@
 """Engine KV blocks <-> store objects: the key of a block and its bytes.
 
 Owns the mapping between an engine block tensor [layers, 2, block_size, kv_heads, head_dim] and a
-store object (one object per block covering every layer, plane FULL in this first format). The
-progressive-transfer format splits planes and layer ranges under the same keys' scheme.
+store object (one object per block covering every layer, plane FULL). Progressive transfer
+streams (span, layer) anchor/residual planes under its own keys instead (`kv_stream`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, Sp
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.dist_client import DistStoreClient
+from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.prefill_worker.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -55,7 +56,10 @@ def run(cfg: WorkerConfig) -> int:
     store = connect_store(cfg)
     model_id = model_id_for(cfg.model_path, cfg.dtype, cfg.model_name)
     role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
-    service = WorkerService(loop, PrefillRole(loop, store, model_id), DecodeRole(loop, store),
+    sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
+              if cfg.progressive_kv else None)
+    service = WorkerService(loop, PrefillRole(loop, store, model_id, sender=sender),
+                            DecodeRole(loop, store, stream_wait_s=cfg.progressive_wait_ms / 1000),
                             role, model_id)
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     pb_grpc.add_WorkerServicer_to_server(service, server)
@@ -75,5 +79,7 @@ def run(cfg: WorkerConfig) -> int:
     if metrics_server is not None:
         metrics_server.shutdown()
     loop.stop()
+    if sender is not None:
+        sender.stop()
     store.close()
     return code

@@ -25,11 +25,16 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.wire import finish_to_proto, logprobs_to_proto, params_from_proto
 from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.kv_stream import StreamHandle
 
 log = logging.getLogger(__name__)
 ROLE_NAMES = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
 _KV_EVENT_KINDS = {STORED: pb.KV_EVENT_KIND_STORED, REMOVED: pb.KV_EVENT_KIND_REMOVED}
 _KV_EVENT_BATCH_S = 0.02
+_PROGRESSIVE_STATS = ("progressive_requests", "progressive_anchor_joins", "progressive_exact_joins",
+                      "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens",
+                      "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks",
+                      "kv_stream_put_failures")
 
 
 class _Rejected(Exception):
@@ -94,6 +99,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         kv = pb.KvHandle(model_id=self.model_id, tenant_salt=request.tenant_salt,
                          block_size_tokens=self.loop.engine.block_size, num_tokens=res.num_tokens,
                          block_hashes=res.block_hashes, keys=res.keys)
+        if res.stream_id:
+            assert res.spans
+            kv.stream_id = res.stream_id
+            kv.span_starts.extend(a for a, _ in res.spans)
+            kv.span_ends.extend(b for _, b in res.spans)
+            kv.num_layers = self.loop.engine.model_config.num_hidden_layers
+            kv.kv_dtype = self.loop.engine.cfg.dtype
         resp = pb.PrefillResponse(request_id=request.request_id, first_token_id=res.first_token,
                                   finish_reason=finish_to_proto(res.finish_reason), kv=kv,
                                   num_cached_tokens=res.num_cached_tokens)
@@ -111,13 +123,41 @@ class WorkerService(pb_grpc.WorkerServicer):
                 chunks = self.decode_role.decode(
                     request.request_id, list(request.prompt_token_ids), request.first_token_id,
                     params_from_proto(request.sampling), list(request.kv.block_hashes),
-                    list(request.kv.keys), request.kv.tenant_salt, context.is_active)
+                    list(request.kv.keys), request.kv.tenant_salt, context.is_active,
+                    self._stream_of(request))
                 for c in chunks:
                     yield pb.DecodeResponse(
                         token_ids=c.token_ids, finish_reason=finish_to_proto(c.finish_reason),
                         logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()])
         except Exception as e:
             context.abort(*_status_of(e))
+
+    def _stream_of(self, request) -> StreamHandle | None:
+        """The KvHandle's stream, checked against this worker's engine; None for a plain one."""
+        kv = request.kv
+        if not kv.stream_id:
+            return None
+        engine = self.loop.engine
+        spans = tuple(zip(kv.span_starts, kv.span_ends))
+        n = len(request.prompt_token_ids)
+        ok = (spans and len(kv.span_starts) == len(kv.span_ends) and spans[-1][1] == n
+              and spans[0][0] % engine.block_size == 0
+              and all(a < b for a, b in spans)
+              and all(p[1] == q[0] for p, q in zip(spans, spans[1:])))
+        if not ok:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            "kv.span_starts/span_ends: must be contiguous, block-aligned at the "
+                            "start, and end at the prompt's end")
+        if (kv.num_layers != engine.model_config.num_hidden_layers
+                or kv.kv_dtype != engine.cfg.dtype
+                or kv.block_size_tokens != engine.block_size):
+            raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"kv: streamed as {kv.num_layers} layers of {kv.kv_dtype} in blocks of "
+                            f"{kv.block_size_tokens}; this worker has "
+                            f"{engine.model_config.num_hidden_layers} of {engine.cfg.dtype} in "
+                            f"blocks of {engine.block_size}")
+        return StreamHandle(kv.model_id or self.model_id, kv.stream_id, spans, kv.num_layers,
+                            kv.kv_dtype)
 
     def Abort(self, request, context):
         found = self.loop.call(lambda: self.loop.engine.abort(request.request_id))
@@ -151,8 +191,16 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Engine and role counters, one read for both GetStats and the Prometheus collector
         (pdserve.metrics)."""
         s = dict(self.loop.call(self.loop.engine.stats))
+        d, sender = self.decode_role, self.prefill_role.sender
         s.update(kv_blocks_put=self.prefill_role.blocks_put,
                  kv_blocks_fetched=self.decode_role.blocks_fetched,
+                 progressive_requests=d.progressive_requests,
+                 progressive_anchor_joins=d.progressive_anchor_joins,
+                 progressive_exact_joins=d.progressive_exact_joins,
+                 progressive_fallbacks=d.progressive_fallbacks,
+                 kv_stream_layers_put=sender.layers_put if sender else 0,
+                 kv_stream_fallbacks=sender.fallbacks if sender else 0,
+                 kv_stream_put_failures=sender.put_failures if sender else 0,
                  reads_by_transport=dict(getattr(self.decode_role.store, "reads_by_transport",
                                                  {})))
         return s
@@ -175,7 +223,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             spec_decode_num_draft_tokens=s.get("spec_decode_num_draft_tokens", 0),
             spec_decode_num_accepted_tokens=s.get("spec_decode_num_accepted_tokens", 0),
             spec_decode_num_accepted_tokens_per_pos=s.get(
-                "spec_decode_num_accepted_tokens_per_pos", []))
+                "spec_decode_num_accepted_tokens_per_pos", []),
+            **{k: s.get(k, 0) for k in _PROGRESSIVE_STATS})
 
     def WatchKvEvents(self, request, context):
         """A snapshot of the prefix cache, then its changes; a new snapshot after lost events.

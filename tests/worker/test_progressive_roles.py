@@ -1,0 +1,178 @@
+"""Progressive KV transfer between the roles, in one process over an in-memory store: the
+sender puts anchors before queued residuals; a decode joined on anchors drafts, then verifies
+when the residuals land; residuals that never land make it recompute. Tokens always equal the
+plain transfer's (invariant 3)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.decode_worker.role import DecodeRole
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.prefill_worker.kv_sender import KvStreamSender
+from pdserve.prefill_worker.role import PrefillRole
+from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.kv_stream import StreamHandle
+from tests.conftest import make_tiny_hf_model
+
+MODEL = "tiny@float32"
+
+
+class MemStore:
+    """The store calls the roles make, in memory; `hide` keeps matching keys invisible."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.hide = lambda key: False
+
+    def batch_put_from(self, items) -> int:
+        for key, buf, *_ in items:
+            self.data.setdefault(key, bytes(memoryview(buf).cast("B")))
+        return len(items)
+
+    def _has(self, key: str) -> bool:
+        return key in self.data and not self.hide(key)
+
+    def exists(self, keys):
+        return [self._has(k) for k in keys]
+
+    def longest_prefix(self, keys) -> int:
+        n = 0
+        while n < len(keys) and self._has(keys[n]):
+            n += 1
+        return n
+
+    def get_into(self, key: str, buf) -> int:
+        if not self._has(key):
+            raise KeyError(key)
+        d = self.data[key]
+        memoryview(buf).cast("B")[:len(d)] = d
+        return len(d)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_progressive_roles"), "llama")
+
+
+def make_loop(path: str) -> EngineLoop:
+    return EngineLoop(LLMEngine(EngineConfig(
+        path, cache=CacheConfig(block_size_tokens=4, num_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8)))).start()
+
+
+def run_decode(role: DecodeRole, rid, prompt, res, params, stream=None) -> list[int]:
+    out = [res.first_token]
+    for c in role.decode(rid, prompt, res.first_token, params, res.block_hashes, res.keys, "",
+                         lambda: True, stream):
+        out.extend(c.token_ids)
+    return out
+
+
+def handle(res, engine) -> StreamHandle:
+    return StreamHandle(MODEL, res.stream_id, tuple(res.spans),
+                        engine.model_config.num_hidden_layers, "float32")
+
+
+PROMPTS = [[(5 * i + 7) % 300 + 3 for i in range(21)],  # 3 chunks of 8 tokens or less
+           [(11 * i + 1) % 400 + 3 for i in range(19)]]
+PARAMS = [SamplingParams(max_tokens=12, ignore_eos=True),
+          SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)]
+
+
+def test_sender_puts_anchors_before_queued_residuals():
+    class Engine:
+        def read_layer_kv(self, rid, layer, start, end):
+            return torch.randn(end - start, 2, 8), torch.randn(end - start, 2, 8)
+
+    store = MemStore()
+    sender = KvStreamSender(Engine(), store)
+    sender.put_order = []
+    for rid in ("a", "b"):
+        sender.register(rid, MODEL, rid)
+    for layer in range(3):  # queued before the thread starts: the order is fixed
+        sender.on_layer(layer, [("a", 0, 5), ("b", 0, 7)])
+    sender.on_layer(0, [("a", 5, 9)])
+    sender.start()
+    deadline = time.monotonic() + 10
+    while sender.layers_put < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sender.stop()
+    kinds = [k.rsplit("/", 1)[1] for k in sender.put_order]
+    assert kinds == ["anchor"] * 7 + ["residual"] * 7
+    assert sender.finish("a") == [(0, 5), (5, 9)] and sender.finish("b") == [(0, 7)]
+
+
+def test_sender_over_its_bound_falls_back_without_blocking():
+    class Engine:
+        def read_layer_kv(self, rid, layer, start, end):
+            return torch.zeros(end - start, 2, 8), torch.zeros(end - start, 2, 8)
+
+    sender = KvStreamSender(Engine(), MemStore(), max_queue_bytes=1000)
+    sender.register("a", MODEL, "a")
+    sender.on_layer(0, [("a", 0, 4)])  # 512 bytes: queued
+    sender.on_layer(1, [("a", 0, 4)])  # 1024: over the bound, the request stops streaming
+    assert sender.finish("a") is None and sender.fallbacks == 1
+
+
+@pytest.mark.parametrize("residuals", ["late", "never"])
+def test_anchor_join_then_exact_or_recompute_gives_the_same_tokens(llama_dir, residuals):
+    store = MemStore()
+    p_loop, d_loop, base_loop = make_loop(llama_dir), make_loop(llama_dir), make_loop(llama_dir)
+    try:
+        sender = KvStreamSender(p_loop.engine, store).start()
+        prefill = PrefillRole(p_loop, store, MODEL, sender=sender)
+        plain_store = MemStore()  # the plain transfer's whole blocks stay out of `store`
+        plain_prefill = PrefillRole(base_loop, plain_store, MODEL)
+        plain_decode = DecodeRole(base_loop, plain_store)
+        decode = DecodeRole(d_loop, store, poll_s=0.01, stream_wait_s=3.0)
+        layers = p_loop.engine.model_config.num_hidden_layers
+        pairs = 0
+        for i, (PROMPT, params) in enumerate(zip(PROMPTS, PARAMS)):
+            want = run_decode(plain_decode, f"p{i}", PROMPT,
+                              plain_prefill.prefill(f"p{i}", PROMPT, params), params)
+            res = prefill.prefill(f"r{i}", PROMPT, params)
+            assert res.stream_id and res.spans[0][0] == 0 and res.spans[-1][1] == len(PROMPT)
+            assert len(res.spans) >= 3
+            pairs += len(res.spans) * layers
+            deadline = time.monotonic() + 10
+            while sender.layers_put < pairs and time.monotonic() < deadline:
+                time.sleep(0.01)  # every plane of this request is in the store
+            gate = threading.Event()
+            store.hide = lambda key: key.endswith("/residual") and not gate.is_set()
+            engine = d_loop.engine
+
+            def release():
+                while time.monotonic() < deadline:  # drafts made on the anchors, then exact KV
+                    seq = d_loop.call(lambda: engine.seqs.get(f"r{i}"))
+                    if seq is not None and seq.paused:
+                        break
+                    time.sleep(0.01)
+                if residuals == "late":
+                    gate.set()
+
+            t = threading.Thread(target=release)
+            t.start()
+            got = run_decode(decode, f"r{i}", PROMPT, res, params, handle(res, p_loop.engine))
+            t.join()
+            store.hide = lambda key: False
+            assert got == want
+        stats = d_loop.call(d_loop.engine.stats)
+        assert decode.progressive_requests == 2 and decode.progressive_anchor_joins == 2
+        if residuals == "late":
+            assert decode.progressive_fallbacks == 0
+            assert stats["anchor_num_drafts"] == 2 and stats["anchor_num_draft_tokens"] > 0
+        else:
+            assert decode.progressive_fallbacks == 2 and stats["anchor_num_drafts"] == 0
+        # Every (span, layer) pair was put; no whole block (no prefix was cached remotely).
+        assert sender.put_failures == 0 and prefill.blocks_put == 0
+    finally:
+        sender.stop()
+        for loop in (p_loop, d_loop, base_loop):
+            loop.stop()
