@@ -126,6 +126,18 @@ class WorkerCollector:
                           ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
                           ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")):
             yield counter(name, doc, s.get(name, 0))
+        for name, doc in (
+                ("progressive_requests", "Requests handed over by progressive KV transfer."),
+                ("progressive_anchor_joins", "Progressive requests joined on anchor KV."),
+                ("progressive_exact_joins", "Progressive requests whose residual was already in."),
+                ("progressive_fallbacks", "Progressive requests recomputed (KV late or lost)."),
+                ("anchor_num_drafts", "Verifications of drafts made on anchor KV."),
+                ("anchor_num_draft_tokens", "Tokens drafted on anchor KV."),
+                ("anchor_num_accepted_tokens", "Tokens drafted on anchor KV and accepted."),
+                ("kv_stream_layers_put", "Layer pieces streamed to the store during prefill."),
+                ("kv_stream_fallbacks", "Streams given up for a whole-block put (queue full)."),
+                ("kv_stream_put_failures", "Streamed puts the store refused.")):
+            yield counter(name, doc, s.get(name, 0))
         per_pos = CounterMetricFamily(
             "pdserve:spec_decode_num_accepted_tokens_per_pos",
             "Verifications whose draft token at this position was accepted.",

@@ -7,6 +7,8 @@ moves as whole blocks, the rest streamed)."""
 
 from __future__ import annotations
 
+import urllib.request
+
 from pdserve.controller.launcher import LocalCluster
 from tests.e2e.conftest import cluster_spec
 from tests.e2e.test_cluster import generate, worker_stats, workers
@@ -32,12 +34,14 @@ def _run(progressive: bool, tiny_llama_dir: str):
         outs = [generate(cluster.router_address, token_ids=p, **s)[0] for p, s in _requests()]
         [decode] = workers(cluster, "decode")
         [prefill] = workers(cluster, "prefill")
-        return outs, worker_stats(prefill), worker_stats(decode)
+        with urllib.request.urlopen(cluster.worker_metrics[decode], timeout=30) as r:
+            metrics = r.read().decode()
+        return outs, worker_stats(prefill), worker_stats(decode), metrics
 
 
 def test_progressive_transfer_gives_the_same_tokens(tiny_llama_dir):
-    want, _, plain_decode = _run(False, tiny_llama_dir)
-    got, prefill, decode = _run(True, tiny_llama_dir)
+    want, _, plain_decode, _ = _run(False, tiny_llama_dir)
+    got, prefill, decode, metrics = _run(True, tiny_llama_dir)
     assert got == want
     assert all(len(o) > 0 for o in got)
     n = len(_requests())
@@ -58,3 +62,7 @@ def test_progressive_transfer_gives_the_same_tokens(tiny_llama_dir):
     assert decode.anchor_num_accepted_tokens <= decode.anchor_num_draft_tokens
     # Only a cached prefix goes as whole blocks (the repeated long prompt's leading blocks).
     assert prefill.kv_blocks_put < sum(-(-len(p) // 16) for p, _ in _requests())
+    # The decode worker's /metrics carries the same counters.
+    assert f"pdserve:progressive_requests_total{{model_name=" in metrics
+    line = [x for x in metrics.splitlines() if x.startswith("pdserve:progressive_requests_total")]
+    assert float(line[0].rsplit(" ", 1)[1]) == n
