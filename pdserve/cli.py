@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench import spec as bench_spec
 
     bench_spec.add_spec_bench_parser(bsub)
+    from pdserve.bench import transfer as bench_transfer
+
+    t = bsub.add_parser("transfer", help="progressive KV transfer over a bandwidth-limited link "
+                                         "(time to the 2nd and 10th token per variant)")
+    bench_transfer.add_arguments(t).set_defaults(func=bench_transfer.run)
 
     from pdserve.engine.spec import train as spec_train
 
