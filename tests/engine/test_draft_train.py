@@ -21,28 +21,15 @@ from pdserve.engine.spec.draft_model import (KINDS, DraftNet, ModelDrafter, Shar
                                              draft_config_for, load_drafter, save_drafter)
 from pdserve.engine.spec.train import is_held_out, train_draft
 
-from tests.conftest import make_tiny_hf_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = [f"Tell me about topic number {i}, and then {i * 7} more things." for i in range(8)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def repeaty_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_llama_draft"), "llama",
-                              tie_word_embeddings=True, initializer_range=0.1)
-
-
-@pytest.fixture(scope="module")
-def target(repeaty_dir: str) -> LlamaModel:
-    cfg, w = load_checkpoint(repeaty_dir, torch.float32)
+def target(repeaty_llama_dir: str) -> LlamaModel:
+    cfg, w = load_checkpoint(repeaty_llama_dir, torch.float32)
     return LlamaModel(cfg, w)
 
 
@@ -137,23 +124,23 @@ def test_held_out_split_is_fixed():
 TINY = dict(max_new_tokens=16, window=8, draft_vocab_size=256, seed=0, batch_size=2, progress=False)
 
 
-def test_eagle_training_learns_the_targets_greedy_tokens(repeaty_dir, tmp_path, monkeypatch):
+def test_eagle_training_learns_the_targets_greedy_tokens(repeaty_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))  # the data is built once
-    untrained = train_draft(repeaty_dir, "eagle", str(tmp_path / "e0"), epochs=0,
+    untrained = train_draft(repeaty_llama_dir, "eagle", str(tmp_path / "e0"), epochs=0,
                             prompts=PROMPTS, eval_prompts=PROMPTS, **TINY)
-    trained = train_draft(repeaty_dir, "eagle", str(tmp_path / "e1"), epochs=12,
+    trained = train_draft(repeaty_llama_dir, "eagle", str(tmp_path / "e1"), epochs=12,
                           prompts=PROMPTS, eval_prompts=PROMPTS, **TINY)
     assert trained["final_loss"] < 0.6 * trained["first_loss"]
     assert trained["held_out_acceptance_length"] > untrained["held_out_acceptance_length"] + 0.5
     # The saved drafter is the one that was measured, and loads for the same target.
-    cfg, w = load_checkpoint(repeaty_dir, torch.float32)
+    cfg, w = load_checkpoint(repeaty_llama_dir, torch.float32)
     assert load_drafter(str(tmp_path / "e1"), LlamaModel(cfg, w), expect_kind="eagle").window == 8
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_block_drafter_training_lowers_the_loss(kind, repeaty_dir, tmp_path, monkeypatch):
+def test_block_drafter_training_lowers_the_loss(kind, repeaty_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
-    stats = train_draft(repeaty_dir, kind, str(tmp_path / kind), epochs=6, prompts=PROMPTS[:4],
+    stats = train_draft(repeaty_llama_dir, kind, str(tmp_path / kind), epochs=6, prompts=PROMPTS[:4],
                         eval_prompts=PROMPTS[:2], **TINY)
     assert stats["final_loss"] < 0.8 * stats["first_loss"]
     assert stats["held_out_acceptance_length"] >= 1.0

@@ -23,18 +23,10 @@ from pdserve.engine.scheduler import QueueFullError
 
 from tests.conftest import SMOLLM2_VOCAB_SIZE
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # These matmuls are tiny; on two shared cores OpenMP threads spinning against other processes
-    # make each step ~100x slower than running single-threaded.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_engine(path: str, **overrides) -> LLMEngine:

@@ -22,6 +22,8 @@ import torch
 import pdserve.engine.sampling as sampling
 from pdserve.engine.sampling import SamplingParams, probs_from_logits, sample
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 N = 4000
 ALPHA = 1e-3
 LOGITS = torch.tensor([1.2, 0.9, 0.5, 0.3, 0.0, -0.4, -0.8, -1.3])
@@ -33,14 +35,6 @@ CONFIGS = {
     "top_p_0.8": SamplingParams(temperature=1.0, top_p=0.8, seed=13),
     "all_three": SamplingParams(temperature=0.7, top_k=5, top_p=0.8, seed=14),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads only add contention on shared cores
-    yield
-    torch.set_num_threads(n)
 
 
 def chi2_sf(stat: float, df: int) -> float:

@@ -6,7 +6,6 @@ seconds on a tiny Llama whose greedy output repeats, so their drafts are often r
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import LLMEngine
@@ -15,7 +14,8 @@ from pdserve.engine.spec.schedule import StepCostTable
 from pdserve.engine.spec.train import _render, train_draft
 from pdserve.engine.tokenizer import Tokenizer
 
-from tests.conftest import make_tiny_hf_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = [f"Tell me about topic number {i}, and then {i * 7} more things." for i in range(8)]
 TINY = dict(max_new_tokens=16, window=8, draft_vocab_size=256, seed=0, batch_size=2,
@@ -23,22 +23,8 @@ TINY = dict(max_new_tokens=16, window=8, draft_vocab_size=256, seed=0, batch_siz
 K = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def repeaty_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_llama_drafters"), "llama",
-                              tie_word_embeddings=True, initializer_range=0.1)
-
-
-@pytest.fixture(scope="module")
-def drafts(repeaty_dir, tmp_path_factory) -> dict[str, str]:
+def drafts(repeaty_llama_dir, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("drafts")
     mp = pytest.MonkeyPatch()
     mp.setenv("PDSERVE_CACHE", str(root / "cache"))  # the target's answers are built once
@@ -46,7 +32,7 @@ def drafts(repeaty_dir, tmp_path_factory) -> dict[str, str]:
     try:
         for kind in ("eagle", "dflash", "dspark"):
             out[kind] = str(root / kind)
-            train_draft(repeaty_dir, kind, out[kind], epochs=8, prompts=PROMPTS,
+            train_draft(repeaty_llama_dir, kind, out[kind], epochs=8, prompts=PROMPTS,
                         eval_prompts=PROMPTS[:2], **TINY)
     finally:
         mp.undo()
@@ -79,11 +65,11 @@ def batch(path: str):
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash", "dspark"])
 @pytest.mark.parametrize("schedule", [False, True])
-def test_trained_drafter_output_equals_no_speculation(repeaty_dir, drafts, kind, schedule):
-    plain = make_engine(repeaty_dir)
-    prompts, params = batch(repeaty_dir)
+def test_trained_drafter_output_equals_no_speculation(repeaty_llama_dir, drafts, kind, schedule):
+    plain = make_engine(repeaty_llama_dir)
+    prompts, params = batch(repeaty_llama_dir)
     want = run(plain, prompts, params)
-    spec = make_engine(repeaty_dir, SpecConfig(method=kind, draft_path=drafts[kind],
+    spec = make_engine(repeaty_llama_dir, SpecConfig(method=kind, draft_path=drafts[kind],
                                                num_speculative_tokens=K, schedule=schedule))
     if schedule:  # an idle machine: drafts pay, so the scheduler keeps them (and the
         spec.step_costs = StepCostTable({1: 1.0, 64: 1.05})  # confidences decide the length)

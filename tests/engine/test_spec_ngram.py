@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from pdserve.engine.config import (CacheConfig, ConfigError, EngineConfig, SchedulerConfig,
                                    SpecConfig)
@@ -21,24 +20,12 @@ from pdserve.engine.spec import (Draft, Drafter, DraftRequest, NgramDrafter, Spe
                                  verify_greedy)
 from pdserve.engine.spec.ngram import ngram_lookup
 
-from tests.conftest import SMOLLM2_VOCAB_SIZE, make_tiny_hf_model
+from tests.conftest import SMOLLM2_VOCAB_SIZE
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 K = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def repeaty_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_llama_spec"), "llama",
-                              tie_word_embeddings=True, initializer_range=0.1)
 
 
 def make_engine(path: str, spec: SpecConfig | None = None, *, num_blocks: int = 256,

@@ -40,6 +40,8 @@ from pdserve.engine.spec import Draft, Drafter, DraftRequest
 
 from tests.conftest import make_tiny_hf_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 V = 8  # vocabulary: every prefix of the joint distribution can be enumerated
 PROMPT = [3, 5, 4, 6]
 T_OUT = 5  # joint of the first 5 output tokens: the first from prefill, then drafts at 3 positions
@@ -51,14 +53,6 @@ SEED0 = 1_000  # request i is seeded SEED0 + i
 
 T1 = SamplingParams(temperature=1.0, max_tokens=T_OUT, ignore_eos=True)
 T07 = SamplingParams(temperature=0.7, top_p=0.9, top_k=4, max_tokens=T_OUT, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads only add contention on shared cores
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
