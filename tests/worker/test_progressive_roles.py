@@ -1,10 +1,12 @@
-"""Progressive KV transfer between the roles, in one process over an in-memory store: the
-sender puts anchors before queued residuals; a decode joined on anchors drafts, then verifies
-when the residuals land; residuals that never land make it recompute. Tokens always equal the
-plain transfer's (invariant 3)."""
+"""Progressive KV transfer between the roles, in one process over a real store (its own
+process, over gRPC): the sender puts anchors before queued residuals; a decode joined on anchors
+drafts, then verifies when the residuals land; residuals that never land make it recompute.
+Tokens always equal the plain transfer's (invariant 3). The one fault injected is timing: a gate
+in front of the store client keeps residual keys invisible until the test releases them."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -15,45 +17,51 @@ from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
+from pdserve.kvstore.client import KVStoreClient
 from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.prefill_worker.role import PrefillRole
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_stream import StreamHandle
 from tests.conftest import make_tiny_hf_model
+from tests.helpers import free_port, start_process, stop_process
 
 MODEL = "tiny@float32"
+PLAIN_MODEL = "tiny-plain@float32"  # the plain transfer's blocks never meet the stream's
 
 
-class MemStore:
-    """The store calls the roles make, in memory; `hide` keeps matching keys invisible."""
+@pytest.fixture(scope="module")
+def store_address():
+    address = f"127.0.0.1:{free_port()}"
+    p = start_process([sys.executable, "-m", "pdserve.kvstore", "--address", address,
+                       "--capacity-bytes", str(256 << 20)], address, timeout_s=30)
+    yield address
+    stop_process(p)
 
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
+
+class GatedStore:
+    """The real store client; keys for which `hide(key)` is true look absent (not yet put)."""
+
+    def __init__(self, address: str) -> None:
+        self.client = KVStoreClient(address, timeout_s=10)
         self.hide = lambda key: False
 
-    def batch_put_from(self, items) -> int:
-        for key, buf, *_ in items:
-            self.data.setdefault(key, bytes(memoryview(buf).cast("B")))
-        return len(items)
-
-    def _has(self, key: str) -> bool:
-        return key in self.data and not self.hide(key)
+    def batch_put_from(self, items):
+        return self.client.batch_put_from(items)
 
     def exists(self, keys):
-        return [self._has(k) for k in keys]
+        return [ok and not self.hide(k) for k, ok in zip(keys, self.client.exists(keys))]
 
     def longest_prefix(self, keys) -> int:
-        n = 0
-        while n < len(keys) and self._has(keys[n]):
-            n += 1
-        return n
+        n = self.client.longest_prefix(keys)
+        return next((i for i in range(n) if self.hide(keys[i])), n)
 
     def get_into(self, key: str, buf) -> int:
-        if not self._has(key):
+        if self.hide(key):
             raise KeyError(key)
-        d = self.data[key]
-        memoryview(buf).cast("B")[:len(d)] = d
-        return len(d)
+        return self.client.get_into(key, buf)
+
+    def close(self) -> None:
+        self.client.close()
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +94,12 @@ PARAMS = [SamplingParams(max_tokens=12, ignore_eos=True),
           SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)]
 
 
-def test_sender_puts_anchors_before_queued_residuals():
+def test_sender_puts_anchors_before_queued_residuals(store_address):
     class Engine:
         def read_layer_kv(self, rid, layer, start, end):
             return torch.randn(end - start, 2, 8), torch.randn(end - start, 2, 8)
 
-    store = MemStore()
+    store = GatedStore(store_address)
     sender = KvStreamSender(Engine(), store)
     sender.put_order = []
     for rid in ("a", "b"):
@@ -104,17 +112,18 @@ def test_sender_puts_anchors_before_queued_residuals():
     while sender.layers_put < 7 and time.monotonic() < deadline:
         time.sleep(0.01)
     sender.stop()
+    store.close()
     kinds = [k.rsplit("/", 1)[1] for k in sender.put_order]
     assert kinds == ["anchor"] * 7 + ["residual"] * 7
     assert sender.finish("a") == [(0, 5), (5, 9)] and sender.finish("b") == [(0, 7)]
 
 
-def test_sender_over_its_bound_falls_back_without_blocking():
+def test_sender_over_its_bound_falls_back_without_blocking(store_address):
     class Engine:
         def read_layer_kv(self, rid, layer, start, end):
             return torch.zeros(end - start, 2, 8), torch.zeros(end - start, 2, 8)
 
-    sender = KvStreamSender(Engine(), MemStore(), max_queue_bytes=1000)
+    sender = KvStreamSender(Engine(), GatedStore(store_address), max_queue_bytes=1000)
     sender.register("a", MODEL, "a")
     sender.on_layer(0, [("a", 0, 4)])  # 512 bytes: queued
     sender.on_layer(1, [("a", 0, 4)])  # 1024: over the bound, the request stops streaming
@@ -122,15 +131,15 @@ def test_sender_over_its_bound_falls_back_without_blocking():
 
 
 @pytest.mark.parametrize("residuals", ["late", "never"])
-def test_anchor_join_then_exact_or_recompute_gives_the_same_tokens(llama_dir, residuals):
-    store = MemStore()
+def test_anchor_join_then_exact_or_recompute_gives_the_same_tokens(llama_dir, store_address,
+                                                                    residuals):
+    store = GatedStore(store_address)
     p_loop, d_loop, base_loop = make_loop(llama_dir), make_loop(llama_dir), make_loop(llama_dir)
     try:
         sender = KvStreamSender(p_loop.engine, store).start()
         prefill = PrefillRole(p_loop, store, MODEL, sender=sender)
-        plain_store = MemStore()  # the plain transfer's whole blocks stay out of `store`
-        plain_prefill = PrefillRole(base_loop, plain_store, MODEL)
-        plain_decode = DecodeRole(base_loop, plain_store)
+        plain_prefill = PrefillRole(base_loop, store, f"{PLAIN_MODEL}-{residuals}")
+        plain_decode = DecodeRole(base_loop, store)
         decode = DecodeRole(d_loop, store, poll_s=0.01, stream_wait_s=3.0)
         layers = p_loop.engine.model_config.num_hidden_layers
         pairs = 0
@@ -176,3 +185,4 @@ def test_anchor_join_then_exact_or_recompute_gives_the_same_tokens(llama_dir, re
         sender.stop()
         for loop in (p_loop, d_loop, base_loop):
             loop.stop()
+        store.close()
