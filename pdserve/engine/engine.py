@@ -93,11 +93,15 @@ class LLMEngine:
         self.spec_stats = (SpecStats(cfg.spec.num_speculative_tokens)
                            if cfg.spec is not None else None)
         # Confidence scheduling: measured acceptance per draft position, the target's step
-        # cost per batch size (profiled on first use), and the drafter's own time per request.
+        # cost per batch size (profiled here, a few seconds, so no request waits for it), and
+        # the drafter's own time per request.
         self.spec_schedule = cfg.spec is not None and cfg.spec.schedule
         self.spec_estimator = (AcceptanceEstimator()
                                if self.spec_schedule else None)
-        self.step_costs: StepCostTable | None = None
+        self.step_costs: StepCostTable | None = (
+            profile_step_costs(self.model, block_size=self.block_size,
+                               max_tokens=cfg.scheduler.max_num_batched_tokens)
+            if self.spec_schedule else None)
         # Progressive KV: most tokens drafted on anchor precision before the exact KV lands,
         # and the verifications of those drafts.
         self.max_anchor_drafts = SHORT_SPAN - 1
@@ -360,8 +364,10 @@ class LLMEngine:
         w = max(1, self.drafter.window if self.drafter is not None else 1)
         rows = rows[-w:]
         if seq.hidden is not None and seq.hidden_end == start:
-            rows = torch.cat([seq.hidden, rows])[-w:]
-        seq.hidden = rows.clone()
+            seq.hidden = torch.cat([seq.hidden[-(w - rows.shape[0]):] if rows.shape[0] < w
+                                    else seq.hidden[:0], rows])  # a new tensor already
+        else:
+            seq.hidden = rows.clone()  # rows view the step's hidden states: keep a copy only
         seq.hidden_end = start + n
 
     # ---- speculative decoding ----------------------------------------------------------
@@ -435,10 +441,7 @@ class LLMEngine:
     def _plan(self, probs: list[list[float]], base: int, drafting: int) -> list[int]:
         """Draft lengths that maximise expected tokens per second of step (plus `drafting`
         requests' drafter time when the drafter has yet to run)."""
-        if self.step_costs is None:
-            self.step_costs = profile_step_costs(
-                self.model, block_size=self.block_size,
-                max_tokens=self.cfg.scheduler.max_num_batched_tokens)
+        assert self.step_costs is not None
         return plan_draft_lengths(probs, base, self.step_costs,
                                   draft_cost_s=self._draft_s_per_req * drafting)
 
