@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any, Callable
@@ -24,3 +25,17 @@ def emit(result: dict[str, Any], *, json_out: bool, out_dir: str | None,
     for path in written:
         console.print(f"wrote {path}")
     return 0
+
+
+def number_list(flag: str, kind: type = int, example: str = "1,8,32"
+                ) -> Callable[[str], tuple[Any, ...]]:
+    """An argparse type for a comma-separated list of numbers, naming `flag` when it is bad."""
+    what = "integers" if kind is int else "numbers"
+
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} wants {what} like {example}, got {text!r}") from None
+    return parse

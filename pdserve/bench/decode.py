@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.common import emit
+from pdserve.bench.common import emit, number_list
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -430,17 +430,11 @@ def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
-def _batch_sizes(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--batch-sizes wants integers like 1,8,32, got {text!r}")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = DecodeBenchSettings()
     parser.add_argument("--model", help="HF folder or .gguf file (default: SmolLM2-135M GGUF)")
-    parser.add_argument("--batch-sizes", type=_batch_sizes, default=d.batch_sizes,
+    parser.add_argument("--batch-sizes", type=number_list("--batch-sizes"),
+                        default=d.batch_sizes,
                         help="comma-separated (default 1,8,32)")
     parser.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
     parser.add_argument("--new-tokens", type=int, default=d.new_tokens)

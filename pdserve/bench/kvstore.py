@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.common import emit
+from pdserve.bench.common import emit, number_list
 from pdserve.bench import kvstore_measure as m
 from pdserve.bench.kvstore_procs import (
     PdserveStore, ProcessStartError, RedisServer, redis_server_path,
@@ -292,15 +292,6 @@ def run_kvstore_bench(s: KVStoreBenchSettings = DEFAULTS, progress: bool = True)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
-def _int_list(flag: str):
-    def parse(text: str) -> tuple[int, ...]:
-        try:
-            return tuple(int(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} wants integers like 4,16,64, got {text!r}")
-    return parse
-
-
 def _scale(text: str) -> float:
     try:
         return float(Fraction(text.strip()))
@@ -311,7 +302,8 @@ def _scale(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = DEFAULTS
-    parser.add_argument("--sizes", type=_int_list("--sizes"), default=None,
+    parser.add_argument("--sizes", type=number_list("--sizes", example="4,16,64"),
+                        default=None,
                         help="object sizes in MiB, comma-separated (default 4,16,64,256)")
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"timed runs per figure, best kept (default {d.repeats})")
@@ -326,7 +318,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="replay only the first N requests (default: all; --quick: 500)")
     parser.add_argument("--trace-scale", type=_scale, default=None,
                         help="object bytes = this x a 64 MiB KV block (default 1/64); bytes only")
-    parser.add_argument("--capacity-blocks", type=_int_list("--capacity-blocks"), default=None,
+    parser.add_argument("--capacity-blocks",
+                        type=number_list("--capacity-blocks", example="4,16,64"), default=None,
                         help="store capacities in blocks, comma-separated "
                              "(default 1000,4000,16000)")
     parser.add_argument("--no-redis", action="store_true", help="skip the redis-server baseline")

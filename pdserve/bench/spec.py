@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.common import emit
+from pdserve.bench.common import emit, number_list
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -352,13 +352,6 @@ def summarize(s: SpecBenchSettings, setup: dict[str, Any],
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want integers like 1,8,32, got {text!r}")
-
-
 def _methods(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
@@ -369,7 +362,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--methods", type=_methods, default=d.methods,
                         help=f"comma-separated from {','.join(METHODS)} (default all); "
                              "'none' (no speculation) always runs as the baseline")
-    parser.add_argument("--batch-sizes", type=_ints, default=d.batch_sizes,
+    parser.add_argument("--batch-sizes", type=number_list("--batch-sizes"),
+                        default=d.batch_sizes,
                         help="comma-separated (default 1,8,32)")
     parser.add_argument("--gamma", type=int, default=d.gamma, help="most draft tokens per step")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens,

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdserve.bench.common import emit
+from pdserve.bench.common import emit, number_list
 from pdserve.bench.transfer_proc import VARIANTS
 
 AIMS = {"progressive_vs_layerwise_max": 0.7, "progressive_vs_after_max": 0.5,
@@ -394,30 +394,18 @@ def decode_step_s_row(row: dict[str, Any]) -> float:
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want numbers like 0.1,1,10, got {text!r}")
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want integers like 1024,4096, got {text!r}")
-
-
 QUICK = dict(prompt_tokens=(48, 96), link_gbps=(0.005, 0.05), chunk_tokens=64)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = TransferSettings(model="")
     parser.add_argument("--model", help="HF folder or .gguf file (default: SmolLM2-135M GGUF)")
-    parser.add_argument("--prompt-tokens", type=_ints, default=d.prompt_tokens,
+    parser.add_argument("--prompt-tokens", type=number_list("--prompt-tokens", example="1024,4096"),
+                        default=d.prompt_tokens,
                         help="comma-separated (default 1024,4096,16384; sizes past the model's "
                              "context are skipped and said so)")
-    parser.add_argument("--link-gbps", type=_floats, default=d.link_gbps,
+    parser.add_argument("--link-gbps", type=number_list("--link-gbps", float, "0.1,1,10"),
+                        default=d.link_gbps,
                         help="link rates to sweep, Gbit/s (default 0.1,0.3,1,3,10)")
     parser.add_argument("--link", choices=["auto", "shaped", "emulated"], default="auto",
                         help="shaped: netns + veth + tc tbf (root); emulated: loopback + pacer; "
