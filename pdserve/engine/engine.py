@@ -385,7 +385,7 @@ class LLMEngine:
         # Blocks left for drafts once every running request has its own next token's block:
         # a draft the pool cannot hold would be dropped after the drafter paid for it.
         spare = self.pool.num_free - sum(
-            self.scheduler._blocks_needed(s, s.num_tokens) for s in self.scheduler.running)
+            self.scheduler.blocks_needed(s, s.num_tokens) for s in self.scheduler.running)
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             base += max(1, seq.num_tokens - seq.num_computed)
@@ -395,8 +395,8 @@ class LLMEngine:
             # Never draft past max_tokens (the bonus token comes on top) or the context length.
             room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
                        self.max_model_len - seq.num_tokens)
-            own = self.scheduler._blocks_needed(seq, seq.num_tokens)
-            blocks_for = self.scheduler._blocks_needed
+            blocks_for = self.scheduler.blocks_needed
+            own = blocks_for(seq, seq.num_tokens)
             while room > 0 and blocks_for(seq, seq.num_tokens + room) - own > spare:
                 room -= 1
             if room <= 0:
@@ -406,7 +406,7 @@ class LLMEngine:
                 hidden = seq.hidden if seq.hidden_end == seq.num_computed else None
                 if hidden is None:
                     continue  # no window yet (just handed over, or recomputed): next step
-            spare -= self.scheduler._blocks_needed(seq, seq.num_tokens + room) - own
+            spare -= blocks_for(seq, seq.num_tokens + room) - own
             seqs.append(seq)
             reqs.append(DraftRequest(seq.token_ids, room, hidden))
         if not seqs:

@@ -106,7 +106,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting) or any(not s.paused for s in self.running)
 
-    def _blocks_needed(self, seq: Sequence, upto_tokens: int) -> int:
+    def blocks_needed(self, seq: Sequence, upto_tokens: int) -> int:
+        """New blocks `seq` needs to hold positions [0, upto_tokens)."""
         return max(0, -(-upto_tokens // self.block_size) - len(seq.block_table))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -154,11 +155,11 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             if seq.spec_token_ids:
                 keep = min(len(seq.spec_token_ids), budget - n)
-                if self._blocks_needed(seq, seq.num_computed + n + keep) > self.pool.num_free:
+                if self.blocks_needed(seq, seq.num_computed + n + keep) > self.pool.num_free:
                     keep = 0
                 seq.spec_token_ids = seq.spec_token_ids[:keep]
                 n += keep
-            need = self._blocks_needed(seq, seq.num_computed + n)
+            need = self.blocks_needed(seq, seq.num_computed + n)
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
