@@ -83,18 +83,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "prefill_locally", "prefill_chunk_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _common_pb2.SamplingParams
     kv: KvHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
+    prefill_locally: bool
+    prefill_chunk_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "logprobs")
@@ -143,7 +147,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "progressive_requests", "progressive_anchor_joins", "progressive_exact_joins", "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens", "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks", "kv_stream_put_failures")
+    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "progressive_requests", "progressive_anchor_joins", "progressive_exact_joins", "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens", "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks", "kv_stream_put_failures", "prompt_tokens_computed", "busy_seconds", "decode_steps", "decode_step_seconds", "local_prefill_requests", "local_prefill_tokens", "draining")
     class KvStoreReadsByTransportEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +185,13 @@ class WorkerStats(_message.Message):
     KV_STREAM_LAYERS_PUT_FIELD_NUMBER: _ClassVar[int]
     KV_STREAM_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     KV_STREAM_PUT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
     num_running: int
@@ -211,7 +222,14 @@ class WorkerStats(_message.Message):
     kv_stream_layers_put: int
     kv_stream_fallbacks: int
     kv_stream_put_failures: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., progressive_requests: _Optional[int] = ..., progressive_anchor_joins: _Optional[int] = ..., progressive_exact_joins: _Optional[int] = ..., progressive_fallbacks: _Optional[int] = ..., anchor_num_drafts: _Optional[int] = ..., anchor_num_draft_tokens: _Optional[int] = ..., anchor_num_accepted_tokens: _Optional[int] = ..., kv_stream_layers_put: _Optional[int] = ..., kv_stream_fallbacks: _Optional[int] = ..., kv_stream_put_failures: _Optional[int] = ...) -> None: ...
+    prompt_tokens_computed: int
+    busy_seconds: float
+    decode_steps: int
+    decode_step_seconds: float
+    local_prefill_requests: int
+    local_prefill_tokens: int
+    draining: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., progressive_requests: _Optional[int] = ..., progressive_anchor_joins: _Optional[int] = ..., progressive_exact_joins: _Optional[int] = ..., progressive_fallbacks: _Optional[int] = ..., anchor_num_drafts: _Optional[int] = ..., anchor_num_draft_tokens: _Optional[int] = ..., anchor_num_accepted_tokens: _Optional[int] = ..., kv_stream_layers_put: _Optional[int] = ..., kv_stream_fallbacks: _Optional[int] = ..., kv_stream_put_failures: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., decode_steps: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., local_prefill_requests: _Optional[int] = ..., local_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ()
