@@ -5,6 +5,9 @@ the rest come from the store. A block the store cannot return (evicted, node los
 import there and the engine recomputes the remainder locally: slower, never wrong.
 A streamed request (progressive transfer, `StreamHandle`) is read by `progressive`: joined on
 its anchors and made exact when the residuals land, or joined exact when they already have.
+A request sent to be prefilled here (`decode_local`, the controller's prefill offload) carries no
+KV: it joins as a whole request whose prompt chunks, at most `chunk_tokens` a step, run in the
+decode batches, and streams every token, the first one included, the same way.
 Must not decide routing.
 """
 
@@ -19,12 +22,11 @@ from typing import Callable, Iterator
 
 from pdserve.decode_worker.progressive import ResidualWaiter, StreamReader
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
-from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.engine_loop import EngineLoop, RequestStream
 from pdserve.worker.kv_blocks import fetch_run
 from pdserve.worker.kv_stream import StreamHandle
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -47,6 +49,8 @@ class DecodeRole:
         self.progressive_anchor_joins = 0
         self.progressive_exact_joins = 0
         self.progressive_fallbacks = 0
+        self.local_prefill_requests = 0
+        self.local_prefill_tokens = 0
         self._lock = threading.Lock()
 
     def _count(self, name: str) -> None:
@@ -140,6 +144,38 @@ class DecodeRole:
                            anchors, prefix, readd,
                            lambda: self._count("progressive_fallbacks"), cancelled).start()
         try:
+            yield from self._relay(request_id, out_stream, is_active)
+        finally:
+            cancelled.set()
+
+    def decode_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     salt: str, chunk_tokens: int, is_active: Callable[[], bool]
+                     ) -> Iterator[DecodeChunk]:
+        """Prefill here and decode on: `chunk_tokens` (0: the step budget) bounds the prompt
+        tokens per step, so the running decodes' step time stays bounded."""
+        engine = self.loop.engine
+
+        def add():
+            out = self.loop.open_stream(request_id)
+            try:
+                engine.add_request(request_id, prompt_ids, params, salt=salt,
+                                   max_chunk_tokens=chunk_tokens)
+            except Exception:
+                self.loop.close_stream(request_id)
+                raise
+            return out
+
+        out_stream = self.loop.call(add)
+        with self._lock:
+            self.local_prefill_requests += 1
+            self.local_prefill_tokens += len(prompt_ids)
+        yield from self._relay(request_id, out_stream, is_active)
+
+    def _relay(self, request_id: str, out_stream: RequestStream, is_active: Callable[[], bool]
+               ) -> Iterator[DecodeChunk]:
+        """The request's step outputs as chunks until it finishes; a client that is gone, or
+        stops reading, aborts it in the engine."""
+        try:
             while True:
                 try:
                     item = out_stream.get(timeout=self.poll_s)
@@ -159,8 +195,6 @@ class DecodeRole:
         except GeneratorExit:
             self.abort(request_id)
             raise
-        finally:
-            cancelled.set()
 
     def abort(self, request_id: str) -> bool:
         self.loop.close_stream(request_id)

@@ -88,6 +88,7 @@ class LLMEngine:
         self.parked: dict[str, Sequence] = {}
         self.eos_ids = set(model_config.eos_token_ids)
         self.steps = 0
+        self.last_step_decoded = False
         self._ids = itertools.count()
         self.drafter = make_drafter(cfg.spec, self.model) if cfg.spec is not None else None
         self.spec_stats = (SpecStats(cfg.spec.num_speculative_tokens)
@@ -132,13 +133,16 @@ class LLMEngine:
                 f"{self.pool.num_blocks}")
 
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams,
-                    *, salt: str = "", prefill_only: bool = False) -> str:
+                    *, salt: str = "", prefill_only: bool = False,
+                    max_chunk_tokens: int = 0) -> str:
         self.validate(prompt_ids, params)
+        if max_chunk_tokens < 0:
+            raise InvalidArgumentError("max_chunk_tokens", "must be >= 0 (0: no cap)")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.seqs or rid in self.parked:
             raise InvalidArgumentError("request_id", f"{rid!r} is already in flight")
         seq = Sequence(rid, list(prompt_ids), params.with_seed(), salt=salt,
-                       prefill_only=prefill_only)
+                       prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens)
         self.scheduler.add(seq)
         self.seqs[rid] = seq
         return rid
@@ -271,6 +275,8 @@ class LLMEngine:
                 seq.forced_drafts = []
                 seq.verifying_anchor = True
         batch = self.scheduler.schedule()
+        # Whether this step decodes (some sequence is past its prompt): its owner times those.
+        self.last_step_decoded = any(s.num_computed >= len(s.prompt_ids) for s in batch.seqs)
         outputs: list[StepOutput] = []
         if batch.empty:
             return outputs
@@ -309,8 +315,7 @@ class LLMEngine:
             n_own = n - len(seq.spec_token_ids)
             if keep_hidden:  # drafts' rows are added once verified (in _verify)
                 self._keep_hidden(seq, hidden[row:row + n_own], seq.num_computed)
-            seq.num_computed += n_own  # drafts count once accepted
-            self.scheduler.register_full_blocks(seq)
+            self.scheduler.advance(seq, n_own)  # drafts count once accepted
             row += n
         self.steps += 1
         if samplers:
@@ -565,6 +570,7 @@ class LLMEngine:
             "num_cached_blocks": ps.num_cached,
             "prefix_cache_queries_tokens": self.scheduler.prefix_queries_tokens,
             "prefix_cache_hits_tokens": self.scheduler.prefix_hits_tokens,
+            "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
             "evictions": ps.evictions,
         }
         if self.spec_stats is not None:

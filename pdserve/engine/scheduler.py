@@ -41,6 +41,7 @@ class Sequence:
     params: SamplingParams
     salt: str = ""
     prefill_only: bool = False  # prefill role: stop after the first token, keep the KV for export
+    max_chunk_tokens: int = 0  # most of its own tokens per step (0: only the step budget bounds it)
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -97,6 +98,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        self.prompt_tokens_computed = 0  # run through the model, not served from a cache
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
@@ -109,6 +111,12 @@ class Scheduler:
     def blocks_needed(self, seq: Sequence, upto_tokens: int) -> int:
         """New blocks `seq` needs to hold positions [0, upto_tokens)."""
         return max(0, -(-upto_tokens // self.block_size) - len(seq.block_table))
+
+    @staticmethod
+    def _chunk(seq: Sequence, remaining: int, budget: int) -> int:
+        """Own tokens `seq` runs this step: its remaining ones, within the budget and its cap."""
+        n = min(remaining, budget)
+        return min(n, seq.max_chunk_tokens) if seq.max_chunk_tokens > 0 else n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -152,7 +160,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.paused:
                 continue  # preempted earlier in this loop, or waiting for its exact KV
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed, budget)
             if seq.spec_token_ids:
                 keep = min(len(seq.spec_token_ids), budget - n)
                 if self.blocks_needed(seq, seq.num_computed + n + keep) > self.pool.num_free:
@@ -178,7 +186,7 @@ class Scheduler:
             if not seq.block_table:
                 hits = self._match_prefix(seq)
             start = seq.num_computed if seq.block_table else len(hits) * self.block_size
-            n = min(seq.num_tokens - start, budget)
+            n = self._chunk(seq, seq.num_tokens - start, budget)
             need = max(0, -(-(start + n) // self.block_size) - len(seq.block_table) - len(hits))
             # Cached hits with no holder sit in the free list; taking them uses that room.
             idle_hits = sum(1 for b in hits if self.pool.ref[b] == 0)
@@ -222,6 +230,14 @@ class Scheduler:
         if len(seq.block_table) > keep:
             self.pool.release(seq.block_table[keep:])
             del seq.block_table[keep:]
+
+    def advance(self, seq: Sequence, n: int) -> None:
+        """After a step: `n` more of seq's tokens have KV. Counts the prompt's among them and
+        indexes the blocks they completed."""
+        in_prompt = min(seq.num_computed + n, len(seq.prompt_ids)) - seq.num_computed
+        self.prompt_tokens_computed += max(0, in_prompt)
+        seq.num_computed += n
+        self.register_full_blocks(seq)
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: index every newly completed block so later prompts can share it."""

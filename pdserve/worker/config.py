@@ -51,6 +51,12 @@ class WorkerConfig:
     progressive_wait_ms: int = 30000
     # Prometheus /metrics on this port of the worker's host (0: a free port; -1: none).
     metrics_port: int = -1
+    # Routers to join, comma-separated host:port ("": none). The worker registers with each
+    # once it serves, retrying until it is accepted, then again every few seconds, so a
+    # router that restarts learns it again.
+    register_with: str = ""
+    # host:port others reach this worker at ("": `address`, a wildcard host read as 127.0.0.1).
+    advertise_address: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -76,3 +82,28 @@ class WorkerConfig:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:
             raise ConfigError("rpc_threads and max_concurrent_rpcs must be >= 1")
+        if self.advertise_address and ":" not in self.advertise_address:
+            raise ConfigError(f"advertise_address must be host:port, got "
+                              f"{self.advertise_address!r}")
+        if self.register_with and self.address.rpartition(":")[2] == "0":
+            # Port 0 is known only once bound: neither the routers nor the health wait
+            # before registering could be told it.
+            raise ConfigError("register_with needs address with a fixed port, not 0")
+        if any(":" not in r for r in self.routers()):
+            raise ConfigError(f"register_with must be host:port, comma-separated, got "
+                              f"{self.register_with!r}")
+
+    def routers(self) -> list[str]:
+        """The router addresses of `register_with`."""
+        return [r.strip() for r in self.register_with.split(",") if r.strip()]
+
+    def local_address(self) -> str:
+        """`address` as a client on this machine dials it."""
+        host, _, port = self.address.rpartition(":")
+        if host in ("", "0.0.0.0", "[::]", "::"):
+            host = "127.0.0.1"  # a wildcard is where to listen, not where to connect
+        return f"{host}:{port}"
+
+    def advertised(self) -> str:
+        """The address others reach this worker at."""
+        return self.advertise_address or self.local_address()

@@ -3,7 +3,8 @@
 Owns the only thread that touches the engine. RPC handlers never call the engine directly; they
 `call()` a function onto this thread (between two steps) or read their request's `RequestStream`.
 Prefill-only requests have their KV copied out here, on the engine thread, the moment their first
-token is sampled, so their blocks go back to the pool before the next step.
+token is sampled, so their blocks go back to the pool before the next step. It also times the
+steps (busy seconds; decode steps and theirs), the worker's own measure of its speed.
 It must not do network I/O: the roles do that on their own threads.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -47,6 +49,11 @@ class EngineLoop:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.steps = 0
+        # Written by the engine thread only; cumulative seconds inside engine.step(), and the
+        # steps that decoded (some sequence past its prompt) with their seconds.
+        self.busy_seconds = 0.0
+        self.decode_steps = 0
+        self.decode_step_seconds = 0.0
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -98,7 +105,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._timed_step()
             except Exception as e:
                 log.exception("engine step failed")
                 self._fail_all(e)
@@ -106,6 +113,17 @@ class EngineLoop:
             self.steps += 1
             for out in outputs:
                 self._dispatch(out)
+
+    def _timed_step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        try:
+            return self.engine.step()
+        finally:
+            dt = time.perf_counter() - t0
+            self.busy_seconds += dt
+            if self.engine.last_step_decoded:
+                self.decode_steps += 1
+                self.decode_step_seconds += dt
 
     def _dispatch(self, out: StepOutput) -> None:
         s = self._streams.get(out.request_id)

@@ -1,4 +1,5 @@
-"""Builds a worker process: engine (loaded once), loop thread, both roles, gRPC server."""
+"""Builds a worker process: engine (loaded once), loop thread, both roles, gRPC server, and
+(with `register_with`) the thread that registers it with its routers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.registration import Registrar
 from pdserve.worker.service import WorkerService
 
 
@@ -72,10 +74,14 @@ def run(cfg: WorkerConfig) -> int:
         metrics_server, port = serve_worker(
             WorkerCollector(model_id, lambda: service.metrics_snapshot()), host, cfg.metrics_port)
         metrics_note = f" metrics=http://{host}:{port}/metrics"
+    registrar = (Registrar(cfg.routers(), cfg.advertised(), cfg.local_address(),
+                           lambda: service.role).start() if cfg.register_with else None)
     code = rpc.run_until_signal(
         server, health, cfg.address,
         lambda where: f"pdserve.worker ready on {where} role={cfg.role} model={model_id}"
                       f"{metrics_note}")
+    if registrar is not None:
+        registrar.stop()
     if metrics_server is not None:
         metrics_server.shutdown()
     loop.stop()

@@ -3,6 +3,8 @@ WatchKvEvents (the prefix cache's changes, for KV-aware routing).
 
 Owns request admission per role and the role switch: both roles are built once over the same
 engine, so switching is a flag flip after in-flight requests drain, never a weight reload.
+A decode request may ask to be prefilled here (`prefill_locally`): the decode role computes
+its prompt in its own batches instead of reading KV from the store.
 Maps engine errors to gRPC statuses (invalid argument, resource exhausted, failed precondition).
 """
 
@@ -12,10 +14,11 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
+from typing import Iterator
 
 import grpc
 
-from pdserve.decode_worker.role import DecodeRole
+from pdserve.decode_worker.role import DecodeChunk, DecodeRole
 from pdserve.logctx import request_context
 from pdserve.engine.block_pool import REMOVED, STORED
 from pdserve.engine.sampling import InvalidArgumentError
@@ -35,6 +38,10 @@ _PROGRESSIVE_STATS = ("progressive_requests", "progressive_anchor_joins", "progr
                       "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens",
                       "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks",
                       "kv_stream_put_failures")
+# What the controller measures a worker's speed and offload with (WorkerStats 31-37).
+_CONTROLLER_STATS = ("prompt_tokens_computed", "busy_seconds", "decode_steps",
+                     "decode_step_seconds", "local_prefill_requests", "local_prefill_tokens",
+                     "draining")
 
 
 class _Rejected(Exception):
@@ -116,21 +123,31 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Decode(self, request, context):
         try:
             with self._admit(pb.ROLE_DECODE, request.request_id):
-                if request.kv.model_id and request.kv.model_id != self.model_id:
-                    raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"KV is for {request.kv.model_id}, this worker serves "
-                                    f"{self.model_id}")
-                chunks = self.decode_role.decode(
-                    request.request_id, list(request.prompt_token_ids), request.first_token_id,
-                    params_from_proto(request.sampling), list(request.kv.block_hashes),
-                    list(request.kv.keys), request.kv.tenant_salt, context.is_active,
-                    self._stream_of(request))
-                for c in chunks:
+                for c in self._decode_chunks(request, context):
                     yield pb.DecodeResponse(
                         token_ids=c.token_ids, finish_reason=finish_to_proto(c.finish_reason),
                         logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()])
         except Exception as e:
             context.abort(*_status_of(e))
+
+    def _decode_chunks(self, request, context) -> Iterator[DecodeChunk]:
+        params = params_from_proto(request.sampling)
+        if request.prefill_locally:
+            if request.prefill_chunk_tokens < 0:
+                raise InvalidArgumentError("prefill_chunk_tokens", "must be >= 0 (0: no cap)")
+            # Nothing of the KV handle is read but its tenant salt: the prompt is hashed with
+            # it here, so tenants stay apart in this worker's prefix cache.
+            return self.decode_role.decode_local(
+                request.request_id, list(request.prompt_token_ids), params,
+                request.kv.tenant_salt, request.prefill_chunk_tokens, context.is_active)
+        if request.kv.model_id and request.kv.model_id != self.model_id:
+            raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"KV is for {request.kv.model_id}, this worker serves "
+                            f"{self.model_id}")
+        return self.decode_role.decode(
+            request.request_id, list(request.prompt_token_ids), request.first_token_id, params,
+            list(request.kv.block_hashes), list(request.kv.keys), request.kv.tenant_salt,
+            context.is_active, self._stream_of(request))
 
     def _stream_of(self, request) -> StreamHandle | None:
         """The KvHandle's stream, checked against this worker's engine; None for a plain one."""
@@ -190,7 +207,14 @@ class WorkerService(pb_grpc.WorkerServicer):
     def metrics_snapshot(self) -> dict:
         """Engine and role counters, one read for both GetStats and the Prometheus collector
         (pdserve.metrics)."""
-        s = dict(self.loop.call(self.loop.engine.stats))
+        loop = self.loop
+
+        def read():  # on the engine thread, so the step counters agree with the engine's
+            return dict(loop.engine.stats(), busy_seconds=loop.busy_seconds,
+                        decode_steps=loop.decode_steps,
+                        decode_step_seconds=loop.decode_step_seconds)
+
+        s = loop.call(read)
         d, sender = self.decode_role, self.prefill_role.sender
         s.update(kv_blocks_put=self.prefill_role.blocks_put,
                  kv_blocks_fetched=self.decode_role.blocks_fetched,
@@ -198,6 +222,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                  progressive_anchor_joins=d.progressive_anchor_joins,
                  progressive_exact_joins=d.progressive_exact_joins,
                  progressive_fallbacks=d.progressive_fallbacks,
+                 local_prefill_requests=d.local_prefill_requests,
+                 local_prefill_tokens=d.local_prefill_tokens,
+                 draining=self.draining,
                  kv_stream_layers_put=sender.layers_put if sender else 0,
                  kv_stream_fallbacks=sender.fallbacks if sender else 0,
                  kv_stream_put_failures=sender.put_failures if sender else 0,
@@ -224,7 +251,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             spec_decode_num_accepted_tokens=s.get("spec_decode_num_accepted_tokens", 0),
             spec_decode_num_accepted_tokens_per_pos=s.get(
                 "spec_decode_num_accepted_tokens_per_pos", []),
-            **{k: s.get(k, 0) for k in _PROGRESSIVE_STATS})
+            **{k: s.get(k, 0) for k in _PROGRESSIVE_STATS},
+            **{k: s[k] for k in _CONTROLLER_STATS})
+
+    @property
+    def draining(self) -> bool:
+        """A role switch is draining: new requests are refused with UNAVAILABLE."""
+        return not self._accepting
 
     def WatchKvEvents(self, request, context):
         """A snapshot of the prefix cache, then its changes; a new snapshot after lost events.

@@ -114,6 +114,33 @@ def test_requests_added_mid_flight_match_running_alone(tiny_llama_dir, reference
     assert_all_free(engine)
 
 
+def test_chunk_cap_on_a_prompt_next_to_running_decodes_keeps_every_token(tiny_llama_dir,
+                                                                          reference):
+    # The offload shape: requests decoding while a long prompt is prefilled 8 tokens a step.
+    engine = make_engine(tiny_llama_dir)
+    long_prompt = make_prompts([60], seed=3)[0]
+    longer = replace(GREEDY, max_tokens=24)
+    rids = [engine.add_request(None, p, longer) for p in PROMPTS[:3]]
+    outs = {o.request_id: o.new_token_ids for o in engine.step()}  # they decode from now on
+    capped = engine.add_request(None, long_prompt, GREEDY, max_chunk_tokens=8)
+    chunks = []
+    while engine.has_work():
+        seq = engine.seqs.get(capped)
+        before = seq.num_computed if seq is not None else None
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if before is not None and before < len(long_prompt):
+            chunks.append(seq.num_computed - before)
+    assert chunks == [8] * 7 + [4]
+    assert outs[capped] == reference(long_prompt)
+    for rid, p in zip(rids, PROMPTS):
+        assert outs[rid] == reference(p, longer)
+    assert engine.stats()["prompt_tokens_computed"] == 60 + sum(map(len, PROMPTS[:3]))
+    assert_all_free(engine)
+    with pytest.raises(InvalidArgumentError, match="max_chunk_tokens"):
+        engine.add_request(None, long_prompt, GREEDY, max_chunk_tokens=-1)
+
+
 def test_preemption_under_a_tiny_pool_keeps_every_output(tiny_llama_dir, reference):
     # 12 blocks of 4 tokens: the longest request alone needs 8, all of them together need 30.
     engine = make_engine(tiny_llama_dir, num_blocks=12, max_num_batched_tokens=16)

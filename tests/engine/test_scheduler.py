@@ -1,8 +1,9 @@
 """Scheduler: continuous batching and chunked prefill under a token budget, prefix hits, preemption.
 
-No model: `engine_step` applies a batch the way `LLMEngine.step` does (advance `num_computed`,
-index completed blocks, append a token for each sequence whose last token was computed) with
-synthetic tokens, so every policy decision is checked on plain data.
+No model: `engine_step` applies a batch the way `LLMEngine.step` does (`Scheduler.advance`: count
+the prompt tokens computed, advance `num_computed`, index completed blocks; then append a token
+for each sequence whose last token was computed) with synthetic tokens, so every policy decision
+is checked on plain data.
 """
 
 from __future__ import annotations
@@ -54,8 +55,7 @@ def engine_step(sched: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
         assert n >= 1
         # The block table always covers what runs this step.
         assert len(seq.block_table) * sched.block_size >= seq.num_computed + n
-        seq.num_computed += n
-        sched.register_full_blocks(seq)
+        sched.advance(seq, n)
     for seq in batch.seqs:
         if seq.num_computed == seq.num_tokens:
             seq.token_ids.append(7 + len(seq.output_ids))  # a synthetic "sampled" token
@@ -140,6 +140,50 @@ def test_chunked_prefill_samples_only_after_the_last_chunk():
     engine_step(sched, batch)
     assert len(seq.output_ids) == 1
     assert sched.schedule().num_new == [1]  # then a plain decode
+
+
+def test_chunk_cap_bounds_a_prompt_every_step_while_a_decode_runs_every_step():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    short = make_seq(3, max_tokens=30)
+    sched.add(short)
+    engine_step(sched, sched.schedule())
+    capped = make_seq(50, max_tokens=3)
+    capped.max_chunk_tokens = 8
+    sched.add(capped)
+    chunks = []
+    while not capped.output_ids:
+        batch = sched.schedule()
+        by_seq = dict(zip((s.request_id for s in batch.seqs), batch.num_new))
+        assert by_seq[short.request_id] == 1
+        chunks.append(by_seq[capped.request_id])
+        engine_step(sched, batch)
+    # The first chunk is admitted, the rest run as a running sequence's: both capped, though
+    # the budget had room for the whole prompt.
+    assert chunks == [8] * 6 + [2]
+    assert sched.prompt_tokens_computed == 3 + 50
+    # Past its prompt the cap changes nothing: one decode token, plus its drafts.
+    capped.spec_token_ids = [11, 12, 13]
+    batch = sched.schedule()
+    assert batch.num_new[batch.seqs.index(capped)] == 4
+
+
+def test_chunk_cap_of_one_still_completes_the_prompt():
+    sched = make_scheduler(max_num_batched_tokens=4)
+    seq = make_seq(5, max_tokens=2)
+    seq.max_chunk_tokens = 1
+    sched.add(seq)
+    batches = run_to_completion(sched)
+    assert [b.num_new for b in batches] == [[1]] * 6
+    assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 2
+
+
+def test_prompt_tokens_computed_leaves_out_prefix_hits():
+    sched = make_scheduler(block_size=4)
+    prefix = list(range(800, 812))  # 3 full blocks
+    finish_one(sched, prefix + [1, 2])
+    assert sched.prompt_tokens_computed == 14
+    finish_one(sched, prefix + [3, 4, 5])
+    assert sched.prompt_tokens_computed == 14 + 3
 
 
 def test_max_num_seqs_respected_and_admission_is_fifo():
