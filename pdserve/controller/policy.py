@@ -1,0 +1,400 @@
+"""The controller's decision as a pure core: a `ControllerInput` and `now` in, a `Decision` out.
+
+Owns when workers flip roles and how much prefill work each decode worker may take on, after
+the FluidPD paper's two time scales:
+- FluidRole (per tick): a role under sustained pressure takes a whole worker from the other
+  role, with hysteresis (two thresholds, a sustain time, a per-worker cooldown, a floor per
+  role) so the pools do not oscillate.
+- FluidToken (per request): while the prefill role is pressured, each decode worker with slack
+  gets an `OffloadBudget`: prefill chunks small enough that a decode step carrying one stays
+  inside a share of the ITL SLO.
+- An operator target (a manual prefill:decode split) is the source of truth: with one standing,
+  pressure moves no worker; the policy steers toward the target and reports where pressure
+  disagrees (`Decision.conflicts`) instead of undoing it.
+`plan_rebalance` gives the flips that reach a split outright (the `pdserve ctl` path).
+
+Must not do I/O, read a clock, draw random numbers or import torch, grpc or a service: the
+controller service and the simulator feed it the same inputs and get the same decision. It
+never adds or removes workers, only names flips; the actuators drain and switch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from pdserve.controller.signals import DecodePressure, PrefillPressure, Slo
+
+PREFILL, DECODE = "prefill", "decode"
+ROLES = (PREFILL, DECODE)
+SERVING, DRAINING, SWITCHING, FAILED, GONE = "serving", "draining", "switching", "failed", "gone"
+STATES = (SERVING, DRAINING, SWITCHING, FAILED, GONE)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the controller knows of one worker at a tick (counters as last reported)."""
+
+    address: str
+    role: str  # the role it serves now (while DRAINING or SWITCHING for a flip: the one it leaves)
+    state: str = SERVING
+    pinned: bool = False  # the operator fixed its role: no flip moves it
+    last_flip_s: float | None = None  # same clock as `now`
+    running: int = 0
+    waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    queued_prompt_tokens: float = 0.0  # the router's predicted prefill work in flight on it
+    prefill_tokens_per_s: float | None = None  # measured on this worker
+    decode_step_s: float | None = None  # measured mean decode step time on this worker
+    # The role a flip in progress takes it to, when the actuator knows it (a SWITCHING worker
+    # without it is taken to be bound for the other role). The worker counts toward it, so no
+    # second flip is ordered for the same shortfall.
+    to_role: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES or self.to_role not in (None, *ROLES) or self.state not in STATES:
+            raise ValueError(f"worker {self.address}: role and to_role must be in {ROLES}, state "
+                             f"in {STATES}; got {self.role!r}, {self.to_role!r}, {self.state!r}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    fluid_role: bool = True
+    fluid_token: bool = True
+    max_flips_per_tick: int = 1
+    cooldown_s: float = 30.0  # per worker, since its last flip
+    min_per_role: int = 1  # SERVING workers a role keeps after a pressure-driven flip
+    sustain_s: float = 3.0  # a role must stay pressured this long before a flip toward it
+    high: float = 1.0  # pressure ratio above which a role is pressured
+    low: float = 0.5  # the giving role's pressure must be below this
+    offload_itl_share: float = 0.8  # a decode step carrying an offloaded chunk stays under this
+    offload_kv_max: float = 0.7  # no offload to a decode worker whose KV occupancy is above
+    offload_max_tokens: int = 4096  # cap on one worker's offload budget
+    offload_min_chunk_tokens: int = 16  # below this the slack is not worth it: no budget
+
+    def __post_init__(self) -> None:
+        for name, least in (("max_flips_per_tick", 0), ("cooldown_s", 0), ("min_per_role", 0),
+                            ("sustain_s", 0), ("offload_max_tokens", 0),
+                            ("offload_min_chunk_tokens", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        if not 0 <= self.low <= self.high:
+            raise ValueError(f"need 0 <= low <= high, got low={self.low}, high={self.high}")
+        if not (0 < self.offload_itl_share <= 1 and 0 <= self.offload_kv_max <= 1):
+            raise ValueError("offload_itl_share must be in (0, 1] and offload_kv_max in [0, 1], "
+                             f"got {self.offload_itl_share}, {self.offload_kv_max}")
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """Fed back from `Decision.state` each tick. `<role>_high_since_s`: since when the role's
+    pressure counts toward a flip: when its ratio went above `high` (None at or below it),
+    moved up to any tick that ordered a flip toward the role or saw a flip in flight, so each
+    flip earns its own sustain_s of pressure measured after the previous one landed."""
+
+    prefill_high_since_s: float | None = None
+    decode_high_since_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ControllerInput:
+    workers: tuple[WorkerView, ...]
+    prefill: PrefillPressure
+    decode: DecodePressure
+    slo: Slo
+    state: PolicyState = PolicyState()
+    target: tuple[int, int] | None = None  # the operator's (prefill, decode) split, if one stands
+
+    def __post_init__(self) -> None:
+        if self.target is not None and (len(self.target) != 2 or min(self.target) < 0):
+            raise ValueError(f"target must be (prefill, decode) counts >= 0, got {self.target}")
+
+
+@dataclass(frozen=True)
+class Flip:
+    address: str
+    from_role: str
+    to_role: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class OffloadBudget:
+    """Prefill work one decode worker may take on. A decode step carries at most one chunk of
+    offloaded prefill (several offloaded requests advance in turn), so the ITL bound holds."""
+
+    address: str
+    max_tokens: int  # prompt tokens of offloaded requests it may hold in flight
+    chunk_tokens: int  # prompt tokens one decode step may prefill for an offloaded request
+    step_s: float = 0.0  # predicted decode step carrying one chunk (<= offload_itl_share x ITL)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """`action`: "flip" / "offload" / "flip+offload" / "hold" under pressure; with a target
+    standing, "target" when it flips toward the target (else "offload" or "hold")."""
+
+    state: PolicyState
+    flips: tuple[Flip, ...] = ()
+    budgets: tuple[OffloadBudget, ...] = ()  # empty: offload nothing
+    action: str = "hold"
+    reason: str = ""  # one line a person understands, with the numbers
+    conflicts: tuple[str, ...] = ()  # where the operator's choice and the pressure disagree
+
+
+def _other(role: str) -> str:
+    return DECODE if role == PREFILL else PREFILL
+
+
+def _counted_role(w: WorkerView) -> str:
+    # A SWITCHING worker still reports the role it is leaving; with two roles it is bound for
+    # the other one. Counting it there keeps a flip in progress from being ordered twice.
+    if w.to_role is not None:
+        return w.to_role
+    return _other(w.role) if w.state == SWITCHING else w.role
+
+
+def _movable(w: WorkerView) -> bool:
+    return w.state == SERVING and not w.pinned and w.to_role is None
+
+
+def _load_key(w: WorkerView) -> tuple:
+    # The least loaded worker gives up its role first: it has the least work to drain.
+    if w.role == DECODE:
+        return (w.running + w.waiting, w.kv_used_blocks, w.address)
+    return (w.queued_prompt_tokens, w.address)
+
+
+def _ratio(inp: ControllerInput, role: str) -> float:
+    return inp.prefill.ratio if role == PREFILL else inp.decode.ratio
+
+
+def _gap(live: Sequence[WorkerView], prefill: int):
+    """(prefill workers now, role to flip toward or None, flips needed, movable givers least
+    loaded first, pinned givers, givers not serving as "address (state)")."""
+    have = sum(1 for w in live if _counted_role(w) == PREFILL)
+    if prefill == have:
+        return have, None, 0, [], [], []
+    to_role = PREFILL if prefill > have else DECODE
+    givers = [w for w in live if _counted_role(w) == _other(to_role)]
+    return (have, to_role, abs(prefill - have),
+            sorted((w for w in givers if _movable(w)), key=_load_key),
+            sorted(w.address for w in givers if w.pinned),
+            sorted(f"{w.address} ({w.state})" for w in givers
+                   if not w.pinned and w.state != SERVING))
+
+
+def decide(inp: ControllerInput, now: float, cfg: PolicyConfig = PolicyConfig()) -> Decision:
+    # While a flip is in flight its effect is not in the pressures yet: pressure seen now must
+    # not count toward the next flip (in pressure mode; a target steers regardless).
+    in_flight = tuple(sorted((w for w in inp.workers if w.state != GONE
+                             and (w.state == SWITCHING or w.to_role is not None)),
+                            key=lambda w: w.address))
+    settling = bool(in_flight) and inp.target is None
+    since = {role: None if _ratio(inp, role) <= cfg.high else now if prev is None or settling
+             else prev for role, prev in ((PREFILL, inp.state.prefill_high_since_s),
+                                          (DECODE, inp.state.decode_high_since_s))}
+    state = PolicyState(since[PREFILL], since[DECODE])
+    conflicts: tuple[str, ...] = ()
+    if inp.target is not None:
+        flips, role_reason, conflicts = _toward_target(inp, state, now, cfg, in_flight)
+    elif cfg.fluid_role:
+        flips, role_reason, state = _fluid_role(inp, state, now, cfg, in_flight)
+    else:
+        flips, role_reason = (), f"roles fixed (fluid_role off): {_pressures(inp)}"
+    leaving = {f.address for f in flips}  # a worker flipped away this tick takes no budget
+    budgets, token_reason = _fluid_token(inp, cfg, leaving) if cfg.fluid_token else ((), "")
+    action = ("target" if inp.target is not None and flips else
+              "+".join(a for a, on in (("flip", flips), ("offload", budgets)) if on) or "hold")
+    reason = "; ".join(r for r in (role_reason, token_reason) if r)
+    return Decision(state, flips, budgets, action, reason, conflicts)
+
+
+def _pressures(inp: ControllerInput) -> str:
+    return f"prefill {inp.prefill.ratio:.2f}, decode {inp.decode.ratio:.2f}"
+
+
+def _fluid_role(inp: ControllerInput, state: PolicyState, now: float, cfg: PolicyConfig,
+                in_flight: tuple[WorkerView, ...]
+                ) -> tuple[tuple[Flip, ...], str, PolicyState]:
+    p, d = inp.prefill.ratio, inp.decode.ratio
+    if p > cfg.high and d > cfg.high:
+        return (), (f"hold: both roles pressured ({_pressures(inp)} > {cfg.high:g}), "
+                    "no role to take a worker from"), state
+    if p <= cfg.high and d <= cfg.high:
+        return (), f"hold: {_pressures(inp)}, neither above {cfg.high:g}", state
+    to_role = PREFILL if p > cfg.high else DECODE
+    giver = _other(to_role)
+    ratio, giver_ratio = _ratio(inp, to_role), _ratio(inp, giver)
+    head = f"{to_role} {ratio:.2f} > {cfg.high:g}"
+    if in_flight:
+        moving = ", ".join(f"{w.address} to {_counted_role(w)}" for w in in_flight)
+        return (), f"hold: {head}, but a flip is still in flight ({moving})", state
+    since = state.prefill_high_since_s if to_role == PREFILL else state.decode_high_since_s
+    held_s = now - since if since is not None else 0.0
+    if held_s < cfg.sustain_s:
+        return (), f"hold: {head} for {held_s:.1f} s of {cfg.sustain_s:g} s sustain", state
+    head = f"{head} for {held_s:.1f} s"
+    if giver_ratio >= cfg.low:
+        return (), f"hold: {head}, but {giver} {giver_ratio:.2f} is not below {cfg.low:g}", state
+    serving = [w for w in inp.workers if w.role == giver and w.state == SERVING]
+    movable = sorted((w for w in serving if _movable(w)), key=_load_key)
+    cooled = [w for w in movable
+              if w.last_flip_s is None or now - w.last_flip_s >= cfg.cooldown_s]
+    n = max(0, min(cfg.max_flips_per_tick, len(serving) - cfg.min_per_role, len(cooled)))
+    if n == 0:
+        cooling = [f"{w.address} {cfg.cooldown_s - (now - w.last_flip_s):.1f} s"
+                   for w in movable if w not in cooled]
+        pinned = sorted(w.address for w in serving if w.pinned)
+        why = (f"{len(serving)} serving, min_per_role {cfg.min_per_role}, "
+               f"pinned {', '.join(pinned) or 'none'}, cooling {', '.join(cooling) or 'none'}")
+        return (), f"hold: {head}, but no {giver} worker can move ({why})", state
+    why = f"{head}, {giver} {giver_ratio:.2f} < {cfg.low:g}"
+    flips = tuple(Flip(w.address, giver, to_role, why) for w in cooled[:n])
+    # The new worker gets a full sustain_s to show in the pressure before another follows.
+    state = replace(state, **{f"{to_role}_high_since_s": now})
+    return flips, f"flip {', '.join(f.address for f in flips)} {giver}->{to_role}: {why}", state
+
+
+def _toward_target(inp: ControllerInput, state: PolicyState, now: float, cfg: PolicyConfig,
+                   in_flight: tuple[WorkerView, ...]
+                   ) -> tuple[tuple[Flip, ...], str, tuple[str, ...]]:
+    want = dict(zip(ROLES, inp.target))  # type: ignore[arg-type]
+    label = f"operator target {want[PREFILL]}:{want[DECODE]}"
+    live = [w for w in inp.workers if w.state != GONE]
+    have_p, to_role, short, movable, pinned, stuck = _gap(live, want[PREFILL])
+    have = {PREFILL: have_p, DECODE: len(live) - have_p}
+    text = f"{label} (now {have_p}:{have[DECODE]})"
+    conflicts: list[str] = []
+    flips: tuple[Flip, ...] = ()
+    if sum(want.values()) != len(live):
+        conflicts.append(f"{label} needs {sum(want.values())} workers but {len(live)} are not "
+                         "gone: roles held until the workers or the target change")
+        text += ": size mismatch, roles held"
+    elif to_role is None:
+        text += ": met"
+    else:
+        giver = _other(to_role)
+        # One batch of flips lands before the next is ordered: a worker that has switched but
+        # still shows as SWITCHING would otherwise be counted in its old role and replaced.
+        n = 0 if in_flight else min(short, cfg.max_flips_per_tick)
+        flips = tuple(Flip(w.address, giver, to_role, label) for w in movable[:n])
+        text += f": {short} {giver}->{to_role} needed"
+        if in_flight:
+            text += f", waiting on the flip of {', '.join(w.address for w in in_flight)}"
+        elif flips:
+            text += f", flip {', '.join(f.address for f in flips)}"
+        if len(movable) < short and pinned:
+            conflicts.append(f"{label} is {short - len(movable)} {to_role} short: pinned "
+                             f"{giver} workers {', '.join(pinned)} are not moved")
+        if len(movable) < short and stuck:
+            text += f"; not serving: {', '.join(stuck)}"
+    for role in ROLES:
+        if want[role] < cfg.min_per_role:
+            conflicts.append(f"{label} leaves {want[role]} {role} workers, "
+                             f"under min_per_role {cfg.min_per_role}")
+    # What pressure alone would do: a role sustained above `high`, the other below `low`.
+    for role, since in ((PREFILL, state.prefill_high_since_s),
+                        (DECODE, state.decode_high_since_s)):
+        if (since is not None and now - since >= cfg.sustain_s
+                and _ratio(inp, _other(role)) < cfg.low and want[role] <= have[role]):
+            conflicts.append(f"{label} holds while {role} pressure is {_ratio(inp, role):.2f} "
+                             f"({_other(role)} {_ratio(inp, _other(role)):.2f})")
+    return flips, text, tuple(conflicts)
+
+
+def _fluid_token(inp: ControllerInput, cfg: PolicyConfig, leaving: set[str]
+                 ) -> tuple[tuple[OffloadBudget, ...], str]:
+    if inp.prefill.ratio <= cfg.high:
+        return (), ""
+    head = f"prefill {inp.prefill.ratio:.2f} > {cfg.high:g}"
+    if inp.decode.ratio >= cfg.high:
+        return (), f"no offload: {head} but decode {inp.decode.ratio:.2f} has no slack"
+    budgets, notes = [], []
+    for w in sorted(inp.workers, key=lambda w: w.address):
+        # Pinned workers may take offloaded work: a budget changes no role.
+        if w.role != DECODE or w.state != SERVING or w.to_role or w.address in leaving:
+            continue
+        got = offload_budget(w, inp.slo, inp.prefill.tokens_per_s, cfg)
+        if isinstance(got, OffloadBudget):
+            budgets.append(got)
+            notes.append(f"{w.address} {got.max_tokens} tokens in {got.chunk_tokens}-token "
+                         f"chunks (step {got.step_s:.3f} s)")
+        else:
+            notes.append(f"{w.address} none ({got})")
+    return tuple(budgets), f"offload ({head}): {', '.join(notes) or 'no serving decode worker'}"
+
+
+def offload_budget(w: WorkerView, slo: Slo, pool_tokens_per_s: float,
+                   cfg: PolicyConfig = PolicyConfig()) -> OffloadBudget | str:
+    """One decode worker's budget, or why it gets none (slack: KV occupancy at most
+    offload_kv_max and no decode waiting for admission).
+
+    - step_s: its measured decode step; unknown, half the ITL SLO (a conservative guess: a
+      lightly loaded step is far shorter, so this leaves less headroom than it really has).
+    - tps: its measured prefill rate, else the prefill pool's.
+    - chunk_tokens = min(offload_max_tokens, floor((offload_itl_share x itl_s - step_s) x tps)),
+      so a step carrying one chunk, step_s + chunk_tokens / tps, stays within the ITL share.
+    - max_tokens = min(offload_max_tokens, chunk_tokens x floor(ttft_share x ttft_s /
+      (step_s + chunk_tokens / tps))): what it prefills, one chunk a step, within the TTFT
+      share the prefill queue is allowed, so the last offloaded token still meets the TTFT.
+    """
+    if w.kv_total_blocks <= 0:
+        return "no KV report yet"
+    occupancy = w.kv_used_blocks / w.kv_total_blocks
+    if occupancy > cfg.offload_kv_max:
+        return f"kv {occupancy:.2f} > {cfg.offload_kv_max:g}"
+    if w.waiting > 0:
+        return f"{w.waiting} decodes waiting"
+    step_s = max(0.0, w.decode_step_s) if w.decode_step_s is not None else slo.itl_s / 2
+    tps = w.prefill_tokens_per_s if w.prefill_tokens_per_s else pool_tokens_per_s
+    if not (tps > 0 and math.isfinite(tps)):
+        return "no prefill rate"
+    bound_s = cfg.offload_itl_share * slo.itl_s
+    headroom_s = bound_s - step_s
+    chunk = min(cfg.offload_max_tokens, math.floor(headroom_s * tps)) if headroom_s > 0 else 0
+    # floor() of a product can land one token over in floating point: step back until the
+    # bound holds exactly as the worker will compute it.
+    while chunk > 0 and step_s + chunk / tps > bound_s:
+        chunk -= 1
+    if chunk < cfg.offload_min_chunk_tokens:
+        return (f"chunk {chunk} < {cfg.offload_min_chunk_tokens} tokens: "
+                f"step {step_s:.3f} s of {bound_s:.3f} s")
+    step_with_chunk_s = step_s + chunk / tps
+    steps = math.floor(slo.ttft_share * slo.ttft_s / step_with_chunk_s)
+    max_tokens = min(cfg.offload_max_tokens, chunk * steps)
+    if max_tokens < chunk:
+        return f"no whole chunk fits the TTFT share: step {step_with_chunk_s:.3f} s"
+    return OffloadBudget(w.address, max_tokens, chunk, step_with_chunk_s)
+
+
+def plan_rebalance(workers: Sequence[WorkerView], prefill: int, decode: int
+                   ) -> tuple[Flip, ...]:
+    """The flips that take the workers that are not GONE to `prefill`:`decode`.
+
+    Workers count as `to_role` when mid-flip, else as their role; only SERVING, unpinned
+    workers move. With the total fixed, every flip goes the same way (from the role over its
+    count to the one under), so the plan is the minimum number of flips and neither role ever
+    drops below min(target, current) along it. Least loaded first, as `decide` chooses.
+    Raises ValueError when the split has the wrong total or needs a pinned or busy worker.
+    """
+    if prefill < 0 or decode < 0:
+        raise ValueError(f"prefill and decode must be >= 0, got {prefill=}, {decode=}")
+    live = [w for w in workers if w.state != GONE]
+    if prefill + decode != len(live):
+        raise ValueError(f"prefill + decode = {prefill + decode}, but {len(live)} workers are "
+                         "not gone: the split must cover them all")
+    _, to_role, short, movable, pinned, stuck = _gap(live, prefill)
+    if to_role is None:
+        return ()
+    giver = _other(to_role)
+    if len(movable) < short:
+        blockers = "".join(f"; {label}: {', '.join(names)}" for label, names
+                           in (("pinned", pinned), ("not serving", stuck)) if names)
+        raise ValueError(f"split prefill={prefill}, decode={decode} needs {short} {giver} "
+                         f"workers moved to {to_role}, but only {len(movable)} can move"
+                         f"{blockers}")
+    label = f"rebalance to {prefill}:{decode}"
+    return tuple(Flip(w.address, giver, to_role, label) for w in movable[:short])

@@ -1,0 +1,164 @@
+"""Pressure signals for the controller: raw counters in, ratios against the SLO out.
+
+Owns the SLO (`Slo`), the two pressure indices the policy compares (`PrefillPressure`,
+`DecodePressure`: 1.0 means "at the limit the SLO allows"), the percentile and SLO attainment
+arithmetic, and `RateMeter`, which turns a worker's cumulative counters into a measured rate.
+
+Must not do I/O, read a clock, draw random numbers or import torch, grpc or a service: the
+controller's service and the simulator both feed it numbers and get numbers back, so the two
+measure pressure the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency targets. Defaults are sized for SmolLM2-135M in fp32 on a 2-core CPU."""
+
+    ttft_s: float = 2.0  # time to first token
+    itl_s: float = 0.2  # inter-token latency (TPOT)
+    # Share of the TTFT SLO the prefill queue may take before the prefill role counts as
+    # pressured: the rest is left for the prefill itself and the KV hand-off.
+    ttft_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "itl_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not 0 < self.ttft_share <= 1:
+            raise ValueError(f"ttft_share must be in (0, 1], got {self.ttft_share}")
+
+
+@dataclass(frozen=True)
+class PrefillPressure:
+    work_s: float  # queued uncached prompt tokens / prefill tokens per second
+    ratio: float  # work_s / (ttft_share x ttft_s): 1.0 = the queue takes its whole SLO share
+    queued_tokens: float
+    tokens_per_s: float  # the rate used: measured, or the fallback when none was measured
+    measured: bool = True  # False when tokens_per_s is the fallback guess
+
+
+@dataclass(frozen=True)
+class DecodePressure:
+    ratio: float  # max of the three parts below
+    kv_occupancy: float  # used / total KV blocks over serving decode workers (0..1)
+    kv_ratio: float  # kv_occupancy / kv_high_water
+    itl_ratio: float  # windowed ITL p90 / ITL SLO (0 when no samples)
+    waiting_ratio: float  # waiting / max(running, 1) (0 when none waiting)
+
+
+def prefill_pressure(queued_tokens: float, tokens_per_s: float | None, slo: Slo,
+                     fallback_tokens_per_s: float = 1000.0) -> PrefillPressure:
+    """How long the queued prefill work takes at the measured rate, against the TTFT share.
+
+    With no usable measurement (None, zero or negative: nothing prefilled yet) the rate is
+    `fallback_tokens_per_s`, and the result says so (`measured=False`).
+    """
+    if not fallback_tokens_per_s > 0:
+        raise ValueError(f"fallback_tokens_per_s must be > 0, got {fallback_tokens_per_s}")
+    # The router's in-flight estimate is a float sum of adds and subtracts: it can drift a hair
+    # below zero when the queue empties. There is no negative work.
+    queued = max(0.0, float(queued_tokens))
+    measured = tokens_per_s is not None and tokens_per_s > 0
+    rate = float(tokens_per_s) if measured else float(fallback_tokens_per_s)
+    work_s = queued / rate
+    return PrefillPressure(work_s, work_s / (slo.ttft_share * slo.ttft_s), queued, rate,
+                           measured)
+
+
+def decode_pressure(kv_used_blocks: int, kv_total_blocks: int, itl_p90_s: float | None,
+                    waiting: int, running: int, slo: Slo,
+                    kv_high_water: float = 0.9) -> DecodePressure:
+    """The decode role's pressure: the worst of KV occupancy, ITL and the admission queue.
+
+    - KV: occupancy over `kv_high_water`; past the high water a decode worker soon has to
+      preempt or refuse, so 1.0 is set there rather than at a full pool.
+    - ITL: the windowed p90 over the ITL SLO (0 with no samples: nothing is decoding).
+    - waiting: `waiting / max(running, 1)`. At 1.0 as many requests wait for admission as run,
+      so a newly queued one waits about one whole generation of the running batch before its
+      first decode step: TTFT is then set by the decode pool, not the prefill pool. A pool with
+      nothing running but requests waiting (admission blocked) counts each waiter as 1.0.
+    """
+    if not 0 < kv_high_water <= 1:
+        raise ValueError(f"kv_high_water must be in (0, 1], got {kv_high_water}")
+    occupancy = min(1.0, max(0, kv_used_blocks) / kv_total_blocks) if kv_total_blocks > 0 else 0.0
+    kv_ratio = occupancy / kv_high_water
+    itl_ratio = max(0.0, itl_p90_s) / slo.itl_s if itl_p90_s is not None else 0.0
+    waiting_ratio = max(0, waiting) / max(running, 1) if waiting > 0 else 0.0
+    return DecodePressure(max(kv_ratio, itl_ratio, waiting_ratio), occupancy, kv_ratio,
+                          itl_ratio, waiting_ratio)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (q in [0, 100]) with linear interpolation between closest ranks
+    (numpy's default), or None for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def attainment(samples: Sequence[tuple[float, float]], slo: Slo) -> float | None:
+    """Share of (ttft_s, tpot_s) samples meeting both SLOs (goodput's numerator, as in
+    DistServe), or None for no samples."""
+    if not samples:
+        return None
+    met = sum(1 for ttft_s, tpot_s in samples if ttft_s <= slo.ttft_s and tpot_s <= slo.itl_s)
+    return met / len(samples)
+
+
+class RateMeter:
+    """Measured rates (tokens per busy second) from per-worker cumulative counters.
+
+    Workers report totals, not rates, so a lost poll loses no work: each `observe` compares the
+    totals with the last baseline. A delta is used only once it spans at least `min_busy_s` of
+    busy time (until then the baseline stays put and the deltas add up), because a handful of
+    tokens over a few milliseconds measures timer noise. Samples are smoothed with an EWMA
+    (`alpha` = weight of the newest). A total that went down means the worker restarted: that
+    key starts over (no rate until a fresh delta). Pure: no clock, like `router.policy`'s
+    `RoundRobin` it only keeps state between calls.
+    """
+
+    def __init__(self, alpha: float = 0.3, min_busy_s: float = 0.05) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not min_busy_s > 0:
+            raise ValueError(f"min_busy_s must be > 0, got {min_busy_s}")
+        self.alpha = alpha
+        self.min_busy_s = min_busy_s
+        self._base: dict[str, tuple[float, float]] = {}  # key -> (tokens_total, busy_s_total)
+        self._rate: dict[str, float] = {}
+
+    def observe(self, key: str, tokens_total: float, busy_s_total: float) -> float | None:
+        base = self._base.get(key)
+        if base is None or tokens_total < base[0] or busy_s_total < base[1]:
+            self._base[key] = (tokens_total, busy_s_total)
+            self._rate.pop(key, None)
+            return None
+        d_tokens, d_busy_s = tokens_total - base[0], busy_s_total - base[1]
+        if d_busy_s < self.min_busy_s:
+            return self._rate.get(key)
+        sample = d_tokens / d_busy_s
+        old = self._rate.get(key)
+        self._rate[key] = sample if old is None else self.alpha * sample + (1 - self.alpha) * old
+        self._base[key] = (tokens_total, busy_s_total)
+        return self._rate[key]
+
+    def rate(self, key: str) -> float | None:
+        return self._rate.get(key)
+
+    def forget(self, key: str) -> None:
+        """Drop a worker that left (so a new one at the same address starts fresh)."""
+        self._base.pop(key, None)
+        self._rate.pop(key, None)
