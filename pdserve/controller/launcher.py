@@ -54,8 +54,18 @@ class ClusterSpec:
     # streaming through the store instead of whole blocks.
     progressive_kv: bool = False
     router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
+    # The controller (pdserve.controller): flips roles and offloads prefill under SLO pressure.
+    controller: bool = True
+    controller_port: int = 50052
+    controller_mode: str = "active"
+    ttft_slo_ms: float = 2000.0
+    itl_slo_ms: float = 200.0
+    controller_args: tuple[str, ...] = ()  # more flags (e.g. --cooldown-s 5)
 
     def __post_init__(self) -> None:
+        if self.controller_mode not in ("active", "advisory", "off"):
+            raise ValueError(f"controller_mode must be active, advisory or off, got "
+                             f"{self.controller_mode!r}")
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ValueError("prefill_workers and decode_workers must be >= 1")
         n = self.prefill_workers + self.decode_workers
@@ -85,6 +95,8 @@ class LocalCluster:
     children: list[Child] = field(default_factory=list)
     log_dir: str = ""
     http_address: str | None = None  # "host:port" of the OpenAI HTTP API once started
+    controller_address: str | None = None  # "host:port" of the controller once started
+    controller_metrics: str | None = None  # its Prometheus /metrics URL
     # Worker address -> its Prometheus /metrics URL (pdserve.metrics), once started.
     worker_metrics: dict = field(default_factory=dict)
 
@@ -184,10 +196,30 @@ class LocalCluster:
             self._wait([router])
             if http:
                 self.http_address = self._ready_field(router, "http")
+            if s.controller:
+                self.start_controller()
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def audit_log(self) -> str:
+        return os.path.join(self.log_dir, "controller-audit.jsonl")
+
+    def start_controller(self, extra_args: tuple[str, ...] = ()) -> str:
+        """Start the controller over this cluster's router; its address once healthy."""
+        s = self.spec
+        address = f"{s.host}:{s.controller_port}"
+        child = self._spawn("controller", address, [
+            "pdserve.controller", "--router", self.router_address, "--address", address,
+            "--mode", s.controller_mode, "--ttft-slo-ms", str(s.ttft_slo_ms),
+            "--itl-slo-ms", str(s.itl_slo_ms), "--audit-log", self.audit_log,
+            "--metrics-port", "0", *s.controller_args, *extra_args])
+        self._wait([child])
+        self.controller_address = address
+        self.controller_metrics = self._ready_field(child, "metrics")
+        return address
 
     @property
     def store_address(self) -> str:

@@ -1,0 +1,141 @@
+"""The safe role flip: drain, switch, verify, re-admit; or out of both pools and reported.
+
+Owns the I/O of one flip, in this order:
+1. the router stops assigning to the worker (membership DRAINING);
+2. `SetRole(drain=True)` on the worker: requests in flight finish first, new ones are refused
+   (and re-routed by the router);
+3. `GetStats` must show the new role and `role_switches` up by exactly one;
+4. the router admits the worker in its new pool (membership ACTIVE in the new role).
+Any failure or timeout on the way leaves the worker FAILED in the router's membership: out of
+both pools, never half-switched, and the result says why. Only one flip per worker at a time.
+Must not decide which worker to flip (the policy does) or keep statistics (the service does).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve import rpc
+from pdserve.proto import router_pb2 as rpb
+from pdserve.proto import router_pb2_grpc as rpb_grpc
+from pdserve.proto import worker_pb2 as wpb
+from pdserve.proto import worker_pb2_grpc as wpb_grpc
+
+log = logging.getLogger(__name__)
+ROLES = {"prefill": wpb.ROLE_PREFILL, "decode": wpb.ROLE_DECODE}
+ROLE_NAMES = {v: k for k, v in ROLES.items()}
+
+
+class FlipBusy(RuntimeError):
+    """The worker is already being flipped."""
+
+
+@dataclass(frozen=True)
+class FlipOutcome:
+    address: str
+    from_role: str
+    to_role: str
+    ok: bool
+    seconds: float  # drain + switch
+    error: str = ""
+    drained_requests: int = 0
+
+
+class Flipper:
+    def __init__(self, router: rpb_grpc.RouterControlStub, rpc_timeout_s: float = 10.0) -> None:
+        self.router = router
+        self.rpc_timeout_s = rpc_timeout_s
+        self._lock = threading.Lock()
+        self._busy: dict[str, str] = {}  # address -> the role it is switching to
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def busy(self) -> dict[str, str]:
+        """Workers being flipped now, and the role each is switching to."""
+        with self._lock:
+            return dict(self._busy)
+
+    def _worker(self, address: str) -> wpb_grpc.WorkerStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = rpc.make_channel(address)
+        return wpb_grpc.WorkerStub(ch)
+
+    def flip(self, address: str, to_role: str, drain_timeout_s: float,
+             reason: str = "") -> FlipOutcome:
+        """Carry out one flip (blocking: drain time included). FlipBusy if one is under way."""
+        with self._lock:
+            if address in self._busy:
+                raise FlipBusy(f"{address} is already switching")
+            self._busy[address] = to_role
+        start = time.monotonic()
+        from_role = "?"
+        try:
+            worker = self._worker(address)
+            before = worker.GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
+            from_role = ROLE_NAMES.get(before.role, "?")
+            if from_role == to_role:
+                self._set(address, rpb.MEMBER_STATE_ACTIVE, to_role, "already in that role")
+                return FlipOutcome(address, from_role, to_role, True, 0.0)
+            self._set(address, rpb.MEMBER_STATE_DRAINING, None, f"switching to {to_role}: {reason}")
+            resp = worker.SetRole(wpb.SetRoleRequest(role=ROLES[to_role], drain=True,
+                                                     drain_timeout_s=drain_timeout_s),
+                                  timeout=drain_timeout_s + self.rpc_timeout_s)
+            after = worker.GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
+            if after.role != ROLES[to_role] or after.role_switches != before.role_switches + 1:
+                raise _Unverified(f"after SetRole the worker reports role "
+                                  f"{ROLE_NAMES.get(after.role, after.role)} and "
+                                  f"{after.role_switches - before.role_switches} switches")
+            self._set(address, rpb.MEMBER_STATE_ACTIVE, to_role, f"switched to {to_role}")
+            seconds = time.monotonic() - start
+            log.info("flipped %s %s -> %s in %.2fs (%d drained): %s", address, from_role,
+                     to_role, seconds, resp.drained_requests, reason)
+            return FlipOutcome(address, from_role, to_role, True, seconds,
+                               drained_requests=resp.drained_requests)
+        except (grpc.RpcError, _Unverified) as e:
+            error = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError)
+                     else str(e))
+            log.warning("flip of %s to %s failed: %s; out of both pools", address, to_role,
+                        error)
+            try:
+                self._set(address, rpb.MEMBER_STATE_FAILED, None, f"flip failed: {error}")
+            except grpc.RpcError as e2:
+                error += f"; and the router could not be told: {e2.details()}"
+            return FlipOutcome(address, from_role, to_role, False, time.monotonic() - start,
+                               error)
+        finally:
+            with self._lock:
+                self._busy.pop(address, None)
+
+    def readmit(self, address: str, reason: str) -> str | None:
+        """A FAILED worker back into the pool of the role it reports; its role name, or None
+        when it does not answer or is still draining."""
+        try:
+            s = self._worker(address).GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
+        except grpc.RpcError:
+            return None
+        role = ROLE_NAMES.get(s.role)
+        if role is None or s.draining:
+            return None
+        self._set(address, rpb.MEMBER_STATE_ACTIVE, role, reason)
+        return role
+
+    def _set(self, address: str, state: int, role: str | None, reason: str) -> None:
+        self.router.SetWorkerState(rpb.SetWorkerStateRequest(
+            address=address, state=state, role=ROLES[role] if role else wpb.ROLE_UNSPECIFIED,
+            reason=reason), timeout=self.rpc_timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+class _Unverified(Exception):
+    """GetStats after the switch does not show the new role and exactly one more switch."""

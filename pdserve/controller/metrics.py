@@ -1,0 +1,53 @@
+"""The controller's Prometheus metrics (`pdserve:<name>`), in a registry of its own.
+
+Owns the metric definitions: decisions by action and reason, role switches by direction and
+their duration (drain + switch), workers by role and state, prefill tokens offloaded to decode
+workers, and the pressure per role. Must not decide anything.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_SWITCH_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ROLES = ("prefill", "decode")
+STATES = ("serving", "draining", "switching", "failed", "gone")
+
+
+class ControllerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.decisions = Counter("pdserve:controller_decisions",
+                                 "Controller decisions by action and reason.",
+                                 ["action", "reason"], registry=r)
+        self.role_switches = Counter("pdserve:role_switches",
+                                     "Completed role switches by direction.", ["from", "to"],
+                                     registry=r)
+        self.role_switch_failures = Counter("pdserve:role_switch_failures",
+                                            "Role switches that failed or timed out.",
+                                            ["from", "to"], registry=r)
+        self.role_switch_seconds = Histogram("pdserve:role_switch_seconds",
+                                             "Drain plus switch time of a role switch.",
+                                             buckets=_SWITCH_BUCKETS_S, registry=r)
+        self.workers = Gauge("pdserve:workers", "Workers by role and state.", ["role", "state"],
+                             registry=r)
+        self.offloaded_tokens = Counter("pdserve:prefill_offloaded_tokens",
+                                        "Prompt tokens prefilled on decode workers.", registry=r)
+        self.pressure = Gauge("pdserve:pressure",
+                              "Pressure per role (1.0: queued work just meets the SLO share).",
+                              ["role"], registry=r)
+        self._offloaded_seen: int | None = None
+
+    def set_workers(self, counts: dict[tuple[str, str], int]) -> None:
+        for role in ROLES:
+            for state in STATES:
+                self.workers.labels(role, state).set(counts.get((role, state), 0))
+
+    def offloaded_total(self, total: int) -> None:
+        """The router's cumulative count; the counter follows its increases (a router restart
+        resets the base, never the counter)."""
+        if self._offloaded_seen is not None and total >= self._offloaded_seen:
+            self.offloaded_tokens.inc(total - self._offloaded_seen)
+        elif self._offloaded_seen is None and total > 0:
+            self.offloaded_tokens.inc(total)
+        self._offloaded_seen = total

@@ -1,0 +1,288 @@
+"""The controller's loop and its operator actions: observe, decide, act (or only advise).
+
+Owns the controller's state between ticks: mode, pins, the operator's target split, the policy's
+hysteresis state, each worker's last flip, flips in progress. Each tick reads the router's
+signals, builds the policy input (`view`), asks the pure `policy.decide`, appends the decision
+with its inputs to the audit log, exports metrics, and, in `active` mode only, sets the router's
+prefill offload budgets, starts the decided flips (each on its own thread, through `flip`), and
+re-admits workers whose flip failed once they have sat out `failed_readmit_s`.
+Operator actions (set-role, rebalance, pin, mode) go through the same flip path. A manual role
+command sets the target split; the policy then never moves away from it until `release()`.
+Must not decide flips itself (the policy does) or sit on the request path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from pdserve.controller.audit import AuditLog
+from pdserve.controller.config import ControllerConfig
+from pdserve.controller.flip import Flipper, FlipOutcome
+from pdserve.controller.metrics import ControllerMetrics
+from pdserve.controller.policy import (DECODE, GONE, PREFILL, ControllerInput, Decision,
+                                       PolicyConfig, PolicyState, decide, plan_rebalance)
+from pdserve.controller.signals import Slo
+from pdserve.controller.view import ClusterView, Meters, cluster_view
+from pdserve.proto import router_pb2 as rpb
+from pdserve.proto import router_pb2_grpc as rpb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class UnknownWorker(KeyError):
+    """No worker with this address is known to the router."""
+
+
+@dataclass
+class FlipRecord:
+    at_s: float
+    reason: str
+    ok: bool = True
+
+
+@dataclass
+class Snapshot:
+    """What `status` shows: the last tick's view and decision."""
+
+    view: ClusterView | None = None
+    decision: Decision | None = None
+    at_s: float = 0.0
+    conflicts: list[str] = field(default_factory=list)
+
+
+def reason_label(d: Decision, inp: ControllerInput, high: float) -> str:
+    """A low-cardinality reason for the decisions counter (the full reason is in the log)."""
+    if d.action == "target":
+        return "operator_target"
+    if d.flips:
+        return f"{d.flips[0].to_role}_pressure"
+    if d.budgets:
+        return "prefill_pressure_offload"
+    if inp.prefill.ratio > high and inp.decode.ratio > high:
+        return "both_pressured"
+    if inp.prefill.ratio > high or inp.decode.ratio > high:
+        return "pressured_no_action"
+    return "within_slo"
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig, router: rpb_grpc.RouterControlStub,
+                 clock=time.monotonic) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.clock = clock
+        self.mode = cfg.mode
+        self.slo = Slo(ttft_s=cfg.ttft_slo_ms / 1000, itl_s=cfg.itl_slo_ms / 1000,
+                       ttft_share=cfg.ttft_share)
+        self.policy_cfg = PolicyConfig(
+            fluid_role=cfg.fluid_role, fluid_token=cfg.fluid_token,
+            max_flips_per_tick=cfg.max_flips_per_tick, cooldown_s=cfg.cooldown_s,
+            min_per_role=cfg.min_per_role, sustain_s=cfg.sustain_s)
+        self.flipper = Flipper(router)
+        self.metrics = ControllerMetrics()
+        self.audit = AuditLog(cfg.audit_log, cfg.audit_max_bytes)
+        self.meters = Meters()
+        self.state = PolicyState()
+        self.pinned: set[str] = set()
+        self.target: tuple[int, int] | None = None
+        self.flips: dict[str, FlipRecord] = {}
+        self.failed_at: dict[str, float] = {}
+        self.flips_total = 0
+        self.ticks = 0
+        self.snapshot = Snapshot()
+        self._budgets: tuple = ()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def start(self) -> "Controller":
+        self._thread = threading.Thread(target=self._run, name="controller-tick", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.flipper.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.tick_s):
+            try:
+                self.tick()
+            except grpc.RpcError as e:
+                log.warning("tick: router unreachable (%s: %s)", e.code().name, e.details())
+            except Exception:  # a bad tick must not end the loop; the next one starts afresh
+                log.exception("tick failed")
+
+    def observe(self) -> ClusterView:
+        signals = self.router.GetSignals(rpb.GetSignalsRequest(window_s=self.cfg.window_s),
+                                         timeout=10)
+        with self._lock:
+            last = {a: r.at_s for a, r in self.flips.items()}
+            view = cluster_view(signals, self.meters, self.slo, pinned=frozenset(self.pinned),
+                                switching=self.flipper.busy(), last_flip_s=last)
+        self.metrics.offloaded_total(signals.offloaded_tokens_total)
+        counts: dict[tuple[str, str], int] = {}
+        for w in view.workers:
+            counts[(w.role, w.state)] = counts.get((w.role, w.state), 0) + 1
+        self.metrics.set_workers(counts)
+        self.metrics.pressure.labels("prefill").set(view.prefill.ratio)
+        self.metrics.pressure.labels("decode").set(view.decode.ratio)
+        return view
+
+    def tick(self) -> Decision | None:
+        now = self.clock()
+        view = self.observe()
+        with self._lock:
+            self.ticks += 1
+            mode, target = self.mode, self.target
+            if mode == "off":
+                self.snapshot = Snapshot(view, None, now, self._failures())
+                self._set_budgets(())
+                return None
+            inp = ControllerInput(view.workers, view.prefill, view.decode, self.slo,
+                                  self.state, target)
+            d = decide(inp, now, self.policy_cfg)
+            self.state = d.state
+            acted = mode == "active"
+            self.metrics.decisions.labels(d.action, reason_label(d, inp, self.policy_cfg.high)
+                                          ).inc()
+            self.snapshot = Snapshot(view, d, now, [*d.conflicts, *self._failures()])
+        self.audit.write({"event": "decision", "t": time.time(), "mode": mode, "acted": acted,
+                          "input": _input_record(inp, view), "decision": _decision_record(d)})
+        if d.action != "hold":
+            log.info("%s%s: %s", d.action, "" if acted else " (advisory)", d.reason)
+        if acted:
+            self._set_budgets(d.budgets)
+            for f in d.flips:
+                threading.Thread(target=self._flip, args=(f.address, f.to_role, f.reason,
+                                                          self.cfg.drain_timeout_s),
+                                 name=f"flip-{f.address}", daemon=True).start()
+            self._readmit(view, now)
+        else:
+            self._set_budgets(())
+        return d
+
+    def _failures(self) -> list[str]:
+        return [f"{a}: flip failed {self.clock() - t:.0f}s ago ({self.flips[a].reason}); out of "
+                f"both pools" for a, t in self.failed_at.items() if a in self.flips]
+
+    def _set_budgets(self, budgets) -> None:
+        if tuple(budgets) == self._budgets:
+            return
+        self.router.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[
+            rpb.OffloadBudget(address=b.address, max_tokens=b.max_tokens,
+                              chunk_tokens=b.chunk_tokens) for b in budgets]), timeout=10)
+        self._budgets = tuple(budgets)
+
+    def _readmit(self, view: ClusterView, now: float) -> None:
+        for a, t in list(self.failed_at.items()):
+            if now - t < self.cfg.failed_readmit_s or a in self.flipper.busy():
+                continue
+            role = self.flipper.readmit(a, f"re-admitted {now - t:.0f}s after a failed flip")
+            if role is not None:
+                self.failed_at.pop(a, None)
+                self.audit.write({"event": "readmit", "t": time.time(), "address": a,
+                                  "role": role})
+
+    # ---- flips ------------------------------------------------------------------------------
+    def _flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float
+              ) -> FlipOutcome:
+        out = self.flipper.flip(address, to_role, drain_timeout_s, reason)
+        now = self.clock()
+        with self._lock:
+            if out.ok and out.from_role != out.to_role:
+                self.flips[address] = FlipRecord(now, reason)
+                self.failed_at.pop(address, None)
+                self.flips_total += 1
+                self.metrics.role_switches.labels(out.from_role, out.to_role).inc()
+                self.metrics.role_switch_seconds.observe(out.seconds)
+            elif not out.ok:
+                self.flips[address] = FlipRecord(now, f"{reason}; failed: {out.error}", False)
+                self.failed_at[address] = now
+                self.metrics.role_switch_failures.labels(out.from_role, out.to_role).inc()
+        self.audit.write({"event": "flip", "t": time.time(), "reason": reason, **asdict(out)})
+        return out
+
+    # ---- operator actions -------------------------------------------------------------------
+    def _workers(self):
+        view = self.observe()
+        return view, {w.address: w for w in view.workers}
+
+    def _known(self, address: str, workers: dict) -> None:
+        if address not in workers:
+            raise UnknownWorker(f"unknown worker {address!r}; known: "
+                                f"{', '.join(sorted(workers)) or 'none'}")
+
+    def set_role(self, address: str, role: str, drain_timeout_s: float = 0.0) -> FlipOutcome:
+        view, workers = self._workers()
+        self._known(address, workers)
+        counts = {PREFILL: 0, DECODE: 0}
+        for w in view.workers:
+            if w.state != GONE:
+                counts[role if w.address == address else w.role] += 1
+        with self._lock:
+            # A manual flip is the operator's split from now on, until released.
+            self.target = (counts[PREFILL], counts[DECODE])
+        return self._flip(address, role, "operator set-role",
+                          drain_timeout_s or self.cfg.drain_timeout_s)
+
+    def rebalance(self, prefill: int, decode: int, dry_run: bool, drain_timeout_s: float = 0.0
+                  ) -> tuple[tuple, list[FlipOutcome]]:
+        view, _ = self._workers()
+        plan = plan_rebalance(view.workers, prefill, decode)  # ValueError names the field
+        if dry_run:
+            return plan, []
+        with self._lock:
+            self.target = (prefill, decode)
+        self.audit.write({"event": "rebalance", "t": time.time(), "prefill": prefill,
+                          "decode": decode, "plan": [asdict(f) for f in plan]})
+        results = [self._flip(f.address, f.to_role, f"operator rebalance to {prefill}:{decode}",
+                              drain_timeout_s or self.cfg.drain_timeout_s) for f in plan]
+        return plan, results
+
+    def release(self) -> bool:
+        with self._lock:
+            had, self.target = self.target is not None, None
+        self.audit.write({"event": "release", "t": time.time(), "had_target": had})
+        return had
+
+    def pin(self, address: str, pinned: bool) -> None:
+        _, workers = self._workers()
+        self._known(address, workers)
+        with self._lock:
+            (self.pinned.add if pinned else self.pinned.discard)(address)
+        self.audit.write({"event": "pin" if pinned else "unpin", "t": time.time(),
+                          "address": address})
+
+    def set_mode(self, mode: str) -> str:
+        with self._lock:
+            previous, self.mode = self.mode, mode
+        self.audit.write({"event": "mode", "t": time.time(), "from": previous, "to": mode})
+        if mode != "active":
+            self._set_budgets(())
+        return previous
+
+
+def _input_record(inp: ControllerInput, view: ClusterView) -> dict:
+    return {"prefill": asdict(inp.prefill), "decode": asdict(inp.decode),
+            "state": asdict(inp.state), "target": inp.target,
+            "window": asdict(view.window),
+            "workers": [{"address": w.address, "role": w.role, "state": w.state,
+                         "pinned": w.pinned, "running": w.running, "waiting": w.waiting,
+                         "kv_used_blocks": w.kv_used_blocks, "kv_total_blocks": w.kv_total_blocks,
+                         "queued_prompt_tokens": w.queued_prompt_tokens,
+                         "prefill_tokens_per_s": w.prefill_tokens_per_s,
+                         "decode_step_s": w.decode_step_s} for w in inp.workers]}
+
+
+def _decision_record(d: Decision) -> dict:
+    return {"action": d.action, "reason": d.reason, "conflicts": list(d.conflicts),
+            "flips": [asdict(f) for f in d.flips], "budgets": [asdict(b) for b in d.budgets]}

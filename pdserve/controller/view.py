@@ -1,0 +1,104 @@
+"""The controller's view of the cluster: the router's signals turned into the policy's input.
+
+Owns the conversion (no I/O, no clock reads: `now` and the router's answer come in): each
+member becomes a `WorkerView` (state, load, KV use, measured prefill rate and decode step time
+from the deltas of its cumulative counters), the pool-wide pressures, and the windowed SLO
+figures (TTFT and ITL p90, attainment). Must not call anything or decide anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdserve.controller.policy import (DECODE, DRAINING, FAILED, GONE, PREFILL, SERVING,
+                                       SWITCHING, WorkerView)
+from pdserve.controller.signals import (DecodePressure, PrefillPressure, RateMeter, Slo,
+                                        attainment, decode_pressure, percentile,
+                                        prefill_pressure)
+from pdserve.proto import router_pb2 as rpb
+from pdserve.proto import worker_pb2 as wpb
+
+ROLE_OF = {wpb.ROLE_PREFILL: PREFILL, wpb.ROLE_DECODE: DECODE}
+_STATE_OF = {rpb.MEMBER_STATE_ACTIVE: SERVING, rpb.MEMBER_STATE_DRAINING: DRAINING,
+             rpb.MEMBER_STATE_FAILED: FAILED, rpb.MEMBER_STATE_GONE: GONE}
+
+
+@dataclass(frozen=True)
+class Window:
+    """Finished requests of the last window: SLO figures for people and the decode pressure."""
+
+    requests: int
+    attainment: float | None
+    ttft_p90_s: float | None
+    itl_p90_s: float | None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    workers: tuple[WorkerView, ...]
+    prefill: PrefillPressure
+    decode: DecodePressure
+    window: Window
+    members: tuple  # the router's WorkerMember messages, by address order
+
+
+class Meters:
+    """Per-worker measured rates from cumulative counters (stateful, pure)."""
+
+    def __init__(self) -> None:
+        self.prefill = RateMeter()  # prompt tokens computed per busy second
+        self.steps = RateMeter()  # decode steps per second of decode steps
+
+    def observe(self, m) -> tuple[float | None, float | None]:
+        if not m.HasField("stats"):
+            return self.prefill.rate(m.address), None
+        s = m.stats
+        tps = self.prefill.observe(m.address, s.prompt_tokens_computed, s.busy_seconds)
+        steps_per_s = self.steps.observe(m.address, s.decode_steps, s.decode_step_seconds)
+        return tps, (1.0 / steps_per_s if steps_per_s else None)
+
+
+def window_of(samples, slo: Slo) -> Window:
+    good = [s.finish in ("stop", "length") for s in samples]
+    ok = [s for s, g in zip(samples, good) if g]
+    # A request that failed met no SLO.
+    pairs = [(s.ttft_s, s.tpot_s) if g else (math.inf, math.inf) for s, g in zip(samples, good)]
+    tpots = [s.tpot_s for s in ok if s.output_tokens > 1]
+    return Window(len(samples), attainment(pairs, slo),
+                  percentile([s.ttft_s for s in ok], 90), percentile(tpots, 90))
+
+
+def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
+                 pinned: frozenset[str] = frozenset(), switching: dict[str, str] | None = None,
+                 last_flip_s: dict[str, float] | None = None) -> ClusterView:
+    last_flip_s, switching = last_flip_s or {}, switching or {}
+    members = tuple(sorted(signals.workers, key=lambda m: m.address))
+    views = []
+    for m in members:
+        tps, step_s = meters.observe(m)
+        state = _STATE_OF.get(m.state, GONE)
+        if m.address in switching:
+            state = SWITCHING
+        s = m.stats if m.HasField("stats") else None
+        views.append(WorkerView(
+            address=m.address, role=ROLE_OF.get(m.role, PREFILL), state=state,
+            to_role=switching.get(m.address),
+            pinned=m.address in pinned, last_flip_s=last_flip_s.get(m.address),
+            running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,
+            kv_used_blocks=(s.num_total_blocks - s.num_free_blocks) if s else 0,
+            kv_total_blocks=s.num_total_blocks if s else 0,
+            queued_prompt_tokens=m.in_flight_tokens, prefill_tokens_per_s=tps,
+            decode_step_s=step_s))
+    window = window_of(list(signals.samples), slo)
+    live = [v for v in views if v.state in (SERVING, DRAINING, SWITCHING)]
+    pre = [v for v in live if v.role == PREFILL]
+    rates = [v.prefill_tokens_per_s for v in pre if v.prefill_tokens_per_s]
+    # The pool's throughput is the sum of its workers' (each measured while busy).
+    tps = sum(rates) * len(pre) / len(rates) if rates else None
+    prefill = prefill_pressure(sum(v.queued_prompt_tokens for v in pre), tps, slo)
+    dec = [v for v in live if v.role == DECODE and v.state == SERVING]
+    decode = decode_pressure(sum(v.kv_used_blocks for v in dec),
+                             sum(v.kv_total_blocks for v in dec), window.itl_p90_s,
+                             sum(v.waiting for v in dec), sum(v.running for v in dec), slo)
+    return ClusterView(tuple(views), prefill, decode, window, members)
