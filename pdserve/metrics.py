@@ -9,7 +9,8 @@ Names and meanings follow vLLM's `vllm:` metrics: time_to_first_token_seconds,
 inter_token_latency_seconds, e2e_request_latency_seconds, request_queue_time_seconds,
 num_requests_running / num_requests_waiting, kv_cache_usage_perc (a fraction in [0, 1], as vLLM),
 prefix_cache_queries / prefix_cache_hits (in tokens), prompt_tokens / generation_tokens,
-request_success (by finish_reason); plus pdserve's own: requests_rejected (by reason), and the
+request_success (by finish_reason); plus pdserve's own: requests_rejected (by reason),
+request_retries_total (the router's re-routes, by hop and status), and the
 transfer counters kv_blocks_put / kv_blocks_fetched / kv_store_reads (by transport). The
 spec-decode counters exist from the start and stay at zero until speculative decoding lands.
 """
@@ -75,7 +76,14 @@ class RouterMetrics:
         self._rejected = Counter("pdserve:requests_rejected",
                                  "Requests refused at the door, by reason.",
                                  ["model_name", "reason"], registry=r)
+        self._retries = Counter("pdserve:request_retries",
+                                "Hops re-routed after a worker refused or failed them, by hop "
+                                "(prefill, decode, offload) and gRPC status.",
+                                ["hop", "code"], registry=r)
         self.model_name = model_name
+
+    def retried(self, hop: str, code: str) -> None:
+        self._retries.labels(hop, code).inc()
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -138,6 +146,16 @@ class WorkerCollector:
                 ("kv_stream_fallbacks", "Streams given up for a whole-block put (queue full)."),
                 ("kv_stream_put_failures", "Streamed puts the store refused.")):
             yield counter(name, doc, s.get(name, 0))
+        # Counters end in _total once exposed (prometheus_client appends it to a counter).
+        for name, key, doc in (
+                ("prompt_tokens_computed", "prompt_tokens_computed",
+                 "Prompt tokens computed (not served from a prefix cache or an import)."),
+                ("engine_busy_seconds", "busy_seconds", "Seconds the engine spent in steps."),
+                ("local_prefill_requests", "local_prefill_requests",
+                 "Requests prefilled on this worker in the decode role (prefill offload)."),
+                ("local_prefill_tokens", "local_prefill_tokens",
+                 "Prompt tokens of the requests prefilled on this worker in the decode role.")):
+            yield counter(name, doc, s.get(key, 0))
         per_pos = CounterMetricFamily(
             "pdserve:spec_decode_num_accepted_tokens_per_pos",
             "Verifications whose draft token at this position was accepted.",

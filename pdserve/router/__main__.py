@@ -1,4 +1,4 @@
-"""`python -m pdserve.router --model PATH --prefill ADDR[,ADDR] --decode ADDR[,ADDR]`."""
+"""`python -m pdserve.router --model PATH [--prefill ADDR[,ADDR]] [--decode ADDR[,ADDR]]`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,18 @@ from pdserve.router.config import ROUTING_CHOICES, RouterConfig
 from pdserve.router.policy import DECODE_POLICIES
 
 
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     p = argparse.ArgumentParser(prog="python -m pdserve.router")
     p.add_argument("--model", required=True, help="model path (GGUF file or HF folder)")
-    p.add_argument("--prefill", required=True, help="comma-separated prefill worker addresses")
-    p.add_argument("--decode", required=True, help="comma-separated decode worker addresses")
+    p.add_argument("--prefill", default="",
+                   help="comma-separated prefill workers to start with (more may register)")
+    p.add_argument("--decode", default="",
+                   help="comma-separated decode workers to start with (more may register)")
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--model-name", default=None)
     p.add_argument("--max-model-len-tokens", type=int, default=None)
@@ -39,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-fetch-weight", type=float, default=0.2)
     p.add_argument("--kv-request-cost-tokens", type=float, default=64.0)
     p.add_argument("--routing-seed", type=int, default=0)
+    p.add_argument("--stats-interval-s", type=float, default=1.0,
+                   help="seconds between polls of every worker's stats (health and load)")
+    p.add_argument("--max-missed-polls", type=int, default=3,
+                   help="polls in a row a worker may miss before it leaves its pool (gone)")
     p.add_argument("--max-in-flight", type=int, default=128,
                    help="requests held at once; more get RESOURCE_EXHAUSTED / HTTP 429")
     p.add_argument("--max-in-flight-per-tenant", type=int, default=0)
@@ -50,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logctx.configure(logging.INFO)
     try:
-        cfg = RouterConfig(model_path=a.model, prefill_addresses=tuple(a.prefill.split(",")),
-                           decode_addresses=tuple(a.decode.split(",")), address=a.address,
+        cfg = RouterConfig(model_path=a.model, prefill_addresses=_addresses(a.prefill),
+                           decode_addresses=_addresses(a.decode), address=a.address,
                            model_name=a.model_name, max_model_len_tokens=a.max_model_len_tokens,
                            rpc_threads=a.rpc_threads, max_concurrent_rpcs=a.max_concurrent_rpcs,
                            http_host=a.http_host, http_port=a.http_port,
@@ -60,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                            store_address=a.store_address, kv_overlap_weight=a.kv_overlap_weight,
                            kv_fetch_weight=a.kv_fetch_weight,
                            kv_request_cost_tokens=a.kv_request_cost_tokens,
-                           routing_seed=a.routing_seed, max_in_flight=a.max_in_flight,
+                           routing_seed=a.routing_seed, stats_interval_s=a.stats_interval_s,
+                           max_missed_polls=a.max_missed_polls, max_in_flight=a.max_in_flight,
                            max_in_flight_per_tenant=a.max_in_flight_per_tenant,
                            tenant_rate_rps=a.tenant_rate_rps, tenant_burst=a.tenant_burst,
                            api_keys_file=a.api_keys_file)

@@ -1,4 +1,8 @@
-"""Configuration of the router process (one frozen dataclass, validated at the boundary)."""
+"""Configuration of the router process.
+
+Owns one frozen dataclass, validated at the boundary with errors naming the field. Must not
+start anything: `server.py` builds the process from it.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,10 @@ ROUTING_CHOICES = ("auto", *PREFILL_POLICIES)
 @dataclass(frozen=True)
 class RouterConfig:
     model_path: str
-    prefill_addresses: tuple[str, ...]
-    decode_addresses: tuple[str, ...]
+    # The first members of each pool; either may be empty (workers can register later through
+    # RouterControl). A worker reporting another role than its list says is moved by its poll.
+    prefill_addresses: tuple[str, ...] = ()
+    decode_addresses: tuple[str, ...] = ()
     address: str = "127.0.0.1:50051"
     model_name: str | None = None  # the id clients send in `model`; defaults to the file's name
     dtype: str = "float32"
@@ -22,8 +28,9 @@ class RouterConfig:
     rpc_threads: int = 64
     max_concurrent_rpcs: int = 256  # beyond this gRPC answers RESOURCE_EXHAUSTED
     request_timeout_s: float = 600.0
-    # Prefill policy: round_robin, least_loaded, power_of_two, kv_aware; "auto" is kv_aware
-    # with 2+ prefill workers (nothing to choose between with one: round_robin).
+    # Prefill policy: round_robin, least_loaded, power_of_two, kv_aware; "auto" is round_robin
+    # with exactly one initial prefill worker (nothing to choose between), kv_aware otherwise
+    # (2+, or none yet: workers will register).
     routing: str = "auto"
     decode_routing: str = "free_kv"  # or least_loaded, round_robin, power_of_two
     # Must equal the workers' block size: the router hashes prompts as their engines do (a
@@ -35,7 +42,8 @@ class RouterConfig:
     kv_fetch_weight: float = 0.2  # a block fetched from the store costs this x computing it
     kv_request_cost_tokens: float = 64.0  # queue load per request in flight, in prompt tokens
     routing_seed: int = 0  # power_of_two's random draws (reproducible)
-    stats_interval_s: float = 1.0  # how often worker stats (free KV, batch) are polled
+    stats_interval_s: float = 1.0  # how often every member is polled (stats and health)
+    max_missed_polls: int = 3  # polls in a row a member may miss before it counts as gone
     # The OpenAI-compatible HTTP API (pdserve.router.openai_api): None turns it off, 0 picks a
     # free port (the ready line says which).
     http_host: str = "127.0.0.1"
@@ -51,10 +59,13 @@ class RouterConfig:
     api_keys_file: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.prefill_addresses:
-            raise ConfigError("prefill_addresses: at least one prefill worker is needed")
-        if not self.decode_addresses:
-            raise ConfigError("decode_addresses: at least one decode worker is needed")
+        for f in ("prefill_addresses", "decode_addresses"):
+            bad = [a for a in getattr(self, f) if not a or ":" not in a]
+            if bad:
+                raise ConfigError(f"{f}: expected host:port, got {bad[0]!r}")
+        both = set(self.prefill_addresses) & set(self.decode_addresses)
+        if both:
+            raise ConfigError(f"decode_addresses: {sorted(both)[0]} is also a prefill worker")
         if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:
             raise ConfigError("rpc_threads and max_concurrent_rpcs must be >= 1")
         if self.routing not in ROUTING_CHOICES:
@@ -64,10 +75,14 @@ class RouterConfig:
                               f"got {self.decode_routing!r}")
         if self.block_size_tokens < 1:
             raise ConfigError(f"block_size_tokens must be >= 1, got {self.block_size_tokens}")
-        for f in ("kv_overlap_weight", "kv_fetch_weight", "kv_request_cost_tokens",
-                  "stats_interval_s"):
+        for f in ("kv_overlap_weight", "kv_fetch_weight", "kv_request_cost_tokens"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"{f} must be >= 0, got {getattr(self, f)}")
+        # Membership needs the polls: without them a dead worker would never leave its pool.
+        if self.stats_interval_s <= 0:
+            raise ConfigError(f"stats_interval_s must be > 0, got {self.stats_interval_s}")
+        if self.max_missed_polls < 1:
+            raise ConfigError(f"max_missed_polls must be >= 1, got {self.max_missed_polls}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ConfigError(f"http_port: must be in [0, 65535], got {self.http_port}")
         if self.max_in_flight < 1 or self.max_in_flight_per_tenant < 0:
@@ -81,4 +96,4 @@ class RouterConfig:
     def prefill_policy(self) -> str:
         if self.routing != "auto":
             return self.routing
-        return "kv_aware" if len(self.prefill_addresses) >= 2 else "round_robin"
+        return "round_robin" if len(self.prefill_addresses) == 1 else "kv_aware"

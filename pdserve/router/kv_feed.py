@@ -1,11 +1,12 @@
 """Keeps the router's block index (`KvIndex`) current from the cluster's event streams.
 
-Owns one daemon thread per prefill worker, subscribed to its `WatchKvEvents` (a snapshot of the
-worker's prefix cache, then its changes), and one for the store master's `WatchEvents` (objects
-stored, evicted, removed; keys mapped back to block hashes with `parse_key`). Each thread
-reconnects after an error; a snapshot, a reconnect to the store or lost store events reset what
-the index knows of that source first. The index is read under the same lock (`overlaps`).
-Must not choose workers: that is the policy's job (`policy.py`).
+Owns one daemon thread per known worker (started when it joins, stopped when it is forgotten),
+subscribed to its `WatchKvEvents` (a snapshot of the worker's prefix cache, then its changes),
+and one for the store master's `WatchEvents` (objects stored, evicted, removed; keys mapped
+back to block hashes with `parse_key`). Each thread reconnects after an error; a snapshot, a
+reconnect to the store or lost store events reset what the index knows of that source first.
+The index is read under the same lock (`overlaps`). Must not choose workers: that is the
+policy's job (`policy.py`).
 
 Staleness is allowed by design: between an eviction and its event the index claims a block that
 is gone, and the worker simply computes it. Routing gets less good, never wrong.
@@ -17,6 +18,7 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -75,10 +77,20 @@ def resume_after(details: str) -> int | None:
     return int(m.group(1)) - 1 if m else None
 
 
+@dataclass
+class _WorkerFeed:
+    """One worker's event stream: the event that stops its thread."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
 class KvFeeds:
-    def __init__(self, worker_addresses: Sequence[str], store_address: str = "",
+    """The index's feeds. Workers come and go with membership (`add`, `remove`); a worker's
+    cache is indexed whatever role it hosts, so one that switches into the prefill pool is
+    routed to by what it already caches."""
+
+    def __init__(self, worker_addresses: Sequence[str] = (), store_address: str = "",
                  index: KvIndex | None = None, retry_s: float = 1.0) -> None:
-        self.workers = list(worker_addresses)
         self.store_addresses = [a for a in store_address.split(",") if a]
         self.index = index if index is not None else KvIndex()
         self.retry_s = retry_s
@@ -88,33 +100,73 @@ class KvFeeds:
         self.snapshots = 0  # worker snapshots applied (first subscription, resyncs)
         self.store_resets = 0
         self._stop = threading.Event()
-        self._calls: set = set()
+        self._started = False
+        self._calls: dict = {}  # streaming call -> the worker feed it serves (None: the store's)
         self._threads: list[threading.Thread] = []
+        self._feeds: dict[str, _WorkerFeed] = {a: _WorkerFeed() for a in worker_addresses}
+
+    @property
+    def workers(self) -> list[str]:
+        """Workers fed now, in the order they were added."""
+        with self.lock:
+            return list(self._feeds)
 
     def start(self) -> "KvFeeds":
-        for a in self.workers:
-            self._spawn(f"kv-feed-{a}", self._watch_worker, a)
+        with self.lock:
+            self._started = True
+            feeds = list(self._feeds.items())
+        for a, f in feeds:
+            self._start_worker(a, f)
         if self.store_addresses:
             self._spawn("kv-feed-store", self._watch_store)
         return self
+
+    def add(self, address: str) -> None:
+        """Follow `address`'s prefix cache (a worker joined); a no-op if already followed."""
+        with self.lock:
+            if address in self._feeds or self._stop.is_set():
+                return
+            f = self._feeds[address] = _WorkerFeed()
+            started = self._started
+        if started:
+            self._start_worker(address, f)
+
+    def remove(self, address: str) -> None:
+        """Stop following `address` (it was forgotten) and forget what it cached."""
+        with self.lock:
+            f = self._feeds.pop(address, None)
+            if f is None:
+                return
+            f.stop.set()
+            self.model_ids.pop(address, None)
+            self.block_sizes.pop(address, None)
+            self.index.apply(KvEvent(address, CLEARED))
+            calls = [c for c, owner in self._calls.items() if owner is f]
+        for c in calls:
+            c.cancel()
 
     def close(self) -> None:
         self._stop.set()
         with self.lock:
             calls = list(self._calls)
+            for f in self._feeds.values():
+                f.stop.set()
         for c in calls:
             c.cancel()
         for t in self._threads:
             t.join(timeout=5)
 
-    def overlaps(self, hashes: Sequence[bytes], block_size_tokens: int
-                 ) -> tuple[list[int], int]:
-        """(leading blocks cached per worker, in `workers` order; leading blocks in the store).
-        A worker that reported another block size (or nothing yet) counts 0."""
+    def overlaps(self, hashes: Sequence[bytes], block_size_tokens: int,
+                 addresses: Sequence[str] | None = None) -> tuple[list[int], int]:
+        """(leading blocks cached per worker, in `addresses` order (default: `workers`);
+        leading blocks in the store). A worker that reported another block size (or nothing
+        yet, or is not followed) counts 0."""
         with self.lock:
+            if addresses is None:
+                addresses = list(self._feeds)
             local = [self.index.overlap(a, hashes)
                      if self.block_sizes.get(a) == block_size_tokens else 0
-                     for a in self.workers]
+                     for a in addresses]
             models = set(self.model_ids.values())
             store = max((self.index.overlap(store_source(m), hashes) for m in models), default=0)
         return local, store
@@ -122,40 +174,50 @@ class KvFeeds:
     # ---- threads -------------------------------------------------------------------------------
     def _spawn(self, name: str, target, *args) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads.append(t)
-        t.start()
-
-    def _stream(self, call):
-        """Iterate a streaming call that close() can cancel."""
+        t.start()  # before the filter below, which would drop a thread not yet started
         with self.lock:
-            self._calls.add(call)
+            # Finished threads go: workers that come and go must not grow this list forever.
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+
+    def _start_worker(self, address: str, feed: _WorkerFeed) -> None:
+        self._spawn(f"kv-feed-{address}", self._watch_worker, address, feed)
+
+    def _stream(self, call, feed: _WorkerFeed | None = None):
+        """Iterate a streaming call that close() (and remove(), for a worker's) can cancel."""
+        with self.lock:
+            self._calls[call] = feed
         try:
+            if feed is not None and feed.stop.is_set():
+                return  # removed while connecting: remove() may have missed this call
             yield from call
         finally:
             with self.lock:
-                self._calls.discard(call)
+                self._calls.pop(call, None)
 
-    def _watch_worker(self, address: str) -> None:
+    def _watch_worker(self, address: str, feed: _WorkerFeed) -> None:
         warned = False
-        while not self._stop.is_set():
+        while not feed.stop.is_set():
             try:
                 with rpc.make_channel(address) as ch:
                     call = wpb_grpc.WorkerStub(ch).WatchKvEvents(wpb.WatchKvEventsRequest())
-                    for batch in self._stream(call):
-                        self._apply_worker(address, batch)
+                    for batch in self._stream(call, feed):
+                        self._apply_worker(address, batch, feed)
                         warned = False
             except grpc.RpcError as e:
-                if self._stop.is_set():
+                if feed.stop.is_set():
                     return
                 if not warned:  # once per outage, not once per retry
                     log.warning("kv events of %s: %s %s; retrying every %.1fs", address,
                                 e.code(), e.details(), self.retry_s)
                     warned = True
-            self._stop.wait(self.retry_s)
+            feed.stop.wait(self.retry_s)
 
-    def _apply_worker(self, address: str, batch) -> None:
+    def _apply_worker(self, address: str, batch, feed: _WorkerFeed) -> None:
         events = worker_batch_events(address, batch)
         with self.lock:
+            if feed.stop.is_set():
+                return  # removed: a late batch must not bring its blocks back
             self.model_ids[address] = batch.model_id
             self.block_sizes[address] = batch.block_size_tokens
             self.snapshots += batch.snapshot

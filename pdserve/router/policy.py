@@ -19,6 +19,8 @@ Policies:
   from the store costs about 0.2x computing it; a request's fixed cost about 50-60 tokens.
 - `DecodeChooser` (decode): among workers whose reported free KV blocks fit the request, the one
   with the smallest running batch; if none fits, the one with the most free blocks.
+- `choose_offload`: which decode worker, if any, prefills a prompt itself within the offload
+  budget the controller gave it (FluidPD's prefill offload).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
 
 
 class NoWorkerError(RuntimeError):
@@ -222,6 +225,30 @@ class DecodeChooser:
         if fits:
             return RouteDecision(min(fits, key=lambda i: (batch(i), -free(i), i)), fits=True)
         return RouteDecision(min(live, key=lambda i: (-free(i), batch(i), i)), fits=False)
+
+
+class OffloadSlot(Protocol):
+    """What `choose_offload` reads of a decode worker (`membership.Member` has it)."""
+
+    address: str
+    offload_tokens: int  # prompt tokens of offloaded requests in flight to it
+    offload_budget: int  # the most it may hold (the controller's budget)
+
+
+def choose_offload(candidates: Sequence[OffloadSlot], prompt_tokens: int) -> int | None:
+    """The index of the decode worker to prefill a `prompt_tokens` prompt locally, or None.
+
+    A candidate fits when its offload tokens in flight plus this prompt stay within its
+    budget. Among those that fit, the most budget left wins (it spreads offloaded work over
+    the idle workers instead of filling one), ties going to the lowest address (deterministic).
+    None when nothing fits: the request takes the normal prefill path.
+    """
+    fits = [i for i, c in enumerate(candidates)
+            if c.offload_budget > 0 and c.offload_tokens + prompt_tokens <= c.offload_budget]
+    if not fits:
+        return None
+    return min(fits, key=lambda i: (-(candidates[i].offload_budget - candidates[i].offload_tokens),
+                                    candidates[i].address))
 
 
 PREFILL_POLICIES = ("round_robin", "least_loaded", "power_of_two", "kv_aware")

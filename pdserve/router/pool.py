@@ -1,19 +1,25 @@
-"""The router's view of one role's workers, and the thin adapter around a routing policy.
+"""The router's workers: membership applied to channels, polls and routing choices.
 
-Owns the stubs, the requests and predicted prefill tokens in flight per worker, the workers'
-last reported stats (a poller thread calls GetStats; a worker that answers UNAVAILABLE is
-skipped until it answers again), and `pick()`: build the policy's `RouteInput` (the prompt's
-chained block hashes, computed exactly as the engine does, looked up in the block index), ask
-the policy, hold the choice for the request's duration. Must not score workers itself: the
-policies in `policy.py` do, as pure functions of the input.
+Owns a channel and stub per known worker (made when it joins, closed when it is forgotten),
+the `Membership` table behind one lock, the stats poller (one thread: GetStats to every member
+each `stats_interval_s`, in parallel; an answer is a `report` in the role it names, no answer
+is a `missed` poll), the KV event feeds following membership, and `pick()`: build the policy's
+`RouteInput` from the ACTIVE members of a role (the prompt's chained block hashes looked up in
+the block index for KV-aware prefill), ask the policy, and count the choice in flight for the
+request's duration. Also `offload()`, the same for a prefill offloaded onto a decode worker.
+
+Must not score workers or decide transitions itself: `policy.py` and `membership.py` do, as
+pure functions of their inputs; this module only feeds them and carries out the result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
-from collections.abc import Sequence
 
 import grpc
 
@@ -22,94 +28,280 @@ from pdserve.engine.block_pool import prompt_block_hashes
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from pdserve.router.kv_feed import KvFeeds
-from pdserve.router.policy import KvAware, RouteDecision, RouteInput, WorkerLoad
+from pdserve.router.membership import (
+    DECODE, GONE, PREFILL, Member, Membership, UnknownMemberError,
+)
+from pdserve.router.policy import (
+    KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad, choose_offload,
+)
 
 log = logging.getLogger(__name__)
 
+ROLE_OF_PROTO = {wpb.ROLE_PREFILL: PREFILL, wpb.ROLE_DECODE: DECODE}
+PROTO_OF_ROLE = {PREFILL: wpb.ROLE_PREFILL, DECODE: wpb.ROLE_DECODE}
+# A poll that gets one of these did not reach the worker: it counts as missed. Any other
+# answer (even an error) came from a live process.
+_MISSED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A worker answers GetStats between engine steps, and one CPU prefill step can take seconds: a
+# short timeout would call a busy worker gone. A dead process is refused at once regardless.
+_POLL_TIMEOUT_S = 5.0
 
-class WorkerPool:
-    def __init__(self, addresses: Sequence[str], policy, *, block_size_tokens: int = 16,
-                 feeds: KvFeeds | None = None, stats_interval_s: float = 0.0) -> None:
-        self.addresses = list(addresses)
-        self.channels = [rpc.make_channel(a) for a in self.addresses]
-        self.stubs = [wpb_grpc.WorkerStub(c) for c in self.channels]
-        self.in_flight = [0] * len(self.addresses)
-        self.in_flight_tokens = [0.0] * len(self.addresses)
-        self.healthy = [True] * len(self.addresses)
-        self.stats: list[wpb.WorkerStats | None] = [None] * len(self.addresses)
-        self.policy = policy
+
+class WorkerSet:
+    """Every worker the router knows, both pools. Thread-safe."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, prefill_policy,
+                 decode_policy, block_size_tokens: int = 16, feeds: KvFeeds | None = None,
+                 stats_interval_s: float = 1.0, max_missed: int = 3,
+                 forget_after_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.membership = Membership(max_missed, forget_after_s)
+        self.policies = {PREFILL: prefill_policy, DECODE: decode_policy}
         self.block_size_tokens = block_size_tokens
         self.feeds = feeds
+        self.stats_interval_s = stats_interval_s
+        self.clock = clock
         self.last_decision: RouteDecision | None = None
-        self._lock = threading.Lock()
+        self.on_change: Callable[[bool], None] | None = None  # see watch()
+        self._lock = threading.RLock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, wpb_grpc.WorkerStub] = {}
+        self._serving: bool | None = None
+        self._notify_lock = threading.Lock()
         self._stop = threading.Event()
-        self._poller = None
+        now = clock()
+        for role, addresses in ((PREFILL, prefill), (DECODE, decode)):
+            for a in addresses:
+                self.join(a, role, now=now)
+        self._poller: threading.Thread | None = None
         if stats_interval_s > 0:
-            self._poller = threading.Thread(target=self._poll, args=(stats_interval_s,),
-                                            name="worker-stats", daemon=True)
+            self._poller = threading.Thread(target=self._poll_loop, name="worker-stats",
+                                            daemon=True)
             self._poller.start()
 
-    def _prefix(self, prompt_ids: Sequence[int] | None, salt: str) -> tuple[list[int], int]:
-        """(leading blocks cached per worker, leading blocks in the store) of this prompt."""
-        n = len(self.addresses)
-        if self.feeds is None or not isinstance(self.policy, KvAware) or not prompt_ids:
-            return [0] * n, 0
+    # ---- membership, carried out ---------------------------------------------------------------
+    def join(self, address: str, role: str, now: float | None = None) -> Member:
+        """A worker joins (or rejoins) in `role`; a snapshot of its member."""
+        with self._lock:
+            was = self.membership.get(address).state if address in self.membership else None
+            m = self.membership.join(address, role, self.clock() if now is None else now)
+            if was is None or was == GONE:
+                # A fresh channel: one to a worker that was gone may sit in gRPC's reconnect
+                # backoff (growing to minutes) long after the worker says it is back.
+                self._open(address)
+            snap = dataclasses.replace(m)
+        self._changed()
+        return snap
+
+    def report(self, address: str, stats: wpb.WorkerStats, now: float | None = None
+               ) -> Member | None:
+        """A poll answer (or a registration's GetStats) from `address`."""
+        role = ROLE_OF_PROTO.get(stats.role)
+        if role is None:  # workers always host a role; an answer without one changes nothing
+            log.warning("worker %s reported no role", address)
+            return None
+        with self._lock:
+            before = self.membership.get(address) if address in self.membership else None
+            was = None if before is None else (before.state, before.role)
+            m = self.membership.report(address, role, self.clock() if now is None else now, stats)
+            snap = None if m is None else dataclasses.replace(m)
+        if snap is not None and was != (snap.state, snap.role):
+            log.warning("worker %s is %s in the %s role: %s", address, snap.state, snap.role,
+                        snap.reason)
+        self._changed()
+        return snap
+
+    def set_state(self, address: str, state: str, role: str | None = None,
+                  reason: str = "") -> Member:
+        """The controller moves a member (GONE forgets it at once); a snapshot of it.
+        Raises UnknownMemberError."""
+        with self._lock:
+            m = dataclasses.replace(self.membership.set_state(address, state, role, reason,
+                                                              now=self.clock()))
+            if state == GONE:
+                self._forget([address])
+        log.info("worker %s set %s in the %s role: %s", address, m.state, m.role, m.reason)
+        self._changed()
+        return m
+
+    def set_offload_budgets(self, budgets: dict[str, tuple[int, int]]) -> None:
+        """Replaces every offload budget (membership.InvalidBudgetError on a bad one)."""
+        with self._lock:
+            self.membership.set_offload_budgets(budgets)
+
+    def members(self) -> list[Member]:
+        """Snapshots of every member, by address."""
+        with self._lock:
+            return [dataclasses.replace(m) for m in self.membership.members()]
+
+    def get(self, address: str) -> Member:
+        with self._lock:
+            return dataclasses.replace(self.membership.get(address))
+
+    def serving(self) -> bool:
+        with self._lock:
+            return self.membership.serving()
+
+    def stub(self, address: str) -> wpb_grpc.WorkerStub:
+        with self._lock:
+            s = self._stubs.get(address)
+        if s is None:
+            raise UnknownMemberError(f"no worker {address!r} is known to this router")
+        return s
+
+    def _open(self, address: str) -> None:
+        old = self._channels.pop(address, None)
+        if old is not None:
+            old.close()
+        self._channels[address] = ch = rpc.make_channel(address)
+        self._stubs[address] = wpb_grpc.WorkerStub(ch)
+        if self.feeds is not None:
+            self.feeds.add(address)
+
+    def _forget(self, addresses: Iterable[str]) -> None:
+        for a in addresses:
+            self.membership.forget(a)
+            self._stubs.pop(a, None)
+            ch = self._channels.pop(a, None)
+            if ch is not None:
+                ch.close()
+            if self.feeds is not None:
+                self.feeds.remove(a)
+            log.warning("worker %s forgotten", a)
+
+    def watch(self, on_change: Callable[[bool], None]) -> None:
+        """Call `on_change(serving)` now and whenever serving() flips (health status)."""
+        with self._notify_lock:
+            self.on_change = on_change
+            self._serving = self.serving()
+            on_change(self._serving)
+
+    def _changed(self) -> None:
+        """Tell on_change when serving() flips. Its own lock keeps the calls in the order of
+        the states they report; the table's lock is not held while it runs."""
+        with self._notify_lock:
+            serving = self.serving()
+            if serving == self._serving:
+                return
+            self._serving = serving
+            if self.on_change is not None:
+                self.on_change(serving)
+
+    # ---- choices -------------------------------------------------------------------------------
+    def _prefix(self, addresses: list[str], prompt_ids: Sequence[int] | None, salt: str
+                ) -> tuple[list[int], int]:
+        """(leading blocks of this prompt cached per worker, leading blocks in the store)."""
+        if self.feeds is None or not isinstance(self.policies[PREFILL], KvAware) or not prompt_ids:
+            return [0] * len(addresses), 0
         # The engine reuses whole blocks of all prompt tokens but the last (same hashes as the
         # prefill role's store lookup and the scheduler's prefix match).
         hashes = prompt_block_hashes(list(prompt_ids[:-1]), self.block_size_tokens, salt)
-        return self.feeds.overlaps(hashes, self.block_size_tokens)
+        return self.feeds.overlaps(hashes, self.block_size_tokens, addresses)
 
-    def _input(self, local: list[int], store: int, prompt_tokens: int,
+    def _input(self, pool: list[Member], local: dict[str, int], store: int, prompt_tokens: int,
                extra_tokens: int) -> RouteInput:
-        """The policy's input (the pool's lock held, so loads and stats agree)."""
         workers = []
-        for i, a in enumerate(self.addresses):
-            s = self.stats[i]
+        for m in pool:
+            s = m.stats
             workers.append(WorkerLoad(
-                a, self.in_flight[i], self.healthy[i], self.in_flight_tokens[i], local[i],
+                m.address, m.in_flight, True, m.in_flight_tokens, local.get(m.address, 0),
                 free_blocks=None if s is None else s.num_free_blocks,
                 running=0 if s is None else s.num_running, waiting=0 if s is None else s.num_waiting))
         need = -(-(prompt_tokens + extra_tokens) // self.block_size_tokens)
         return RouteInput(tuple(workers), prompt_tokens, self.block_size_tokens, store, need)
 
     @contextmanager
-    def pick(self, prompt_ids: Sequence[int] | None = None, salt: str = "",
-             extra_tokens: int = 0):
-        """Choose a worker for one request and count it in flight until the block exits.
-        `extra_tokens`: tokens the request may add (max_tokens), for decode's KV fit."""
-        local, store = self._prefix(prompt_ids, salt)  # outside the pool lock: hashing takes time
+    def pick(self, role: str, prompt_ids: Sequence[int] | None = None, salt: str = "",
+             extra_tokens: int = 0, exclude: frozenset[str] = frozenset()):
+        """Choose an ACTIVE worker of `role` (not in `exclude`) for one request; yields
+        (address, stub) and counts the request in flight until the block exits.
+        `extra_tokens`: tokens the request may add (max_tokens), for decode's KV fit.
+        Raises NoWorkerError when no such worker is ACTIVE."""
+        if role == PREFILL:
+            with self._lock:
+                addresses = [m.address for m in self.membership.pool(role)
+                             if m.address not in exclude]
+            # Outside the lock: hashing a long prompt takes time.
+            cached, store = self._prefix(addresses, prompt_ids, salt)
+            local = dict(zip(addresses, cached))
+        else:
+            local, store = {}, 0
         with self._lock:
-            inp = self._input(local, store, len(prompt_ids or ()), extra_tokens)
-            d = self.policy.decide(inp)
-            i = d.index
+            pool = [m for m in self.membership.pool(role) if m.address not in exclude]
+            if not pool:
+                raise NoWorkerError(f"no active {role} worker"
+                                    + (f" besides {sorted(exclude)}" if exclude else ""))
+            inp = self._input(pool, local, store, len(prompt_ids or ()), extra_tokens)
+            d = self.policies[role].decide(inp)
+            address = pool[d.index].address
             tokens = d.work_tokens if d.work_tokens is not None else inp.prompt_tokens
-            self.in_flight[i] += 1
-            self.in_flight_tokens[i] += tokens
+            self.membership.acquire(address, tokens)
+            stub = self._stubs[address]
             self.last_decision = d
         if d.scores:
-            log.debug("routed to %s: %s", self.addresses[i], d.scores)
+            log.debug("routed to %s: %s", address, d.scores)
         try:
-            yield self.stubs[i]
+            yield address, stub
         finally:
             with self._lock:
-                self.in_flight[i] -= 1
-                self.in_flight_tokens[i] -= tokens
+                self.membership.release(address, tokens)
 
-    def _poll(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            for i, stub in enumerate(self.stubs):
-                try:
-                    s = stub.GetStats(wpb.GetStatsRequest(), timeout=max(1.0, 2 * interval_s))
-                    healthy = True
-                except grpc.RpcError as e:
-                    s, healthy = None, e.code() != grpc.StatusCode.UNAVAILABLE
-                with self._lock:
-                    if s is not None:
-                        self.stats[i] = s
-                    if healthy != self.healthy[i]:
-                        log.warning("worker %s is %s", self.addresses[i],
-                                    "back" if healthy else "unavailable; skipping it")
-                    self.healthy[i] = healthy
+    @contextmanager
+    def offload(self, prompt_tokens: int):
+        """A decode worker to prefill this prompt itself within its offload budget: yields
+        (address, stub, chunk tokens) with the prompt counted against the budget until the
+        block exits, or None when no budget fits (`policy.choose_offload`)."""
+        with self._lock:
+            candidates = self.membership.offload_candidates()
+            i = choose_offload(candidates, prompt_tokens) if candidates else None
+            if i is None:
+                chosen = None
+            else:
+                m = candidates[i]
+                self.membership.acquire(m.address, 0.0, prompt_tokens)
+                chosen = (m.address, self._stubs[m.address], m.offload_chunk)
+        if chosen is None:
+            yield None
+            return
+        try:
+            yield chosen
+        finally:
+            with self._lock:
+                self.membership.release(chosen[0], 0.0, prompt_tokens)
+
+    # ---- the poller ----------------------------------------------------------------------------
+    def poll_once(self) -> None:
+        """GetStats to every member at once; apply answers and misses; forget the long gone."""
+        with self._lock:
+            stubs = dict(self._stubs)
+        timeout = max(_POLL_TIMEOUT_S, 2 * self.stats_interval_s)
+        futures = {a: s.GetStats.future(wpb.GetStatsRequest(), timeout=timeout)
+                   for a, s in stubs.items()}
+        for a, f in futures.items():
+            try:
+                stats = f.result()
+            except grpc.RpcError as e:
+                if e.code() in _MISSED_CODES:
+                    with self._lock:
+                        m = self.membership.missed(a, self.clock())
+                        newly_gone = (m is not None and m.state == GONE
+                                      and m.missed == self.membership.max_missed)
+                    if newly_gone:
+                        log.warning("worker %s is gone: %s", a, m.reason)
+                else:
+                    log.warning("stats of %s: %s %s", a, e.code(), e.details())
+                continue
+            self.report(a, stats)
+        with self._lock:
+            self._forget(self.membership.forget_gone(self.clock()))
+        self._changed()
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.stats_interval_s):
+            try:
+                self.poll_once()
+            except Exception:  # the poller must outlive any one bad poll
+                log.exception("stats poll failed")
 
     def close(self) -> None:
         self._stop.set()
@@ -117,6 +309,8 @@ class WorkerPool:
             self._poller.join(timeout=5)
         if self.feeds is not None:
             self.feeds.close()
-        for c in self.channels:
-            c.close()
-
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+            self._stubs.clear()

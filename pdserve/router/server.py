@@ -1,5 +1,10 @@
-"""Builds the router process: tokenizer and model config (no weights), worker pools, gRPC server,
-and the OpenAI-compatible HTTP server beside it (when configured)."""
+"""Builds the router process.
+
+Owns the wiring: tokenizer and model config (no weights), the workers it routes to (membership,
+both pools), the gRPC server (Generation, RouterControl, and health that says SERVING only while
+both pools have an ACTIVE member), and the OpenAI-compatible HTTP server beside it (when
+configured). Must not hold request logic: `service.py`, `control.py` and `pool.py` do.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +15,21 @@ from collections.abc import Sequence
 from pdserve import rpc
 from pdserve.engine.loader import load_model_config
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.proto import api_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from pdserve.proto import api_pb2_grpc, router_pb2_grpc
 from pdserve.metrics import CONTENT_TYPE_LATEST, RouterMetrics, render
 from pdserve.router.admission import Admission, AdmissionConfig
 from pdserve.router.auth import ApiKeys, KeyFileError
 from pdserve.router.config import RouterConfig
+from pdserve.router.control import RequestSignals, RouterControlServicer
 from pdserve.router.kv_feed import KvFeeds
 from pdserve.router.policy import make_policy
-from pdserve.router.pool import WorkerPool
+from pdserve.router.pool import WorkerSet
 from pdserve.router.service import RouterService
+
+# Services whose health follows membership: SERVING only while a request can be served.
+_ROUTING_SERVICES = ("", "pdserve.v1.Generation")
 
 
 def served_names(cfg: RouterConfig) -> tuple[str, ...]:
@@ -29,24 +40,20 @@ def served_names(cfg: RouterConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
-def build_pools(cfg: RouterConfig) -> tuple[WorkerPool, WorkerPool]:
-    """The prefill pool (its policy; with kv_aware, the block index fed by the workers' and the
-    store's event streams) and the decode pool (its policy over polled worker stats)."""
+def build_workers(cfg: RouterConfig) -> WorkerSet:
+    """Both pools over one membership: the flags' workers are the first members. The prefill
+    policy (with kv_aware, the block index fed by every member's and the store's event
+    streams) and the decode policy (over polled worker stats)."""
     weights = dict(overlap_weight=cfg.kv_overlap_weight, fetch_weight=cfg.kv_fetch_weight,
                    request_cost_tokens=cfg.kv_request_cost_tokens)
     name = cfg.prefill_policy()
-    feeds = None
-    if name == "kv_aware":
-        feeds = KvFeeds(cfg.prefill_addresses, cfg.store_address).start()
-    prefill = WorkerPool(cfg.prefill_addresses,
-                         make_policy(name, seed=cfg.routing_seed, **weights),
-                         block_size_tokens=cfg.block_size_tokens, feeds=feeds,
-                         stats_interval_s=cfg.stats_interval_s)
-    decode = WorkerPool(cfg.decode_addresses,
-                        make_policy(cfg.decode_routing, seed=cfg.routing_seed + 1, **weights),
-                        block_size_tokens=cfg.block_size_tokens,
-                        stats_interval_s=cfg.stats_interval_s)
-    return prefill, decode
+    feeds = KvFeeds((), cfg.store_address).start() if name == "kv_aware" else None
+    return WorkerSet(cfg.prefill_addresses, cfg.decode_addresses,
+                     prefill_policy=make_policy(name, seed=cfg.routing_seed, **weights),
+                     decode_policy=make_policy(cfg.decode_routing, seed=cfg.routing_seed + 1,
+                                               **weights),
+                     block_size_tokens=cfg.block_size_tokens, feeds=feeds,
+                     stats_interval_s=cfg.stats_interval_s, max_missed=cfg.max_missed_polls)
 
 
 def build_service(cfg: RouterConfig) -> RouterService:
@@ -54,15 +61,15 @@ def build_service(cfg: RouterConfig) -> RouterService:
     tokenizer = Tokenizer.from_path(cfg.model_path)
     max_len = min(cfg.max_model_len_tokens or model_config.max_position_embeddings,
                   model_config.max_position_embeddings)
-    prefill, decode = build_pools(cfg)
+    api_keys = ApiKeys.load(cfg.api_keys_file)  # before any thread starts: it may refuse
+    workers = build_workers(cfg)
     names = served_names(cfg)
     admission = Admission(AdmissionConfig(
         max_in_flight=cfg.max_in_flight, max_in_flight_per_tenant=cfg.max_in_flight_per_tenant,
         tenant_rate_rps=cfg.tenant_rate_rps, tenant_burst=cfg.tenant_burst))
-    return RouterService(tokenizer, model_config, names, max_len, prefill, decode,
-                         cfg.request_timeout_s, admission=admission,
-                         api_keys=ApiKeys.load(cfg.api_keys_file),
-                         metrics=RouterMetrics(names[0]))
+    return RouterService(tokenizer, model_config, names, max_len, workers,
+                         cfg.request_timeout_s, admission=admission, api_keys=api_keys,
+                         metrics=RouterMetrics(names[0]), signals=RequestSignals())
 
 
 def loopback(address: str) -> str:
@@ -108,11 +115,23 @@ def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
         return 2
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     api_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
+    router_pb2_grpc.add_RouterControlServicer_to_server(
+        RouterControlServicer(service.workers, service.signals), server)
+    health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation",
+                                                    "pdserve.v1.RouterControl"])
+
+    def follow(serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in _ROUTING_SERVICES:
+            health.set(name, status)
+
+    service.workers.watch(follow)
     try:
         port = server.add_insecure_port(cfg.address)
     except RuntimeError as e:
         print(f"cannot bind {cfg.address}: {e}", file=sys.stderr, flush=True)
+        service.workers.close()
         return 1
     server.start()
     where = f"{cfg.address.rsplit(':', 1)[0]}:{port}"
@@ -124,6 +143,7 @@ def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
     except HttpStartError as e:
         print(str(e), file=sys.stderr, flush=True)
         server.stop(grace=None)
+        service.workers.close()
         return 1
     http_note = f" http={http.address}" if http is not None else ""
     print(f"pdserve.router ready on {where} model={service.model_names[0]}{http_note}", flush=True)
@@ -132,6 +152,5 @@ def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
     if http is not None:
         http.stop()
     server.stop(grace=2.0).wait()
-    service.prefill.close()
-    service.decode.close()
+    service.workers.close()
     return 0

@@ -219,9 +219,13 @@ def start_http_router(model_path: str, *extra_args: str):
     """A router process whose workers are unreachable: nothing is generated, so requests that
     pass validation get 503 (gRPC UNAVAILABLE mapped), everything else a 4xx.
     Returns (process, HTTP base URL)."""
-    grpc_addr, dead = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    grpc_addr = f"127.0.0.1:{free_port()}"
+    dead_p, dead_d = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    # The dead workers stay members (never dropped for missed polls), so the router keeps
+    # routing to them and answers UNAVAILABLE, as a router whose workers just died does.
     p = start_process([sys.executable, "-m", "pdserve.router", "--model", model_path,
-                       "--address", grpc_addr, "--prefill", dead, "--decode", dead,
+                       "--address", grpc_addr, "--prefill", dead_p, "--decode", dead_d,
+                       "--max-missed-polls", "1000000",
                        "--http-port", "0", "--http-max-body-bytes", str(64 << 10),
                        *extra_args],
                       grpc_addr, timeout_s=120)

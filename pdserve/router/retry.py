@@ -1,0 +1,72 @@
+"""When the router re-routes a hop that a worker refused or failed, as a pure core.
+
+Owns the retry rule: which statuses mean "another worker (or this one a little later) can serve
+it", how many attempts a request gets, the backoff between them, and the request's remaining
+deadline as a bound. Must not do I/O, sleep or read a clock: the service passes the attempt,
+the status name and the remaining time, and sleeps the returned delay itself.
+
+Retryable, each naming something about one worker, not about the request:
+- UNAVAILABLE: the worker is draining for a role switch, or dead;
+- FAILED_PRECONDITION: it switched role behind the router's back;
+- RESOURCE_EXHAUSTED: its queue is full.
+Never retried: INVALID_ARGUMENT (the request is bad everywhere), DEADLINE_EXCEEDED (no time
+left), CANCELLED (the client left), INTERNAL and anything else (a bug: repeating it elsewhere
+would only hide it). Never once the hop has streamed tokens to the client either: a second
+worker would send them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RETRYABLE_CODES = frozenset({"UNAVAILABLE", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"})
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    retry: bool
+    delay_s: float  # wait this long before the next attempt (0 when not retrying)
+    reason: str  # why, for logs and tests
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """`max_attempts` counts the first try; the delay before attempt n+1 is
+    `backoff_s` x 2^(n-1), capped at `backoff_max_s`; a retry needs at least
+    `min_remaining_s` of the request's deadline left after the delay."""
+
+    max_attempts: int = 4
+    backoff_s: float = 0.02
+    backoff_max_s: float = 0.5
+    min_remaining_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for f in ("backoff_s", "backoff_max_s", "min_remaining_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+
+    def delay_s(self, attempt: int) -> float:
+        """The wait after failed attempt `attempt` (1-based)."""
+        # Exponent capped so a huge attempt number cannot overflow a float.
+        return min(self.backoff_max_s, self.backoff_s * 2.0 ** min(max(0, attempt - 1), 60))
+
+    def decide(self, attempt: int, code: str, remaining_s: float | None,
+               streamed: bool) -> RetryDecision:
+        """Attempt number `attempt` (1-based) failed with status `code` (a grpc.StatusCode
+        name); `remaining_s` is the request's deadline left (None: none); `streamed` says the
+        hop already sent tokens to the client."""
+        if attempt < 1:
+            raise ValueError(f"attempt is 1-based, got {attempt}")
+        if code not in RETRYABLE_CODES:
+            return RetryDecision(False, 0.0, f"{code} is not retryable")
+        if streamed:
+            return RetryDecision(False, 0.0, "tokens already reached the client")
+        if attempt >= self.max_attempts:
+            return RetryDecision(False, 0.0, f"{attempt} of {self.max_attempts} attempts used")
+        delay = self.delay_s(attempt)
+        if remaining_s is not None and remaining_s < self.min_remaining_s + delay:
+            return RetryDecision(False, 0.0, f"only {remaining_s:.3f}s of the deadline left")
+        return RetryDecision(True, delay, f"{code}: attempt {attempt + 1} of "
+                                          f"{self.max_attempts} after {delay:.3f}s")

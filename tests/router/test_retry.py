@@ -1,0 +1,73 @@
+"""The retry rule as a pure core: which statuses re-route, how often, how long to wait."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdserve.router.retry import RETRYABLE_CODES, RetryPolicy
+
+CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+         "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+         "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+         "UNAUTHENTICATED"]
+
+
+@pytest.mark.parametrize("code", ["UNAVAILABLE", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"])
+def test_worker_refusals_are_retried(code):
+    d = RetryPolicy().decide(1, code, remaining_s=10.0, streamed=False)
+    assert d.retry and d.delay_s == pytest.approx(0.02) and code in d.reason
+
+
+@pytest.mark.parametrize("code", ["INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "CANCELLED",
+                                  "INTERNAL", "UNKNOWN"])
+def test_request_faults_are_never_retried(code):
+    d = RetryPolicy().decide(1, code, remaining_s=None, streamed=False)
+    assert not d.retry and d.delay_s == 0.0
+
+
+def test_never_after_tokens_reached_the_client():
+    d = RetryPolicy().decide(1, "UNAVAILABLE", remaining_s=None, streamed=True)
+    assert not d.retry and "client" in d.reason
+
+
+def test_attempts_are_bounded_and_backoff_doubles_up_to_its_cap():
+    p = RetryPolicy(max_attempts=6, backoff_s=0.1, backoff_max_s=0.35)
+    delays = [p.decide(a, "UNAVAILABLE", None, False).delay_s for a in range(1, 6)]
+    assert delays == pytest.approx([0.1, 0.2, 0.35, 0.35, 0.35])
+    assert not p.decide(6, "UNAVAILABLE", None, False).retry
+
+
+def test_not_when_the_deadline_cannot_cover_the_wait_and_a_useful_attempt():
+    p = RetryPolicy(backoff_s=0.1, min_remaining_s=0.5)
+    assert p.decide(1, "UNAVAILABLE", remaining_s=0.61, streamed=False).retry
+    d = p.decide(1, "UNAVAILABLE", remaining_s=0.59, streamed=False)
+    assert not d.retry and "deadline" in d.reason
+
+
+@given(attempt=st.integers(1, 10_000), code=st.sampled_from(CODES),
+       remaining=st.none() | st.floats(0, 1e6, allow_nan=False),
+       streamed=st.booleans(), max_attempts=st.integers(1, 10),
+       backoff=st.floats(0, 5), cap=st.floats(0, 5), floor=st.floats(0, 5))
+def test_a_retry_always_honours_every_bound(attempt, code, remaining, streamed, max_attempts,
+                                            backoff, cap, floor):
+    p = RetryPolicy(max_attempts, backoff, cap, floor)
+    d = p.decide(attempt, code, remaining, streamed)
+    if d.retry:
+        assert code in RETRYABLE_CODES and not streamed and attempt < max_attempts
+        assert 0.0 <= d.delay_s <= cap
+        assert remaining is None or remaining >= floor + d.delay_s
+    else:
+        assert d.delay_s == 0.0 and d.reason
+    if code in RETRYABLE_CODES and not streamed and attempt < max_attempts and remaining is None:
+        assert d.retry  # nothing else may stop it
+
+
+def test_bad_policies_and_attempts_are_refused():
+    with pytest.raises(ValueError, match="max_attempts"):
+        RetryPolicy(max_attempts=0)
+    with pytest.raises(ValueError, match="backoff_s"):
+        RetryPolicy(backoff_s=-1)
+    with pytest.raises(ValueError, match="1-based"):
+        RetryPolicy().decide(0, "UNAVAILABLE", None, False)
