@@ -49,15 +49,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        decode_workers=args.decode_workers, num_blocks=args.num_blocks,
                        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
                        threads_per_worker=args.threads_per_worker, routing=args.routing,
-                       **_spec_args(args))
+                       controller=not args.no_controller, controller_port=args.controller_port,
+                       controller_mode=args.controller_mode, ttft_slo_ms=args.ttft_slo_ms,
+                       itl_slo_ms=args.itl_slo_ms, **_spec_args(args))
     cluster = LocalCluster(spec)
     try:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
                             f"{spec.decode_workers} decode workers, router ({spec.model_path})"):
             cluster.start()
         http = f", OpenAI API on http://{cluster.http_address}/v1" if cluster.http_address else ""
-        console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address}{http} "
-                      f"(logs in {cluster.log_dir}); Ctrl-C stops it")
+        ctl = (f", controller on {cluster.controller_address} ({spec.controller_mode}; "
+               f"`pdserve ctl status`)" if cluster.controller_address else "")
+        console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address}{http}"
+                      f"{ctl} (logs in {cluster.log_dir}); Ctrl-C stops it")
         http_note = f" http={cluster.http_address}" if cluster.http_address else ""
         print(f"pdserve ready on {cluster.router_address}{http_note}", flush=True)
         rpc.wait_for_signal()
@@ -135,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most draft tokens per request per step (gamma)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="compute threads per worker (default: this machine's cores split evenly)")
+    s.add_argument("--no-controller", action="store_true",
+                   help="start no controller: roles stay as started")
+    s.add_argument("--controller-port", type=int, default=50052,
+                   help="the controller's gRPC port (`pdserve ctl --address`)")
+    s.add_argument("--controller-mode", default="active", choices=["active", "advisory", "off"],
+                   help="active: flips roles and offloads prefill; advisory: only decides, "
+                        "logs and exports; off")
+    s.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                   help="time-to-first-token SLO the controller steers for")
+    s.add_argument("--itl-slo-ms", type=float, default=200.0,
+                   help="inter-token latency SLO the controller steers for")
     s.add_argument("--ready-timeout-s", type=float, default=300.0)
     s.add_argument("--log-dir", default=None)
     s.set_defaults(func=cmd_serve)
@@ -175,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(time to the 2nd and 10th token per variant)")
     bench_transfer.add_arguments(t).set_defaults(func=bench_transfer.run)
 
+    from pdserve.bench import fluid as bench_fluid
+
+    f = bsub.add_parser("fluid", help="the controller vs static prefill:decode splits on a "
+                                      "phase-shifting workload (SLO attainment, goodput)")
+    bench_fluid.add_arguments(f).set_defaults(func=bench_fluid.run)
+    from pdserve.controller import ctl
+
+    ctl.add_parser(sub)
     from pdserve.engine.spec import train as spec_train
 
     spec_train.add_train_draft_parser(sub)
@@ -182,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["ctl"]:  # the operator CLI starts fast: no torch, no benchmark modules
+        from pdserve.controller import ctl
+
+        p = argparse.ArgumentParser(prog="pdserve")
+        ctl.add_parser(p.add_subparsers(dest="command", required=True))
+        args = p.parse_args(argv)
+        return args.func(args)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

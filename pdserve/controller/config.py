@@ -26,6 +26,9 @@ class ControllerConfig:
     itl_slo_ms: float = 200.0
     ttft_share: float = 0.5  # share of the TTFT SLO the prefill queue may take
     window_s: float = 30.0  # finished requests counted in the attainment and ITL p90
+    # Finished requests whose TTFT and ITL p90 feed the pressures: short, so a role stops
+    # counting as pressured soon after its burst ends.
+    pressure_window_s: float = 5.0
     # The two mechanisms (FluidRole flips whole workers; FluidToken offloads prefill work).
     fluid_role: bool = True
     fluid_token: bool = True
@@ -53,7 +56,8 @@ class ControllerConfig:
             raise ConfigError(f"address must be host:port, got {self.address!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for f in ("tick_s", "ttft_slo_ms", "itl_slo_ms", "window_s", "drain_timeout_s"):
+        for f in ("tick_s", "ttft_slo_ms", "itl_slo_ms", "window_s", "pressure_window_s",
+                  "drain_timeout_s"):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"{f} must be > 0, got {getattr(self, f)}")
         if not 0 < self.ttft_share <= 1:

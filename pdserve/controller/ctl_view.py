@@ -27,7 +27,7 @@ def show(command: str, resp, dry_run: bool = False) -> int:
     if command == "rebalance":
         t = Table(title="rebalance plan" + (" (dry run: nothing changed)" if dry_run else ""))
         for col in ("#", "worker", "from", "to", "result"):
-            t.add_column(col)
+            t.add_column(col, no_wrap=col == "worker")
         results = {r.address: r for r in resp.results}
         for i, f in enumerate(resp.plan, 1):
             r = results.get(f.address)
@@ -57,8 +57,9 @@ def show(command: str, resp, dry_run: bool = False) -> int:
 
 def _status(console: Console, s) -> int:
     t = Table(title=f"pdserve controller: mode {_MODE[s.mode]}")
-    for col in ("worker", "role", "state", "pinned", "running", "waiting", "KV used",
-                "in flight", "offload budget", "switches", "last flip"):
+    t.add_column("worker", no_wrap=True)  # an address must stay copyable
+    for col in ("role", "state", "pinned", "running", "waiting", "KV used", "in flight",
+                "offload budget", "switches", "last flip"):
         t.add_column(col)
     for w in s.workers:
         kv = f"{w.kv_used_blocks}/{w.kv_total_blocks}" if w.kv_total_blocks else "-"

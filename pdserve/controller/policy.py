@@ -335,8 +335,10 @@ def offload_budget(w: WorkerView, slo: Slo, pool_tokens_per_s: float,
     - step_s: its measured decode step; unknown, half the ITL SLO (a conservative guess: a
       lightly loaded step is far shorter, so this leaves less headroom than it really has).
     - tps: its measured prefill rate, else the prefill pool's.
-    - chunk_tokens = min(offload_max_tokens, floor((offload_itl_share x itl_s - step_s) x tps)),
-      so a step carrying one chunk, step_s + chunk_tokens / tps, stays within the ITL share.
+    - chunk_tokens = min(offload_max_tokens, floor((bound_s - step_s) x tps)) with bound_s the
+      smaller of offload_itl_share x itl_s and ttft_share x ttft_s, so a step carrying one
+      chunk, step_s + chunk_tokens / tps, stays within the ITL share, and at least one such
+      step fits the TTFT share.
     - max_tokens = min(offload_max_tokens, chunk_tokens x floor(ttft_share x ttft_s /
       (step_s + chunk_tokens / tps))): what it prefills, one chunk a step, within the TTFT
       share the prefill queue is allowed, so the last offloaded token still meets the TTFT.
@@ -352,7 +354,7 @@ def offload_budget(w: WorkerView, slo: Slo, pool_tokens_per_s: float,
     tps = w.prefill_tokens_per_s if w.prefill_tokens_per_s else pool_tokens_per_s
     if not (tps > 0 and math.isfinite(tps)):
         return "no prefill rate"
-    bound_s = cfg.offload_itl_share * slo.itl_s
+    bound_s = min(cfg.offload_itl_share * slo.itl_s, slo.ttft_share * slo.ttft_s)
     headroom_s = bound_s - step_s
     chunk = min(cfg.offload_max_tokens, math.floor(headroom_s * tps)) if headroom_s > 0 else 0
     # floor() of a product can land one token over in floating point: step back until the

@@ -127,7 +127,8 @@ class Controller:
         with self._lock:
             last = {a: r.at_s for a, r in self.flips.items()}
             view = cluster_view(signals, self.meters, self.slo, pinned=frozenset(self.pinned),
-                                switching=self.flipper.busy(), last_flip_s=last)
+                                switching=self.flipper.busy(), last_flip_s=last,
+                                pressure_window_s=self.cfg.pressure_window_s)
         self.metrics.offloaded_total(signals.offloaded_tokens_total)
         counts: dict[tuple[str, str], int] = {}
         for w in view.workers:
@@ -274,7 +275,7 @@ class Controller:
 def _input_record(inp: ControllerInput, view: ClusterView) -> dict:
     return {"prefill": asdict(inp.prefill), "decode": asdict(inp.decode),
             "state": asdict(inp.state), "target": inp.target,
-            "window": asdict(view.window),
+            "window": asdict(view.window), "recent": asdict(view.recent),
             "workers": [{"address": w.address, "role": w.role, "state": w.state,
                          "pinned": w.pinned, "running": w.running, "waiting": w.waiting,
                          "kv_used_blocks": w.kv_used_blocks, "kv_total_blocks": w.kv_total_blocks,

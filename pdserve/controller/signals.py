@@ -42,6 +42,8 @@ class PrefillPressure:
     queued_tokens: float
     tokens_per_s: float  # the rate used: measured, or the fallback when none was measured
     measured: bool = True  # False when tokens_per_s is the fallback guess
+    queue_ratio: float = 0.0  # work_s against the TTFT share
+    ttft_ratio: float = 0.0  # recent TTFT p90 / TTFT SLO (0 with no recent samples)
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,18 @@ class DecodePressure:
     kv_occupancy: float  # used / total KV blocks over serving decode workers (0..1)
     kv_ratio: float  # kv_occupancy / kv_high_water
     itl_ratio: float  # windowed ITL p90 / ITL SLO (0 when no samples)
-    waiting_ratio: float  # waiting / max(running, 1) (0 when none waiting)
+    waiting_ratio: float  # waiting / max(running, waiting_floor) (0 when none waiting)
 
 
 def prefill_pressure(queued_tokens: float, tokens_per_s: float | None, slo: Slo,
-                     fallback_tokens_per_s: float = 1000.0) -> PrefillPressure:
-    """How long the queued prefill work takes at the measured rate, against the TTFT share.
+                     fallback_tokens_per_s: float = 1000.0,
+                     ttft_p90_s: float | None = None) -> PrefillPressure:
+    """How long the queued prefill work takes at the measured rate, against the TTFT share;
+    or, when worse, the recent TTFT p90 against the TTFT SLO.
 
+    The queue term sees a burst before any request of it finishes; the TTFT term sees what the
+    queue term cannot: time a request spends outside the engine's prefill steps (the hop, the
+    store writes, queueing in front of the worker), which dominates for small models.
     With no usable measurement (None, zero or negative: nothing prefilled yet) the rate is
     `fallback_tokens_per_s`, and the result says so (`measured=False`).
     """
@@ -68,29 +75,34 @@ def prefill_pressure(queued_tokens: float, tokens_per_s: float | None, slo: Slo,
     measured = tokens_per_s is not None and tokens_per_s > 0
     rate = float(tokens_per_s) if measured else float(fallback_tokens_per_s)
     work_s = queued / rate
-    return PrefillPressure(work_s, work_s / (slo.ttft_share * slo.ttft_s), queued, rate,
-                           measured)
+    queue_ratio = work_s / (slo.ttft_share * slo.ttft_s)
+    ttft_ratio = max(0.0, ttft_p90_s) / slo.ttft_s if ttft_p90_s is not None else 0.0
+    return PrefillPressure(work_s, max(queue_ratio, ttft_ratio), queued, rate, measured,
+                           queue_ratio, ttft_ratio)
 
 
 def decode_pressure(kv_used_blocks: int, kv_total_blocks: int, itl_p90_s: float | None,
                     waiting: int, running: int, slo: Slo,
-                    kv_high_water: float = 0.9) -> DecodePressure:
+                    kv_high_water: float = 0.9, waiting_floor: int = 4) -> DecodePressure:
     """The decode role's pressure: the worst of KV occupancy, ITL and the admission queue.
 
     - KV: occupancy over `kv_high_water`; past the high water a decode worker soon has to
       preempt or refuse, so 1.0 is set there rather than at a full pool.
     - ITL: the windowed p90 over the ITL SLO (0 with no samples: nothing is decoding).
-    - waiting: `waiting / max(running, 1)`. At 1.0 as many requests wait for admission as run,
-      so a newly queued one waits about one whole generation of the running batch before its
-      first decode step: TTFT is then set by the decode pool, not the prefill pool. A pool with
-      nothing running but requests waiting (admission blocked) counts each waiter as 1.0.
+    - waiting: `waiting / max(running, waiting_floor)`. At 1.0 as many requests wait for
+      admission as run, so a newly queued one waits about one whole generation of the running
+      batch before its first decode step: TTFT is then set by the decode pool, not the prefill
+      pool. The floor keeps a request or two that arrived between two steps of a small batch
+      (they wait one step, not a generation) from reading as pressure.
     """
     if not 0 < kv_high_water <= 1:
         raise ValueError(f"kv_high_water must be in (0, 1], got {kv_high_water}")
     occupancy = min(1.0, max(0, kv_used_blocks) / kv_total_blocks) if kv_total_blocks > 0 else 0.0
     kv_ratio = occupancy / kv_high_water
     itl_ratio = max(0.0, itl_p90_s) / slo.itl_s if itl_p90_s is not None else 0.0
-    waiting_ratio = max(0, waiting) / max(running, 1) if waiting > 0 else 0.0
+    if waiting_floor < 1:
+        raise ValueError(f"waiting_floor must be >= 1, got {waiting_floor}")
+    waiting_ratio = max(0, waiting) / max(running, waiting_floor) if waiting > 0 else 0.0
     return DecodePressure(max(kv_ratio, itl_ratio, waiting_ratio), occupancy, kv_ratio,
                           itl_ratio, waiting_ratio)
 

@@ -9,7 +9,7 @@ figures (TTFT and ITL p90, attainment). Must not call anything or decide anythin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.controller.policy import (DECODE, DRAINING, FAILED, GONE, PREFILL, SERVING,
                                        SWITCHING, WorkerView)
@@ -39,7 +39,8 @@ class ClusterView:
     workers: tuple[WorkerView, ...]
     prefill: PrefillPressure
     decode: DecodePressure
-    window: Window
+    window: Window  # the status window (attainment, p90s for people)
+    recent: Window  # the pressure window: short, so pressure ends soon after a burst does
     members: tuple  # the router's WorkerMember messages, by address order
 
 
@@ -59,19 +60,25 @@ class Meters:
         return tps, (1.0 / steps_per_s if steps_per_s else None)
 
 
+# ITL percentiles come from requests with at least this many tokens: a short request's one or
+# two gaps are mostly the prefill -> decode hand-over, not the pace of a running decode.
+ITL_MIN_TOKENS = 8
+
+
 def window_of(samples, slo: Slo) -> Window:
     good = [s.finish in ("stop", "length") for s in samples]
     ok = [s for s, g in zip(samples, good) if g]
     # A request that failed met no SLO.
     pairs = [(s.ttft_s, s.tpot_s) if g else (math.inf, math.inf) for s, g in zip(samples, good)]
-    tpots = [s.tpot_s for s in ok if s.output_tokens > 1]
+    tpots = [s.tpot_s for s in ok if s.output_tokens >= ITL_MIN_TOKENS]
     return Window(len(samples), attainment(pairs, slo),
                   percentile([s.ttft_s for s in ok], 90), percentile(tpots, 90))
 
 
 def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
                  pinned: frozenset[str] = frozenset(), switching: dict[str, str] | None = None,
-                 last_flip_s: dict[str, float] | None = None) -> ClusterView:
+                 last_flip_s: dict[str, float] | None = None,
+                 pressure_window_s: float = 5.0) -> ClusterView:
     last_flip_s, switching = last_flip_s or {}, switching or {}
     members = tuple(sorted(signals.workers, key=lambda m: m.address))
     views = []
@@ -90,15 +97,24 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
             kv_total_blocks=s.num_total_blocks if s else 0,
             queued_prompt_tokens=m.in_flight_tokens, prefill_tokens_per_s=tps,
             decode_step_s=step_s))
+    # A decode worker's own rate is of prompt tokens per second of decoding, not its prefill
+    # speed: it is the same machine as a prefill worker, so it gets the prefill workers' mean.
+    pre_rates = [v.prefill_tokens_per_s for v in views
+                 if v.role == PREFILL and v.prefill_tokens_per_s]
+    mean_rate = sum(pre_rates) / len(pre_rates) if pre_rates else None
+    views = [v if v.role == PREFILL else replace(v, prefill_tokens_per_s=mean_rate)
+             for v in views]
     window = window_of(list(signals.samples), slo)
+    recent = window_of([x for x in signals.samples if x.age_s <= pressure_window_s], slo)
     live = [v for v in views if v.state in (SERVING, DRAINING, SWITCHING)]
     pre = [v for v in live if v.role == PREFILL]
     rates = [v.prefill_tokens_per_s for v in pre if v.prefill_tokens_per_s]
     # The pool's throughput is the sum of its workers' (each measured while busy).
     tps = sum(rates) * len(pre) / len(rates) if rates else None
-    prefill = prefill_pressure(sum(v.queued_prompt_tokens for v in pre), tps, slo)
+    prefill = prefill_pressure(sum(v.queued_prompt_tokens for v in pre), tps, slo,
+                               ttft_p90_s=recent.ttft_p90_s)
     dec = [v for v in live if v.role == DECODE and v.state == SERVING]
     decode = decode_pressure(sum(v.kv_used_blocks for v in dec),
-                             sum(v.kv_total_blocks for v in dec), window.itl_p90_s,
+                             sum(v.kv_total_blocks for v in dec), recent.itl_p90_s,
                              sum(v.waiting for v in dec), sum(v.running for v in dec), slo)
-    return ClusterView(tuple(views), prefill, decode, window, members)
+    return ClusterView(tuple(views), prefill, decode, window, recent, members)

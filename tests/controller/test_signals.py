@@ -52,14 +52,25 @@ def test_decode_itl_part_is_p90_over_the_slo():
 
 
 def test_decode_waiting_part_is_waiting_per_running():
-    assert decode_pressure(0, 100, None, 6, 4, SLO).waiting_ratio == pytest.approx(1.5)
+    assert decode_pressure(0, 100, None, 12, 8, SLO).waiting_ratio == pytest.approx(1.5)
     assert decode_pressure(0, 100, None, 0, 4, SLO).waiting_ratio == 0.0
-    # Admission blocked with nothing running: each waiter counts as a whole batch.
-    assert decode_pressure(0, 100, None, 2, 0, SLO).waiting_ratio == pytest.approx(2.0)
+    # A small batch is measured against the floor: one request that arrived between two
+    # steps is not pressure; eight waiting behind nothing running are.
+    assert decode_pressure(0, 100, None, 1, 0, SLO).waiting_ratio == pytest.approx(0.25)
+    assert decode_pressure(0, 100, None, 8, 0, SLO).waiting_ratio == pytest.approx(2.0)
+    assert decode_pressure(0, 100, None, 2, 1, SLO, waiting_floor=1).waiting_ratio == 2.0
+
+
+def test_prefill_ttft_part_is_recent_p90_over_the_slo():
+    # An empty queue but slow first tokens is pressure.
+    p = prefill_pressure(0, 1000.0, SLO, ttft_p90_s=3.0)
+    assert (p.queue_ratio, p.ttft_ratio, p.ratio) == pytest.approx((0.0, 1.5, 1.5))
+    p = prefill_pressure(2000, 1000.0, SLO, ttft_p90_s=0.4)
+    assert (p.queue_ratio, p.ttft_ratio, p.ratio) == pytest.approx((2.0, 0.2, 2.0))
 
 
 def test_decode_ratio_is_the_worst_part():
-    d = decode_pressure(45, 100, 0.24, 1, 4, SLO)
+    d = decode_pressure(45, 100, 0.24, 1, 4, SLO)  # one waiting against the floor of 4
     assert (d.kv_ratio, d.itl_ratio, d.waiting_ratio) == pytest.approx((0.5, 1.2, 0.25))
     assert d.ratio == pytest.approx(1.2)
 

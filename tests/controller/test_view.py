@@ -41,6 +41,8 @@ def test_rates_come_from_counter_deltas_and_the_pool_sums_them():
     by = {w.address: w for w in v.workers}
     assert math.isclose(by["p0"].prefill_tokens_per_s, 1000)
     assert math.isclose(by["d0"].decode_step_s, 0.05)
+    # A decode worker's prefill speed is the prefill workers' mean (same machine).
+    assert math.isclose(by["d0"].prefill_tokens_per_s, 750)
     assert math.isclose(v.prefill.tokens_per_s, 1500)
     assert math.isclose(v.prefill.work_s, 2.0)  # 3000 tokens / 1500 tokens/s
     assert math.isclose(v.prefill.ratio, 4.0)  # 2 s against 0.5 x 1 s

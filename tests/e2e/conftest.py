@@ -12,7 +12,10 @@ def cluster_spec(model_path: str, **overrides) -> ClusterSpec:
     n = overrides.get("prefill_workers", 1) + overrides.get("decode_workers", 1)
     defaults = dict(router_port=free_port(), store_port=free_port(), http_port=0,
                     worker_ports=tuple(free_port() for _ in range(n)), num_blocks=256,
-                    store_capacity_bytes=512 << 20, ready_timeout_s=180.0)
+                    store_capacity_bytes=512 << 20, ready_timeout_s=180.0,
+                    # Off unless a test is about it: an acting controller would offload or flip
+                    # under the load of tests that count blocks and cache hits per worker.
+                    controller=False, controller_port=free_port())
     return ClusterSpec(model_path=model_path, **{**defaults, **overrides})
 
 
@@ -25,4 +28,13 @@ def tiny_cluster(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def smollm2_cluster(smollm2_gguf_path):
     with LocalCluster(cluster_spec(smollm2_gguf_path)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def tiny_2p2d_cluster(tiny_llama_dir):
+    """2 prefill + 2 decode workers, no controller: the controller tests start their own and
+    put the roles back to 2:2 when they end."""
+    with LocalCluster(cluster_spec(tiny_llama_dir, prefill_workers=2, decode_workers=2,
+                                   num_blocks=256)) as cluster:
         yield cluster

@@ -18,6 +18,7 @@ def test_serve_then_sigterm_leaves_no_child_behind(tiny_llama_dir, tmp_path):
     args = [sys.executable, "-m", "pdserve.cli", "serve", "--model", tiny_llama_dir,
             "--port", str(port), "--store-port", str(free_port()), "--http-port", "0",
             "--worker-base-port", str(free_port()), "--num-blocks", "64",
+            "--controller-port", str(free_port()),
             "--log-dir", str(tmp_path)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -42,6 +43,7 @@ def test_children_die_with_a_killed_serve(tiny_llama_dir, tmp_path):
     args = [sys.executable, "-m", "pdserve.cli", "serve", "--model", tiny_llama_dir,
             "--port", str(port), "--store-port", str(free_port()), "--http-port", "0",
             "--worker-base-port", str(free_port()), "--num-blocks", "64",
+            "--controller-port", str(free_port()),
             "--log-dir", str(tmp_path)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -1,0 +1,252 @@
+"""The controller end to end on a real 2 prefill + 2 decode cluster (tiny Llama, loopback).
+
+- A prefill-heavy burst makes the controller flip a decode worker to prefill while 20+
+  requests are in flight, and a decode-heavy phase flips one back; no request fails, every
+  greedy output equals the engine's, and the workers' role_switches agree with the audit log.
+- Prefill offload: with prefill pressured, decode workers prefill requests themselves within
+  their budgets; the running decodes' inter-token gaps stay within the ITL SLO; same tokens.
+The controller runs as its own process (`python -m pdserve.controller`) in each test, over one
+cluster whose roles every test puts back to 2:2.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from pdserve import rpc
+from pdserve.controller.audit import read_records
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
+from pdserve.proto import router_pb2 as rpb
+from pdserve.proto import router_pb2_grpc as rpb_grpc
+from pdserve.proto import worker_pb2 as wpb
+from tests.e2e.test_cluster import worker_stats
+from tests.helpers import free_port, start_process, stop_process
+
+
+
+@pytest.fixture
+def cluster(tiny_2p2d_cluster):
+    return tiny_2p2d_cluster
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Greedy outputs of the single-process engine, computed on demand and remembered."""
+    engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=512)))
+    memo: dict[tuple, list[int]] = {}
+
+    def ref(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in memo:
+            memo[key] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens,
+                                                                 ignore_eos=True))[0]
+        return memo[key]
+    return ref
+
+
+def start_controller(cluster, tmp_path, *args: str):
+    address = f"127.0.0.1:{free_port()}"
+    audit = str(tmp_path / "audit.jsonl")
+    proc = start_process([sys.executable, "-m", "pdserve.controller", "--router",
+                          cluster.router_address, "--address", address, "--audit-log", audit,
+                          "--tick-s", "0.5", *args], address, timeout_s=60)
+    return proc, address, audit
+
+
+def members(cluster) -> dict[str, rpb.WorkerMember]:
+    with rpc.make_channel(cluster.router_address) as ch:
+        resp = rpb_grpc.RouterControlStub(ch).ListWorkers(rpb.ListWorkersRequest(), timeout=10)
+    return {m.address: m for m in resp.workers}
+
+
+def roles(cluster) -> dict[str, int]:
+    return {a: worker_stats(a).role for a in members(cluster)}
+
+
+def restore_two_two(cluster, addresses_by_role: dict[str, list[str]]) -> None:
+    """Put every worker back in the role it started in (direct SetRole + membership)."""
+    from pdserve.proto import worker_pb2_grpc as wpb_grpc
+
+    with rpc.make_channel(cluster.router_address) as rch:
+        router = rpb_grpc.RouterControlStub(rch)
+        for role, addrs in addresses_by_role.items():
+            r = wpb.ROLE_PREFILL if role == "prefill" else wpb.ROLE_DECODE
+            for a in addrs:
+                with rpc.make_channel(a) as ch:
+                    wpb_grpc.WorkerStub(ch).SetRole(wpb.SetRoleRequest(
+                        role=r, drain=True, drain_timeout_s=60), timeout=90)
+                router.SetWorkerState(rpb.SetWorkerStateRequest(
+                    address=a, state=rpb.MEMBER_STATE_ACTIVE, role=r), timeout=10)
+
+
+class Load:
+    """Closed-loop clients: each keeps one greedy request in flight, from its own prompt list,
+    recording (prompt, max_tokens, tokens, token arrival times) or the error."""
+
+    def __init__(self, address: str, prompts: list[list[int]], max_tokens: int,
+                 concurrency: int) -> None:
+        self.address = address
+        self.prompts = prompts
+        self.max_tokens = max_tokens
+        self.concurrency = concurrency
+        self.done: list[tuple[list[int], int, list[int], list[float]]] = []
+        self.errors: list[str] = []
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True)
+                         for i in range(concurrency)]
+
+    def start(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _client(self, i: int) -> None:
+        k = i
+        with rpc.make_channel(self.address) as ch:
+            stub = api_pb2_grpc.GenerationStub(ch)
+            while not self._stop.is_set():
+                prompt = self.prompts[k % len(self.prompts)]
+                k += self.concurrency
+                req = api_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+                    max_tokens=self.max_tokens, ignore_eos=True))
+                req.token_ids.ids.extend(prompt)
+                with self._lock:
+                    self.in_flight += 1
+                ids, times = [], []
+                try:
+                    for r in stub.Generate(req, timeout=120):
+                        if r.token_ids:
+                            ids.extend(r.token_ids)
+                            times.append(time.monotonic())
+                    with self._lock:
+                        self.done.append((prompt, self.max_tokens, ids, times))
+                except grpc.RpcError as e:
+                    with self._lock:
+                        self.errors.append(f"{e.code().name}: {e.details()}")
+                finally:
+                    with self._lock:
+                        self.in_flight -= 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=180)
+
+
+def wait_for(cond, timeout_s: float, what: str, poll_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def flips(audit: str, to_role: str) -> list[dict]:
+    return [r for r in read_records(audit) if r.get("event") == "flip" and r["ok"]
+            and r["to_role"] == to_role and r["from_role"] != to_role]
+
+
+def long_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 30000) for _ in range(length)] for _ in range(n)]
+
+
+def test_prefill_burst_flips_a_decode_worker_and_a_decode_phase_flips_back(
+        cluster, reference, tmp_path):
+    start = {r: cluster.worker_addresses(r) for r in ("prefill", "decode")}
+    before = {a: worker_stats(a).role_switches for a in members(cluster)}
+    proc, _, audit = start_controller(
+        cluster, tmp_path, "--fluid-token", "false", "--sustain-s", "1", "--cooldown-s", "2",
+        "--ttft-slo-ms", "100", "--itl-slo-ms", "1000", "--window-s", "10")
+    try:
+        # Phase 1, prefill-heavy: 24 clients keep 300-token prompts with 4-token answers coming.
+        burst = Load(cluster.router_address, long_prompts(24, 300, seed=1), 4, 24).start()
+        try:
+            wait_for(lambda: flips(audit, "prefill"), 90, "a flip toward prefill")
+            in_flight_at_flip = burst.in_flight
+        finally:
+            burst.stop()
+        assert in_flight_at_flip >= 20
+        wait_for(lambda: sorted(roles(cluster).values()).count(wpb.ROLE_PREFILL) == 3, 30,
+                 "3 prefill workers")
+        # Phase 2, decode-heavy: short prompts, long answers fill the lone decode worker's KV.
+        long_answers = Load(cluster.router_address, long_prompts(30, 20, seed=2), 300, 30).start()
+        try:
+            wait_for(lambda: flips(audit, "decode"), 120, "a flip back toward decode")
+        finally:
+            long_answers.stop()
+    finally:
+        assert stop_process(proc, timeout_s=15) == 0
+    try:
+        assert burst.errors == [] and long_answers.errors == []
+        assert len(burst.done) >= 24 and len(long_answers.done) >= 1
+        for prompt, max_tokens, ids, _ in burst.done + long_answers.done:
+            assert ids == reference(prompt, max_tokens)
+        # The workers' own switch counters agree with the audit log's completed flips.
+        after = {a: worker_stats(a).role_switches for a in members(cluster)}
+        logged = [r for r in read_records(audit) if r.get("event") == "flip" and r["ok"]
+                  and r["from_role"] != r["to_role"]]
+        assert sum(after.values()) - sum(before.values()) == len(logged) >= 2
+        for r in logged:
+            assert after[r["address"]] > before[r["address"]]
+        assert all(worker_stats(a).weight_loads == 1 for a in after)
+        assert all(m.state == rpb.MEMBER_STATE_ACTIVE for m in members(cluster).values())
+        decisions = [r for r in read_records(audit) if r.get("event") == "decision"]
+        assert decisions and all(r["input"]["prefill"] and r["decision"]["reason"]
+                                 for r in decisions)
+    finally:
+        restore_two_two(cluster, start)
+
+
+def test_decode_workers_prefill_within_budget_and_keep_their_itl(cluster, reference, tmp_path):
+    # A chunk step must fit both the ITL share (0.8 x 200 ms) and the TTFT share (0.8 x 250 ms).
+    proc, _, audit = start_controller(
+        cluster, tmp_path, "--fluid-role", "false", "--ttft-slo-ms", "250", "--ttft-share",
+        "0.8", "--itl-slo-ms", "200")
+    budgets_seen: list[tuple[int, int]] = []
+    try:
+        decodes = Load(cluster.router_address, long_prompts(4, 16, seed=3), 200, 4).start()
+        burst = Load(cluster.router_address, long_prompts(24, 100, seed=4), 2, 24).start()
+        try:
+            def offloaded():
+                ms = members(cluster)
+                budgets_seen.extend((m.offload_in_flight_tokens, m.offload_budget_tokens)
+                                    for m in ms.values() if m.offload_budget_tokens)
+                with rpc.make_channel(cluster.router_address) as ch:
+                    sig = rpb_grpc.RouterControlStub(ch).GetSignals(
+                        rpb.GetSignalsRequest(window_s=600), timeout=10)
+                burst_offloaded = sum(1 for x in sig.samples
+                                      if x.offloaded and x.prompt_tokens == 100)
+                # Prefills of the burst ran on decode workers while long answers were decoding.
+                return burst_offloaded >= 3 and len(decodes.done) >= 4
+            wait_for(offloaded, 120, "3 burst requests prefilled on decode workers")
+        finally:
+            burst.stop()
+            decodes.stop()
+    finally:
+        assert stop_process(proc, timeout_s=15) == 0
+    assert burst.errors == [] and decodes.errors == []
+    for prompt, max_tokens, ids, _ in burst.done + decodes.done:
+        assert ids == reference(prompt, max_tokens)
+    assert budgets_seen and all(used <= budget for used, budget in budgets_seen)
+    budgets = [r["decision"]["budgets"] for r in read_records(audit)
+               if r.get("event") == "decision" and r["decision"]["budgets"]]
+    assert budgets, "no decision gave a budget"
+    # The running decodes (long answers) kept their pace while decode workers prefilled.
+    gaps = sorted(b - a for *_, times in decodes.done for a, b in zip(times, times[1:]))
+    assert gaps, "no long answer finished"
+    p90 = gaps[int(0.9 * (len(gaps) - 1))]
+    assert p90 <= 0.2, f"ITL p90 {p90:.3f}s over the 200 ms SLO"
