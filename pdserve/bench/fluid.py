@@ -43,7 +43,7 @@ class FluidBenchSettings:
     configs: tuple[str, ...] = tuple(CONFIGS)
     phase_s: float = 60.0
     prefill_rps: float = 1.0
-    decode_rps: float = 0.5
+    decode_rps: float = 0.8
     shape: Shape = Shape()
     ttft_slo_ms: float = 2000.0
     itl_slo_ms: float = 200.0
@@ -301,7 +301,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"comma-separated among {', '.join(CONFIGS)}")
     p.add_argument("--phase-s", type=float, default=60.0, help="seconds of each phase")
     p.add_argument("--prefill-rps", type=float, default=1.0)
-    p.add_argument("--decode-rps", type=float, default=0.5)
+    p.add_argument("--decode-rps", type=float, default=0.8)
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     p.add_argument("--itl-slo-ms", type=float, default=200.0)
     p.add_argument("--no-cpu-quota", action="store_true",

@@ -25,7 +25,8 @@ def test_serve_then_sigterm_leaves_no_child_behind(tiny_llama_dir, tmp_path):
         line = proc.stdout.readline()  # blocks until the cluster is healthy (or serve fails)
         assert line.startswith("pdserve ready on"), proc.stderr.read()
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) == 5  # store master and node, prefill and decode workers, router
+        assert len(children) == 6  # store master and node, prefill and decode workers, router,
+        # and the controller
         ids, text, *_ = generate(f"127.0.0.1:{port}", prompt="Hello", max_tokens=8, ignore_eos=True)
         assert len(ids) == 8
         proc.send_signal(signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""Progressive KV in the engine (issue 6): a request joins with anchor-precision KV, decodes
+"""Progressive KV in the engine: a request joins with anchor-precision KV, decodes
 drafts on it without emitting anything, and when the exact KV arrives the drafts are verified in
 one step. Output must equal joining with exact KV, token for token (invariant 2), whatever the
 approximation, under preemption, for greedy and seeded sampled requests."""
