@@ -59,6 +59,9 @@ class Member:
     missed: int = 0  # consecutive polls it did not answer
     reason: str = ""  # why it is in this state, for operators
     gone_since_s: float | None = None  # when it became GONE (forget_gone counts from here)
+    # When the controller last set its state or role: a poll asked before then may carry the
+    # role it had before a switch, and must not move it back.
+    changed_s: float = float("-inf")
 
 
 def _check_role(role: str) -> str:
@@ -111,26 +114,31 @@ class Membership:
     def join(self, address: str, role: str, now: float) -> Member:
         """A worker joins in `role` (from the router's flags or RegisterWorker); idempotent.
 
-        New -> ACTIVE; GONE -> ACTIVE in `role` (it is back); ACTIVE -> ACTIVE in `role`.
-        DRAINING and FAILED stay as they are: the controller put them there and takes them out.
+        New -> ACTIVE; GONE -> ACTIVE in `role` (it is back). An ACTIVE member keeps its pool:
+        a registration may have left the worker just before a switch and arrive after it, so
+        only a fresh poll (`report`) moves an ACTIVE member between pools. DRAINING and FAILED
+        stay as they are: the controller put them there and takes them out.
         """
         _check_role(role)
         m = self._members.get(address)
         if m is None:
             m = self._members[address] = Member(address, role, reason="joined")
             return m
-        if m.state in (GONE, ACTIVE):
-            if m.state == GONE:
-                m.reason = "joined again"
-                m.missed = 0
-                m.gone_since_s = None
+        if m.state == GONE:
+            m.reason = "joined again"
+            m.missed = 0
+            m.gone_since_s = None
             m.state, m.role = ACTIVE, role
         return m
 
-    def report(self, address: str, role: str, now: float, stats: object | None = None
-               ) -> Member | None:
-        """A successful poll: it answered in `role`. None if the address was forgotten
-        meanwhile (a poll answer that arrived late).
+    def report(self, address: str, role: str, now: float, stats: object | None = None,
+               asked_s: float | None = None) -> Member | None:
+        """A successful poll, asked at `asked_s`: it answered in `role`. None if the address
+        was forgotten meanwhile (a poll answer that arrived late).
+
+        A poll asked before the controller last moved the member (`changed_s`) counts for
+        liveness and load only: its role may be from before a switch the controller has since
+        completed, and must not move the member back.
 
         Resets the missed count and records the stats. GONE -> ACTIVE in `role`; an ACTIVE
         member reporting another role moves to that pool (someone switched it by hand, so the
@@ -145,6 +153,8 @@ class Membership:
         m.last_seen_s = now
         if stats is not None:
             m.stats = stats
+        if asked_s is not None and asked_s < m.changed_s:
+            return m
         if m.state == GONE:
             m.state, m.role = ACTIVE, role
             m.reason, m.gone_since_s = "answered its health poll again", None
@@ -186,6 +196,8 @@ class Membership:
             m.gone_since_s = None
         m.state = state
         m.reason = reason or f"set {state} by the controller"
+        if now is not None:
+            m.changed_s = now
         return m
 
     def forget(self, address: str) -> Member | None:

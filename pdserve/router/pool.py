@@ -93,9 +93,9 @@ class WorkerSet:
         self._changed()
         return snap
 
-    def report(self, address: str, stats: wpb.WorkerStats, now: float | None = None
-               ) -> Member | None:
-        """A poll answer (or a registration's GetStats) from `address`."""
+    def report(self, address: str, stats: wpb.WorkerStats, now: float | None = None,
+               asked_s: float | None = None) -> Member | None:
+        """A poll answer (or a registration's GetStats) from `address`, asked at `asked_s`."""
         role = ROLE_OF_PROTO.get(stats.role)
         if role is None:  # workers always host a role; an answer without one changes nothing
             log.warning("worker %s reported no role", address)
@@ -103,7 +103,8 @@ class WorkerSet:
         with self._lock:
             before = self.membership.get(address) if address in self.membership else None
             was = None if before is None else (before.state, before.role)
-            m = self.membership.report(address, role, self.clock() if now is None else now, stats)
+            m = self.membership.report(address, role, self.clock() if now is None else now, stats,
+                                       asked_s)
             snap = None if m is None else dataclasses.replace(m)
         if snap is not None and was != (snap.state, snap.role):
             log.warning("worker %s is %s in the %s role: %s", address, snap.state, snap.role,
@@ -275,6 +276,7 @@ class WorkerSet:
         with self._lock:
             stubs = dict(self._stubs)
         timeout = max(_POLL_TIMEOUT_S, 2 * self.stats_interval_s)
+        asked = self.clock()
         futures = {a: s.GetStats.future(wpb.GetStatsRequest(), timeout=timeout)
                    for a, s in stubs.items()}
         for a, f in futures.items():
@@ -291,7 +293,7 @@ class WorkerSet:
                 else:
                     log.warning("stats of %s: %s %s", a, e.code(), e.details())
                 continue
-            self.report(a, stats)
+            self.report(a, stats, asked_s=asked)
         with self._lock:
             self._forget(self.membership.forget_gone(self.clock()))
         self._changed()

@@ -29,7 +29,7 @@ from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
 from tests.e2e.test_cluster import worker_stats
-from tests.helpers import free_port, start_process, stop_process
+from tests.helpers import free_port, process_output, start_process, stop_process
 
 
 
@@ -58,8 +58,19 @@ def start_controller(cluster, tmp_path, *args: str):
     audit = str(tmp_path / "audit.jsonl")
     proc = start_process([sys.executable, "-m", "pdserve.controller", "--router",
                           cluster.router_address, "--address", address, "--audit-log", audit,
-                          "--tick-s", "0.5", *args], address, timeout_s=60)
+                          "--tick-s", "0.5", "--metrics-port", "0", *args], address,
+                         timeout_s=60)
     return proc, address, audit
+
+
+def metrics_of(proc) -> str:
+    """The controller's Prometheus page (its URL is in the ready line)."""
+    import urllib.request
+
+    url = wait_for(lambda: next((w.split("=", 1)[1] for w in process_output(proc)[0].split()
+                                 if w.startswith("metrics=")), None), 10, "the ready line")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
 
 
 def members(cluster) -> dict[str, rpb.WorkerMember]:
@@ -188,6 +199,13 @@ def test_prefill_burst_flips_a_decode_worker_and_a_decode_phase_flips_back(
             wait_for(lambda: flips(audit, "decode"), 120, "a flip back toward decode")
         finally:
             long_answers.stop()
+        page = metrics_of(proc)
+        assert 'pdserve:role_switches_total{from="decode",to="prefill"}' in page
+        assert 'pdserve:role_switches_total{from="prefill",to="decode"}' in page
+        assert 'pdserve:controller_decisions_total{action="flip"' in page
+        assert "pdserve:role_switch_seconds_count" in page
+        assert 'pdserve:workers{role="prefill",state="serving"}' in page
+        assert 'pdserve:pressure{role="prefill"}' in page
     finally:
         assert stop_process(proc, timeout_s=15) == 0
     try:

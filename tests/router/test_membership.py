@@ -32,12 +32,24 @@ def test_join_adds_active_members_in_stable_address_order():
     assert m.serving()
 
 
-def test_join_is_idempotent_and_moves_an_active_member_to_the_named_role():
+def test_join_is_idempotent_and_never_moves_an_active_member():
     m = make_membership()
     m.join("p0", PREFILL, 1.0)
     assert addresses(m.pool(PREFILL)) == ["p0", "p1"]
+    # A registration heartbeat sent before a switch can arrive after the controller admitted
+    # the worker in its new pool: only a fresh poll moves an active member.
     m.join("p0", DECODE, 2.0)
-    assert addresses(m.pool(DECODE)) == ["d0", "p0"] and addresses(m.pool(PREFILL)) == ["p1"]
+    assert addresses(m.pool(PREFILL)) == ["p0", "p1"] and addresses(m.pool(DECODE)) == ["d0"]
+
+
+def test_a_poll_asked_before_the_controller_moved_a_member_does_not_move_it_back():
+    m = make_membership()
+    m.set_state("d0", ACTIVE, role=PREFILL, now=5.0)  # the controller completed a flip at 5 s
+    m.report("d0", DECODE, now=5.5, stats="old", asked_s=4.9)  # asked before: stale role
+    assert m.get("d0").role == PREFILL and m.get("d0").stats == "old"
+    assert m.get("d0").last_seen_s == 5.5  # still counts as alive
+    m.report("d0", DECODE, now=6.5, asked_s=6.0)  # asked after: someone switched it by hand
+    assert m.get("d0").role == DECODE
 
 
 def test_join_brings_a_gone_member_back_in_the_given_role():
