@@ -42,17 +42,19 @@ class FluidBenchSettings:
     model_path: str = ""  # "" -> the default model (SmolLM2-135M-Instruct GGUF)
     configs: tuple[str, ...] = tuple(CONFIGS)
     phase_s: float = 60.0
-    prefill_rps: float = 1.0
-    decode_rps: float = 0.8
+    prefill_rps: float = 0.8
+    decode_rps: float = 0.5
     shape: Shape = Shape()
-    ttft_slo_ms: float = 2000.0
-    itl_slo_ms: float = 200.0
+    # Looser than `pdserve serve`'s defaults: each worker here has half a core (cpu_quota).
+    ttft_slo_ms: float = 3000.0
+    itl_slo_ms: float = 300.0
     num_blocks: int = 1024
     cpu_quota: bool = True
     seed: int = 0
     engine_checks: int = 4  # first requests also checked against the in-process engine
     controller_args: tuple[str, ...] = ("--sustain-s", "2", "--cooldown-s", "10")
     request_timeout_s: float = 300.0
+    logs_dir: str = ""  # keep every process's log and the audit logs here ("" : a temp dir)
 
     def __post_init__(self) -> None:
         bad = [c for c in self.configs if c not in CONFIGS]
@@ -250,6 +252,7 @@ def run_bench(s: FluidBenchSettings, progress=None) -> dict[str, Any]:
                          decode_rps=s.decode_rps, vocab=(100, vocab - 100), seed=s.seed)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-fluid-") as tmp:
+        tmp = s.logs_dir or tmp
         for name in s.configs:
             task = progress(name, len(reqs)) if progress else None
             runs[name] = run_config(name, s, model, reqs, os.path.join(tmp, name), task)
@@ -300,10 +303,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated among {', '.join(CONFIGS)}")
     p.add_argument("--phase-s", type=float, default=60.0, help="seconds of each phase")
-    p.add_argument("--prefill-rps", type=float, default=1.0)
-    p.add_argument("--decode-rps", type=float, default=0.8)
-    p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    p.add_argument("--itl-slo-ms", type=float, default=200.0)
+    p.add_argument("--prefill-rps", type=float, default=0.8)
+    p.add_argument("--decode-rps", type=float, default=0.5)
+    p.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    p.add_argument("--itl-slo-ms", type=float, default=300.0)
     p.add_argument("--no-cpu-quota", action="store_true",
                    help="let workers share every core (no per-worker CPU cap)")
     p.add_argument("--seed", type=int, default=0)
@@ -318,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
     s = FluidBenchSettings(model_path=args.model, configs=tuple(
         c.strip() for c in args.configs.split(",") if c.strip()), phase_s=args.phase_s,
         prefill_rps=args.prefill_rps, decode_rps=args.decode_rps, ttft_slo_ms=args.ttft_slo_ms,
-        itl_slo_ms=args.itl_slo_ms, cpu_quota=not args.no_cpu_quota, seed=args.seed)
+        itl_slo_ms=args.itl_slo_ms, cpu_quota=not args.no_cpu_quota, seed=args.seed,
+        logs_dir=os.path.join(args.out, "logs") if args.out else "")
     with Progress(transient=True, disable=args.json) as bar:
         def progress(name: str, total: int):
             task = bar.add_task(f"{name:<12}", total=total)
