@@ -10,7 +10,8 @@ inter_token_latency_seconds, e2e_request_latency_seconds, request_queue_time_sec
 num_requests_running / num_requests_waiting, kv_cache_usage_perc (a fraction in [0, 1], as vLLM),
 prefix_cache_queries / prefix_cache_hits (in tokens), prompt_tokens / generation_tokens,
 request_success (by finish_reason); plus pdserve's own: requests_rejected (by reason),
-request_retries_total (the router's re-routes, by hop and status), and the
+request_retries_total (the router's re-routes, resumes and prefill fallbacks, by hop and
+status), and the
 transfer counters kv_blocks_put / kv_blocks_fetched / kv_store_reads (by transport). The
 spec-decode counters exist from the start and stay at zero until speculative decoding lands.
 """
@@ -78,7 +79,10 @@ class RouterMetrics:
                                  ["model_name", "reason"], registry=r)
         self._retries = Counter("pdserve:request_retries",
                                 "Hops re-routed after a worker refused or failed them, by hop "
-                                "(prefill, decode, offload) and gRPC status.",
+                                "(prefill, decode, offload; resume: a decode stream resumed "
+                                "on another worker after it broke mid-stream; "
+                                "prefill_fallback: prefilled on a decode worker) and gRPC "
+                                "status.",
                                 ["hop", "code"], registry=r)
         self.model_name = model_name
 

@@ -7,7 +7,9 @@ A streamed request (progressive transfer, `StreamHandle`) is read by `progressiv
 its anchors and made exact when the residuals land, or joined exact when they already have.
 A request sent to be prefilled here (`decode_local`, the controller's prefill offload) carries no
 KV: it joins as a whole request whose prompt chunks, at most `chunk_tokens` a step, run in the
-decode batches, and streams every token, the first one included, the same way.
+decode batches, and streams every token, the first one included, the same way. So does a request
+resumed here after the decode worker serving it died: the tokens it already emitted are
+computed with the prompt, and only the ones after them are streamed.
 Must not decide routing.
 """
 
@@ -149,17 +151,19 @@ class DecodeRole:
             cancelled.set()
 
     def decode_local(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     salt: str, chunk_tokens: int, is_active: Callable[[], bool]
-                     ) -> Iterator[DecodeChunk]:
+                     salt: str, chunk_tokens: int, is_active: Callable[[], bool],
+                     resume_ids: list[int] | None = None) -> Iterator[DecodeChunk]:
         """Prefill here and decode on: `chunk_tokens` (0: the step budget) bounds the prompt
-        tokens per step, so the running decodes' step time stays bounded."""
+        tokens per step, so the running decodes' step time stays bounded. `resume_ids`: the
+        tokens the request already emitted elsewhere; computed after the prompt, not sent."""
         engine = self.loop.engine
+        resume_ids = resume_ids or []
 
         def add():
             out = self.loop.open_stream(request_id)
             try:
                 engine.add_request(request_id, prompt_ids, params, salt=salt,
-                                   max_chunk_tokens=chunk_tokens)
+                                   max_chunk_tokens=chunk_tokens, resume_token_ids=resume_ids)
             except Exception:
                 self.loop.close_stream(request_id)
                 raise
@@ -168,7 +172,8 @@ class DecodeRole:
         out_stream = self.loop.call(add)
         with self._lock:
             self.local_prefill_requests += 1
-            self.local_prefill_tokens += len(prompt_ids)
+            # Every token computed here before the first one sampled, resumed ones included.
+            self.local_prefill_tokens += len(prompt_ids) + len(resume_ids)
         yield from self._relay(request_id, out_stream, is_active)
 
     def _relay(self, request_id: str, out_stream: RequestStream, is_active: Callable[[], bool]

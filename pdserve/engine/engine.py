@@ -4,6 +4,9 @@ Owns a step: schedule, build the flat batch, run the model, sample, apply stop r
 It is single-threaded on purpose; a worker process drives it from one loop thread. It also owns
 moving a request's KV in and out as whole blocks (`take_parked_kv`, `add_prefilled_request`), which
 is how the prefill and decode roles hand a request over without the engine knowing about a store.
+A request another engine was decoding when it died is resumed by recomputing what it emitted
+(`add_request(resume_token_ids=...)`): the same tokens follow, since sampling is seeded per
+output position.
 
 With `EngineConfig.spec` set, each step first asks the drafter for draft tokens for every
 request in decode; the drafts run after the request's last token in the same forward, the
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -134,18 +138,53 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams,
                     *, salt: str = "", prefill_only: bool = False,
-                    max_chunk_tokens: int = 0) -> str:
+                    max_chunk_tokens: int = 0, resume_token_ids: Iterable[int] = ()) -> str:
+        """Queue a request; it is prefilled here, in chunks.
+
+        `resume_token_ids`: the tokens this request already emitted elsewhere (a decode worker
+        that died mid-request), in order. They are computed with the prompt, counted in
+        max_tokens, never emitted again, and sampling goes on from output position
+        len(resume_token_ids): seeded by (seed, position), so the continuation is exactly the
+        one the first worker would have produced."""
         self.validate(prompt_ids, params)
         if max_chunk_tokens < 0:
             raise InvalidArgumentError("max_chunk_tokens", "must be >= 0 (0: no cap)")
+        resume = list(resume_token_ids)
+        if resume:
+            self._validate_resume(resume, params, prefill_only)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.seqs or rid in self.parked:
             raise InvalidArgumentError("request_id", f"{rid!r} is already in flight")
         seq = Sequence(rid, list(prompt_ids), params.with_seed(), salt=salt,
-                       prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens)
+                       prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens,
+                       token_ids=list(prompt_ids) + resume)
         self.scheduler.add(seq)
         self.seqs[rid] = seq
         return rid
+
+    def _validate_resume(self, resume: list[int], params: SamplingParams,
+                         prefill_only: bool) -> None:
+        """A resumed request must be one that was still running: room left in max_tokens and
+        no token that would have ended it (else its output would differ from the
+        uninterrupted one). Called after `validate`."""
+        if prefill_only:
+            raise InvalidArgumentError("resume_token_ids", "a prefill-only request emits one "
+                                       "token; there is nothing to resume")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in resume):
+            raise InvalidArgumentError("resume_token_ids", f"token ids must be in [0, {vocab})")
+        # Fewer than max_tokens: then the prompt plus them leave room in the context too
+        # (`validate` checked prompt + max_tokens against it).
+        if len(resume) >= params.max_tokens:
+            raise InvalidArgumentError(
+                "resume_token_ids", f"{len(resume)} tokens already reach max_tokens "
+                f"{params.max_tokens}: the request had finished")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        for i, t in enumerate(resume):
+            if t in stops:
+                raise InvalidArgumentError(
+                    "resume_token_ids", f"token {t} at {i} is a stop token: the request had "
+                    f"finished")
 
     def cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of this chain the local pool already holds."""

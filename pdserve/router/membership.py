@@ -107,8 +107,9 @@ class Membership:
         return [m for m in self.pool(DECODE) if m.offload_budget > 0]
 
     def serving(self) -> bool:
-        """A request can be served: some prefill and some decode worker are ACTIVE."""
-        return bool(self.pool(PREFILL)) and bool(self.pool(DECODE))
+        """A request can be served: some decode worker is ACTIVE. Prefill workers are not
+        needed: without one, a decode worker prefills the prompt itself (slower, same tokens)."""
+        return bool(self.pool(DECODE))
 
     # ---- transitions ---------------------------------------------------------------------------
     def join(self, address: str, role: str, now: float) -> Member:

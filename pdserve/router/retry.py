@@ -2,8 +2,10 @@
 
 Owns the retry rule: which statuses mean "another worker (or this one a little later) can serve
 it", how many attempts a request gets, the backoff between them, and the request's remaining
-deadline as a bound. Must not do I/O, sleep or read a clock: the service passes the attempt,
-the status name and the remaining time, and sleeps the returned delay itself.
+deadline as a bound; the resume rule for a decode stream that broke after it sent tokens; and
+when a prompt no prefill worker could take is prefilled on a decode worker instead. Must not do
+I/O, sleep or read a clock: the service passes the attempt, the status name and the remaining
+time, and sleeps the returned delay itself.
 
 Retryable, each naming something about one worker, not about the request:
 - UNAVAILABLE: the worker is draining for a role switch, or dead;
@@ -13,6 +15,18 @@ Never retried: INVALID_ARGUMENT (the request is bad everywhere), DEADLINE_EXCEED
 left), CANCELLED (the client left), INTERNAL and anything else (a bug: repeating it elsewhere
 would only hide it). Never once the hop has streamed tokens to the client either: a second
 worker would send them again.
+
+Resumed (`decide_resume`): a decode stream that broke and may not be re-sent as it is (it sent
+tokens already, or its status is not retryable), with UNAVAILABLE (the connection to the worker
+is gone), or UNKNOWN, INTERNAL or CANCELLED from a stream the client did not cancel (what a
+worker killed mid-stream leaves behind). Another decode worker recomputes the prompt and every
+token sent and samples on from there; seeded sampling makes its tokens the ones the dead worker
+would have sent. Never when the client left, at most `max_resumes` times per request (so a
+worker bug that INTERNAL reports is repeated a bounded number of times, then reported), and
+only with the deadline left that a retry needs.
+
+Prefill fallback (`prefill_fallback`): when no prefill worker is in the pool, or the last prefill
+attempt failed with a retryable status, a decode worker prefills the prompt itself.
 """
 
 from __future__ import annotations
@@ -20,6 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"})
+# A broken stream, not a verdict on the request: INVALID_ARGUMENT or DEADLINE_EXCEEDED would
+# come back the same from any worker.
+RESUMABLE_CODES = frozenset({"UNAVAILABLE", "UNKNOWN", "INTERNAL", "CANCELLED"})
 
 
 @dataclass(frozen=True)
@@ -33,16 +50,21 @@ class RetryDecision:
 class RetryPolicy:
     """`max_attempts` counts the first try; the delay before attempt n+1 is
     `backoff_s` x 2^(n-1), capped at `backoff_max_s`; a retry needs at least
-    `min_remaining_s` of the request's deadline left after the delay."""
+    `min_remaining_s` of the request's deadline left after the delay. A request is resumed
+    at most `max_resumes` times (each resumed hop has `max_attempts` of its own), the n-th
+    resume waiting as attempt n+1 does."""
 
     max_attempts: int = 4
     backoff_s: float = 0.02
     backoff_max_s: float = 0.5
     min_remaining_s: float = 0.5
+    max_resumes: int = 3
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_resumes < 0:
+            raise ValueError(f"max_resumes must be >= 0, got {self.max_resumes}")
         for f in ("backoff_s", "backoff_max_s", "min_remaining_s"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
@@ -70,3 +92,29 @@ class RetryPolicy:
             return RetryDecision(False, 0.0, f"only {remaining_s:.3f}s of the deadline left")
         return RetryDecision(True, delay, f"{code}: attempt {attempt + 1} of "
                                           f"{self.max_attempts} after {delay:.3f}s")
+
+    def decide_resume(self, resumes: int, code: str, remaining_s: float | None,
+                      client_left: bool) -> RetryDecision:
+        """A decode stream that already sent tokens to the client broke with status `code`;
+        `resumes` is how many times this request was resumed before; `client_left` says the
+        client cancelled or disconnected (then the break is its own doing)."""
+        if resumes < 0:
+            raise ValueError(f"resumes must be >= 0, got {resumes}")
+        if client_left:
+            return RetryDecision(False, 0.0, "the client left")
+        if code not in RESUMABLE_CODES:
+            return RetryDecision(False, 0.0, f"{code} is not resumable")
+        if resumes >= self.max_resumes:
+            return RetryDecision(False, 0.0, f"{resumes} of {self.max_resumes} resumes used")
+        delay = self.delay_s(resumes + 1)
+        if remaining_s is not None and remaining_s < self.min_remaining_s + delay:
+            return RetryDecision(False, 0.0, f"only {remaining_s:.3f}s of the deadline left")
+        return RetryDecision(True, delay, f"{code}: resume {resumes + 1} of "
+                                          f"{self.max_resumes} after {delay:.3f}s")
+
+    @staticmethod
+    def prefill_fallback(code: str | None) -> bool:
+        """Whether a decode worker prefills the prompt itself after the prefill hop gave up
+        with status `code` (None: no prefill worker in the pool). The same statuses as a
+        retry: they say the prefill pool cannot take it now, not that the request is bad."""
+        return code is None or code in RETRYABLE_CODES

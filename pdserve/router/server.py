@@ -2,7 +2,7 @@
 
 Owns the wiring: tokenizer and model config (no weights), the workers it routes to (membership,
 both pools), the gRPC server (Generation, RouterControl, and health that says SERVING only while
-both pools have an ACTIVE member), and the OpenAI-compatible HTTP server beside it (when
+a decode worker is ACTIVE: without prefill workers, decode workers prefill), and the OpenAI-compatible HTTP server beside it (when
 configured). Must not hold request logic: `service.py`, `control.py` and `pool.py` do.
 """
 

@@ -5,8 +5,11 @@ first token to the client as soon as it exists (that is TTFT), hand the KV handl
 worker, relay its tokens as final text deltas, and stop the decode when a stop string appears or
 the client goes away. A hop that a worker refuses or fails (draining, switched role, queue full,
 dead) is re-routed to another worker of its pool as `retry.RetryPolicy` allows, never once it has
-streamed tokens; a request the controller's offload budgets allow is prefilled on a decode
-worker instead (`DecodeRequest.prefill_locally`), falling back to the normal path if refused.
+streamed tokens; a decode stream that breaks after it has (the worker died) is resumed on another
+decode worker, which recomputes the prompt and every token the client got
+(`DecodeRequest.resume_token_ids`) and streams the rest. A request the controller's offload
+budgets allow is prefilled on a decode worker instead (`DecodeRequest.prefill_locally`), falling
+back to the normal path if refused; so is one no prefill worker can take.
 Before all that, the door: the tenant from the API key (`auth`), admission against the in-flight
 and rate bounds (`admission`: RESOURCE_EXHAUSTED with a `retry-after` trailer), and the request
 metrics (`pdserve.metrics`) and samples (`control.RequestSignals`). Must not run the model.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -43,14 +46,18 @@ _UNSET = common_pb2.FINISH_REASON_UNSPECIFIED
 
 @dataclass
 class _Trip:
-    """One request's path, for its metrics and its sample."""
+    """One request's path: what its metrics and sample need, and what resuming it needs."""
 
     arrival: float
-    waiting: bool = True  # no prefill worker took it yet
+    tenant: str = ""
+    waiting: bool = True  # no worker took it yet
     prompt_tokens: int = 0
-    retries: int = 0
+    retries: int = 0  # re-routes, resumes and the prefill fallback
+    resumes: int = 0
     offloaded: bool = False
     error: str = ""  # the status name the client got, when it failed
+    # Every token sent to the client, the first one included: a resumed decode recomputes them.
+    emitted: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -106,10 +113,10 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         m, first, last, finish, sent = self.metrics, None, None, None, 0
         m.waiting.inc()
         self.signals.started()
-        trip = _Trip(arrival)
+        trip = _Trip(arrival, tenant)
         try:
             with request_context(rid):
-                for resp in self._generate(request, context, rid, tenant, trip):
+                for resp in self._generate(request, context, rid, trip):
                     now = time.monotonic()
                     if resp.token_ids:
                         sent += len(resp.token_ids)
@@ -178,7 +185,46 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         time.sleep(d.delay_s)
         return True
 
-    def _generate(self, request, context, rid: str, tenant: str, trip: _Trip):
+    def _resume(self, context, trip: _Trip, address: str, e: grpc.RpcError) -> bool:
+        """Whether to resume a decode stream that broke after relaying tokens; counts the
+        resume and waits its backoff if so."""
+        code = e.code()
+        d = self.retry.decide_resume(trip.resumes, code.name, context.time_remaining(),
+                                     not context.is_active())
+        if not d.retry:
+            return False
+        log.warning("decode on %s broke after %d tokens: %s %s; resuming on another decode "
+                    "worker (%s)", address, len(trip.emitted), code.name, e.details(), d.reason)
+        self.metrics.retried("resume", code.name)
+        self.signals.retried()
+        trip.retries += 1
+        trip.resumes += 1
+        time.sleep(d.delay_s)
+        return True
+
+    def _fallback(self, context, trip: _Trip, code: grpc.StatusCode | None, message: str):
+        """The prefill hop gave up: None (a decode worker prefills the prompt itself) when the
+        rule allows, else the client gets the status."""
+        name = None if code is None else code.name
+        if not context.is_active() or not self.retry.prefill_fallback(name):
+            self._abort(context, trip, code or grpc.StatusCode.UNAVAILABLE, message)
+        log.warning("%s; prefilling on a decode worker instead", message)
+        self.metrics.retried("prefill_fallback", name or "UNAVAILABLE")
+        self.signals.retried()
+        trip.retries += 1
+        return None
+
+    @staticmethod
+    def _local_request(rid: str, prompt_ids, sampling, trip: _Trip, chunk_tokens: int = 0
+                       ) -> wpb.DecodeRequest:
+        """A decode that prefills on its worker: the prompt, then (resuming) every token the
+        client already got. Only the tenant's salt of a KV handle: prompts hash apart."""
+        return wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
+                                 prefill_locally=True, prefill_chunk_tokens=chunk_tokens,
+                                 resume_token_ids=trip.emitted,
+                                 kv=wpb.KvHandle(tenant_salt=trip.tenant))
+
+    def _generate(self, request, context, rid: str, trip: _Trip):
         try:
             check_model(request.model, self.model_names)
             prompt_ids = prompt_ids_of(request, self.tokenizer, self.model_config.vocab_size)
@@ -188,9 +234,15 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         trip.prompt_tokens = len(prompt_ids)
         sampling = params_to_proto(params)
         text = OutputText(self.tokenizer, prompt_ids, params.stop)
-        if (yield from self._offload(context, rid, prompt_ids, sampling, tenant, text, trip)):
+        if (yield from self._offload(context, rid, prompt_ids, sampling, text, trip)):
             return
-        pre = self._prefill(context, rid, prompt_ids, sampling, tenant, trip)
+        pre = self._prefill(context, rid, prompt_ids, sampling, trip)
+        if pre is None:  # no prefill worker could take it: a decode worker prefills it
+            usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
+                                  cached_prompt_tokens=0)
+            req = self._local_request(rid, prompt_ids, sampling, trip)
+            yield from self._decode(context, req, text, usage, trip)
+            return
         usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=1,
                               cached_prompt_tokens=pre.num_cached_tokens)
         first = pre.first_token_id
@@ -200,21 +252,23 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         if finish is not None:
             yield self._final(rid, delta + text.finish(), [first], finish, usage, first_lps)
             return
+        trip.emitted.append(first)
         yield api_pb2.GenerateResponse(request_id=rid, text=delta, token_ids=[first],
                                        logprobs=first_lps)
         req = wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids, first_token_id=first,
                                 sampling=sampling, kv=pre.kv)
         yield from self._decode(context, req, text, usage, trip)
 
-    def _prefill(self, context, rid, prompt_ids, sampling, tenant: str, trip: _Trip):
-        """The prefill hop, re-routed to another prefill worker while the policy allows."""
+    def _prefill(self, context, rid, prompt_ids, sampling, trip: _Trip):
+        """The prefill hop, re-routed to another prefill worker while the policy allows; None
+        when none could take it and a decode worker is to prefill it (`_fallback`)."""
         req = wpb.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
-                                 tenant_salt=tenant)
+                                 tenant_salt=trip.tenant)
         failed: set[str] = set()
         attempt = 0
         while True:
             try:
-                with self.workers.pick(PREFILL, prompt_ids, salt=tenant,
+                with self.workers.pick(PREFILL, prompt_ids, salt=trip.tenant,
                                        exclude=frozenset(failed)) as (address, stub):
                     self._picked(trip)
                     attempt += 1
@@ -223,83 +277,100 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 if failed:  # every active worker failed once: they may serve a moment later
                     failed.clear()
                     continue
-                self._abort(context, trip, grpc.StatusCode.UNAVAILABLE, f"prefill: {e}")
+                return self._fallback(context, trip, None, f"prefill: {e}")
             except grpc.RpcError as e:
                 if not self._retry(context, trip, "prefill", attempt, address, e, False):
-                    self._abort(context, trip, e.code(), f"prefill: {e.details()}")
+                    return self._fallback(context, trip, e.code(), f"prefill: {e.details()}")
                 failed.add(address)
 
-    def _decode(self, context, req: wpb.DecodeRequest, text: OutputText, usage, trip: _Trip):
-        """The decode hop. Re-routed to another decode worker only while it relayed nothing:
-        the KV handle stays valid (the blocks are in the store), and the seeded sampling makes
-        the new worker's tokens the ones the first would have sent."""
-        failed: set[str] = set()
+    def _decode(self, context, req: wpb.DecodeRequest, text: OutputText, usage, trip: _Trip,
+                dead: frozenset[str] = frozenset()):
+        """The decode hop. While it relayed nothing it is re-routed as it is: a KV handle stays
+        valid (the blocks are in the store), and seeded sampling makes the new worker's tokens
+        the ones the first would have sent. Once it relayed tokens (or when its status may not
+        be retried), a break resumes it on another decode worker (`_local_request` with every
+        token sent), and the worker that broke is left out for the rest of the request."""
+        refused: set[str] = set()
         attempt = 0
         while True:
             hop = _Hop()
             try:
                 with self.workers.pick(DECODE, req.prompt_token_ids,
                                        extra_tokens=req.sampling.max_tokens,
-                                       exclude=frozenset(failed)) as (address, stub):
+                                       exclude=frozenset(refused) | dead) as (address, stub):
+                    self._picked(trip)
                     attempt += 1
                     call = stub.Decode(req, timeout=self._timeout(context))
-                    if (yield from self._relay(context, req.request_id, call, text, usage, hop)):
+                    if (yield from self._relay(context, req.request_id, call, text, usage, hop,
+                                               trip)):
                         return
                 self._abort(context, trip, grpc.StatusCode.INTERNAL,
                             "decode stream ended without a finish reason")
             except NoWorkerError as e:
-                if failed:
-                    failed.clear()
+                if refused:  # each refused once: they may serve a moment later; dead stay out
+                    refused.clear()
                     continue
                 self._abort(context, trip, grpc.StatusCode.UNAVAILABLE, f"decode: {e}")
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
                     return  # the client left; nothing to send
-                if not self._retry(context, trip, "decode", attempt, address, e, hop.relayed):
+                if not hop.relayed and self._retry(context, trip, "decode", attempt, address,
+                                                   e, False):
+                    refused.add(address)
+                    continue
+                if not self._resume(context, trip, address, e):
                     self._abort(context, trip, e.code(), f"decode: {e.details()}")
-                failed.add(address)
+                dead |= {address}
+                req = self._local_request(req.request_id, req.prompt_token_ids, req.sampling,
+                                          trip)
+                refused.clear()
+                attempt = 0  # a resumed hop gets its own attempts
 
-    def _offload(self, context, rid, prompt_ids, sampling, tenant: str, text: OutputText,
-                 trip: _Trip):
+    def _offload(self, context, rid, prompt_ids, sampling, text: OutputText, trip: _Trip):
         """Prefill and decode on one decode worker, when the controller's budgets allow it;
-        True when the request was served so (or the client left), False to take the normal
-        path (no budget fits, or the worker refused before sending a token)."""
+        True when the request was served so (or the client left, or it was resumed elsewhere
+        after its worker broke), False to take the normal path (no budget fits, or the worker
+        refused before sending a token)."""
+        usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
+                              cached_prompt_tokens=0)
         with self.workers.offload(len(prompt_ids)) as chosen:
             if chosen is None:
                 return False
             address, stub, chunk = chosen
             self._picked(trip)
-            usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
-                                  cached_prompt_tokens=0)
-            req = wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                    sampling=sampling, prefill_locally=True,
-                                    prefill_chunk_tokens=chunk,
-                                    # The tenant's salt: its prompt hashes apart from others'.
-                                    kv=wpb.KvHandle(tenant_salt=tenant))
+            req = self._local_request(rid, prompt_ids, sampling, trip, chunk)
             hop = _Hop()
             trip.offloaded = True
             try:
                 call = stub.Decode(req, timeout=self._timeout(context))
-                if (yield from self._relay(context, rid, call, text, usage, hop)):
+                if (yield from self._relay(context, rid, call, text, usage, hop, trip)):
                     return True
                 self._abort(context, trip, grpc.StatusCode.INTERNAL,
                             "offload: decode stream ended without a finish reason")
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
                     return True
-                if not self._retry(context, trip, "offload", 1, address, e, hop.relayed):
+                if not hop.relayed and self._retry(context, trip, "offload", 1, address, e,
+                                                   False):
+                    trip.offloaded = False
+                    return False
+                if not self._resume(context, trip, address, e):
                     self._abort(context, trip, e.code(), f"offload: {e.details()}")
-                trip.offloaded = False
-                return False
+        # Resumed outside the offload lease: the budget holds only while this worker serves it.
+        req = self._local_request(rid, prompt_ids, sampling, trip)
+        yield from self._decode(context, req, text, usage, trip, dead=frozenset({address}))
+        return True
 
-    def _relay(self, context, rid: str, call, text: OutputText, usage, hop: _Hop):
+    def _relay(self, context, rid: str, call, text: OutputText, usage, hop: _Hop, trip: _Trip):
         """Relay one decode stream as text deltas; True once it ended with a finish reason
-        (or a stop string cut it short), False if the stream ended without one."""
+        (or a stop string cut it short), False if the stream ended without one. Every token
+        relayed is added to `trip.emitted`."""
         # A client that cancels or disconnects cancels the decode: the worker frees the KV.
         if not context.add_callback(call.cancel):
             call.cancel()  # the client already left: the callback never runs
         for chunk in call:
             usage.completion_tokens += len(chunk.token_ids)
+            trip.emitted.extend(chunk.token_ids)
             delta = text.push(chunk.token_ids)
             finish = None
             if text.stopped:

@@ -4,7 +4,8 @@ WatchKvEvents (the prefix cache's changes, for KV-aware routing).
 Owns request admission per role and the role switch: both roles are built once over the same
 engine, so switching is a flag flip after in-flight requests drain, never a weight reload.
 A decode request may ask to be prefilled here (`prefill_locally`): the decode role computes
-its prompt in its own batches instead of reading KV from the store.
+its prompt in its own batches instead of reading KV from the store, and, for a request resumed
+after another decode worker died (`resume_token_ids`), the tokens it had already emitted.
 Maps engine errors to gRPC statuses (invalid argument, resource exhausted, failed precondition).
 """
 
@@ -139,7 +140,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             # it here, so tenants stay apart in this worker's prefix cache.
             return self.decode_role.decode_local(
                 request.request_id, list(request.prompt_token_ids), params,
-                request.kv.tenant_salt, request.prefill_chunk_tokens, context.is_active)
+                request.kv.tenant_salt, request.prefill_chunk_tokens, context.is_active,
+                list(request.resume_token_ids))
+        if request.resume_token_ids:
+            # Resumed tokens are recomputed here; a KV handle only covers a prompt.
+            raise InvalidArgumentError("resume_token_ids", "needs prefill_locally")
         if request.kv.model_id and request.kv.model_id != self.model_id:
             raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                             f"KV is for {request.kv.model_id}, this worker serves "

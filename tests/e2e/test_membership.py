@@ -251,7 +251,8 @@ def test_offloaded_requests_keep_their_tokens(cluster, baseline):
 
 
 def test_health_follows_membership(cluster, tiny_llama_dir):
-    """A router with no workers yet: NOT_SERVING until both pools have an ACTIVE member."""
+    """A router with no workers yet: NOT_SERVING until a decode worker is ACTIVE (a prefill
+    worker alone cannot finish a request)."""
     address = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--model", tiny_llama_dir,

@@ -170,13 +170,15 @@ def test_set_state_of_an_unknown_address_is_a_key_error_naming_it():
         m.set_state("p0", ACTIVE, "both")
 
 
-def test_serving_needs_an_active_member_of_each_role():
+def test_serving_needs_an_active_decode_member_and_no_prefill_one():
     m = make_membership()
     m.set_state("d0", DRAINING)
     assert not m.serving()
     m.set_state("d0", ACTIVE)
     m.set_state("p0", FAILED)
     m.set_state("p1", GONE)
+    assert m.serving()  # a decode worker prefills the prompts itself
+    m.set_state("d0", FAILED)
     assert not m.serving()
 
 

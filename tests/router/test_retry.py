@@ -1,4 +1,5 @@
-"""The retry rule as a pure core: which statuses re-route, how often, how long to wait."""
+"""The retry rule as a pure core: which statuses re-route, how often, how long to wait; when a
+decode stream that broke is resumed on another worker; when a decode worker prefills."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.router.retry import RETRYABLE_CODES, RetryPolicy
+from pdserve.router.retry import RESUMABLE_CODES, RETRYABLE_CODES, RetryPolicy
 
 CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
          "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
@@ -71,3 +72,71 @@ def test_bad_policies_and_attempts_are_refused():
         RetryPolicy(backoff_s=-1)
     with pytest.raises(ValueError, match="1-based"):
         RetryPolicy().decide(0, "UNAVAILABLE", None, False)
+    with pytest.raises(ValueError, match="max_resumes"):
+        RetryPolicy(max_resumes=-1)
+    with pytest.raises(ValueError, match="resumes"):
+        RetryPolicy().decide_resume(-1, "UNAVAILABLE", None, False)
+
+
+# ---- resume: a decode stream that broke after the client got tokens --------------------------
+
+@pytest.mark.parametrize("code", ["UNAVAILABLE", "UNKNOWN", "INTERNAL", "CANCELLED"])
+def test_a_stream_broken_by_a_dead_worker_is_resumed(code):
+    d = RetryPolicy().decide_resume(0, code, remaining_s=10.0, client_left=False)
+    assert d.retry and d.delay_s == pytest.approx(0.02) and code in d.reason
+
+
+@pytest.mark.parametrize("code", ["INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
+                                  "FAILED_PRECONDITION", "PERMISSION_DENIED", "OK"])
+def test_a_verdict_on_the_request_is_not_resumed(code):
+    d = RetryPolicy().decide_resume(0, code, remaining_s=None, client_left=False)
+    assert not d.retry and d.delay_s == 0.0 and "not resumable" in d.reason
+
+
+@pytest.mark.parametrize("code", ["CANCELLED", "UNAVAILABLE"])
+def test_never_when_the_client_left(code):
+    d = RetryPolicy().decide_resume(0, code, remaining_s=None, client_left=True)
+    assert not d.retry and "client" in d.reason
+
+
+def test_resumes_are_bounded_back_off_and_need_the_deadline():
+    p = RetryPolicy(backoff_s=0.1, backoff_max_s=0.3, min_remaining_s=0.5, max_resumes=3)
+    assert [p.decide_resume(n, "UNAVAILABLE", None, False).delay_s
+            for n in range(3)] == pytest.approx([0.1, 0.2, 0.3])
+    d = p.decide_resume(3, "UNAVAILABLE", None, False)
+    assert not d.retry and "3 of 3" in d.reason
+    assert p.decide_resume(0, "INTERNAL", remaining_s=0.61, client_left=False).retry
+    d = p.decide_resume(0, "INTERNAL", remaining_s=0.59, client_left=False)
+    assert not d.retry and "deadline" in d.reason
+    assert not RetryPolicy(max_resumes=0).decide_resume(0, "UNAVAILABLE", None, False).retry
+
+
+@given(resumes=st.integers(0, 10_000), code=st.sampled_from(CODES),
+       remaining=st.none() | st.floats(0, 1e6, allow_nan=False), client_left=st.booleans(),
+       max_resumes=st.integers(0, 10), backoff=st.floats(0, 5), cap=st.floats(0, 5),
+       floor=st.floats(0, 5))
+def test_a_resume_always_honours_every_bound(resumes, code, remaining, client_left,
+                                             max_resumes, backoff, cap, floor):
+    p = RetryPolicy(backoff_s=backoff, backoff_max_s=cap, min_remaining_s=floor,
+                    max_resumes=max_resumes)
+    d = p.decide_resume(resumes, code, remaining, client_left)
+    if d.retry:
+        assert code in RESUMABLE_CODES and not client_left and resumes < max_resumes
+        assert 0.0 <= d.delay_s <= cap
+        assert remaining is None or remaining >= floor + d.delay_s
+    else:
+        assert d.delay_s == 0.0 and d.reason
+    if code in RESUMABLE_CODES and not client_left and resumes < max_resumes and remaining is None:
+        assert d.retry  # nothing else may stop it
+
+
+@pytest.mark.parametrize("code", [None, "UNAVAILABLE", "FAILED_PRECONDITION",
+                                  "RESOURCE_EXHAUSTED"])
+def test_a_prompt_no_prefill_worker_takes_is_prefilled_on_a_decode_worker(code):
+    assert RetryPolicy.prefill_fallback(code)
+
+
+@pytest.mark.parametrize("code", ["INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "CANCELLED",
+                                  "INTERNAL", "UNKNOWN"])
+def test_a_prefill_that_failed_for_the_request_itself_is_not(code):
+    assert not RetryPolicy.prefill_fallback(code)

@@ -2,7 +2,9 @@
 process (and a simple store process) on loopback. The worker computes the prompt in its own
 batches, at most `prefill_chunk_tokens` a step, and streams every token, the first one
 included: exactly what the engine gives in one process (invariant 1). Its stats and /metrics
-count the work; a drain for a role switch is reported while it lasts."""
+count the work; a drain for a role switch is reported while it lasts. A request resumed here
+(`resume_token_ids`: what a dead decode worker already sent) streams only the tokens after
+those, the engine's own."""
 
 from __future__ import annotations
 
@@ -82,10 +84,10 @@ def reference(tiny_llama_dir):
     return ref
 
 
-def local_decode(stub, rid: str, ids: list[int], chunk: int = 0, **sampling):
+def local_decode(stub, rid: str, ids: list[int], chunk: int = 0, resume=(), **sampling):
     return stub.Decode(wpb.DecodeRequest(
         request_id=rid, prompt_token_ids=ids, prefill_locally=True, prefill_chunk_tokens=chunk,
-        sampling=common_pb2.SamplingParams(**sampling)), timeout=120)
+        resume_token_ids=resume, sampling=common_pb2.SamplingParams(**sampling)), timeout=120)
 
 
 def collect(call) -> tuple[list[int], list, list[int]]:
@@ -155,6 +157,37 @@ def test_logprobs_stop_tokens_and_a_first_token_that_ends_it(stub, reference):
     assert reasons[-1] == common_pb2.FINISH_REASON_STOP
     got, _, reasons = collect(local_decode(stub, "one", ids, max_tokens=1))
     assert got == want[:1] and reasons == [common_pb2.FINISH_REASON_LENGTH]
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, seed=99)],
+                         ids=["greedy", "seeded"])
+def test_a_resumed_request_streams_only_what_follows(stub, reference, sampling):
+    ids = prompt(25, seed=11)
+    params = dict(max_tokens=20, ignore_eos=True, **sampling)
+    want, _ = reference(ids, SamplingParams(**params))
+    before = stats(stub)
+    got, _, reasons = collect(local_decode(stub, f"resumed-{len(sampling)}", ids, 4,
+                                           resume=want[:13], **params))
+    assert got == want[13:] and reasons[-1] == common_pb2.FINISH_REASON_LENGTH
+    after = stats(stub)
+    # The resumed tokens ran through the model with the prompt.
+    assert after.local_prefill_tokens - before.local_prefill_tokens == 25 + 13
+
+
+def test_resume_tokens_need_local_prefill_and_room_in_max_tokens(stub, reference):
+    ids = prompt(9, seed=12)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub.Decode(wpb.DecodeRequest(
+            request_id="kv-resume", prompt_token_ids=ids, first_token_id=5,
+            resume_token_ids=[5, 6], sampling=common_pb2.SamplingParams(max_tokens=4)),
+            timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("resume_token_ids")
+    with pytest.raises(grpc.RpcError) as err:
+        collect(local_decode(stub, "full", ids, resume=[5, 6, 7, 8], max_tokens=4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("resume_token_ids")
+    assert stats(stub).num_running == 0
 
 
 def test_a_cancelled_client_frees_the_request(stub):
