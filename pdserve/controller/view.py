@@ -114,7 +114,12 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
     prefill = prefill_pressure(sum(v.queued_prompt_tokens for v in pre), tps, slo,
                                ttft_p90_s=recent.ttft_p90_s)
     dec = [v for v in live if v.role == DECODE and v.state == SERVING]
+    # ITL now: finished requests report theirs only at the end (a long answer, a minute
+    # later), so the busiest decode worker's measured step time counts too.
+    steps = [v.decode_step_s for v in dec if v.decode_step_s and v.running > 0]
+    itl_s = max([x for x in (recent.itl_p90_s, max(steps, default=None)) if x is not None],
+                default=None)
     decode = decode_pressure(sum(v.kv_used_blocks for v in dec),
-                             sum(v.kv_total_blocks for v in dec), recent.itl_p90_s,
+                             sum(v.kv_total_blocks for v in dec), itl_s,
                              sum(v.waiting for v in dec), sum(v.running for v in dec), slo)
     return ClusterView(tuple(views), prefill, decode, window, recent, members)

@@ -92,3 +92,13 @@ def test_the_controller_and_ctl_import_no_torch():
             "pdserve.controller.ctl, pdserve.controller.ctl_view; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_decode_itl_is_the_live_step_time_when_no_request_has_finished_yet():
+    meters, slo = Meters(), Slo(ttft_s=1.0, itl_s=0.1)
+    cluster_view(signals(member("d0", wpb.ROLE_DECODE, running=4)), meters, slo)
+    # 10 decode steps took 3 s: 0.3 s per token for the 4 running requests, none finished.
+    v = cluster_view(signals(member("d0", wpb.ROLE_DECODE, running=4, steps=10, step_s=3.0)),
+                     meters, slo)
+    assert v.recent.itl_p90_s is None
+    assert math.isclose(v.decode.itl_ratio, 3.0)
