@@ -32,6 +32,7 @@ from pdserve.engine.block_pool import BlockPool, hash_block
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.loader import load_checkpoint
 from pdserve.engine.model import LlamaModel, StepInput
+from pdserve.engine.request_check import check_request, check_resume
 from pdserve.engine.sampling import (InvalidArgumentError, SamplingParams, TokenLogprobs, sample,
                                      token_logprobs)
 from pdserve.engine.scheduler import Scheduler, Sequence
@@ -119,22 +120,9 @@ class LLMEngine:
 
     # ---- requests in -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidArgumentError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
-            raise InvalidArgumentError("prompt", f"token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidArgumentError(
-                "prompt", f"{len(prompt_ids)} tokens does not fit the context length "
-                f"{self.max_model_len}")
-        params.validate(max_model_len=self.max_model_len, prompt_len=len(prompt_ids),
-                        vocab_size=vocab)
-        need = -(-(len(prompt_ids) + params.max_tokens) // self.block_size)
-        if need > self.pool.num_blocks:
-            raise InvalidArgumentError(
-                "max_tokens", f"the request needs {need} KV blocks; this worker has "
-                f"{self.pool.num_blocks}")
+        check_request(prompt_ids, params, vocab_size=self.model_config.vocab_size,
+                      max_model_len=self.max_model_len, block_size=self.block_size,
+                      num_blocks=self.pool.num_blocks)
 
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams,
                     *, salt: str = "", prefill_only: bool = False,
@@ -151,7 +139,8 @@ class LLMEngine:
             raise InvalidArgumentError("max_chunk_tokens", "must be >= 0 (0: no cap)")
         resume = list(resume_token_ids)
         if resume:
-            self._validate_resume(resume, params, prefill_only)
+            check_resume(resume, params, prefill_only,
+                         vocab_size=self.model_config.vocab_size, eos_ids=self.eos_ids)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.seqs or rid in self.parked:
             raise InvalidArgumentError("request_id", f"{rid!r} is already in flight")
@@ -161,30 +150,6 @@ class LLMEngine:
         self.scheduler.add(seq)
         self.seqs[rid] = seq
         return rid
-
-    def _validate_resume(self, resume: list[int], params: SamplingParams,
-                         prefill_only: bool) -> None:
-        """A resumed request must be one that was still running: room left in max_tokens and
-        no token that would have ended it (else its output would differ from the
-        uninterrupted one). Called after `validate`."""
-        if prefill_only:
-            raise InvalidArgumentError("resume_token_ids", "a prefill-only request emits one "
-                                       "token; there is nothing to resume")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in resume):
-            raise InvalidArgumentError("resume_token_ids", f"token ids must be in [0, {vocab})")
-        # Fewer than max_tokens: then the prompt plus them leave room in the context too
-        # (`validate` checked prompt + max_tokens against it).
-        if len(resume) >= params.max_tokens:
-            raise InvalidArgumentError(
-                "resume_token_ids", f"{len(resume)} tokens already reach max_tokens "
-                f"{params.max_tokens}: the request had finished")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        for i, t in enumerate(resume):
-            if t in stops:
-                raise InvalidArgumentError(
-                    "resume_token_ids", f"token {t} at {i} is a stop token: the request had "
-                    f"finished")
 
     def cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of this chain the local pool already holds."""
