@@ -5,6 +5,8 @@ Owns layout only: columns, colours, the one-line summaries. Must not call anythi
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
 
@@ -21,7 +23,8 @@ def _age(s: float) -> str:
 
 
 def show(command: str, resp, dry_run: bool = False) -> int:
-    console = Console()
+    # Piped or captured output gets rich's 80 columns, too narrow for the worker table.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     if command == "status":
         return _status(console, resp)
     if command == "rebalance":
@@ -82,7 +85,9 @@ def _status(console: Console, s) -> int:
         console.print(f"operator target: {s.target_prefill} prefill : {s.target_decode} decode "
                       "(holds until `pdserve ctl release`)")
     if s.last_action:
-        console.print(f"last decision: {s.last_action}: {s.last_reason}")
+        reason = s.last_reason if s.last_reason.startswith(s.last_action) else \
+            f"{s.last_action}: {s.last_reason}"
+        console.print(f"last decision: {reason}")
     for c in s.conflicts:
         console.print(f"[yellow]conflict:[/] {c}")
     return 0
