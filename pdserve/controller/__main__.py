@@ -5,20 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import MISSING, fields
 
 from pdserve import logctx
+from pdserve.flags import add_config_flags
 from pdserve.controller.config import ControllerConfig
 from pdserve.engine.config import ConfigError
 from pdserve.lifecycle import die_with_parent_if_asked
-
-
-def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,12 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.controller")
     p.add_argument("--router", dest="router_address", required=True,
                    help="the router whose membership and budgets this controller steers")
-    for f in fields(ControllerConfig):
-        if f.name == "router_address":
-            continue
-        kind = {"int": int, "float": float, "bool": _flag}.get(f.type, str)
-        default = None if f.default is MISSING else f.default
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default)
+    add_config_flags(p, ControllerConfig, skip=("router_address",))
     args = p.parse_args(argv)
     logctx.configure(logging.INFO)
     try:

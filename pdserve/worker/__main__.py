@@ -5,31 +5,19 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import fields
 
 from pdserve import logctx
+from pdserve.flags import add_config_flags
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.engine.config import ConfigError
 from pdserve.worker.config import WorkerConfig
-
-
-def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     parser = argparse.ArgumentParser(prog="python -m pdserve.worker")
     parser.add_argument("--model", dest="model_path", required=True)
-    for f in fields(WorkerConfig):
-        if f.name == "model_path":
-            continue
-        kind = {"int": int, "bool": _flag}.get(f.type, str)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    add_config_flags(parser, WorkerConfig, skip=("model_path",))
     args = parser.parse_args(argv)
     logctx.configure(logging.INFO)
     try:
