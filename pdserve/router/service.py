@@ -179,11 +179,17 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             return False
         log.info("%s on %s: %s %s; re-routing (%s)", hop, address, code.name, e.details(),
                  d.reason)
-        self.metrics.retried(hop, code.name)
+        self._count_retry(trip, hop, code.name, d.delay_s)
+        return True
+
+    def _count_retry(self, trip: _Trip, hop: str, code: str, delay_s: float = 0.0) -> None:
+        """One more hop for this request: in the metrics, the signals and its sample; then the
+        backoff."""
+        self.metrics.retried(hop, code)
         self.signals.retried()
         trip.retries += 1
-        time.sleep(d.delay_s)
-        return True
+        if delay_s > 0:
+            time.sleep(delay_s)
 
     def _resume(self, context, trip: _Trip, address: str, e: grpc.RpcError) -> bool:
         """Whether to resume a decode stream that broke after relaying tokens; counts the
@@ -195,11 +201,8 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             return False
         log.warning("decode on %s broke after %d tokens: %s %s; resuming on another decode "
                     "worker (%s)", address, len(trip.emitted), code.name, e.details(), d.reason)
-        self.metrics.retried("resume", code.name)
-        self.signals.retried()
-        trip.retries += 1
         trip.resumes += 1
-        time.sleep(d.delay_s)
+        self._count_retry(trip, "resume", code.name, d.delay_s)
         return True
 
     def _fallback(self, context, trip: _Trip, code: grpc.StatusCode | None, message: str):
@@ -209,9 +212,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         if not context.is_active() or not self.retry.prefill_fallback(name):
             self._abort(context, trip, code or grpc.StatusCode.UNAVAILABLE, message)
         log.warning("%s; prefilling on a decode worker instead", message)
-        self.metrics.retried("prefill_fallback", name or "UNAVAILABLE")
-        self.signals.retried()
-        trip.retries += 1
+        self._count_retry(trip, "prefill_fallback", name or "UNAVAILABLE")
         return None
 
     @staticmethod
