@@ -23,7 +23,7 @@ from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from pdserve.worker.config import WorkerConfig
-from tests.helpers import free_port, start_process, stop_process
+from tests.helpers import free_port, process_output, start_process, stop_process
 
 # The worker heartbeats every 5 s and backs off at most as long: a registration shows up
 # well within this after anything changes.
@@ -76,17 +76,31 @@ def setup(tiny_llama_dir):
                             "--register-with", f"{router_addr}, 127.0.0.1:{free_port()}"],
                            f"127.0.0.1:{port}", timeout_s=120)
     ch = rpc.make_channel(f"127.0.0.1:{port}")
-    yield router_addr, f"127.0.0.1:{port}", wpb_grpc.WorkerStub(ch)
+    yield router_addr, f"127.0.0.1:{port}", wpb_grpc.WorkerStub(ch), worker
     ch.close()
     assert stop_process(worker, timeout_s=15) == 0
     stop_process(store)
 
 
+def failures(worker, router_addr: str) -> int:
+    """How often the worker has logged a failed registration with `router_addr` (it logs
+    each change from registered to failing once)."""
+    out, err = process_output(worker)
+    return (out + err).count(f"registering with router {router_addr} failed")
+
+
+def wait_for_failures(worker, router_addr: str, n: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while failures(worker, router_addr) < n:
+        assert time.monotonic() < deadline, f"no failed registration #{n} within {WAIT_S}s"
+        time.sleep(0.05)
+
+
 def test_worker_registers_once_its_router_comes_up_and_again_after_a_restart(setup):
-    router_addr, worker_addr, _ = setup
-    # The worker has been serving (and retrying) for a while before the router is up; the
-    # second router in --register-with never comes up and must not hold the first one back.
-    time.sleep(1.0)
+    router_addr, worker_addr, _, worker = setup
+    # The worker has been serving (and retrying) before the router is up; the second router
+    # in --register-with never comes up and must not hold the first one back.
+    wait_for_failures(worker, router_addr, 1)
     router = RecordingRouter(router_addr)
     try:
         n = router.wait_for((worker_addr, wpb.ROLE_DECODE))
@@ -94,7 +108,7 @@ def test_worker_registers_once_its_router_comes_up_and_again_after_a_restart(set
         router.wait_for(since=n)
     finally:
         router.stop()
-    time.sleep(1.0)  # down long enough for a failed heartbeat or a broken connection
+    wait_for_failures(worker, router_addr, 2)  # a heartbeat has met the router down
     restarted = RecordingRouter(router_addr)
     try:
         restarted.wait_for((worker_addr, wpb.ROLE_DECODE))
@@ -103,7 +117,7 @@ def test_worker_registers_once_its_router_comes_up_and_again_after_a_restart(set
 
 
 def test_heartbeat_reports_the_role_after_a_switch(setup):
-    router_addr, worker_addr, stub = setup
+    router_addr, worker_addr, stub, _ = setup
     router = RecordingRouter(router_addr)
     try:
         router.wait_for((worker_addr, wpb.ROLE_DECODE))
