@@ -18,6 +18,7 @@ roles buys little. The report says which was in force. Must not decide anything:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import tempfile
@@ -84,14 +85,13 @@ def _cap_cpu(pids: list[int], share_cores: float, tag: str) -> list[str]:
 def _uncap(paths: list[str]) -> None:
     """Remove the cgroups (the processes have exited by now, or move back to the root)."""
     for p in paths:
-        try:
+        # A cgroup already gone, or a pid that exited meanwhile: nothing left to undo.
+        with contextlib.suppress(OSError):
             with open(os.path.join(p, "cgroup.procs")) as f:
                 for pid in f.read().split():
                     with open("/sys/fs/cgroup/cpu/cgroup.procs", "w") as root:
                         root.write(pid)
             os.rmdir(p)
-        except OSError:
-            pass
 
 
 def cpu_quota_available() -> bool:

@@ -7,6 +7,7 @@ anything or read clocks of its own: callers pass the record's time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -25,11 +26,9 @@ class AuditLog:
             return
         line = json.dumps(record, sort_keys=True, default=str) + "\n"
         with self._lock:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # no file yet: nothing to rotate
                 if os.path.getsize(self.path) + len(line) > self.max_bytes:
                     os.replace(self.path, self.path + ".1")
-            except FileNotFoundError:
-                pass
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(line)
 
