@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout-s", type=float, default=600.0)
     g.set_defaults(func=cmd_generate)
 
+    from pdserve.entrypoints import PROCESSES
+
+    for kind, (_, what) in PROCESSES.items():  # dispatched in main(), listed here for --help
+        sub.add_parser(kind, help=f"{what} (one process; flags: pdserve {kind} --help, or "
+                                  f"PDSERVE_{kind.upper()}_<FLAG> variables)", add_help=False)
     b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same run)")
     bsub = b.add_subparsers(dest="bench", required=True)
     from pdserve.bench import decode as bench_decode
@@ -206,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from pdserve.entrypoints import PROCESSES
+
+    if argv[:1] and argv[0] in PROCESSES:  # one process of a cluster, as a container runs it
+        from pdserve.entrypoints import run
+
+        return run(argv[0], argv[1:])
     if argv[:1] == ["ctl"]:  # the operator CLI starts fast: no torch, no benchmark modules
         from pdserve.controller import ctl
 
