@@ -80,10 +80,16 @@ class Health:
 _HEALTH_NAMED = 8
 
 
+def reports_draining(m: Member) -> bool:
+    """Its last stats say it is draining (a switch someone started by hand: it refuses every
+    new request while the router still has it ACTIVE). Stats from before the controller's
+    last move of it do not count: they may be from the drain of a switch now complete."""
+    seen = m.last_seen_s if m.last_seen_s is not None else float("-inf")
+    return bool(getattr(m.stats, "draining", False)) and seen >= m.changed_s
+
+
 def _takes_requests(m: Member, role: str) -> bool:
-    # A worker draining for a switch someone started by hand refuses every new request, even
-    # while the router still has it ACTIVE (its next poll says so).
-    return m.state == ACTIVE and m.role == role and not getattr(m.stats, "draining", False)
+    return m.state == ACTIVE and m.role == role and not reports_draining(m)
 
 
 def health_of(members: list[Member]) -> Health:
@@ -102,7 +108,7 @@ def health_of(members: list[Member]) -> Health:
         return Health(False, "no decode worker is active (no worker has joined)", 0, prefill, 0)
     named = []
     for m in members[:_HEALTH_NAMED]:
-        draining = " draining" if m.state == ACTIVE and getattr(m.stats, "draining", False) else ""
+        draining = " draining" if m.state == ACTIVE and reports_draining(m) else ""
         why = f": {m.reason}" if m.reason and m.state != ACTIVE else ""
         named.append(f"{m.address} {m.role} {m.state}{draining}{why}")
     more = len(members) - len(named)

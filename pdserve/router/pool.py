@@ -32,7 +32,7 @@ from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from pdserve.router.admission import PrefillRates
 from pdserve.router.kv_feed import KvFeeds
 from pdserve.router.membership import (
-    DECODE, GONE, PREFILL, Health, Member, Membership, UnknownMemberError,
+    DECODE, GONE, PREFILL, Health, Member, Membership, UnknownMemberError, reports_draining,
 )
 from pdserve.router.policy import (
     KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad, choose_offload,
@@ -159,7 +159,7 @@ class WorkerSet:
         """The prefill pool's measured prompt tokens per second (None: nothing measured)."""
         with self._lock:
             return self.rates.pool_rate(m.address for m in self.membership.pool(PREFILL)
-                                        if not getattr(m.stats, "draining", False))
+                                        if not reports_draining(m))
 
     def cached_prefix_tokens(self, prompt_ids: Sequence[int], salt: str = "") -> int:
         """Prompt tokens some prefill worker or the store already caches (0 without a KV

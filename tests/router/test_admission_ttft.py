@@ -160,6 +160,11 @@ def test_serving_exactly_when_a_decode_worker_takes_requests():
     assert "prefill prompts themselves" in h.reason
     h = health_of([_member("p:1", PREFILL), _member("d:1", DECODE, draining=True)])
     assert not h.serving and "d:1 decode active draining" in h.reason
+    stale = _member("d:1", DECODE, draining=True)
+    stale.last_seen_s, stale.changed_s = 5.0, 6.0  # polled before the controller moved it
+    assert health_of([stale]).serving
+    stale.last_seen_s = 7.0  # polled since: it drains
+    assert not health_of([stale]).serving
     h = health_of([_member("d:1", DECODE, GONE, reason="missed 3 consecutive health polls")])
     assert not h.serving and "d:1 decode gone: missed 3 consecutive health polls" in h.reason
     many = [_member(f"d:{i}", DECODE, DRAINING) for i in range(20)]
