@@ -128,7 +128,7 @@ class Door:
         h = self.workers.health()
         if not h.serving:  # it would fail at its first pick, after work done for nothing
             self.metrics.rejected("not_serving")
-            abort_with_hint(context, grpc.StatusCode.UNAVAILABLE, h.reason)
+            abort_with_hint(context, grpc.StatusCode.UNAVAILABLE, h.summary)
         try:
             self.admission.admit(tenant, arrival_s)
         except Overloaded as e:

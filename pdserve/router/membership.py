@@ -70,10 +70,15 @@ class Health:
     """Whether a request can be served now, why, and how many members can take each hop."""
 
     serving: bool
-    reason: str
+    summary: str  # why, as a client is told it (no addresses)
     decode_active: int  # ACTIVE decode members not draining: each can decode (and prefill)
     prefill_active: int  # ACTIVE prefill members not draining
     members: int  # every known member, in any state
+    detail: str = ""  # for operators: the members and their states
+
+    @property
+    def reason(self) -> str:
+        return f"{self.summary} ({self.detail})" if self.detail else self.summary
 
 
 # Members named in a NOT_SERVING reason; the rest are counted.
@@ -105,7 +110,8 @@ def health_of(members: list[Member]) -> Health:
         return Health(True, f"{how} {decode} decode workers take requests", decode, prefill,
                       len(members))
     if not members:
-        return Health(False, "no decode worker is active (no worker has joined)", 0, prefill, 0)
+        return Health(False, "no decode worker is active", 0, prefill, 0,
+                      "no worker has joined")
     named = []
     for m in members[:_HEALTH_NAMED]:
         draining = " draining" if m.state == ACTIVE and reports_draining(m) else ""
@@ -113,8 +119,8 @@ def health_of(members: list[Member]) -> Health:
         named.append(f"{m.address} {m.role} {m.state}{draining}{why}")
     more = len(members) - len(named)
     listed = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
-    return Health(False, f"no decode worker is active ({len(members)} members: {listed})",
-                  0, prefill, len(members))
+    return Health(False, "no decode worker is active", 0, prefill, len(members),
+                  f"{len(members)} members: {listed}")
 
 
 def _check_role(role: str) -> str:

@@ -262,6 +262,7 @@ def test_health_says_not_serving_exactly_while_no_decode_worker_serves(tiny_clus
         assert body["reason"].startswith("no decode worker is active") and decode in body["reason"]
         kind, (details, hint) = grpc_call(router.address, prompt, 8)
         assert kind == "UNAVAILABLE" and float(hint) > 0 and "retry after" in details
+        assert details.startswith("no decode worker is active") and decode not in details
         status, (hint, err) = http_call(router, prompt, 8)
         assert status == 503 and int(hint) >= 1 and err["error"]["code"] == "service_unavailable"
 

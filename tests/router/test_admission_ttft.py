@@ -154,6 +154,7 @@ def test_serving_exactly_when_a_decode_worker_takes_requests():
     assert not h.serving and "no worker has joined" in h.reason
     h = health_of([_member("p:1", PREFILL)])
     assert not h.serving and h.prefill_active == 1 and h.decode_active == 0
+    assert h.summary == "no decode worker is active"  # what a client is told: no addresses
     assert h.reason.startswith("no decode worker is active (1 members: p:1 prefill active")
     h = health_of([_member("d:1", DECODE)])  # decode workers prefill prompts themselves
     assert h.serving and h.decode_active == 1 and h.prefill_active == 0
