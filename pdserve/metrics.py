@@ -75,7 +75,9 @@ class RouterMetrics:
         self._success = Counter("pdserve:request_success", "Requests finished, by reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._rejected = Counter("pdserve:requests_rejected",
-                                 "Requests refused at the door, by reason.",
+                                 "Requests refused at the door, by reason (in_flight, "
+                                 "tenant_in_flight, tenant_rate, predicted_ttft, "
+                                 "shutting_down, not_serving, unauthenticated).",
                                  ["model_name", "reason"], registry=r)
         self._retries = Counter("pdserve:request_retries",
                                 "Hops re-routed after a worker refused or failed them, by hop "

@@ -28,12 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--model-name", default=None)
     p.add_argument("--max-model-len-tokens", type=int, default=None)
-    p.add_argument("--rpc-threads", type=int, default=64)
-    p.add_argument("--max-concurrent-rpcs", type=int, default=256)
+    p.add_argument("--rpc-threads", type=int, default=None,
+                   help="gRPC handler threads (default: max-in-flight + 32; at least "
+                        "max-in-flight + 4)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=None,
+                   help="gRPC calls running or queued before gRPC itself refuses (default: "
+                        "derived; at least rpc-threads + http-max-connections)")
     p.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP API host")
     p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible HTTP API port (0: a free port; default: no HTTP)")
     p.add_argument("--http-max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--http-max-connections", type=int, default=None,
+                   help="HTTP connections held (default: max(8 x max-in-flight, 256); at "
+                        "least max-in-flight + 4)")
     p.add_argument("--routing", default="auto", choices=ROUTING_CHOICES,
                    help="prefill routing policy (auto: kv_aware with 2+ prefill workers)")
     p.add_argument("--decode-routing", default="free_kv", choices=DECODE_POLICIES)
@@ -55,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tenant-rate-rps", type=float, default=0.0,
                    help="requests/s one tenant may start (0: no limit)")
     p.add_argument("--tenant-burst", type=int, default=8)
+    p.add_argument("--max-predicted-ttft-s", type=float, default=10.0,
+                   help="refuse (RESOURCE_EXHAUSTED / 429, retry hint = the queue's drain time) "
+                        "a request whose predicted time to first token is over this (0: off)")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: refuse new requests, let those in flight finish "
+                        "within this many seconds, then stop")
     p.add_argument("--api-keys-file", default=None,
                    help="file of 'KEY TENANT' lines; PDSERVE_API_KEYS=KEY:TENANT,... adds more")
     a = p.parse_args(argv)
@@ -65,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                            model_name=a.model_name, max_model_len_tokens=a.max_model_len_tokens,
                            rpc_threads=a.rpc_threads, max_concurrent_rpcs=a.max_concurrent_rpcs,
                            http_host=a.http_host, http_port=a.http_port,
-                           http_max_body_bytes=a.http_max_body_bytes, routing=a.routing,
+                           http_max_body_bytes=a.http_max_body_bytes,
+                           http_max_connections=a.http_max_connections, routing=a.routing,
                            decode_routing=a.decode_routing, block_size_tokens=a.block_size_tokens,
                            store_address=a.store_address, kv_overlap_weight=a.kv_overlap_weight,
                            kv_fetch_weight=a.kv_fetch_weight,
@@ -74,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                            max_missed_polls=a.max_missed_polls, max_in_flight=a.max_in_flight,
                            max_in_flight_per_tenant=a.max_in_flight_per_tenant,
                            tenant_rate_rps=a.tenant_rate_rps, tenant_burst=a.tenant_burst,
-                           api_keys_file=a.api_keys_file)
+                           api_keys_file=a.api_keys_file,
+                           max_predicted_ttft_s=a.max_predicted_ttft_s,
+                           shutdown_grace_s=a.shutdown_grace_s)
     except ConfigError as e:
         p.error(str(e))
     from pdserve.router.server import run

@@ -1,25 +1,47 @@
-"""Admission at the front door: a bound on requests in flight, per tenant and overall, and a
-token-bucket rate limit per tenant. Pure: the caller passes `now_s`; no clock, no I/O.
+"""Admission at the front door: a bound on requests in flight, per tenant and overall, a
+token-bucket rate limit per tenant, and a bound on the predicted time to first token. Pure: the
+caller passes `now_s` and the measured prefill rate; no clock, no I/O.
 
 Owns the decision "take this request now, or refuse it with a retry hint" (invariant 5: past a
-bound the caller gets RESOURCE_EXHAUSTED / HTTP 429, never a queue that grows without limit).
-Must not know gRPC or HTTP: `Overloaded` carries the message and `retry_after_s`; the adapters
-map it to their status codes and headers.
+bound the caller gets RESOURCE_EXHAUSTED / HTTP 429, never a queue that grows without limit),
+the router's account of prefill work admitted and not yet done (`queued_tokens`), the TTFT
+prediction over it (`predict_ttft`), and the measured prefill rates it divides by
+(`PrefillRates`). Must not know gRPC or HTTP: `Overloaded` carries the message, the reason
+(the metric label) and `retry_after_s`; the adapters (`lifecycle.Door`) map it to their status
+codes and headers.
+
+The TTFT model: a request admitted now waits for the prefill work admitted before it (every
+admitted request's uncached prompt tokens, from admission until its first token) and then for
+its own; the prefill pool works through it at the sum of its workers' measured rates
+(prompt tokens computed per busy second, from `WorkerStats`). So
+predicted TTFT = (queued + own) / rate. Over `max_predicted_ttft_s` the request is refused,
+and its retry hint is the time the queue needs to drain enough for it to fit:
+predicted - max. A request is never refused for the TTFT with nothing queued before it
+(waiting would not make it faster), nor before any rate is measured (the in-flight bound
+still holds).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+# Overloaded.reason values: the `reason` label of pdserve:requests_rejected_total.
+IN_FLIGHT = "in_flight"
+TENANT_IN_FLIGHT = "tenant_in_flight"
+TENANT_RATE = "tenant_rate"
+PREDICTED_TTFT = "predicted_ttft"
 
 
 class Overloaded(Exception):
     """The request is refused for now; retry after `retry_after_s` seconds."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, reason: str = IN_FLIGHT) -> None:
         super().__init__(f"{message}; retry after {retry_after_s:g}s")
         self.retry_after_s = retry_after_s
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -35,6 +57,10 @@ class AdmissionConfig:
     busy_retry_after_s: float = 1.0
     # Tenants remembered for rate limiting; the least recently seen are forgotten past it.
     max_tenants: int = 10_000
+    # Refuse a request whose predicted TTFT is over this (0: no TTFT bound).
+    max_predicted_ttft_s: float = 0.0
+    # No retry hint is longer than this: a prediction far out is not worth trusting.
+    max_retry_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -47,6 +73,29 @@ class AdmissionConfig:
             raise ValueError(f"tenant_burst must be >= 1, got {self.tenant_burst}")
         if self.max_tenants < 1:
             raise ValueError("max_tenants must be >= 1")
+        if not (self.max_predicted_ttft_s >= 0 and math.isfinite(self.max_predicted_ttft_s)):
+            raise ValueError(f"max_predicted_ttft_s must be >= 0, got "
+                             f"{self.max_predicted_ttft_s}")
+        if not self.max_retry_after_s > 0:
+            raise ValueError(f"max_retry_after_s must be > 0, got {self.max_retry_after_s}")
+
+
+@dataclass(frozen=True)
+class TtftPrediction:
+    predicted_s: float  # this request's time to first token if admitted now
+    queued_tokens: float  # prefill work admitted before it and not yet done
+    own_tokens: int  # its own uncached prompt tokens
+    tokens_per_s: float  # the prefill pool's measured rate
+
+
+def predict_ttft(queued_tokens: float, own_tokens: int, tokens_per_s: float | None
+                 ) -> TtftPrediction | None:
+    """(queued + own) / rate; None without a usable rate (nothing measured yet)."""
+    if tokens_per_s is None or not tokens_per_s > 0 or not math.isfinite(tokens_per_s):
+        return None
+    queued = max(0.0, float(queued_tokens))  # a float sum of adds and subtracts: no negatives
+    own = max(0, int(own_tokens))
+    return TtftPrediction((queued + own) / tokens_per_s, queued, own, float(tokens_per_s))
 
 
 @dataclass
@@ -57,12 +106,14 @@ class _Bucket:
 
 class Admission:
     """Counts requests in flight; `admit` takes one (or raises Overloaded), `release` gives it
-    back. Thread-safe (the gRPC server calls it from many threads)."""
+    back. `admit_prefill` adds a request's prefill work to the queue (or raises Overloaded),
+    `prefilled` takes it off. Thread-safe (the gRPC server calls it from many threads)."""
 
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = config or AdmissionConfig()
         self._lock = threading.Lock()
         self.in_flight = 0
+        self.queued_tokens = 0.0
         self._per_tenant: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}  # insertion order = least recently seen first
         self.rejected = 0
@@ -73,12 +124,12 @@ class Admission:
             if self.in_flight >= c.max_in_flight:
                 self.rejected += 1
                 raise Overloaded(f"the router holds {self.in_flight} requests, its limit",
-                                 c.busy_retry_after_s)
+                                 c.busy_retry_after_s, IN_FLIGHT)
             held = self._per_tenant.get(tenant, 0)
             if c.max_in_flight_per_tenant and held >= c.max_in_flight_per_tenant:
                 self.rejected += 1
                 raise Overloaded(f"tenant {tenant or 'default'!r} has {held} requests in flight, "
-                                 "its limit", c.busy_retry_after_s)
+                                 "its limit", c.busy_retry_after_s, TENANT_IN_FLIGHT)
             if c.tenant_rate_rps > 0:
                 self._take_token(tenant, now_s)
             self.in_flight += 1
@@ -96,7 +147,8 @@ class Admission:
             self.rejected += 1
             wait = (1.0 - b.tokens) / c.tenant_rate_rps
             raise Overloaded(f"tenant {tenant or 'default'!r} is over its rate of "
-                             f"{c.tenant_rate_rps:g} requests/s", round(max(wait, 0.001), 3))
+                             f"{c.tenant_rate_rps:g} requests/s", round(max(wait, 0.001), 3),
+                             TENANT_RATE)
         b.tokens -= 1.0
 
     def release(self, tenant: str) -> None:
@@ -107,3 +159,80 @@ class Admission:
                 self._per_tenant[tenant] = n
             else:
                 self._per_tenant.pop(tenant, None)
+
+    def admit_prefill(self, own_tokens: int, tokens_per_s: float | None
+                      ) -> TtftPrediction | None:
+        """Queue a request's prefill work (`own_tokens`, its uncached prompt tokens), or raise
+        Overloaded when its predicted TTFT is over the bound; the prediction (None: no rate)."""
+        c = self.config
+        with self._lock:
+            p = predict_ttft(self.queued_tokens, own_tokens, tokens_per_s)
+            limit = c.max_predicted_ttft_s
+            if limit > 0 and p is not None and p.queued_tokens > 0 and p.predicted_s > limit:
+                self.rejected += 1
+                wait = min(c.max_retry_after_s, max(0.1, p.predicted_s - limit))
+                raise Overloaded(f"predicted time to first token {p.predicted_s:.2f}s is over "
+                                 f"the limit of {limit:g}s ({p.queued_tokens:.0f} prompt tokens "
+                                 f"queued at {p.tokens_per_s:.0f} tokens/s)",
+                                 round(wait, 3), PREDICTED_TTFT)
+            self.queued_tokens += max(0, int(own_tokens))
+            return p
+
+    def prefilled(self, own_tokens: int) -> None:
+        """A request's prefill work is done (its first token exists) or was given up."""
+        with self._lock:
+            self.queued_tokens = max(0.0, self.queued_tokens - max(0, int(own_tokens)))
+
+
+class PrefillRates:
+    """Measured prefill rates (prompt tokens computed per busy second) per worker, from its
+    cumulative `WorkerStats` counters; the controller's `RateMeter` rule (the router does not
+    import the controller).
+
+    Each `observe` compares the totals with the last baseline; a delta is used once it spans at
+    least `min_busy_s` of busy time (a few tokens over a few milliseconds measure timer noise),
+    smoothed with an EWMA (`alpha` = weight of the newest). A total that went down means the
+    worker restarted: it starts over. Keys are the members' addresses (`forget` drops one), so
+    the table is bounded by membership. Stateful but pure: no clock.
+    """
+
+    def __init__(self, alpha: float = 0.3, min_busy_s: float = 0.05) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not min_busy_s > 0:
+            raise ValueError(f"min_busy_s must be > 0, got {min_busy_s}")
+        self.alpha = alpha
+        self.min_busy_s = min_busy_s
+        self._base: dict[str, tuple[float, float]] = {}
+        self._rate: dict[str, float] = {}
+
+    def observe(self, key: str, tokens_total: float, busy_s_total: float) -> float | None:
+        base = self._base.get(key)
+        if base is None or tokens_total < base[0] or busy_s_total < base[1]:
+            self._base[key] = (tokens_total, busy_s_total)
+            self._rate.pop(key, None)
+            return None
+        d_tokens, d_busy_s = tokens_total - base[0], busy_s_total - base[1]
+        if d_busy_s < self.min_busy_s:
+            return self._rate.get(key)
+        sample = d_tokens / d_busy_s
+        old = self._rate.get(key)
+        self._rate[key] = sample if old is None else self.alpha * sample + (1 - self.alpha) * old
+        self._base[key] = (tokens_total, busy_s_total)
+        return self._rate[key]
+
+    def rate(self, key: str) -> float | None:
+        return self._rate.get(key)
+
+    def forget(self, key: str) -> None:
+        self._base.pop(key, None)
+        self._rate.pop(key, None)
+
+    def pool_rate(self, keys: Iterable[str]) -> float | None:
+        """The pool's throughput: its workers' rates summed, a worker not measured yet counted
+        at the mean of those measured; None when none is."""
+        keys = list(keys)
+        measured = [r for r in (self._rate.get(k) for k in keys) if r]
+        if not measured:
+            return None
+        return sum(measured) / len(measured) * len(keys)

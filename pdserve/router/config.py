@@ -12,6 +12,15 @@ from pdserve.engine.config import ConfigError
 from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
 
 ROUTING_CHOICES = ("auto", *PREFILL_POLICIES)
+# Handler threads beyond max_in_flight by default, and at least: every admitted request holds a
+# thread for its whole stream, and the spare ones answer refusals, health checks and control
+# calls at once. With fewer, calls past the threads would wait in gRPC's queue, where no bound
+# and no metric sees them, and admission would never refuse anything.
+RPC_SPARE_THREADS = 32
+MIN_SPARE_THREADS = 4
+# Default bounds past the in-flight one: HTTP connections, and gRPC calls queued for a thread
+# (each answered by admission in microseconds), both at least this many.
+MIN_BURST = 256
 
 
 @dataclass(frozen=True)
@@ -25,8 +34,11 @@ class RouterConfig:
     model_name: str | None = None  # the id clients send in `model`; defaults to the file's name
     dtype: str = "float32"
     max_model_len_tokens: int | None = None
-    rpc_threads: int = 64
-    max_concurrent_rpcs: int = 256  # beyond this gRPC answers RESOURCE_EXHAUSTED
+    # None: derived from max_in_flight (see __post_init__ and `RPC_SPARE_THREADS`).
+    rpc_threads: int | None = None
+    # gRPC's own bound on calls running or queued; past it gRPC refuses by itself with a bare
+    # RESOURCE_EXHAUSTED (no retry hint), so it must sit far above what admission lets in.
+    max_concurrent_rpcs: int | None = None
     request_timeout_s: float = 600.0
     # Prefill policy: round_robin, least_loaded, power_of_two, kv_aware; "auto" is round_robin
     # with exactly one initial prefill worker (nothing to choose between), kv_aware otherwise
@@ -49,12 +61,24 @@ class RouterConfig:
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     http_max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    # Connections uvicorn holds; past it it answers a bare 503 (None: derived, see below).
+    http_max_connections: int | None = None
     # Admission (pdserve.router.admission): requests held at once, overall and per tenant
     # (0: no per-tenant bound), and a per-tenant rate limit (0: none) with its burst.
     max_in_flight: int = 128
     max_in_flight_per_tenant: int = 0
     tenant_rate_rps: float = 0.0
     tenant_burst: int = 8
+    # Refuse (RESOURCE_EXHAUSTED / 429) a request whose predicted time to first token is over
+    # this (0: off). 10 s: on CPU the embedded default model (SmolLM2-135M) prefills about 950
+    # tokens/s (docs/benchmarks.md), so 10 s is about 9,500 queued prompt tokens, a handful of
+    # full-context prompts or a few dozen chat turns; a client kept waiting longer than that
+    # for its first token has mostly given up, and refusing it early (with the drain time as
+    # its retry hint) keeps the TTFT of the requests admitted.
+    max_predicted_ttft_s: float = 10.0
+    # On SIGTERM/SIGINT: refuse new requests at once, let those in flight finish within this,
+    # then stop (requests still running end with UNAVAILABLE "router shutting down").
+    shutdown_grace_s: float = 30.0
     # API keys (`KEY TENANT` lines); PDSERVE_API_KEYS adds more. None and no variable: no auth.
     api_keys_file: str | None = None
 
@@ -66,8 +90,6 @@ class RouterConfig:
         both = set(self.prefill_addresses) & set(self.decode_addresses)
         if both:
             raise ConfigError(f"decode_addresses: {sorted(both)[0]} is also a prefill worker")
-        if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:
-            raise ConfigError("rpc_threads and max_concurrent_rpcs must be >= 1")
         if self.routing not in ROUTING_CHOICES:
             raise ConfigError(f"routing must be one of {ROUTING_CHOICES}, got {self.routing!r}")
         if self.decode_routing not in DECODE_POLICIES:
@@ -92,6 +114,45 @@ class RouterConfig:
         if self.http_max_body_bytes < 1024:
             raise ConfigError(f"http_max_body_bytes: must be >= 1024, got "
                               f"{self.http_max_body_bytes}")
+        if not 0 <= self.max_predicted_ttft_s < float("inf"):
+            raise ConfigError(f"max_predicted_ttft_s: must be >= 0 (0: off), got "
+                              f"{self.max_predicted_ttft_s}")
+        if not 0 <= self.shutdown_grace_s < float("inf"):
+            raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
+        self._derive_bounds()
+
+    def _derive_bounds(self) -> None:
+        """Fill in the bounds left None and check that admission refuses before any of them:
+        rpc_threads >= max_in_flight + MIN_SPARE_THREADS, http_max_connections >= the same,
+        and max_concurrent_rpcs >= rpc_threads + http_max_connections (each HTTP request is one
+        loopback gRPC call). Then every refusal under overload is the router's own, with its
+        retry hint, and the bounds past it only stop what admission could not answer."""
+        n = self.max_in_flight
+        burst = max(8 * n, MIN_BURST)
+        if self.rpc_threads is None:
+            object.__setattr__(self, "rpc_threads", n + RPC_SPARE_THREADS)
+        if self.http_max_connections is None:
+            object.__setattr__(self, "http_max_connections", burst)
+        if self.max_concurrent_rpcs is None:
+            object.__setattr__(self, "max_concurrent_rpcs",
+                               self.rpc_threads + self.http_max_connections + burst)
+        need = n + MIN_SPARE_THREADS
+        if self.rpc_threads < need:
+            raise ConfigError(
+                f"rpc_threads: must be >= max_in_flight + {MIN_SPARE_THREADS} = {need}, got "
+                f"{self.rpc_threads}: each admitted request holds a handler thread, and calls "
+                "past the threads would wait where admission never sees them")
+        if self.http_max_connections < need:
+            raise ConfigError(
+                f"http_max_connections: must be >= max_in_flight + {MIN_SPARE_THREADS} = "
+                f"{need}, got {self.http_max_connections}: past it HTTP clients get a bare "
+                "503 instead of admission's 429 with Retry-After")
+        floor = self.rpc_threads + self.http_max_connections
+        if self.max_concurrent_rpcs < floor:
+            raise ConfigError(
+                f"max_concurrent_rpcs: must be >= rpc_threads + http_max_connections = {floor}, "
+                f"got {self.max_concurrent_rpcs}: past it gRPC refuses calls itself, with no "
+                "retry hint")
 
     def prefill_policy(self) -> str:
         if self.routing != "auto":

@@ -4,7 +4,8 @@ Owns each known worker's role and state (ACTIVE in a role's pool, DRAINING, GONE
 router's own load on it (requests and predicted prefill tokens in flight, prompt tokens of
 offloaded requests in flight and the controller's offload budget), its last reported stats, and
 the transitions between states: joins, successful polls (`report`), missed polls (`missed`),
-the controller's moves (`set_state`) and forgetting long-gone workers (`forget_gone`).
+the controller's moves (`set_state`) and forgetting long-gone workers (`forget_gone`); and
+whether a request can be served at all (`health_of`: the router's health).
 
 Pure: inputs and a `now` in, the updated `Member` out; no I/O, no clock reads, no threads, no
 locks (the adapter in `pool.py` holds one around every call). Must not import torch, grpc or
@@ -64,6 +65,64 @@ class Member:
     changed_s: float = float("-inf")
 
 
+@dataclass(frozen=True)
+class Health:
+    """Whether a request can be served now, why, and how many members can take each hop."""
+
+    serving: bool
+    summary: str  # why, as a client is told it (no addresses)
+    decode_active: int  # ACTIVE decode members not draining: each can decode (and prefill)
+    prefill_active: int  # ACTIVE prefill members not draining
+    members: int  # every known member, in any state
+    detail: str = ""  # for operators: the members and their states
+
+    @property
+    def reason(self) -> str:
+        return f"{self.summary} ({self.detail})" if self.detail else self.summary
+
+
+# Members named in a NOT_SERVING reason; the rest are counted.
+_HEALTH_NAMED = 8
+
+
+def reports_draining(m: Member) -> bool:
+    """Its last stats say it is draining (a switch someone started by hand: it refuses every
+    new request while the router still has it ACTIVE). Stats from before the controller's
+    last move of it do not count: they may be from the drain of a switch now complete."""
+    seen = m.last_seen_s if m.last_seen_s is not None else float("-inf")
+    return bool(getattr(m.stats, "draining", False)) and seen >= m.changed_s
+
+
+def _takes_requests(m: Member, role: str) -> bool:
+    return m.state == ACTIVE and m.role == role and not reports_draining(m)
+
+
+def health_of(members: list[Member]) -> Health:
+    """SERVING exactly when some request can be served: a decode worker takes requests (ACTIVE,
+    not draining). The prefill hop needs no prefill worker: without one, a decode worker
+    prefills the prompt itself (`retry.prefill_fallback`; slower, same tokens), so prefill is
+    possible whenever decode is."""
+    decode = sum(_takes_requests(m, DECODE) for m in members)
+    prefill = sum(_takes_requests(m, PREFILL) for m in members)
+    if decode:
+        how = (f"{prefill} prefill" if prefill else
+               "no prefill worker (decode workers prefill prompts themselves) and")
+        return Health(True, f"{how} {decode} decode workers take requests", decode, prefill,
+                      len(members))
+    if not members:
+        return Health(False, "no decode worker is active", 0, prefill, 0,
+                      "no worker has joined")
+    named = []
+    for m in members[:_HEALTH_NAMED]:
+        draining = " draining" if m.state == ACTIVE and reports_draining(m) else ""
+        why = f": {m.reason}" if m.reason and m.state != ACTIVE else ""
+        named.append(f"{m.address} {m.role} {m.state}{draining}{why}")
+    more = len(members) - len(named)
+    listed = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
+    return Health(False, "no decode worker is active", 0, prefill, len(members),
+                  f"{len(members)} members: {listed}")
+
+
 def _check_role(role: str) -> str:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -107,9 +166,11 @@ class Membership:
         return [m for m in self.pool(DECODE) if m.offload_budget > 0]
 
     def serving(self) -> bool:
-        """A request can be served: some decode worker is ACTIVE. Prefill workers are not
-        needed: without one, a decode worker prefills the prompt itself (slower, same tokens)."""
-        return bool(self.pool(DECODE))
+        """A request can be served (see `health_of`)."""
+        return health_of(self.members()).serving
+
+    def health(self) -> "Health":
+        return health_of(self.members())
 
     # ---- transitions ---------------------------------------------------------------------------
     def join(self, address: str, role: str, now: float) -> Member:

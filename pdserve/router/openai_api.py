@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP API of the router: Starlette routes served by uvicorn in a thread.
 
 Owns the HTTP side: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
-(whole responses or SSE streams ending with `data: [DONE]`), `GET /health`, request bodies
-capped in size, and every error in OpenAI's shape (404 for unknown routes and models, 413 for
-oversized bodies, the gRPC status mapped otherwise: see `openai_schema.error_from_status`).
+(whole responses or SSE streams ending with `data: [DONE]`), `GET /health` (200 or 503 with a
+JSON body saying why, from the router's own `health` when given), request bodies capped in
+size, and every error in OpenAI's shape (404 for unknown routes and models, 413 for oversized
+bodies, the gRPC status mapped otherwise: see `openai_schema.error_from_status`; a 503 carries
+`Retry-After` as a 429 does, and a loopback call that timed out waiting for a worker is a 503,
+not a gateway's 504).
 Each request is one call of the router's own gRPC `Generate` over loopback, so HTTP and gRPC
 clients get the same validation, routing and tokens; a client that goes away cancels that call,
 which cancels the decode on the worker and frees the request's KV.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import threading
 import time
@@ -59,8 +63,25 @@ def error_response(e: OpenAIError) -> JSONResponse:
 def grpc_error(e: grpc.aio.AioRpcError, req: ApiRequest) -> OpenAIError:
     trailers = e.trailing_metadata()
     retry = trailers.get("retry-after") if trailers is not None else None
-    return error_from_status(e.code().name, e.details() or "", req,
-                             retry if isinstance(retry, str) else None)
+    retry = retry if isinstance(retry, str) else None
+    code = e.code().name
+    if code == "DEADLINE_EXCEEDED":
+        # The router's own call ran out of time waiting for a worker: another component's
+        # failure, which the client may retry (503), not a gateway's timeout.
+        code = "UNAVAILABLE"
+    err = error_from_status(code, e.details() or "", req, retry)
+    if err.status == 503 and "Retry-After" not in err.headers:
+        err.headers["Retry-After"] = str(_whole_seconds(retry))
+    return err
+
+
+def _whole_seconds(text: str | None) -> int:
+    """A Retry-After value: whole seconds, at least 1 (1 when `text` is not a number)."""
+    try:
+        seconds = float(text) if text is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    return max(1, math.ceil(min(seconds, 3600.0))) if math.isfinite(seconds) else 1
 
 
 def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
@@ -90,7 +111,8 @@ class OpenAIApp:
     def __init__(self, grpc_target: str, model_names: tuple[str, ...], max_model_len: int,
                  tokenizer, vocab_size: int, *, max_body_bytes: int = 1 << 20,
                  request_timeout_s: float = 600.0,
-                 extra_routes: Sequence[BaseRoute] = ()) -> None:
+                 extra_routes: Sequence[BaseRoute] = (),
+                 health: Callable[[], tuple[bool, dict]] | None = None) -> None:
         self.grpc_target = grpc_target
         self.model_names = model_names
         self.max_model_len = max_model_len
@@ -98,6 +120,7 @@ class OpenAIApp:
         self.vocab_size = vocab_size
         self.max_body_bytes = max_body_bytes
         self.timeout_s = request_timeout_s
+        self.health_of = health
         self.token_text = token_texts(tokenizer)
         self.created = int(time.time())
         self._channel: grpc.aio.Channel | None = None
@@ -144,18 +167,27 @@ class OpenAIApp:
             for n in self.model_names]})
 
     async def health(self, request: Request) -> Response:
-        """200 when the router's gRPC Generation service answers SERVING over loopback."""
+        """200 `{"status": "ok", ...}` when a request can be served, else 503 with the reason
+        and `Retry-After`. From the router's `health` when given, else from its gRPC health
+        service over loopback (the same truth, without the details)."""
+        if self.health_of is not None:
+            ok, body = self.health_of()
+        else:
+            ok, body = await self._grpc_health()
+        return JSONResponse(body, status_code=200 if ok else 503,
+                            headers={} if ok else {"Retry-After": "1"})
+
+    async def _grpc_health(self) -> tuple[bool, dict]:
         assert self._channel is not None
         try:
             resp = await health_pb2_grpc.HealthStub(self._channel).Check(
                 health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=2.0)
-            ok = resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            ok = False
-        if ok:
-            return Response(status_code=200)
-        return error_response(OpenAIError(503, "the router is not serving",
-                                          code="service_unavailable"))
+        except grpc.aio.AioRpcError as e:
+            return False, {"status": "not_serving", "reason": f"health check: {e.code().name}"}
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            return True, {"status": "ok"}
+        return False, {"status": "not_serving", "reason": "the router's gRPC health is "
+                       + health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}
 
     # ---- generation -------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:

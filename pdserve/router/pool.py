@@ -6,7 +6,9 @@ each `stats_interval_s`, in parallel; an answer is a `report` in the role it nam
 is a `missed` poll), the KV event feeds following membership, and `pick()`: build the policy's
 `RouteInput` from the ACTIVE members of a role (the prompt's chained block hashes looked up in
 the block index for KV-aware prefill), ask the policy, and count the choice in flight for the
-request's duration. Also `offload()`, the same for a prefill offloaded onto a decode worker.
+request's duration. Also `offload()`, the same for a prefill offloaded onto a decode worker;
+and for admission, the prefill pool's measured rate (`prefill_rate`, from each prefill member's
+polled counters) and how much of a prompt is cached already (`cached_prefix_tokens`).
 
 Must not score workers or decide transitions itself: `policy.py` and `membership.py` do, as
 pure functions of their inputs; this module only feeds them and carries out the result.
@@ -27,9 +29,10 @@ from pdserve import rpc
 from pdserve.engine.block_pool import prompt_block_hashes
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
+from pdserve.router.admission import PrefillRates
 from pdserve.router.kv_feed import KvFeeds
 from pdserve.router.membership import (
-    DECODE, GONE, PREFILL, Member, Membership, UnknownMemberError,
+    DECODE, GONE, PREFILL, Health, Member, Membership, UnknownMemberError, reports_draining,
 )
 from pdserve.router.policy import (
     KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad, choose_offload,
@@ -56,6 +59,7 @@ class WorkerSet:
                  forget_after_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.membership = Membership(max_missed, forget_after_s)
+        self.rates = PrefillRates()
         self.policies = {PREFILL: prefill_policy, DECODE: decode_policy}
         self.block_size_tokens = block_size_tokens
         self.feeds = feeds
@@ -106,6 +110,10 @@ class WorkerSet:
             m = self.membership.report(address, role, self.clock() if now is None else now, stats,
                                        asked_s)
             snap = None if m is None else dataclasses.replace(m)
+            if snap is not None and role == PREFILL:
+                self.rates.observe(address, stats.prompt_tokens_computed, stats.busy_seconds)
+            else:  # a decode worker's busy time is mostly decoding: not a prefill rate
+                self.rates.forget(address)
         if snap is not None and was != (snap.state, snap.role):
             log.warning("worker %s is %s in the %s role: %s", address, snap.state, snap.role,
                         snap.reason)
@@ -143,6 +151,24 @@ class WorkerSet:
         with self._lock:
             return self.membership.serving()
 
+    def health(self) -> Health:
+        with self._lock:
+            return self.membership.health()
+
+    def prefill_rate(self) -> float | None:
+        """The prefill pool's measured prompt tokens per second (None: nothing measured)."""
+        with self._lock:
+            return self.rates.pool_rate(m.address for m in self.membership.pool(PREFILL)
+                                        if not reports_draining(m))
+
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int], salt: str = "") -> int:
+        """Prompt tokens some prefill worker or the store already caches (0 without a KV
+        index): the most any prefill choice could skip."""
+        with self._lock:
+            addresses = [m.address for m in self.membership.pool(PREFILL)]
+        local, store = self._prefix(addresses, prompt_ids, salt)
+        return max([store, *local]) * self.block_size_tokens
+
     def stub(self, address: str) -> wpb_grpc.WorkerStub:
         with self._lock:
             s = self._stubs.get(address)
@@ -162,6 +188,7 @@ class WorkerSet:
     def _forget(self, addresses: Iterable[str]) -> None:
         for a in addresses:
             self.membership.forget(a)
+            self.rates.forget(a)
             self._stubs.pop(a, None)
             ch = self._channels.pop(a, None)
             if ch is not None:

@@ -27,6 +27,13 @@ only with the deadline left that a retry needs.
 
 Prefill fallback (`prefill_fallback`): when no prefill worker is in the pool, or the last prefill
 attempt failed with a retryable status, a decode worker prefills the prompt itself.
+
+What the client gets when a hop gives up (`client_status`): INVALID_ARGUMENT and OUT_OF_RANGE
+as they are (the request is bad everywhere), RESOURCE_EXHAUSTED as it is (every queue is full:
+retry later, HTTP 429); anything else a worker answered (UNAVAILABLE, DEADLINE_EXCEEDED while
+waiting for it, INTERNAL or UNKNOWN from one that broke, FAILED_PRECONDITION from one that
+switched role) is UNAVAILABLE (HTTP 503, with a retry hint): another component failed, not the
+router and not the request.
 """
 
 from __future__ import annotations
@@ -37,6 +44,13 @@ RETRYABLE_CODES = frozenset({"UNAVAILABLE", "FAILED_PRECONDITION", "RESOURCE_EXH
 # A broken stream, not a verdict on the request: INVALID_ARGUMENT or DEADLINE_EXCEEDED would
 # come back the same from any worker.
 RESUMABLE_CODES = frozenset({"UNAVAILABLE", "UNKNOWN", "INTERNAL", "CANCELLED"})
+# A worker's statuses passed on to the client as they are; every other one is UNAVAILABLE.
+CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED"})
+
+
+def client_status(code: str) -> str:
+    """The status name the client gets for a hop that gave up with the worker's `code`."""
+    return code if code in CLIENT_CODES else "UNAVAILABLE"
 
 
 @dataclass(frozen=True)

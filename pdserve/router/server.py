@@ -1,15 +1,21 @@
 """Builds the router process.
 
 Owns the wiring: tokenizer and model config (no weights), the workers it routes to (membership,
-both pools), the gRPC server (Generation, RouterControl, and health that says SERVING only while
-a decode worker is ACTIVE: without prefill workers, decode workers prefill), and the OpenAI-compatible HTTP server beside it (when
-configured). Must not hold request logic: `service.py`, `control.py` and `pool.py` do.
+both pools), the gRPC server (Generation, RouterControl, and health that says SERVING exactly
+while a request can be served: `membership.health_of`), the OpenAI-compatible HTTP server
+beside it (when configured; its `/health` tells the same truth with the reason), both sized
+above admission's bound (`config.RouterConfig._derive_bounds`), and the graceful shutdown:
+on SIGTERM/SIGINT refuse new requests and say NOT_SERVING at once, let those in flight finish
+within the grace, end the rest with UNAVAILABLE "router shutting down", stop, exit 0.
+Must not hold request logic: `service.py`, `lifecycle.py`, `control.py` and `pool.py` do.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from pdserve import rpc
@@ -24,9 +30,12 @@ from pdserve.router.auth import ApiKeys, KeyFileError
 from pdserve.router.config import RouterConfig
 from pdserve.router.control import RequestSignals, RouterControlServicer
 from pdserve.router.kv_feed import KvFeeds
+from pdserve.router.lifecycle import shutdown_plan
 from pdserve.router.policy import make_policy
 from pdserve.router.pool import WorkerSet
 from pdserve.router.service import RouterService
+
+log = logging.getLogger(__name__)
 
 # Services whose health follows membership: SERVING only while a request can be served.
 _ROUTING_SERVICES = ("", "pdserve.v1.Generation")
@@ -66,7 +75,8 @@ def build_service(cfg: RouterConfig) -> RouterService:
     names = served_names(cfg)
     admission = Admission(AdmissionConfig(
         max_in_flight=cfg.max_in_flight, max_in_flight_per_tenant=cfg.max_in_flight_per_tenant,
-        tenant_rate_rps=cfg.tenant_rate_rps, tenant_burst=cfg.tenant_burst))
+        tenant_rate_rps=cfg.tenant_rate_rps, tenant_burst=cfg.tenant_burst,
+        max_predicted_ttft_s=cfg.max_predicted_ttft_s))
     return RouterService(tokenizer, model_config, names, max_len, workers,
                          cfg.request_timeout_s, admission=admission, api_keys=api_keys,
                          metrics=RouterMetrics(names[0]), signals=RequestSignals())
@@ -97,10 +107,12 @@ def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
     app = OpenAIApp(loopback(grpc_address), service.model_names, service.max_model_len,
                     service.tokenizer, service.model_config.vocab_size,
                     max_body_bytes=cfg.http_max_body_bytes,
-                    request_timeout_s=cfg.request_timeout_s, extra_routes=extra_routes)
-    # Bounded (invariant 5): connections past this get 503 from uvicorn.
+                    request_timeout_s=cfg.request_timeout_s, extra_routes=extra_routes,
+                    health=service.door.health)
+    # Bounded (invariant 5): connections past this get a bare 503 from uvicorn; the config
+    # keeps it above max_in_flight, so admission's 429 comes first.
     return HttpServer(app.app, cfg.http_host, cfg.http_port or 0,
-                      max_connections=4 * cfg.max_concurrent_rpcs)
+                      max_connections=cfg.http_max_connections)
 
 
 def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
@@ -147,10 +159,28 @@ def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
         return 1
     http_note = f" http={http.address}" if http is not None else ""
     print(f"pdserve.router ready on {where} model={service.model_names[0]}{http_note}", flush=True)
-    rpc.wait_for_signal()
+    signum = rpc.wait_for_signal()
+    shut_down(cfg, service, server, health, http, signum)
+    return 0
+
+
+def shut_down(cfg: RouterConfig, service: RouterService, server, health, http,
+              signum: int) -> None:
+    """Stop admitting and say NOT_SERVING at once (a load balancer moves away), let requests
+    in flight (gRPC, and HTTP through its loopback calls) finish within the grace, end the
+    late ones with UNAVAILABLE "router shutting down", then stop both servers."""
+    plan = shutdown_plan(time.monotonic(), cfg.shutdown_grace_s)
+    door = service.door
+    door.close()
     health.enter_graceful_shutdown()
+    log.warning("signal %d: refusing new requests; %d in flight, given up to %gs", signum,
+                door.in_flight, cfg.shutdown_grace_s)
+    if not door.wait_idle(plan.requests_until_s):
+        log.warning("%d requests still in flight at the deadline: ending them (%d worker calls "
+                    "cancelled)", door.in_flight, door.expire())
+        door.wait_idle(plan.stop_by_s)
     if http is not None:
         http.stop()
-    server.stop(grace=2.0).wait()
+    server.stop(grace=max(0.0, plan.stop_by_s - time.monotonic())).wait()
     service.workers.close()
-    return 0
+    log.info("stopped")

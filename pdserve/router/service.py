@@ -10,9 +10,12 @@ decode worker, which recomputes the prompt and every token the client got
 (`DecodeRequest.resume_token_ids`) and streams the rest. A request the controller's offload
 budgets allow is prefilled on a decode worker instead (`DecodeRequest.prefill_locally`), falling
 back to the normal path if refused; so is one no prefill worker can take.
-Before all that, the door: the tenant from the API key (`auth`), admission against the in-flight
-and rate bounds (`admission`: RESOURCE_EXHAUSTED with a `retry-after` trailer), and the request
-metrics (`pdserve.metrics`) and samples (`control.RequestSignals`). Must not run the model.
+Before all that, the door: the tenant from the API key (`auth`), admission and the shutdown
+gate (`lifecycle.Door`: in-flight, rate and predicted-TTFT bounds, RESOURCE_EXHAUSTED with a
+`retry-after` trailer; UNAVAILABLE once the router is shutting down) and the request's metrics
+and sample (`lifecycle.Trip`). A hop that fails for good ends with the status
+`retry.client_status` gives (a worker's failure is UNAVAILABLE with a retry hint, never
+INTERNAL). Must not run the model.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -29,35 +32,20 @@ from pdserve.logctx import request_context
 from pdserve.metrics import RouterMetrics
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.proto import worker_pb2 as wpb
-from pdserve.router.admission import Admission, Overloaded
+from pdserve.router.admission import Admission
 from pdserve.router.auth import ApiKeys, AuthError
-from pdserve.router.control import RequestSignals, Sample, tpot_of
+from pdserve.router.control import RequestSignals
+from pdserve.router.lifecycle import Door, Trip, abort_with_hint
 from pdserve.router.membership import DECODE, PREFILL
 from pdserve.router.policy import NoWorkerError
 from pdserve.router.pool import WorkerSet
-from pdserve.router.retry import RetryPolicy
+from pdserve.router.retry import RetryPolicy, client_status
 from pdserve.router.text import OutputText
 from pdserve.router.validate import check_model, prompt_ids_of, sampling_of
 from pdserve.wire import finish_from_proto, finish_to_proto, params_to_proto
 
 log = logging.getLogger(__name__)
 _UNSET = common_pb2.FINISH_REASON_UNSPECIFIED
-
-
-@dataclass
-class _Trip:
-    """One request's path: what its metrics and sample need, and what resuming it needs."""
-
-    arrival: float
-    tenant: str = ""
-    waiting: bool = True  # no worker took it yet
-    prompt_tokens: int = 0
-    retries: int = 0  # re-routes, resumes and the prefill fallback
-    resumes: int = 0
-    offloaded: bool = False
-    error: str = ""  # the status name the client got, when it failed
-    # Every token sent to the client, the first one included: a resumed decode recomputes them.
-    emitted: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +70,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self.max_model_len = max_model_len
         self.workers = workers
         self.timeout_s = timeout_s
+        self.door = Door(self.admission, workers, self.metrics, self.signals)
 
     def ListModels(self, request, context):
         return api_pb2.ListModelsResponse(models=[
@@ -103,76 +92,29 @@ class RouterService(api_pb2_grpc.GenerationServicer):
     def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
         arrival = time.monotonic()
-        tenant = self._tenant(request, context)
-        try:
-            self.admission.admit(tenant, arrival)
-        except Overloaded as e:
-            self.metrics.rejected("overloaded")
-            context.set_trailing_metadata((("retry-after", f"{e.retry_after_s:g}"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        m, first, last, finish, sent = self.metrics, None, None, None, 0
-        m.waiting.inc()
-        self.signals.started()
-        trip = _Trip(arrival, tenant)
+        trip = self.door.enter(self._tenant(request, context), context, arrival)
         try:
             with request_context(rid):
                 for resp in self._generate(request, context, rid, trip):
-                    now = time.monotonic()
-                    if resp.token_ids:
-                        sent += len(resp.token_ids)
-                        if last is None:
-                            first = now
-                            m.ttft.observe(now - arrival)
-                        else:
-                            gap = (now - last) / len(resp.token_ids)
-                            for _ in resp.token_ids:
-                                m.itl.observe(gap)
-                        last = now
-                    if resp.finish_reason != _UNSET:
-                        finish = finish_from_proto(resp.finish_reason)
-                        u = resp.usage
-                        m.e2e.observe(now - arrival)
-                        m.prompt_tokens.inc(u.prompt_tokens)
-                        m.generation_tokens.inc(u.completion_tokens)
-                        m.prefix_queries.inc(u.prompt_tokens)
-                        m.prefix_hits.inc(u.cached_prompt_tokens)
-                        m.finished(finish)
-                        log.info("finished: %s, %d prompt tokens (%d cached), %d generated, "
-                                 "%.3f s%s%s", finish, u.prompt_tokens, u.cached_prompt_tokens,
-                                 u.completion_tokens, now - arrival,
-                                 ", offloaded" if trip.offloaded else "",
-                                 f", {trip.retries} retries" if trip.retries else "")
+                    self.door.sent(trip, resp)
                     yield resp
         finally:
-            (m.waiting if trip.waiting else m.running).dec()
-            if finish is None:
-                m.finished("abort")
-            end = time.monotonic()
-            ttft = 0.0 if first is None else first - arrival
-            if trip.offloaded:
-                self.signals.offloaded(trip.prompt_tokens)
-            self.signals.finished(Sample(
-                end, ttft, tpot_of(end - arrival, ttft, sent), trip.prompt_tokens, sent,
-                trip.offloaded, trip.retries, finish or trip.error or "abort"))
-            self.admission.release(tenant)
-
-    def _picked(self, trip: _Trip) -> None:
-        """A worker took the request: it leaves the queue (counted once, at the first pick)."""
-        if not trip.waiting:
-            return
-        self.metrics.queue_time.observe(time.monotonic() - trip.arrival)
-        self.metrics.waiting.dec()
-        self.metrics.running.inc()
-        trip.waiting = False
+            self.door.leave(trip)
 
     @staticmethod
-    def _abort(context, trip: _Trip, code: grpc.StatusCode, message: str):
+    def _abort(context, trip: Trip, code: grpc.StatusCode, message: str):
         trip.error = code.name
-        context.abort(code, message)
+        abort_with_hint(context, code, message)
 
-    def _retry(self, context, trip: _Trip, hop: str, attempt: int, address: str,
+    def _failed(self, context, trip: Trip, e: grpc.RpcError, hop: str):
+        """A hop gave up after `e` from a worker: the client gets `client_status` of it."""
+        code = getattr(grpc.StatusCode, client_status(e.code().name))
+        self._abort(context, trip, code, f"{hop}: {e.details()}")
+
+    def _retry(self, context, trip: Trip, hop: str, attempt: int, address: str,
                e: grpc.RpcError, streamed: bool) -> bool:
         """Whether to re-route after `e`; counts the retry and waits its backoff if so."""
+        self.door.stopping(context)  # past the shutdown deadline: no retry, a clear status
         code = e.code()
         d = self.retry.decide(attempt, code.name, context.time_remaining(), streamed)
         if not d.retry or not context.is_active():
@@ -182,7 +124,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self._count_retry(trip, hop, code.name, d.delay_s)
         return True
 
-    def _count_retry(self, trip: _Trip, hop: str, code: str, delay_s: float = 0.0) -> None:
+    def _count_retry(self, trip: Trip, hop: str, code: str, delay_s: float = 0.0) -> None:
         """One more hop for this request: in the metrics, the signals and its sample; then the
         backoff."""
         self.metrics.retried(hop, code)
@@ -191,9 +133,10 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         if delay_s > 0:
             time.sleep(delay_s)
 
-    def _resume(self, context, trip: _Trip, address: str, e: grpc.RpcError) -> bool:
+    def _resume(self, context, trip: Trip, address: str, e: grpc.RpcError) -> bool:
         """Whether to resume a decode stream that broke after relaying tokens; counts the
         resume and waits its backoff if so."""
+        self.door.stopping(context)
         code = e.code()
         d = self.retry.decide_resume(trip.resumes, code.name, context.time_remaining(),
                                      not context.is_active())
@@ -205,18 +148,20 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self._count_retry(trip, "resume", code.name, d.delay_s)
         return True
 
-    def _fallback(self, context, trip: _Trip, code: grpc.StatusCode | None, message: str):
+    def _fallback(self, context, trip: Trip, code: grpc.StatusCode | None, message: str):
         """The prefill hop gave up: None (a decode worker prefills the prompt itself) when the
         rule allows, else the client gets the status."""
+        self.door.stopping(context)
         name = None if code is None else code.name
         if not context.is_active() or not self.retry.prefill_fallback(name):
-            self._abort(context, trip, code or grpc.StatusCode.UNAVAILABLE, message)
+            code = getattr(grpc.StatusCode, client_status(name or "UNAVAILABLE"))
+            self._abort(context, trip, code, message)
         log.warning("%s; prefilling on a decode worker instead", message)
         self._count_retry(trip, "prefill_fallback", name or "UNAVAILABLE")
         return None
 
     @staticmethod
-    def _local_request(rid: str, prompt_ids, sampling, trip: _Trip, chunk_tokens: int = 0
+    def _local_request(rid: str, prompt_ids, sampling, trip: Trip, chunk_tokens: int = 0
                        ) -> wpb.DecodeRequest:
         """A decode that prefills on its worker: the prompt, then (resuming) every token the
         client already got. Only the tenant's salt of a KV handle: prompts hash apart."""
@@ -225,7 +170,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                                  resume_token_ids=trip.emitted,
                                  kv=wpb.KvHandle(tenant_salt=trip.tenant))
 
-    def _generate(self, request, context, rid: str, trip: _Trip):
+    def _generate(self, request, context, rid: str, trip: Trip):
         try:
             check_model(request.model, self.model_names)
             prompt_ids = prompt_ids_of(request, self.tokenizer, self.model_config.vocab_size)
@@ -233,6 +178,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         except InvalidArgumentError as e:
             self._abort(context, trip, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         trip.prompt_tokens = len(prompt_ids)
+        self.door.admit_prefill(trip, prompt_ids, context)
         sampling = params_to_proto(params)
         text = OutputText(self.tokenizer, prompt_ids, params.stop)
         if (yield from self._offload(context, rid, prompt_ids, sampling, text, trip)):
@@ -260,7 +206,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                                 sampling=sampling, kv=pre.kv)
         yield from self._decode(context, req, text, usage, trip)
 
-    def _prefill(self, context, rid, prompt_ids, sampling, trip: _Trip):
+    def _prefill(self, context, rid, prompt_ids, sampling, trip: Trip):
         """The prefill hop, re-routed to another prefill worker while the policy allows; None
         when none could take it and a decode worker is to prefill it (`_fallback`)."""
         req = wpb.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
@@ -271,9 +217,10 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             try:
                 with self.workers.pick(PREFILL, prompt_ids, salt=trip.tenant,
                                        exclude=frozenset(failed)) as (address, stub):
-                    self._picked(trip)
+                    self.door.picked(trip)
                     attempt += 1
-                    return stub.Prefill(req, timeout=self._timeout(context))
+                    call = stub.Prefill.future(req, timeout=self._timeout(context))
+                    return self.door.result(call, context)
             except NoWorkerError as e:
                 if failed:  # every active worker failed once: they may serve a moment later
                     failed.clear()
@@ -284,7 +231,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     return self._fallback(context, trip, e.code(), f"prefill: {e.details()}")
                 failed.add(address)
 
-    def _decode(self, context, req: wpb.DecodeRequest, text: OutputText, usage, trip: _Trip,
+    def _decode(self, context, req: wpb.DecodeRequest, text: OutputText, usage, trip: Trip,
                 dead: frozenset[str] = frozenset()):
         """The decode hop. While it relayed nothing it is re-routed as it is: a KV handle stays
         valid (the blocks are in the store), and seeded sampling makes the new worker's tokens
@@ -299,13 +246,14 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 with self.workers.pick(DECODE, req.prompt_token_ids,
                                        extra_tokens=req.sampling.max_tokens,
                                        exclude=frozenset(refused) | dead) as (address, stub):
-                    self._picked(trip)
+                    self.door.picked(trip)
                     attempt += 1
                     call = stub.Decode(req, timeout=self._timeout(context))
                     if (yield from self._relay(context, req.request_id, call, text, usage, hop,
                                                trip)):
                         return
-                self._abort(context, trip, grpc.StatusCode.INTERNAL,
+                # The worker's stream ended early: its failure, not the request's.
+                self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
                             "decode stream ended without a finish reason")
             except NoWorkerError as e:
                 if refused:  # each refused once: they may serve a moment later; dead stay out
@@ -320,14 +268,14 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     refused.add(address)
                     continue
                 if not self._resume(context, trip, address, e):
-                    self._abort(context, trip, e.code(), f"decode: {e.details()}")
+                    self._failed(context, trip, e, "decode")
                 dead |= {address}
                 req = self._local_request(req.request_id, req.prompt_token_ids, req.sampling,
                                           trip)
                 refused.clear()
                 attempt = 0  # a resumed hop gets its own attempts
 
-    def _offload(self, context, rid, prompt_ids, sampling, text: OutputText, trip: _Trip):
+    def _offload(self, context, rid, prompt_ids, sampling, text: OutputText, trip: Trip):
         """Prefill and decode on one decode worker, when the controller's budgets allow it;
         True when the request was served so (or the client left, or it was resumed elsewhere
         after its worker broke), False to take the normal path (no budget fits, or the worker
@@ -338,7 +286,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             if chosen is None:
                 return False
             address, stub, chunk = chosen
-            self._picked(trip)
+            self.door.picked(trip)
             req = self._local_request(rid, prompt_ids, sampling, trip, chunk)
             hop = _Hop()
             trip.offloaded = True
@@ -346,7 +294,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 call = stub.Decode(req, timeout=self._timeout(context))
                 if (yield from self._relay(context, rid, call, text, usage, hop, trip)):
                     return True
-                self._abort(context, trip, grpc.StatusCode.INTERNAL,
+                self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
                             "offload: decode stream ended without a finish reason")
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
@@ -356,39 +304,40 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     trip.offloaded = False
                     return False
                 if not self._resume(context, trip, address, e):
-                    self._abort(context, trip, e.code(), f"offload: {e.details()}")
+                    self._failed(context, trip, e, "offload")
         # Resumed outside the offload lease: the budget holds only while this worker serves it.
         req = self._local_request(rid, prompt_ids, sampling, trip)
         yield from self._decode(context, req, text, usage, trip, dead=frozenset({address}))
         return True
 
-    def _relay(self, context, rid: str, call, text: OutputText, usage, hop: _Hop, trip: _Trip):
+    def _relay(self, context, rid: str, call, text: OutputText, usage, hop: _Hop, trip: Trip):
         """Relay one decode stream as text deltas; True once it ended with a finish reason
         (or a stop string cut it short), False if the stream ended without one. Every token
         relayed is added to `trip.emitted`."""
         # A client that cancels or disconnects cancels the decode: the worker frees the KV.
         if not context.add_callback(call.cancel):
             call.cancel()  # the client already left: the callback never runs
-        for chunk in call:
-            usage.completion_tokens += len(chunk.token_ids)
-            trip.emitted.extend(chunk.token_ids)
-            delta = text.push(chunk.token_ids)
-            finish = None
-            if text.stopped:
-                call.cancel()
-                finish = "stop"
-            elif chunk.finish_reason != _UNSET:
-                finish = finish_from_proto(chunk.finish_reason)
-            if finish is not None:
-                hop.relayed = True
-                yield self._final(rid, delta + text.finish(), list(chunk.token_ids), finish,
-                                  usage, chunk.logprobs)
-                return True
-            if delta or chunk.token_ids:
-                hop.relayed = True
-                yield api_pb2.GenerateResponse(request_id=rid, text=delta,
-                                               token_ids=list(chunk.token_ids),
-                                               logprobs=chunk.logprobs)
+        with self.door.worker_call(call):
+            for chunk in call:
+                usage.completion_tokens += len(chunk.token_ids)
+                trip.emitted.extend(chunk.token_ids)
+                delta = text.push(chunk.token_ids)
+                finish = None
+                if text.stopped:
+                    call.cancel()
+                    finish = "stop"
+                elif chunk.finish_reason != _UNSET:
+                    finish = finish_from_proto(chunk.finish_reason)
+                if finish is not None:
+                    hop.relayed = True
+                    yield self._final(rid, delta + text.finish(), list(chunk.token_ids), finish,
+                                      usage, chunk.logprobs)
+                    return True
+                if delta or chunk.token_ids:
+                    hop.relayed = True
+                    yield api_pb2.GenerateResponse(request_id=rid, text=delta,
+                                                   token_ids=list(chunk.token_ids),
+                                                   logprobs=chunk.logprobs)
         return False
 
     @staticmethod
