@@ -62,6 +62,23 @@ def test_every_object_is_valid_kubernetes(rendered):
     assert {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget"} <= seen
 
 
+def test_no_empty_keys_are_rendered(rendered):
+    """An optional block left empty must vanish, not render as `key: null`."""
+    name, objs = rendered
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                assert v is not None, f"{name}: {path}.{k} is null"
+                walk(v, f"{path}.{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+
+    for o in objs:
+        walk(o, f"{o['kind']}/{o['metadata']['name']}")
+
+
 def test_selectors_services_and_budgets_reach_existing_pods(rendered):
     name, objs = rendered
     for w in workloads(objs):
