@@ -267,3 +267,25 @@ def test_schema_refuses_bad_values_naming_the_field(values, where):
         render(values)
     assert where in str(e.value)
 
+
+
+def test_readme_documents_every_value_and_only_real_ones():
+    import json
+    import re
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def leaves(node, path):
+        if node.get("type") == "object" and node.get("properties"):
+            for k, v in node["properties"].items():
+                yield from leaves(v, f"{path}.{k}" if path else k)
+        else:
+            yield path
+
+    paths = set(leaves(schema, ""))
+    rows = set(re.findall(r"^\| `([A-Za-z0-9_.]+)` \|", (CHART / "README.md").read_text(), re.M))
+    undocumented = [p for p in sorted(paths)
+                    if not any(p == r or p.startswith(r + ".") for r in rows)]
+    assert not undocumented, f"values missing from README.md's table: {undocumented}"
+    stale = [r for r in sorted(rows) if not any(p == r or p.startswith(r + ".") for p in paths)]
+    assert not stale, f"README.md documents values the chart does not have: {stale}"
