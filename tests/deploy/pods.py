@@ -12,7 +12,7 @@ otherwise. An address that names this cluster but resolves to nothing (no such S
 no Service or container declares, a pod DNS name its Service does not give) fails the test:
 that is a wiring mistake in the chart. Also probes (gRPC health, TCP) as the kubelet would run them, and a
 minimal Kubernetes API (list pods, patch labels) for the controller pod's label sync. Must not
-know pdserve's flags beyond `--*-port` taking a bare port.
+know pdserve's flags beyond `--port` and `--*-port` taking a bare port.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class FakeCluster:
 
         out = []
         for i, w in enumerate(words):
-            if i and re.fullmatch(r"--[a-z-]+-port", words[i - 1]) and w.isdigit():
+            if i and re.fullmatch(r"--(?:[a-z-]+-)?port", words[i - 1]) and w.isdigit():
                 w = str(self._pod_port(pod, int(w), f"{words[i - 1]} {w} in {pod.name}"))
             out.append(local(w))
         return out, {k: local(v) for k, v in env.items()}
