@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from pdserve.deploy.k8s_labels import ROLE_LABEL
+from pdserve.deploy.k8s_labels import ROLE_LABEL, router_members
 from tests.deploy.chart import NAMESPACE, needs_helm, objects
 from tests.deploy.pods import FakeCluster, FakeKubeApi
 from tests.e2e.test_cluster import generate
@@ -64,6 +64,15 @@ def test_default_chart_pods_serve_the_engines_tokens(tiny_llama_dir, tmp_path):
         for pod in workers:  # each started in its ordinal's role
             role = "prefill" if pod.name.endswith("-0") else "decode"
             assert f"starts as {role}" in cluster.tail(pod, "worker", 200)
+        deadline = time.monotonic() + 60  # both joined the router, one in each role
+        while True:
+            members = router_members(f"127.0.0.1:{router.ports[50051]}")
+            if sorted(r for _, r in members) == ["decode", "prefill"]:
+                break
+            assert time.monotonic() < deadline, members
+            time.sleep(0.2)
+        assert {a.rpartition(":")[0] for a, _ in members} == {"127.0.0.1"}, \
+            "each advertised its pod DNS name, which the test maps to loopback"
         (controller,) = cluster.pods_of("controller")
         cluster.start(controller, "controller")
         cluster.start(controller, "label-sync", ["--api-url", api.url])
