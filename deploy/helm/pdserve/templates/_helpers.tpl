@@ -1,0 +1,197 @@
+{{/*
+Names, labels and the pieces every pdserve pod shares. Addresses between pods are fully
+qualified (<name>.<namespace>.svc.<clusterDomain>), so they resolve whatever a pod's DNS search
+path is.
+*/}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* <release>-pdserve, or the release name when it already contains the chart's name. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Standard labels; call with (dict "ctx" $ "component" "router"). */}}
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ include "pdserve.chart" .ctx }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- end }}
+
+{{/* The labels selectors use: never the role label, which changes at run time. */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "pdserve.dnsSuffix" -}}
+{{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/* host:port of a Service of this release: (dict "ctx" $ "svc" "router-control" "port" 50051). */}}
+{{- define "pdserve.serviceAddress" -}}
+{{- printf "%s-%s.%s:%v" (include "pdserve.fullname" .ctx) .svc (include "pdserve.dnsSuffix" .ctx) .port }}
+{{- end }}
+
+{{- define "pdserve.masterReplicas" -}}
+{{- if .Values.store.ha.enabled }}{{ .Values.store.ha.replicas }}{{ else }}1{{ end }}
+{{- end }}
+
+{{/* Every store master, comma-separated: each pod by its stable name (clients follow the
+leader among them). */}}
+{{- define "pdserve.masterAddresses" -}}
+{{- $full := include "pdserve.fullname" . }}
+{{- $suffix := include "pdserve.dnsSuffix" . }}
+{{- $out := list }}
+{{- range $i := until (int (include "pdserve.masterReplicas" .)) }}
+{{- $out = append $out (printf "%s-master-%d.%s-master.%s:%v" $full $i $full $suffix $.Values.store.master.port) }}
+{{- end }}
+{{- join "," $out }}
+{{- end }}
+
+{{- define "pdserve.routerControlAddress" -}}
+{{- include "pdserve.serviceAddress" (dict "ctx" . "svc" "router-control" "port" .Values.router.grpcPort) }}
+{{- end }}
+
+{{- define "pdserve.redisUrl" -}}
+{{- if .Values.store.ha.redis.url }}
+{{- .Values.store.ha.redis.url }}
+{{- else }}
+{{- printf "redis://%s-redis.%s:6379/0" (include "pdserve.fullname" .) (include "pdserve.dnsSuffix" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The start of a router or worker container: /bin/sh runs this, then execs the pdserve command
+given as the container's args with the model appended (MODEL_PATH, or the image's default
+model). A worker also gets its role: the pod's pdserve.io/role label if it has one (kept across
+container restarts, after the controller moved it), else from its ordinal (below
+INITIAL_PREFILL_WORKERS: prefill), exported as PDSERVE_WORKER_ROLE (the --role flag).
+Call with (dict "role" true) for a worker.
+*/}}
+{{- define "pdserve.launchScript" -}}
+set -eu
+if [ -z "${MODEL_PATH:-}" ]; then
+  MODEL_PATH="$(python -c 'from pdserve.engine.loader import default_model_path as p; print(p())')"
+fi
+{{- if .role }}
+role=""
+if [ -n "${ROLE_LABEL_FILE:-}" ] && [ -r "$ROLE_LABEL_FILE" ]; then
+  role="$(sed -n 's/^pdserve\.io\/role="\([a-z]*\)"$/\1/p' "$ROLE_LABEL_FILE")"
+fi
+case "$role" in
+  prefill|decode) ;;
+  *) if [ "${POD_NAME##*-}" -lt "$INITIAL_PREFILL_WORKERS" ]; then role=prefill; else role=decode; fi ;;
+esac
+export PDSERVE_WORKER_ROLE="$role"
+echo "pdserve-launch: $POD_NAME starts as $role" >&2
+{{- end }}
+exec "$@" --model "$MODEL_PATH"
+{{- end }}
+
+{{/* A probe: (dict "probe" {"grpc": ...} "timing" .Values.x.startupProbe). */}}
+{{- define "pdserve.probe" -}}
+{{- toYaml (merge (deepCopy .timing) .probe) }}
+{{- end }}
+
+{{- define "pdserve.downwardEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end }}
+
+{{- define "pdserve.modelEnv" -}}
+{{- if .Values.model.path }}
+- name: MODEL_PATH
+  value: {{ .Values.model.path | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.modelVolumeMount" -}}
+{{- if .Values.model.volume }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.modelVolume" -}}
+{{- if .Values.model.volume }}
+- name: model
+  {{- toYaml .Values.model.volume | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Scheduling and pod-level settings: (dict "ctx" $ "v" .Values.router). */}}
+{{- define "pdserve.podScheduling" -}}
+{{- with .ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .ctx.Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.clusterIdArgs" -}}
+{{- if .Values.clusterId }}
+- --cluster-id
+- {{ .Values.clusterId | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.controllerServiceAccount" -}}
+{{- if .Values.controller.serviceAccount.create }}
+{{- default (printf "%s-controller" (include "pdserve.fullname" .)) .Values.controller.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.controller.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.controllerEnabled" -}}
+{{- if and .Values.controller.enabled (not .Values.staticMode) }}true{{ end }}
+{{- end }}

@@ -1,0 +1,209 @@
+"""The chart's pods, for the default values, run as real processes on loopback: proof that the
+chart wires the processes together (addresses, ports, flags, probes, the start script), not
+only that its YAML is valid.
+
+The rendered containers' commands, args and variables run as a kubelet would run them
+(tests/deploy/pods.py: every Service and pod DNS name mapped to a loopback port of the pod it
+reaches, each pod with its own ports, volumes as directories). Two values differ from the
+defaults, both sizes of this machine rather than wiring: the model is the tiny test model
+(`model.path`) and the storage node's DRAM segment is 64 MiB. Pods start in dependency order,
+each waiting for its probes. A greedy request through the router Service must give the
+single-process engine's tokens, and the controller pod's label sync must label the worker pods
+with their roles through a stand-in Kubernetes API.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from pdserve.deploy.k8s_labels import ROLE_LABEL, router_members
+from tests.deploy.chart import NAMESPACE, needs_helm, objects
+from tests.deploy.pods import FakeCluster, FakeKubeApi
+from tests.e2e.test_cluster import generate
+from tests.helpers import REPO_ROOT
+
+pytestmark = needs_helm
+
+SMOKE_VALUES = {"store": {"nodes": {"dramBytes": 64 << 20}}}
+READY_S = 180.0
+
+
+def test_default_chart_pods_serve_the_engines_tokens(tiny_llama_dir, tmp_path):
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+
+    objs = objects({**SMOKE_VALUES, "model": {"path": tiny_llama_dir}})
+    cluster = FakeCluster(objs, NAMESPACE, tmp_path)
+    workers = cluster.pods_of("worker")
+    assert [p.name for p in workers] == ["pdserve-worker-0", "pdserve-worker-1"]
+    api = FakeKubeApi(NAMESPACE, {p.name: dict(p.labels) for p in workers})
+    try:
+        for component, container in (("store-master", "master"), ("store-node", "node")):
+            for pod in cluster.pods_of(component):
+                cluster.start(pod, container)
+                cluster.wait(pod, container, "startupProbe", READY_S)
+                cluster.wait(pod, container, "readinessProbe", READY_S)
+        (router,) = cluster.pods_of("router")
+        cluster.start(router, "router")
+        cluster.wait(router, "router", "startupProbe", READY_S)
+        assert not cluster.probe(router, "router", "readinessProbe"), \
+            "a router with no decode worker must not be ready"
+        for pod in workers:  # all at once, as the StatefulSet's Parallel policy starts them
+            cluster.start(pod, "worker")
+        for pod in workers:
+            cluster.wait(pod, "worker", "startupProbe", READY_S)
+            cluster.wait(pod, "worker", "readinessProbe", READY_S)
+        # Ready once the workers registered through the router-control Service.
+        cluster.wait(router, "router", "readinessProbe", READY_S)
+        for pod in workers:  # each started in its ordinal's role
+            role = "prefill" if pod.name.endswith("-0") else "decode"
+            assert f"starts as {role}" in cluster.tail(pod, "worker", 200)
+        deadline = time.monotonic() + 60  # both joined the router, one in each role
+        while True:
+            members = router_members(f"127.0.0.1:{router.ports[50051]}")
+            if sorted(r for _, r in members) == ["decode", "prefill"]:
+                break
+            assert time.monotonic() < deadline, members
+            time.sleep(0.2)
+        assert {a.rpartition(":")[0] for a, _ in members} == {"127.0.0.1"}, \
+            "each advertised its pod DNS name, which the test maps to loopback"
+        (controller,) = cluster.pods_of("controller")
+        cluster.start(controller, "controller")
+        cluster.start(controller, "label-sync", ["--api-url", api.url])
+        cluster.wait(controller, "controller", "startupProbe", READY_S)
+        cluster.wait(controller, "controller", "readinessProbe", READY_S)
+
+        prompt = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
+        engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=64)))
+        want = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+        front_door = f"127.0.0.1:{cluster.resolve(f'pdserve-router.{NAMESPACE}.svc.cluster.local', 50051, router)}"
+        ids, _, finish, usage = generate(front_door, token_ids=prompt, max_tokens=24,
+                                         ignore_eos=True)
+        assert ids == want
+        assert usage.completion_tokens == 24
+
+        deadline = time.monotonic() + 60
+        while {n: api.pods[n].get(ROLE_LABEL) for n in api.pods} != \
+                {"pdserve-worker-0": "prefill", "pdserve-worker-1": "decode"}:
+            assert controller.procs["label-sync"].poll() is None, \
+                cluster.tail(controller, "label-sync")
+            assert time.monotonic() < deadline, (api.pods, cluster.tail(controller, "label-sync"))
+            time.sleep(0.2)
+        for pod in cluster.pods.values():  # nothing crashed meanwhile
+            for name, proc in pod.procs.items():
+                assert proc.poll() is None, f"{pod.name}/{name}:\n{cluster.tail(pod, name)}"
+    finally:
+        cluster.stop_all()
+        api.close()
+
+
+@pytest.mark.parametrize("ordinal, label, want", [
+    (0, "", "prefill"), (1, "", "decode"), (0, "decode", "decode"), (1, "prefill", "prefill"),
+    (2, "bogus", "decode"),
+])
+def test_worker_start_script_takes_the_label_role_else_the_ordinal(tmp_path, ordinal, label,
+                                                                   want):
+    objs = objects({"model": {"path": "/models/m"}})
+    cluster = FakeCluster(objs, NAMESPACE, tmp_path)
+    pod = cluster.pods["pdserve-worker-0"]
+    words, env = cluster.command(pod, "worker")
+    labels = tmp_path / "labels"
+    labels.write_text(f'app.kubernetes.io/component="worker"\n{ROLE_LABEL}="{label}"\n'
+                      if label else 'app.kubernetes.io/component="worker"\n')
+    script = words[:4]  # /bin/sh -c SCRIPT NAME; then the command it execs
+    env = {**os.environ, **env, "POD_NAME": f"pdserve-worker-{ordinal}",
+           "ROLE_LABEL_FILE": str(labels)}
+    out = subprocess.run(script + ["sh", "-c", 'echo "$PDSERVE_WORKER_ROLE $*"', "x"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [want, "--model", "/models/m"]
+
+
+def test_start_script_finds_the_images_default_model(tmp_path):
+    from pdserve.engine.loader import ModelNotFoundError, default_model_path
+
+    try:
+        expected = default_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(f"the default model is not installed here: {e}")
+    cluster = FakeCluster(objects(), NAMESPACE, tmp_path)
+    (router,) = cluster.pods_of("router")
+    words, env = cluster.command(router, "router")
+    assert "MODEL_PATH" not in env
+    env = {**os.environ, **env, "PATH": f"{cluster.bin}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run(words[:4] + ["echo"], env=env, capture_output=True, text=True,
+                         check=True, cwd=REPO_ROOT)
+    assert out.stdout.split() == ["--model", expected]
+
+
+def _leader(cluster: FakeCluster, masters) -> tuple[object, int]:
+    """(the master pod that leads, the storage nodes it counts alive)."""
+    from pdserve import rpc
+    from pdserve.proto import kvmaster_pb2 as pb
+    from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
+
+    for pod in masters:
+        if pod.procs["master"].poll() is not None:
+            continue
+        with rpc.make_channel(f"127.0.0.1:{pod.ports[50070]}") as ch:
+            stub = pb_grpc.KVMasterStub(ch)
+            try:
+                if stub.GetLeader(pb.GetLeaderRequest(), timeout=2).is_leader:
+                    return pod, stub.Stats(pb.MasterStatsRequest(), timeout=2).nodes_alive
+            except Exception:  # a master still starting or just killed: ask the next one
+                continue
+    return None, 0
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="needs redis-server (apt-get "
+                                                             "install redis-server)")
+def test_ha_store_pods_fail_over_to_the_standby_master(tmp_path):
+    """The HA store as the chart wires it (the chart's Redis, two masters, two storage nodes):
+    one master leads with both nodes registered; after the leader is killed the standby
+    leads, with both nodes, through the addresses the chart gave them."""
+    # Nodes missing heartbeats for 3 s count as dead, so the check after the failover shows
+    # that the nodes' heartbeats reach the new leader, not only its journal's memory of them.
+    objs = objects({"store": {"ha": {"enabled": True},
+                              "master": {"extraArgs": ["--node-timeout-s", "3"]},
+                              "nodes": {"replicas": 2, "dramBytes": 32 << 20}}})
+    cluster = FakeCluster(objs, NAMESPACE, tmp_path)
+    masters, nodes = cluster.pods_of("store-master"), cluster.pods_of("store-node")
+    assert len(masters) == 2 and len(nodes) == 2
+    try:
+        (redis,) = cluster.pods_of("redis")
+        cluster.start(redis, "redis")
+        cluster.wait(redis, "redis", "readinessProbe", 30)
+        for pod in masters:
+            cluster.start(pod, "master")
+        for pod in nodes:
+            cluster.start(pod, "node")
+        for pod, name in [(p, "master") for p in masters] + [(p, "node") for p in nodes]:
+            cluster.wait(pod, name, "startupProbe", READY_S)
+            cluster.wait(pod, name, "readinessProbe", READY_S)
+
+        def wait_leader(exclude=None):
+            deadline = time.monotonic() + 60
+            while True:
+                leader, alive = _leader(cluster, masters)
+                if leader is not None and leader is not exclude and alive == 2:
+                    return leader
+                assert time.monotonic() < deadline, (
+                    f"no master leads with 2 nodes (leader {leader and leader.name}, {alive}):\n"
+                    + "\n".join(cluster.tail(p, "master") for p in masters))
+                time.sleep(0.2)
+
+        first = wait_leader()
+        first.procs["master"].kill()  # as a node failure would: no clean hand-over
+        second = wait_leader(exclude=first)
+        time.sleep(4)  # past the node timeout: alive now means heartbeating to this leader
+        assert wait_leader(exclude=first) is second
+        for pod in nodes:
+            assert pod.procs["node"].poll() is None, cluster.tail(pod, "node")
+    finally:
+        cluster.stop_all()
