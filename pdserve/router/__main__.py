@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tenant-burst", type=int, default=8)
     p.add_argument("--api-keys-file", default=None,
                    help="file of 'KEY TENANT' lines; PDSERVE_API_KEYS=KEY:TENANT,... adds more")
+    p.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="text in chat messages that spells a control token (e.g. <|im_start|>) "
+                        "becomes that token (default: encoded as text)")
     a = p.parse_args(argv)
     logctx.configure(logging.INFO)
     try:
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                            max_missed_polls=a.max_missed_polls, max_in_flight=a.max_in_flight,
                            max_in_flight_per_tenant=a.max_in_flight_per_tenant,
                            tenant_rate_rps=a.tenant_rate_rps, tenant_burst=a.tenant_burst,
-                           api_keys_file=a.api_keys_file)
+                           api_keys_file=a.api_keys_file,
+                           allow_special_tokens_in_messages=a.allow_special_tokens_in_messages)
     except ConfigError as e:
         p.error(str(e))
     from pdserve.router.server import run
