@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pdserve.engine.detokenizer import StopChecker
 from pdserve.engine.sampling import InvalidArgumentError
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.proto import api_pb2, common_pb2
+from pdserve.proto import api_pb2
 from pdserve.router import limits
 from pdserve.router.openai_api import OpenAIApp
 from pdserve.router.openai_schema import (OpenAIError, error_from_status, parse_chat,
