@@ -65,7 +65,8 @@ def check_sizes(request: api_pb2.GenerateRequest, max_model_len: int,
         if n > most:
             raise InvalidArgumentError("chat.messages", f"{n} bytes of content {fits}")
     elif which == "token_ids" and len(request.token_ids.ids) >= max_model_len:
-        raise InvalidArgumentError("token_ids", f"{len(request.token_ids.ids)} tokens does not "
+        # As a prompt found too long once tokenized: the prompt, whatever form it came in.
+        raise InvalidArgumentError("prompt", f"{len(request.token_ids.ids)} tokens does not "
                                    f"fit the context length {max_model_len}")
 
 

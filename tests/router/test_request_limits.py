@@ -76,7 +76,7 @@ def test_prompts_too_long_to_ever_fit_are_refused_before_tokenizing(tok):
     assert _refused(_chat(*[""] * MAX_LEN), tok).field == "chat.messages"
     ids = api_pb2.GenerateRequest()
     ids.token_ids.ids.extend([5] * MAX_LEN)
-    assert _refused(ids, tok).field == "token_ids"
+    assert _refused(ids, tok).field == "prompt"  # as when found too long after tokenizing
     # At the bound the tokenizer decides (here: too many tokens, found after tokenizing).
     spy = _Spy(tok)
     assert len(prompt_ids_of(api_pb2.GenerateRequest(prompt="x" * most), spy, 49152,
