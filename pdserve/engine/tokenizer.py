@@ -153,14 +153,12 @@ class Tokenizer:
         spells one is encoded as the text it is, unless `allow_special_tokens_in_messages`.
 
         Content without such text gives exactly `encode(apply_chat_template(...),
-        add_special_tokens=False)`. Otherwise each spelled special token is swapped for a
-        stand-in (private-use characters around a per-call nonce) before rendering; the rendered
-        text is cut at the special tokens left (all the template's), and every piece between
-        them, stand-ins put back, is encoded with special-token matching off. The backend also
-        encodes pieces between special tokens on their own, so the pieces' ids are those it would
-        give for the same text. A template that rewrites content character by character (e.g.
-        `upper`) may no longer show the stand-ins; they are then encoded as the characters they
-        are, never as a special token.
+        add_special_tokens=False)`. Otherwise spelled special tokens become stand-ins (private-use
+        characters around a per-call nonce) before rendering; the rendered text is cut at the
+        special tokens left (the template's), and each piece, stand-ins put back, is encoded with
+        special-token matching off: the ids the backend gives a piece between special tokens. A
+        template that rewrites content (e.g. `upper`) may hide the stand-ins: they are then
+        encoded as the characters they are, never as a special token.
         """
         if self.allow_special_tokens_in_messages or self._specials is None:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt,
