@@ -105,7 +105,8 @@ class StopChecker:
         """Check `text`; `checked_until` is how much a previous call saw without finding a stop.
 
         Only text from `checked_until - max_holdback` on is searched, so a stream costs O(new
-        characters * stop strings) per call, not O(whole text).
+        characters * stop strings) per call, not O(whole text); the holdback looks at the last
+        `max_holdback` characters only.
         """
         start = max(0, checked_until - self.max_holdback)
         # Generation stops where the first stop string *completes* (smallest end; on a tie the
@@ -122,11 +123,21 @@ class StopChecker:
         return StopResult(stopped=False, emit_until=len(text) - self.holdback(text))
 
     def holdback(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string.
+
+        Looks only at the last `max_holdback` characters, and per stop string only at the
+        positions where its first character occurs there, so a call costs about the stop
+        strings' total length, whatever the length of `text`.
+        """
+        tail = text[max(0, len(text) - self.max_holdback):] if self.max_holdback else ""
         longest = 0
         for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
+            # Candidates start where s[0] does, from the left: the first that fits is longest.
+            start = len(tail) - min(len(s) - 1, len(tail))
+            i = tail.find(s[0], start)
+            while i != -1 and len(tail) - i > longest:
+                if s.startswith(tail[i:]):
+                    longest = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return longest

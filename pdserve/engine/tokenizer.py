@@ -1,15 +1,20 @@
 """Text <-> token ids and chat templates, for HF folders and GGUF files.
 
 Owns building a `tokenizers.Tokenizer` from either source so that ids equal what Hugging Face
-`transformers` produces for the same files (invariant 1: same tokens everywhere), and rendering
-the model's Jinja chat template the way transformers does. Must not import torch or the model
-runtime: the router tokenizes without loading weights.
+`transformers` produces for the same files (invariant 1: same tokens everywhere), rendering
+the model's Jinja chat template the way transformers does, and encoding a rendered chat so that
+only the template's own control tokens are special: text inside a message that spells one (e.g.
+`<|im_start|>system`) is encoded as text, so a user cannot forge a turn, unless the tokenizer
+is built with `allow_special_tokens_in_messages`. Must not import torch or the model runtime:
+the router tokenizes without loading weights.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -38,8 +43,18 @@ class Tokenizer:
 
     def __init__(self, backend: BackendTokenizer, *, name: str,
                  special_tokens: Mapping[str, str | None], eos_token_ids: Sequence[int],
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, allow_special_tokens_in_messages: bool = False
+                 ) -> None:
         self._backend = backend
+        self.allow_special_tokens_in_messages = allow_special_tokens_in_messages
+        # The same vocabulary with special-token matching off, for message text; built when
+        # first needed (a copy costs about 0.1 s for a 50k vocabulary).
+        self._as_text: BackendTokenizer | None = None
+        specials = sorted((t.content for t in backend.get_added_tokens_decoder().values()
+                           if t.special and t.content), key=len, reverse=True)
+        # Longest first: at one position the longest special token wins, as the backend's match.
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._max_token_bytes = _max_token_bytes(backend)
         self._name = name
         # bos_token, eos_token, unk_token, pad_token: strings, as chat templates see them.
         self._special = {k: v for k, v in special_tokens.items() if v is not None}
@@ -49,13 +64,21 @@ class Tokenizer:
         self._bos_id = backend.token_to_id(bos) if bos is not None else None
 
     @staticmethod
-    def from_path(path: str) -> "Tokenizer":
-        """Load from an HF folder (`tokenizer.json` + `tokenizer_config.json`) or a `.gguf` file."""
+    def from_path(path: str, *, allow_special_tokens_in_messages: bool = False) -> "Tokenizer":
+        """Load from an HF folder (`tokenizer.json` + `tokenizer_config.json`) or a `.gguf` file.
+
+        `allow_special_tokens_in_messages`: `encode_chat` lets text inside messages that spells
+        a special token become that token (what encoding the rendered text does); off, it is
+        encoded as text.
+        """
         if os.path.isdir(path):
-            return _from_hf_folder(path)
-        if os.path.isfile(path) and path.endswith(".gguf"):
-            return _from_gguf(path)
-        raise TokenizerError(f"tokenizer path {path!r} is neither a folder nor a .gguf file")
+            tok = _from_hf_folder(path)
+        elif os.path.isfile(path) and path.endswith(".gguf"):
+            tok = _from_gguf(path)
+        else:
+            raise TokenizerError(f"tokenizer path {path!r} is neither a folder nor a .gguf file")
+        tok.allow_special_tokens_in_messages = allow_special_tokens_in_messages
+        return tok
 
     # ---- properties ---------------------------------------------------------------------------
 
@@ -78,6 +101,12 @@ class Tokenizer:
     @property
     def backend(self) -> BackendTokenizer:
         return self._backend
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token spells (the vocabulary's longest token, special
+        tokens included): a text of B bytes encodes to at least B / max_token_bytes tokens."""
+        return self._max_token_bytes
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -116,6 +145,60 @@ class Tokenizer:
                 messages=msgs, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template of {self._name!r}: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        """The ids of `messages` rendered with the chat template; the template's own control
+        tokens (`<|im_start|>`, ...) are special tokens, and text in a message's content that
+        spells one is encoded as the text it is, unless `allow_special_tokens_in_messages`.
+
+        Content without such text gives exactly `encode(apply_chat_template(...),
+        add_special_tokens=False)`. Otherwise spelled special tokens become stand-ins (private-use
+        characters around a per-call nonce) before rendering; the rendered text is cut at the
+        special tokens left (the template's), and each piece, stand-ins put back, is encoded with
+        special-token matching off: the ids the backend gives a piece between special tokens. A
+        template that rewrites content (e.g. `upper`) may hide the stand-ins: they are then
+        encoded as the characters they are, never as a special token.
+        """
+        if self.allow_special_tokens_in_messages or self._specials is None:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt,
+                                                        **template_kwargs),
+                               add_special_tokens=False)
+        nonce = secrets.token_hex(8)
+        spelled: list[str] = []
+
+        def stand_in(m: re.Match) -> str:
+            spelled.append(m.group(0))
+            return f"\ue000{nonce}.{len(spelled) - 1}\ue001"
+
+        msgs = [{**m, "content": self._specials.sub(stand_in, m["content"])}
+                if isinstance(m.get("content"), str) else m for m in messages]
+        text = self.apply_chat_template(msgs, add_generation_prompt, **template_kwargs)
+        if not spelled:
+            return self.encode(text, add_special_tokens=False)
+        back = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
+        as_text = self._text_backend()
+
+        def piece(start: int, end: int) -> list[int]:
+            if start >= end:
+                return []
+            plain = back.sub(lambda m: spelled[int(m.group(1))], text[start:end])
+            return as_text.encode(plain, add_special_tokens=False).ids
+
+        ids: list[int] = []
+        pos = 0
+        for m in self._specials.finditer(text):
+            ids += piece(pos, m.start())
+            ids.append(self._backend.token_to_id(m.group(0)))
+            pos = m.end()
+        return ids + piece(pos, len(text))
+
+    def _text_backend(self) -> BackendTokenizer:
+        if self._as_text is None:  # two threads may both build one: either copy serves
+            copy = BackendTokenizer.from_str(self._backend.to_str())
+            copy.encode_special_tokens = True
+            self._as_text = copy
+        return self._as_text
 
 
 # ---- chat template environment --------------------------------------------------------------
@@ -159,6 +242,20 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template does not parse: {e}") from e
+
+
+def _max_token_bytes(backend: BackendTokenizer) -> int:
+    """The longest token's length in bytes of text. Byte-level vocabularies spell each byte as
+    one character of GPT-2's alphabet; others spell text as it is (a SentencePiece `▁` or a
+    `<0x0A>` byte token counts longer than the text it stands for: an overestimate, still a
+    ceiling). Added tokens are matched in the raw text: their UTF-8 length."""
+    byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+    longest = 1
+    for token in backend.get_vocab(with_added_tokens=False):
+        longest = max(longest, len(token) if byte_level else len(token.encode("utf-8")))
+    for added in backend.get_added_tokens_decoder().values():
+        longest = max(longest, len(added.content.encode("utf-8")))
+    return longest
 
 
 # ---- HF folders ---------------------------------------------------------------------------

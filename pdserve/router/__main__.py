@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                         "within this many seconds, then stop")
     p.add_argument("--api-keys-file", default=None,
                    help="file of 'KEY TENANT' lines; PDSERVE_API_KEYS=KEY:TENANT,... adds more")
+    p.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="text in chat messages that spells a control token (e.g. <|im_start|>) "
+                        "becomes that token (default: encoded as text)")
     a = p.parse_args(argv)
     logctx.configure(logging.INFO)
     try:
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                            tenant_rate_rps=a.tenant_rate_rps, tenant_burst=a.tenant_burst,
                            api_keys_file=a.api_keys_file,
                            max_predicted_ttft_s=a.max_predicted_ttft_s,
-                           shutdown_grace_s=a.shutdown_grace_s)
+                           shutdown_grace_s=a.shutdown_grace_s,
+                           allow_special_tokens_in_messages=a.allow_special_tokens_in_messages)
     except ConfigError as e:
         p.error(str(e))
     from pdserve.router.server import run

@@ -81,6 +81,9 @@ class RouterConfig:
     shutdown_grace_s: float = 30.0
     # API keys (`KEY TENANT` lines); PDSERVE_API_KEYS adds more. None and no variable: no auth.
     api_keys_file: str | None = None
+    # Text in a chat message that spells a control token (e.g. `<|im_start|>`) is encoded as that
+    # token, not as text: lets a client write template turns of its own. Off by default.
+    allow_special_tokens_in_messages: bool = False
 
     def __post_init__(self) -> None:
         for f in ("prefill_addresses", "decode_addresses"):

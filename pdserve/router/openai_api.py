@@ -10,6 +10,9 @@ not a gateway's 504).
 Each request is one call of the router's own gRPC `Generate` over loopback, so HTTP and gRPC
 clients get the same validation, routing and tokens; a client that goes away cancels that call,
 which cancels the decode on the worker and frees the request's KV.
+With API keys configured, every `/v1` route (models included, unknown ones too) needs a known
+key before anything else is done, as vLLM's `--api-key`; `/health` and `/metrics` stay open.
+The gRPC service still decides the request's tenant from the key passed on.
 Must not run the model, pick workers or tokenize for generation (the gRPC service does all
 three); it tokenizes a chat only to count its tokens for chat's default max_tokens.
 Other code adds routes (e.g. `/metrics`) through `extra_routes`.
@@ -33,6 +36,7 @@ import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -40,6 +44,7 @@ from starlette.routing import BaseRoute, Route
 from pdserve import rpc
 from pdserve.engine.sampling import InvalidArgumentError
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
+from pdserve.router.auth import ApiKeys, AuthError
 from pdserve.router.openai_format import Renderer, token_texts
 from pdserve.router.openai_schema import (ApiRequest, OpenAIError, bad, error_from_status,
                                           model_not_found, parse_chat, parse_completion)
@@ -95,6 +100,31 @@ def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
     return (("authorization", auth),)
 
 
+class _KeyGate:
+    """ASGI middleware: with keys configured, a `/v1` request without a known key gets 401
+    before routing, so no route (and no 404 or 405) is answered to an unknown caller."""
+
+    def __init__(self, app, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if (scope["type"] == "http" and self.keys.required and scope.get("method") != "OPTIONS"
+                and (path == "/v1" or path.startswith("/v1/"))):
+            values = [v for k, v in scope.get("headers", ()) if k == b"authorization"]
+            try:
+                if len(values) != 1:
+                    raise AuthError("missing API key: send 'authorization: Bearer <key>'"
+                                    if not values else "send one authorization header")
+                self.keys.tenant_of(values[0].decode("latin-1"))
+            except AuthError as e:
+                await error_response(OpenAIError(401, str(e), code="invalid_api_key"))(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -112,7 +142,8 @@ class OpenAIApp:
                  tokenizer, vocab_size: int, *, max_body_bytes: int = 1 << 20,
                  request_timeout_s: float = 600.0,
                  extra_routes: Sequence[BaseRoute] = (),
-                 health: Callable[[], tuple[bool, dict]] | None = None) -> None:
+                 health: Callable[[], tuple[bool, dict]] | None = None,
+                 api_keys: ApiKeys | None = None) -> None:
         self.grpc_target = grpc_target
         self.model_names = model_names
         self.max_model_len = max_model_len
@@ -133,7 +164,8 @@ class OpenAIApp:
             *extra_routes,
         ]
         self.app = Starlette(routes=self.routes, lifespan=self._lifespan, exception_handlers={
-            HTTPException: self._http_error, Exception: self._internal_error})
+            HTTPException: self._http_error, Exception: self._internal_error},
+            middleware=[Middleware(_KeyGate, keys=api_keys or ApiKeys({}))])
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -239,7 +271,8 @@ class OpenAIApp:
             if req.max_tokens is None:
                 # As vLLM: a chat without max_tokens may use the rest of the context.
                 try:
-                    n = len(prompt_ids_of(g, self.tokenizer, self.vocab_size))
+                    n = len(prompt_ids_of(g, self.tokenizer, self.vocab_size,
+                                          self.max_model_len))
                 except InvalidArgumentError as e:
                     raise error_from_status("INVALID_ARGUMENT", str(e), req) from None
                 if n < self.max_model_len:

@@ -3,8 +3,9 @@
 Owns the HTTP API's input rules: which fields `/v1/chat/completions` and `/v1/completions`
 accept, their JSON types and ranges, and the error a client sees (`OpenAIError`: status code plus
 OpenAI's `{"error": {message, type, param, code}}` with `param` naming the field at fault).
-Validation the gRPC path already does (context length, stop strings, tokenization) is not
-repeated here; `error_from_status` maps those errors back to the HTTP field names.
+List and string sizes are bounded as on the gRPC path (`limits`: stop strings, stop token ids,
+cache salt). Validation the gRPC path already does (context length, prompt size, tokenization)
+is not repeated here; `error_from_status` maps those errors back to the HTTP field names.
 Pure: no sockets, no asyncio, no gRPC imports.
 """
 
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling import MAX_LOGPROBS
+from pdserve.router.limits import (MAX_CACHE_SALT_BYTES, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
+                                   MAX_STOP_TOKEN_IDS)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-MAX_STOP_STRINGS = 16
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _RETRY = re.compile(r"retry after (\d+(?:\.\d+)?)\s*s")
@@ -168,7 +170,7 @@ def _common(body: dict) -> dict[str, Any]:
     out["seed"] = _int(body, "seed", INT64_MIN, INT64_MAX)
     out["ignore_eos"] = bool(_bool(body, "ignore_eos"))
     params = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-              "stop": "stop", "stop_token_ids": "stop_token_ids"}
+              "stop": "stop", "stop_token_ids": "stop_token_ids", "cache_salt": "cache_salt"}
     # max_completion_tokens replaces max_tokens in OpenAI's chat API; as vLLM, it wins.
     mt = _int(body, "max_tokens", 1, INT32_MAX)
     mct = _int(body, "max_completion_tokens", 1, INT32_MAX)
@@ -177,10 +179,15 @@ def _common(body: dict) -> dict[str, Any]:
     out["stop"] = _stop(body.get("stop"))
     sti = body.get("stop_token_ids")
     out["stop_token_ids"] = () if sti is None else _token_ids(sti, "stop_token_ids")
+    if len(out["stop_token_ids"]) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got "
+                  f"{len(out['stop_token_ids'])}")
     out["stream"] = bool(_bool(body, "stream"))
     out["include_usage"] = _stream_options(body.get("stream_options"), out["stream"])
     _str(body, "user")  # accepted and ignored, as a label for abuse monitoring
     out["cache_salt"] = _str(body, "cache_salt") or ""
+    if len(out["cache_salt"].encode("utf-8")) > MAX_CACHE_SALT_BYTES:
+        raise bad("cache_salt", f"must be at most {MAX_CACHE_SALT_BYTES} bytes")
     out["params"] = params
     return out
 
@@ -195,7 +202,13 @@ def _stop(v: Any) -> tuple[str, ...]:
         raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     if any(not s for s in stops):
         raise bad("stop", "stop strings must be non-empty")
-    return tuple(_utf8(s, "stop") for s in stops)
+    stops = [_utf8(s, "stop") for s in stops]
+    for i, s in enumerate(stops):
+        if len(s.encode("utf-8")) > MAX_STOP_STRING_BYTES:
+            raise bad(f"stop[{i}]" if isinstance(v, list) else "stop",
+                      f"must be at most {MAX_STOP_STRING_BYTES} bytes, got "
+                      f"{len(s.encode('utf-8'))}")
+    return tuple(stops)
 
 
 def _stream_options(v: Any, stream: bool) -> bool:

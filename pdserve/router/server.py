@@ -31,6 +31,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.control import RequestSignals, RouterControlServicer
 from pdserve.router.kv_feed import KvFeeds
 from pdserve.router.lifecycle import shutdown_plan
+from pdserve.router.limits import grpc_receive_bytes
 from pdserve.router.policy import make_policy
 from pdserve.router.pool import WorkerSet
 from pdserve.router.service import RouterService
@@ -67,7 +68,8 @@ def build_workers(cfg: RouterConfig) -> WorkerSet:
 
 def build_service(cfg: RouterConfig) -> RouterService:
     model_config = load_model_config(cfg.model_path)
-    tokenizer = Tokenizer.from_path(cfg.model_path)
+    tokenizer = Tokenizer.from_path(
+        cfg.model_path, allow_special_tokens_in_messages=cfg.allow_special_tokens_in_messages)
     max_len = min(cfg.max_model_len_tokens or model_config.max_position_embeddings,
                   model_config.max_position_embeddings)
     api_keys = ApiKeys.load(cfg.api_keys_file)  # before any thread starts: it may refuse
@@ -108,7 +110,7 @@ def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
                     service.tokenizer, service.model_config.vocab_size,
                     max_body_bytes=cfg.http_max_body_bytes,
                     request_timeout_s=cfg.request_timeout_s, extra_routes=extra_routes,
-                    health=service.door.health)
+                    health=service.door.health, api_keys=service.api_keys)
     # Bounded (invariant 5): connections past this get a bare 503 from uvicorn; the config
     # keeps it above max_in_flight, so admission's 429 comes first.
     return HttpServer(app.app, cfg.http_host, cfg.http_port or 0,
@@ -125,10 +127,11 @@ def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
     except (KeyFileError, OSError) as e:  # a bad key file: say which line, do not serve
         print(f"pdserve.router: {e}", file=sys.stderr, flush=True)
         return 2
-    server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-    api_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    router_pb2_grpc.add_RouterControlServicer_to_server(
-        RouterControlServicer(service.workers, service.signals), server)
+    server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+                             max_receive_message_bytes=grpc_receive_bytes(cfg.http_max_body_bytes))
+    rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, service)
+    rpc.add_servicer(server, router_pb2_grpc.add_RouterControlServicer_to_server,
+                     RouterControlServicer(service.workers, service.signals))
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation",
                                                     "pdserve.v1.RouterControl"])
 

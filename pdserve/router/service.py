@@ -173,7 +173,8 @@ class RouterService(api_pb2_grpc.GenerationServicer):
     def _generate(self, request, context, rid: str, trip: Trip):
         try:
             check_model(request.model, self.model_names)
-            prompt_ids = prompt_ids_of(request, self.tokenizer, self.model_config.vocab_size)
+            prompt_ids = prompt_ids_of(request, self.tokenizer, self.model_config.vocab_size,
+                                       self.max_model_len)
             params = sampling_of(request, len(prompt_ids), self.max_model_len, self.model_config)
         except InvalidArgumentError as e:
             self._abort(context, trip, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -1,7 +1,10 @@
 """Request validation and tokenization at the front door: bad input gets an error naming the field.
 
 Pure: a request message and the tokenizer in, token ids and sampling parameters out, or an
-`InvalidArgumentError` whose `field` is the request field at fault (invariant 7).
+`InvalidArgumentError` whose `field` is the request field at fault (invariant 7). Sizes are
+checked first (`limits`): a request too large to ever fit is refused before it is tokenized or
+rendered, so refusing it costs about as much as reading it. Chat messages are encoded with the
+tokenizer's `encode_chat` (text spelling a control token stays text unless the router allows it).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.sampling import InvalidArgumentError, SamplingParams
 from pdserve.engine.tokenizer import ChatTemplateError
 from pdserve.proto import api_pb2
+from pdserve.router import limits
 from pdserve.wire import params_from_proto
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -17,11 +21,60 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 def check_model(requested: str, served: tuple[str, ...]) -> None:
     if requested and requested not in served:
-        raise InvalidArgumentError("model", f"unknown model {requested!r}; this server serves "
-                                   f"{', '.join(served)}")
+        raise InvalidArgumentError("model", f"unknown model {limits.quoted(requested)}; this "
+                                   f"server serves {', '.join(served)}")
 
 
-def prompt_ids_of(request: api_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
+def check_sizes(request: api_pb2.GenerateRequest, max_model_len: int,
+                max_token_bytes: int) -> None:
+    """Every bound a request can be held to from its sizes alone, without tokenizing it."""
+    rid = request.request_id
+    if len(rid) > limits.MAX_REQUEST_ID_CHARS or not rid.isprintable():
+        raise InvalidArgumentError("request_id", f"must be at most {limits.MAX_REQUEST_ID_CHARS}"
+                                   f" printable characters, got {limits.quoted(rid)}")
+    if len(request.cache_salt.encode("utf-8")) > limits.MAX_CACHE_SALT_BYTES:
+        raise InvalidArgumentError("cache_salt", f"must be at most {limits.MAX_CACHE_SALT_BYTES} "
+                                   f"bytes, got {len(request.cache_salt.encode('utf-8'))}")
+    s = request.sampling
+    if len(s.stop) > limits.MAX_STOP_STRINGS:
+        raise InvalidArgumentError("stop", f"at most {limits.MAX_STOP_STRINGS} stop strings, got "
+                                   f"{len(s.stop)}")
+    for i, stop in enumerate(s.stop):
+        if len(stop.encode("utf-8")) > limits.MAX_STOP_STRING_BYTES:
+            raise InvalidArgumentError(f"stop[{i}]", f"must be at most "
+                                       f"{limits.MAX_STOP_STRING_BYTES} bytes, got "
+                                       f"{len(stop.encode('utf-8'))}")
+    if len(s.stop_token_ids) > limits.MAX_STOP_TOKEN_IDS:
+        raise InvalidArgumentError("stop_token_ids", f"at most {limits.MAX_STOP_TOKEN_IDS} ids, "
+                                   f"got {len(s.stop_token_ids)}")
+    which = request.WhichOneof("input")
+    most = limits.max_prompt_bytes(max_model_len, max_token_bytes)
+    fits = (f"cannot fit the context length {max_model_len} (at most {most} bytes: "
+            f"{max_token_bytes} bytes per token at most)")
+    if which == "prompt":
+        n = len(request.prompt.encode("utf-8"))
+        if n > most:
+            raise InvalidArgumentError("prompt", f"{n} bytes of text {fits}")
+    elif which == "chat":
+        msgs = request.chat.messages
+        # Every turn renders to at least one token (its role marker) in a chat template.
+        if len(msgs) >= max_model_len:
+            raise InvalidArgumentError("chat.messages", f"{len(msgs)} messages cannot fit the "
+                                       f"context length {max_model_len}")
+        n = sum(len(m.content.encode("utf-8")) for m in msgs)
+        if n > most:
+            raise InvalidArgumentError("chat.messages", f"{n} bytes of content {fits}")
+    elif which == "token_ids" and len(request.token_ids.ids) >= max_model_len:
+        # As a prompt found too long once tokenized: the prompt, whatever form it came in.
+        raise InvalidArgumentError("prompt", f"{len(request.token_ids.ids)} tokens does not "
+                                   f"fit the context length {max_model_len}")
+
+
+def prompt_ids_of(request: api_pb2.GenerateRequest, tokenizer, vocab_size: int,
+                  max_model_len: int | None = None) -> list[int]:
+    """The prompt's token ids. With `max_model_len`, `check_sizes` runs first."""
+    if max_model_len is not None:
+        check_sizes(request, max_model_len, tokenizer.max_token_bytes)
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidArgumentError("prompt", "one of prompt, chat or token_ids is required")
@@ -38,11 +91,9 @@ def prompt_ids_of(request: api_pb2.GenerateRequest, tokenizer, vocab_size: int) 
                 raise InvalidArgumentError(f"chat.messages[{i}].role",
                                            f"must be one of {', '.join(CHAT_ROLES)}")
         try:
-            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content}
-                                                  for m in msgs])
-        except ChatTemplateError as e:
-            raise InvalidArgumentError("chat.messages", str(e)) from None
-        ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in msgs])
+        except ChatTemplateError as e:  # the template's own words, which may quote a message
+            raise InvalidArgumentError("chat.messages", limits.cut(str(e))) from None
     else:
         ids = list(request.token_ids.ids)
         if not ids:
