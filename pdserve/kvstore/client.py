@@ -183,10 +183,11 @@ class KVStoreClient:
 
     def __init__(self, address: str, timeout_s: float = 30.0,
                  retry: StoreRetryPolicy | None = None) -> None:
-        """`timeout_s` bounds one attempt; `retry` (default: a 3 s budget) one operation."""
+        """`timeout_s` bounds one attempt; `retry` (default: a 3 s budget) the retries of
+        transient failures of one operation."""
         self.address = address
         self._timeout_s = timeout_s
-        self.retry = retry or StoreRetryPolicy(attempt_timeout_s=timeout_s)
+        self.retry = retry or StoreRetryPolicy()
         self.store_down = False  # an operation found no store; the next ones fail fast
         self._channel = make_store_channel(address)
         self._stub = pb_grpc.KVStoreStub(self._channel)
@@ -352,14 +353,15 @@ class KVStoreClient:
         return self._retried(lambda timeout: method(request, timeout=timeout), what)
 
     def _retried(self, attempt: Callable[[float], _T], what: str) -> _T:
-        """attempt(timeout) until it answers, as `self.retry` allows; a typed StoreError."""
+        """attempt(timeout) until it answers, as `self.retry` allows; a typed StoreError.
+        Each attempt gets the whole `timeout_s`: the bytes travel in the call, so a large put
+        may take long; a store that is down refuses the connection at once anyway."""
         started = time.monotonic()
         rounds = 0
         while True:
             rounds += 1
-            elapsed = time.monotonic() - started
             try:
-                out = attempt(self.retry.attempt_timeout(elapsed, self.store_down))
+                out = attempt(self._timeout_s)
                 self.store_down = False
                 return out
             except grpc.RpcError as e:

@@ -78,9 +78,9 @@ class DistStoreClient:
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         """`ucx`: use UCX to nodes on other hosts that serve it (None: where `ucxx` is installed;
-        False: never, TCP instead). `timeout_s` bounds one attempt of a master call; `retry`
-        (default: a 3 s budget per operation) the retries of one operation. `cluster_id`: the
-        cluster this client belongs to ("": any)."""
+        False: never, TCP instead). `retry`: how one master call is retried (default: within
+        3 s per operation, each attempt at most `timeout_s`). `cluster_id`: the cluster this
+        client belongs to ("": any)."""
         if isinstance(master_addresses, str):
             master_addresses = master_addresses.split(",")
         self.masters = [a.strip() for a in master_addresses if a.strip()]
