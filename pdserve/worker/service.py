@@ -194,7 +194,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                             kv.kv_dtype)
 
     def Abort(self, request, context):
-        found = self.loop.call(lambda: self.loop.engine.abort(request.request_id))
+        try:
+            found = self.loop.call(lambda: self.loop.engine.abort(request.request_id))
+        except EngineBusy as e:
+            context.abort(*_status_of(e))
         self.loop.close_stream(request.request_id)
         return pb.AbortResponse(found=found)
 
