@@ -7,7 +7,8 @@ engine's alone (invariant 1); the worker reports degraded (GetStats and /metrics
 store serves again, then puts and fetches resume. With a master but no storage node, puts are
 refused and the probe keeps the worker degraded until a node registers. A worker process of
 another cluster than its store master's exits 1 naming both ids. The pure `StoreHealth` rules
-are checked on their own.
+are checked on their own, and so is the contract with the router: a failure a worker cannot
+absorb is a status `router/retry.py` re-routes (then prefills on a decode worker), never INTERNAL.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from pdserve.decode_worker.role import DecodeRole
@@ -24,12 +26,13 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kvstore.dist_client import DistStoreClient
 from pdserve.kvstore.retry import StoreRetryPolicy
-from pdserve.prefill_worker.role import PrefillRole
+from pdserve.prefill_worker.role import PrefillCancelled, PrefillRole, PrefillTimeout
 from pdserve.proto import worker_pb2 as wpb
-from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.guarded_store import GuardedStore
+from pdserve.router.retry import RETRYABLE_CODES, RetryPolicy
+from pdserve.worker.engine_loop import EngineBusy, EngineLoop
+from pdserve.worker.guarded_store import GuardedStore, StoreFailure
 from pdserve.worker.metrics import StoreHealthCollector
-from pdserve.worker.service import WorkerService
+from pdserve.worker.service import WorkerService, _status_of
 from pdserve.worker.store_health import StoreHealth
 from tests.helpers import REPO_ROOT, free_port
 from tests.kvstore.test_dist_store import _env, start_master, start_node, stop
@@ -192,3 +195,17 @@ def test_store_health_rules():
         h.failed("delete", "?", 1.0)
     with pytest.raises(ValueError, match="probe_interval_s"):
         StoreHealth(probe_interval_s=0)
+
+
+def test_failures_a_worker_cannot_absorb_are_statuses_the_router_re_routes():
+    for error in (StoreFailure("KV store unavailable (put): no master answered"),
+                  EngineBusy("worker busy: nothing was done")):
+        code, message = _status_of(error)
+        assert code == grpc.StatusCode.UNAVAILABLE and str(error) in message
+        # Re-routed to another prefill worker, then prefilled on a decode worker.
+        assert code.name in RETRYABLE_CODES and RetryPolicy.prefill_fallback(code.name)
+    code, message = _status_of(PrefillTimeout("prefill of r did not finish within 600s"))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "did not finish" in message
+    assert _status_of(PrefillCancelled("the caller went away"))[0] == grpc.StatusCode.CANCELLED
+    code, message = _status_of(TimeoutError())  # never an empty message
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and message
