@@ -145,9 +145,11 @@ class PrefillRole:
             spans, stream_id = None, ""
         put = self._put_blocks(request_id, keys[:whole], kv.blocks[:whole])
         with self._lock:
-            self.blocks_put += put
-            self.blocks_deduped += whole - put if put >= 0 else 0
-            self.put_failures += put < 0
+            if put < 0:
+                self.put_failures += 1
+            else:
+                self.blocks_put += put
+                self.blocks_deduped += whole - put
         out = item.output
         return PrefillResult(out.new_token_ids[0], out.finish_reason if out.finished else None,
                              kv.block_hashes, keys, kv.num_tokens, out.num_cached_tokens,

@@ -3,9 +3,9 @@
 Owns the boundary between the roles and the store. A call the store cannot serve (no master
 answers, no node, a put refused, every replica unreadable, a master of another cluster) raises
 `StoreFailure` after it is counted; a miss (the object is not stored) is an answer and passes
-through unchanged. While degraded, a probe thread asks the store (`stats`) every
-`probe_interval_s` when no other call has, so degraded mode clears when the store is back even
-on an idle worker. Must not decide what a role does about a failure (it recomputes) nor retry:
+through unchanged. The probe thread asks the store (`stats`) once at start (a store that does
+not answer yet shows at once), then, while degraded, every `probe_interval_s` in which no other
+call was made, so degraded mode clears when the store is back even on an idle worker. Must not decide what a role does about a failure (it recomputes) nor retry:
 the store client retries within its own budget.
 """
 
@@ -112,6 +112,10 @@ class GuardedStore:
 
     def start(self, poll_s: float = 0.25) -> "GuardedStore":
         def run() -> None:
+            try:
+                self.probe()
+            except Exception:  # noqa: BLE001 - logged; the loop below probes again
+                log.exception("store probe failed")
             while not self._stop.wait(poll_s):
                 with self._lock:
                     due = self.health.probe_due(self._clock())

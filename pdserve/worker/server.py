@@ -72,8 +72,8 @@ def store_refusal(store) -> str | None:
     except ClusterRefused as e:
         return str(e)
     except DistStoreError as e:
-        log.warning("the store master does not answer yet (%s); serving degraded until it does",
-                    e)
+        log.warning("the store master does not answer yet (%s); serving without the store "
+                    "until it does", e)
     return None
 
 
@@ -107,10 +107,10 @@ def run(cfg: WorkerConfig) -> int:
         from pdserve.worker.metrics import StoreHealthCollector, WorkerCollectors
 
         host = cfg.address.rpartition(":")[0].strip("[]")
-        read = lambda: service.metrics_snapshot()  # noqa: E731 - one read per collector
         metrics_server, port = serve_worker(
-            WorkerCollectors(WorkerCollector(model_id, read),
-                             StoreHealthCollector(model_id, read)), host, cfg.metrics_port)
+            WorkerCollectors(WorkerCollector(model_id, service.metrics_snapshot),
+                             StoreHealthCollector(model_id, service.metrics_snapshot)),
+            host, cfg.metrics_port)
         metrics_note = f" metrics=http://{host}:{port}/metrics"
     registrar = (Registrar(cfg.routers(), cfg.advertised(), cfg.local_address(),
                            lambda: service.role).start() if cfg.register_with else None)

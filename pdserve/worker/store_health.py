@@ -22,7 +22,7 @@ _MAX_REASON_CHARS = 300
 @dataclass(frozen=True)
 class StoreHealthView:
     degraded: bool
-    reason: str  # the latest failure while degraded, else ""
+    reason: str  # the latest failure still standing, else ""
     since_s: float | None  # when the worker became degraded
     errors: dict[str, int]  # cumulative failed calls per operation
 
@@ -50,7 +50,8 @@ class StoreHealth:
 
     def failed(self, op: str, reason: str, now_s: float) -> None:
         """A store call `op` failed with `reason`."""
-        self._failing[self._check(op)] = reason
+        self._failing.pop(self._check(op), None)  # re-inserted last: the order is recency
+        self._failing[op] = reason
         self._errors[op] = self._errors.get(op, 0) + 1
         self._reason = f"{op}: {reason}"[:_MAX_REASON_CHARS]
         if self._since_s is None:
@@ -72,8 +73,8 @@ class StoreHealth:
     def _settle(self) -> None:
         if not self._failing:
             self._reason, self._since_s = "", None
-        else:  # still failing elsewhere: name one of those
-            op, why = next(iter(self._failing.items()))
+        else:  # still failing elsewhere: name the latest of those
+            op, why = next(reversed(self._failing.items()))
             self._reason = f"{op}: {why}"[:_MAX_REASON_CHARS]
 
     def probe_due(self, now_s: float) -> bool:

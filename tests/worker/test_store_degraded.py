@@ -180,13 +180,18 @@ def test_store_health_rules():
     h.succeeded("exists", 10.5)  # another operation answering does not clear a failing put
     assert h.view().degraded and not h.probe_due(11.0) and h.probe_due(12.5)
     h.failed("get", "no master answered", 11.0)
+    assert h.view().reason == "get: no master answered"
+    h.failed("put", "no storage nodes are registered", 11.2)
+    h.succeeded("get", 11.3)  # the latest failure still standing is named
+    assert h.view().reason == "put: no storage nodes are registered"
+    h.failed("get", "no master answered", 11.4)
     h.succeeded("put", 11.5)
     v = h.view()
     assert v.degraded and v.reason == "get: no master answered" and v.since_s == 10.0
     h.succeeded("get", 12.0)
     v = h.view()
     assert not v.degraded and v.reason == "" and v.since_s is None
-    assert v.errors == {"put": 1, "get": 1}
+    assert v.errors == {"put": 2, "get": 2}
     h.failed("probe", "x" * 1000, 13.0)
     assert len(h.view().reason) <= 300
     h.whole(14.0)
