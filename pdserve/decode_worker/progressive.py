@@ -13,6 +13,8 @@ thread that brings the exact KV to a request joined on anchors. Three outcomes p
   recompute the rest of the prompt (`fallbacks`). Residuals late past the wait: the request,
   which has emitted nothing yet, is aborted in the engine and added again with the exact prefix
   blocks only, so the prompt is recomputed exactly (`fallbacks`). Slower, never wrong.
+  A store that cannot answer while a plane is awaited (`StoreFailure`) ends the wait at once:
+  the same fallback, without waiting out the deadline.
 Must not decide routing.
 """
 
@@ -25,6 +27,7 @@ import time
 import torch
 
 from pdserve.engine import kvcodec
+from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_blocks import _MISSING
 from pdserve.worker.kv_stream import StreamHandle, layer_shape, plane_sizes
 
@@ -54,7 +57,12 @@ class StreamReader:
         got: Planes = {}
         while True:
             todo = [w for w in want if w not in got]
-            present = self.store.exists([h.key(s, li, plane) for s, li in todo]) if todo else []
+            try:
+                present = (self.store.exists([h.key(s, li, plane) for s, li in todo])
+                           if todo else [])
+            except StoreFailure as e:
+                log.warning("store failed while awaiting %s planes: %s", plane, e)
+                return None
             for (s, li), p in zip(todo, present):
                 if not p:
                     continue
@@ -73,7 +81,10 @@ class StreamReader:
 
     def all_present(self, h: StreamHandle, plane: str) -> bool:
         keys = [h.key(s, li, plane) for li in range(h.num_layers) for s in h.spans]
-        return all(self.store.exists(keys))
+        try:
+            return all(self.store.exists(keys))
+        except StoreFailure:
+            return False
 
     def to_blocks(self, h: StreamHandle, hashes: list[bytes], n_prompt: int,
                   planes: Planes, residuals: Planes | None

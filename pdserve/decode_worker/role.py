@@ -1,8 +1,9 @@
 """The decode role: pull a prefilled request's KV blocks and decode it in the running batch.
 
 Owns the decode side of the hand-over: blocks the local pool already caches are not fetched;
-the rest come from the store. A block the store cannot return (evicted, node lost) ends the
-import there and the engine recomputes the remainder locally: slower, never wrong.
+the rest come from the store. A block the store cannot return (evicted, node lost, the store
+down or never given it: a prefill whose put failed) ends the import there and the engine
+recomputes the remainder locally: slower, never wrong (counted in `kv_recomputed_requests`).
 A streamed request (progressive transfer, `StreamHandle`) is read by `progressive`: joined on
 its anchors and made exact when the residuals land, or joined exact when they already have.
 A request sent to be prefilled here (`decode_local`, the controller's prefill offload) carries no
@@ -53,6 +54,7 @@ class DecodeRole:
         self.progressive_fallbacks = 0
         self.local_prefill_requests = 0
         self.local_prefill_tokens = 0
+        self.kv_recomputed_requests = 0  # prompts whose KV was recomputed, in part, here
         self._lock = threading.Lock()
 
     def _count(self, name: str) -> None:
@@ -110,6 +112,10 @@ class DecodeRole:
                 request_id, hashes, keys, len(prompt_ids), stream, is_active)
         else:
             blocks = self._fetch(hashes, keys, len(prompt_ids))
+        if len(blocks) < len(hashes):
+            log.info("%s: %d of %d prompt blocks from the store or the local cache; recomputing "
+                     "the rest", request_id, len(blocks), len(hashes))
+            self._count("kv_recomputed_requests")
 
         def add():
             out = self.loop.open_stream(request_id)
@@ -186,7 +192,7 @@ class DecodeRole:
                     item = out_stream.get(timeout=self.poll_s)
                 except queue.Empty:
                     if not is_active():
-                        self.abort(request_id)
+                        self._drop(request_id)
                         return
                     continue
                 if item.error is not None:
@@ -198,8 +204,14 @@ class DecodeRole:
                 if out.finished:
                     return
         except GeneratorExit:
-            self.abort(request_id)
+            self._drop(request_id)
             raise
+
+    def _drop(self, request_id: str) -> None:
+        """The caller is gone: abort the request between two steps, without waiting for it (a
+        long step must not hold this thread)."""
+        self.loop.close_stream(request_id)
+        self.loop.post(lambda: self.loop.engine.abort(request_id))
 
     def abort(self, request_id: str) -> bool:
         self.loop.close_stream(request_id)

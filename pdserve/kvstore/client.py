@@ -4,6 +4,10 @@ Owns `KVStoreClient` (put_from / get_into on caller buffers, batches, typed erro
 structured block key `BlockKey` and its string form (`format_key` / `parse_key`). Must not import
 `pdserve.engine` or interpret the bytes it moves.
 
+Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED: the store process restarting) are retried
+within each operation's budget (`kvstore.retry`); once an operation found no store, the next ones
+fail fast until one gets an answer. The channel reconnects within a second of the store's return.
+
 This first version copies: `put_from` copies the caller's buffer into the request message and
 `get_into` copies the reply into the caller's buffer. The signatures are already those of a
 zero-copy store (after Mooncake): a later transport (shared memory, RDMA/UCX) writes straight
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -21,7 +26,8 @@ from urllib.parse import quote, unquote
 
 import grpc
 
-from pdserve import rpc
+from pdserve.kvstore.channel import make_store_channel
+from pdserve.kvstore.retry import TRANSIENT_CODES, StoreRetryPolicy
 from pdserve.kvstore.store import (
     ChecksumMismatch,
     ObjectMeta,
@@ -175,10 +181,15 @@ def _to_store_error(e: grpc.RpcError, what: str) -> StoreError:
 class KVStoreClient:
     """Talks to one store process. Thread-safe (one gRPC channel shared by all calls)."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0,
+                 retry: StoreRetryPolicy | None = None) -> None:
+        """`timeout_s` bounds one attempt; `retry` (default: a 3 s budget) the retries of
+        transient failures of one operation."""
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = rpc.make_channel(address)
+        self.retry = retry or StoreRetryPolicy()
+        self.store_down = False  # an operation found no store; the next ones fail fast
+        self._channel = make_store_channel(address)
         self._stub = pb_grpc.KVStoreStub(self._channel)
 
     def __enter__(self) -> KVStoreClient:
@@ -208,20 +219,25 @@ class KVStoreClient:
         On the first failure the puts still in flight are cancelled and the error raised; puts
         already answered stay stored.
         """
+        requests = []
+        for item in items:
+            key, buffer, meta = item[0], item[1], (item[2] if len(item) > 2 else None)
+            requests.append((key, self._put_request(key, buffer, meta)))
+        # Puts are idempotent (keys name content): after a transient failure the whole batch
+        # goes again.
+        return self._retried(lambda timeout: self._put_pipelined(requests, timeout),
+                             f"put of {len(requests)} objects")
+
+    def _put_pipelined(self, requests: list[tuple[str, pb.PutRequest]], timeout: float) -> int:
         pending: collections.deque[tuple[str, grpc.Future]] = collections.deque()
         evicted = 0
         try:
-            for item in items:
-                key, buffer, meta = item[0], item[1], (item[2] if len(item) > 2 else None)
-                request = self._put_request(key, buffer, meta)
-                future = self._stub.Put.future(request, timeout=self._timeout_s)
-                pending.append((key, future))
+            for key, request in requests:
+                pending.append((key, self._stub.Put.future(request, timeout=timeout)))
                 if len(pending) >= _MAX_INFLIGHT_PUTS:
-                    key, future = pending.popleft()
-                    evicted += self._call(future.result, f"put {key}").evicted_objects
+                    evicted += pending.popleft()[1].result().evicted_objects
             while pending:
-                key, future = pending.popleft()
-                evicted += self._call(future.result, f"put {key}").evicted_objects
+                evicted += pending.popleft()[1].result().evicted_objects
         finally:
             for _, future in pending:
                 future.cancel()
@@ -254,23 +270,24 @@ class KVStoreClient:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [_byte_view(b, writable=True) for b in buffers]
-        responses = self._stub.BatchGet(pb.BatchGetRequest(keys=keys), timeout=self._timeout_s)
-        written: list[int | None] = []
-        missing: list[str] = []
 
-        def consume() -> None:
-            for key, view, response in zip(keys, views, responses, strict=True):
-                assert response.key == key, "the store answers BatchGet in request order"
-                if response.found:
-                    written.append(self._copy_into(response, view))
-                else:
-                    written.append(None)
-                    missing.append(key)
+        def attempt(timeout: float) -> tuple[list[int | None], list[str]]:
+            written: list[int | None] = []
+            missing: list[str] = []
+            responses = self._stub.BatchGet(pb.BatchGetRequest(keys=keys), timeout=timeout)
+            try:
+                for key, view, response in zip(keys, views, responses, strict=True):
+                    assert response.key == key, "the store answers BatchGet in request order"
+                    if response.found:
+                        written.append(self._copy_into(response, view))
+                    else:
+                        written.append(None)
+                        missing.append(key)
+            finally:
+                responses.cancel()  # no-op when the stream ended; frees it after an early error
+            return written, missing
 
-        try:
-            self._call(consume, f"batch get of {len(keys)} keys")
-        finally:
-            responses.cancel()  # no-op when the stream ended; frees it after an early error
+        written, missing = self._retried(attempt, f"batch get of {len(keys)} keys")
         if missing and not missing_ok:
             raise KeyNotFound(missing)
         return written
@@ -333,11 +350,27 @@ class KVStoreClient:
         return len(data)
 
     def _unary(self, method: Callable[..., _T], request: object, what: str) -> _T:
-        return self._call(lambda: method(request, timeout=self._timeout_s), what)
+        return self._retried(lambda timeout: method(request, timeout=timeout), what)
 
-    @staticmethod
-    def _call(fn: Callable[[], _T], what: str) -> _T:
-        try:
-            return fn()
-        except grpc.RpcError as e:
-            raise _to_store_error(e, what) from e
+    def _retried(self, attempt: Callable[[float], _T], what: str) -> _T:
+        """attempt(timeout) until it answers, as `self.retry` allows; a typed StoreError.
+        Each attempt gets the whole `timeout_s`: the bytes travel in the call, so a large put
+        may take long; a store that is down refuses the connection at once anyway."""
+        started = time.monotonic()
+        rounds = 0
+        while True:
+            rounds += 1
+            try:
+                out = attempt(self._timeout_s)
+                self.store_down = False
+                return out
+            except grpc.RpcError as e:
+                if e.code().name not in TRANSIENT_CODES:
+                    self.store_down = False  # the store answered, if only to refuse
+                    raise _to_store_error(e, what) from e
+                d = self.retry.decide(rounds, e.code().name, time.monotonic() - started,
+                                      self.store_down)
+                if not d.retry:
+                    self.store_down = True
+                    raise _to_store_error(e, what) from e
+                time.sleep(d.delay_s)

@@ -4,19 +4,28 @@ Owns one put and one get end to end: `put_from` asks the master where (PutStart)
 replica through the best transport for that node (shared memory on the same host, UCX across
 hosts where the node serves it and `ucxx` is installed, TCP otherwise), then commits; `get_into` asks where (Get, which grants a read lease), reads the nearest
 replica, verifies its checksum (`kvstore.checksum`), and on a mismatch reports the bad replica and tries the next one.
-Follows the leader among several masters. Must not import `pdserve.engine`.
+Follows the leader among several masters (a standby's refusal names the leader, tried next) and
+rides out a master restart or failover: transient failures are retried within the operation's
+budget (`kvstore.retry`), and once an operation found no master the next ones fail fast until one
+answers. Sends its cluster id with every call (`kvstore.channel`). A node that came back as a new
+incarnation has new segment files: the old ones' mappings are dropped when its new placements
+appear. Must not import `pdserve.engine`.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
-from pdserve import rpc
+from pdserve.kvstore.channel import (ClusterMismatch, call_metadata, check_cluster_id,
+                                     is_cluster_mismatch, leader_hint, make_store_channel)
 from pdserve.kvstore.checksum import object_checksum
+from pdserve.kvstore.retry import TRANSIENT_CODES, StoreRetryPolicy
 from pdserve.kvstore.transport.base import Extent, TransportError, byte_view
 from pdserve.kvstore.transport.select import pick_transport
 from pdserve.kvstore.transport.shm import ShmTransport
@@ -42,6 +51,19 @@ class AllReplicasBad(DistStoreError):
     """Every replica failed its checksum or could not be read: the caller recomputes."""
 
 
+class StoreUnreachable(DistStoreError):
+    """No master answered within the operation's budget (down, restarting, failing over)."""
+
+
+class StoreFull(DistStoreError):
+    """The master refused a put: no storage node registered, or none has room even after
+    eviction (RESOURCE_EXHAUSTED). Later puts may succeed."""
+
+
+class ClusterRefused(DistStoreError, ClusterMismatch):
+    """The master serves another cluster; the message names both ids."""
+
+
 def _extent(p: pb.Placement) -> Extent:
     return Extent(node_id=p.node_id, host_id=p.host_id, data_address=p.data_address,
                   segment_id=p.segment_id, shm_path=p.shm_path, offset=p.offset_bytes,
@@ -51,17 +73,32 @@ def _extent(p: pb.Placement) -> Extent:
 class DistStoreClient:
     def __init__(self, master_addresses: Sequence[str] | str, host_id: str | None = None,
                  timeout_s: float = 30.0, default_replicas: int = 1,
-                 ucx: bool | None = None) -> None:
+                 ucx: bool | None = None, cluster_id: str = "",
+                 retry: StoreRetryPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         """`ucx`: use UCX to nodes on other hosts that serve it (None: where `ucxx` is installed;
-        False: never, TCP instead)."""
+        False: never, TCP instead). `retry`: how one master call is retried (default: within
+        3 s per operation, each attempt at most `timeout_s`). `cluster_id`: the cluster this
+        client belongs to ("": any)."""
         if isinstance(master_addresses, str):
             master_addresses = master_addresses.split(",")
-        self.masters = list(master_addresses)
+        self.masters = [a.strip() for a in master_addresses if a.strip()]
+        if not self.masters:
+            raise ValueError("master_addresses: need at least one host:port")
         self.host_id = host_id or socket.gethostname()
         self.timeout_s = timeout_s
+        self.retry = retry or StoreRetryPolicy(attempt_timeout_s=timeout_s)
+        self.cluster_id = check_cluster_id(cluster_id)
+        self._metadata = call_metadata(self.cluster_id)
+        self._clock, self._sleep = clock, sleep
+        # True once an operation found no master; the next ones fail fast until one answers.
+        self.store_down = False
         self._leader = 0
-        self._channels = [rpc.make_channel(a) for a in self.masters]
+        self._channels = [make_store_channel(a) for a in self.masters]
         self._stubs = [pb_grpc.KVMasterStub(c) for c in self._channels]
+        self._segment_paths: dict[tuple[str, str], str] = {}  # (node, segment) -> shm path
+        self._paths_lock = threading.Lock()
         self._shm = ShmTransport()
         self._tcp = TcpTransport()
         self._ucx = None
@@ -72,28 +109,78 @@ class DistStoreClient:
 
     # ---- master calls, following the leader --------------------------------------------------
     def _call(self, method: str, request):
-        last: grpc.RpcError | None = None
-        for attempt in range(2 * len(self._stubs)):
-            i = (self._leader + attempt) % len(self._stubs)
-            try:
-                out = getattr(self._stubs[i], method)(request, timeout=self.timeout_s)
+        """One master call: rounds over the masters (the last leader first, then whoever a
+        standby names), retried as `self.retry` says. Typed errors for the answers callers act
+        on; StoreUnreachable when no master answered."""
+        started = self._clock()
+        rounds = 0
+        while True:
+            rounds += 1
+            order = [(self._leader + k) % len(self._stubs) for k in range(len(self._stubs))]
+            last: grpc.RpcError | None = None
+            while order:
+                i = order.pop(0)
+                timeout = self.retry.attempt_timeout(self._clock() - started, self.store_down)
+                try:
+                    out = getattr(self._stubs[i], method)(request, timeout=timeout,
+                                                          metadata=self._metadata)
+                except grpc.RpcError as e:
+                    if e.code().name not in TRANSIENT_CODES:
+                        self.store_down = False  # a master answered, if only to refuse
+                        raise self._answer_error(method, e) from None
+                    last = e
+                    hint = leader_hint(e)  # a standby names the leader: ask it next
+                    if hint in self.masters and self.masters.index(hint) in order:
+                        order.remove(self.masters.index(hint))
+                        order.insert(0, self.masters.index(hint))
+                    continue
                 self._leader = i
+                self.store_down = False
                 return out
-            except grpc.RpcError as e:
-                # A standby answers UNAVAILABLE (not the leader); a dead master too. Try the next.
-                if e.code() == grpc.StatusCode.ABORTED:
-                    raise PutInProgress(f"{method}: {e.details()}") from None
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise DistStoreError(f"{method}: {e.code().name}: {e.details()}") from None
-                last = e
-        raise DistStoreError(f"{method}: no master answered ({last.details() if last else ''})")
+            assert last is not None
+            elapsed = self._clock() - started
+            d = self.retry.decide(rounds, last.code().name, elapsed, self.store_down)
+            if not d.retry:
+                self.store_down = True
+                raise StoreUnreachable(f"{method}: no master answered ({last.code().name}: "
+                                       f"{last.details()}; {d.reason})")
+            self._sleep(d.delay_s)
+
+    @staticmethod
+    def _answer_error(method: str, e: grpc.RpcError) -> DistStoreError:
+        if is_cluster_mismatch(e):
+            return ClusterRefused(e.details())
+        if e.code() == grpc.StatusCode.ABORTED:
+            return PutInProgress(f"{method}: {e.details()}")
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return StoreFull(f"{method}: {e.details()}")
+        return DistStoreError(f"{method}: {e.code().name}: {e.details()}")
+
+    def check_cluster(self) -> pb.MasterStatsResponse:
+        """Asks the leader (Stats); ClusterRefused when it serves another cluster,
+        StoreUnreachable when none answers."""
+        return self._call("Stats", pb.MasterStatsRequest())
 
     def _transport(self, ext: Extent):
+        if ext.shm_path:
+            self._note_segment(ext)
         kind = pick_transport(ext.host_id, self.host_id, tier=ext.tier, ucx=self._use_ucx,
                               node_serves_ucx=bool(ext.ucx_address))
         if kind == "ucx":
             return self._ucx_transport()
         return self._shm if kind == "shm" else self._tcp
+
+    def _note_segment(self, ext: Extent) -> None:
+        """A node back as a new incarnation names new segment files: unmap the old one here
+        (the node unlinked it; only mappings like ours kept its memory alive)."""
+        slot = (ext.node_id, ext.segment_id.rpartition(".")[2])
+        with self._paths_lock:
+            old = self._segment_paths.get(slot)
+            if old == ext.shm_path:
+                return
+            self._segment_paths[slot] = ext.shm_path
+        if old is not None:
+            self._shm.forget(old)
 
     def _ucx_transport(self):
         # Made on first use: importing ucxx starts UCX, which a same-host client never needs.
@@ -141,7 +228,10 @@ class DistStoreClient:
                 ext = _extent(p)
                 self._transport(ext).write(ext, view)
         except (TransportError, OSError) as e:
-            self._call("PutAbort", pb.PutAbortRequest(key=key))
+            try:
+                self._call("PutAbort", pb.PutAbortRequest(key=key))
+            except DistStoreError:
+                pass  # the master reclaims an uncommitted put after its put timeout anyway
             raise DistStoreError(f"put {key}: writing a replica failed: {e}") from e
         self._call("PutCommit", pb.PutCommitRequest(key=key))
         return True
@@ -231,4 +321,5 @@ class DistStoreClient:
         self.close()
 
 
-__all__ = ["DistStoreClient", "DistStoreError", "ObjectNotFound", "AllReplicasBad", "byte_view"]
+__all__ = ["DistStoreClient", "DistStoreError", "ObjectNotFound", "AllReplicasBad",
+           "StoreUnreachable", "StoreFull", "ClusterRefused", "byte_view"]

@@ -12,20 +12,43 @@ streamed layer by layer while prefill runs (anchor planes first, residuals after
 result returns as soon as the first token is sampled, without waiting for the stream to drain.
 A request that could not be streamed whole (sender queue over its bound, a chunk recomputed
 after preemption) falls back to the plain whole-block put.
+
+The store is not needed to answer: a prefix lookup that fails computes the whole prompt, and a
+put that fails still returns the first token and the KV handle (the decode side, finding the
+blocks missing, recomputes the prompt; same tokens, never a lost request). While the store is
+degraded a stream is not handed over (its objects are likely missing too): the handle names
+whole blocks, so the decode side recomputes at once instead of waiting for anchors. A caller that
+goes away, or a prefill that outlives `result_timeout_s`, is aborted in the engine, so its KV
+blocks go back to the pool.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
-
+from typing import Callable
 
 from pdserve.engine.block_pool import prompt_block_hashes
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.prefill_worker.kv_sender import KvStreamSender
+from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_blocks import block_key, block_to_buffer, fetch_run
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.05
+
+
+class PrefillCancelled(Exception):
+    """The caller went away (cancelled, or its deadline passed); the request was aborted."""
+
+
+class PrefillTimeout(TimeoutError):
+    """The prefill did not finish within the role's result timeout; the request was aborted."""
 
 
 @dataclass
@@ -56,6 +79,7 @@ class PrefillRole:
         self.blocks_put = 0
         self.blocks_deduped = 0
         self.blocks_from_store = 0
+        self.put_failures = 0  # requests whose KV could not be put (the decode side recomputes)
         self._lock = threading.Lock()
 
     def _fetch_cached_prefix(self, prompt_ids: list[int], salt: str) -> None:
@@ -69,7 +93,11 @@ class PrefillRole:
             return
         layers = engine.model_config.num_hidden_layers
         keys = [block_key(self.model_id, salt, h, layers) for h in hashes]
-        n_store = self.store.longest_prefix(keys)
+        try:
+            n_store = self.store.longest_prefix(keys)
+        except StoreFailure as e:
+            log.warning("prefix lookup failed, computing the whole prompt: %s", e)
+            return
         blocks = fetch_run(self.store, engine, hashes[n_local:n_store], keys[n_local:n_store])
         if blocks:
             placed = self.loop.call(lambda: engine.import_cached_blocks(blocks))
@@ -77,7 +105,7 @@ class PrefillRole:
                 self.blocks_from_store += placed
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                salt: str = "") -> PrefillResult:
+                salt: str = "", is_active: Callable[[], bool] = lambda: True) -> PrefillResult:
         engine = self.loop.engine
         self._fetch_cached_prefix(prompt_ids, salt)
         sender = self.sender
@@ -99,7 +127,7 @@ class PrefillRole:
 
         stream = self.loop.call(add)
         try:
-            item = stream.get(timeout=self.timeout_s)
+            item = self._wait(request_id, stream, is_active)
         finally:
             self.loop.close_stream(request_id)
             spans = sender.finish(request_id) if sender is not None else None
@@ -110,22 +138,56 @@ class PrefillRole:
         layers = engine.model_config.num_hidden_layers
         keys = [block_key(self.model_id, salt, h, layers) for h in kv.block_hashes]
         whole = len(keys)  # blocks put whole: all, or (streaming) those before the first span
-        if spans and spans[0][0] % engine.block_size == 0 and spans[-1][1] == kv.num_tokens:
+        if (spans and spans[0][0] % engine.block_size == 0 and spans[-1][1] == kv.num_tokens
+                and not self._store_degraded()):
             whole = spans[0][0] // engine.block_size
         else:
             spans, stream_id = None, ""
-        present = self.store.exists(keys[:whole]) if whole else []
-        todo = [(k, *block_to_buffer(b))
-                for k, b, p in zip(keys[:whole], kv.blocks[:whole], present) if not p]
-        if todo:
-            self.store.batch_put_from(todo)
+        put = self._put_blocks(request_id, keys[:whole], kv.blocks[:whole])
         with self._lock:
-            self.blocks_put += len(todo)
-            self.blocks_deduped += whole - len(todo)
+            if put < 0:
+                self.put_failures += 1
+            else:
+                self.blocks_put += put
+                self.blocks_deduped += whole - put
         out = item.output
         return PrefillResult(out.new_token_ids[0], out.finish_reason if out.finished else None,
                              kv.block_hashes, keys, kv.num_tokens, out.num_cached_tokens,
                              out.logprobs[0] if out.logprobs else None, stream_id, spans)
 
+    def _wait(self, request_id: str, stream, is_active: Callable[[], bool]):
+        """The request's one stream item (first token + KV); a caller gone, or no item within
+        the result timeout, aborts the request in the engine (its blocks are freed there)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return stream.get(timeout=_POLL_S)
+            except queue.Empty:
+                pass
+            if not is_active():
+                self.loop.post(lambda: self.loop.engine.abort(request_id))
+                raise PrefillCancelled(f"prefill of {request_id}: the caller went away")
+            if time.monotonic() > deadline:
+                self.loop.post(lambda: self.loop.engine.abort(request_id))
+                raise PrefillTimeout(f"prefill of {request_id} did not finish within "
+                                     f"{self.timeout_s:g}s; aborted")
 
+    def _put_blocks(self, request_id: str, keys: list[str], blocks) -> int:
+        """Puts the blocks the store lacks; how many it put, or -1 when the store failed (the
+        request is served anyway: the decode side recomputes what it cannot fetch)."""
+        if not keys:
+            return 0
+        try:
+            present = self.store.exists(keys)
+            todo = [(k, *block_to_buffer(b)) for k, b, p in zip(keys, blocks, present) if not p]
+            if todo:
+                self.store.batch_put_from(todo)
+            return len(todo)
+        except StoreFailure as e:
+            log.warning("%s: KV not stored, the decode side will recompute it: %s",
+                        request_id, e)
+            return -1
 
+    def _store_degraded(self) -> bool:
+        view = getattr(self.store, "view", None)
+        return bool(view and view().degraded)

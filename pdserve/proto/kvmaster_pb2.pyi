@@ -237,12 +237,14 @@ class GetLeaderRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLeaderResponse(_message.Message):
-    __slots__ = ("leader_address", "is_leader")
+    __slots__ = ("leader_address", "is_leader", "cluster_id")
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     IS_LEADER_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     leader_address: str
     is_leader: bool
-    def __init__(self, leader_address: _Optional[str] = ..., is_leader: _Optional[bool] = ...) -> None: ...
+    cluster_id: str
+    def __init__(self, leader_address: _Optional[str] = ..., is_leader: _Optional[bool] = ..., cluster_id: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "capacity_bytes", "used_bytes", "objects", "evictions")
@@ -263,11 +265,13 @@ class MasterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MasterStatsResponse(_message.Message):
-    __slots__ = ("tiers", "pending_puts", "nodes_alive")
+    __slots__ = ("tiers", "pending_puts", "nodes_alive", "cluster_id")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
     NODES_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     pending_puts: int
     nodes_alive: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_puts: _Optional[int] = ..., nodes_alive: _Optional[int] = ...) -> None: ...
+    cluster_id: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_puts: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., cluster_id: _Optional[str] = ...) -> None: ...

@@ -149,8 +149,15 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "progressive_requests", "progressive_anchor_joins", "progressive_exact_joins", "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens", "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks", "kv_stream_put_failures", "prompt_tokens_computed", "busy_seconds", "decode_steps", "decode_step_seconds", "local_prefill_requests", "local_prefill_tokens", "draining")
+    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "progressive_requests", "progressive_anchor_joins", "progressive_exact_joins", "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens", "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks", "kv_stream_put_failures", "prompt_tokens_computed", "busy_seconds", "decode_steps", "decode_step_seconds", "local_prefill_requests", "local_prefill_tokens", "draining", "store_degraded", "store_degraded_reason", "store_errors", "kv_recomputed_requests")
     class KvStoreReadsByTransportEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class StoreErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +201,10 @@ class WorkerStats(_message.Message):
     LOCAL_PREFILL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STORE_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    STORE_DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
+    STORE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    KV_RECOMPUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
     num_running: int
@@ -231,7 +242,11 @@ class WorkerStats(_message.Message):
     local_prefill_requests: int
     local_prefill_tokens: int
     draining: bool
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., progressive_requests: _Optional[int] = ..., progressive_anchor_joins: _Optional[int] = ..., progressive_exact_joins: _Optional[int] = ..., progressive_fallbacks: _Optional[int] = ..., anchor_num_drafts: _Optional[int] = ..., anchor_num_draft_tokens: _Optional[int] = ..., anchor_num_accepted_tokens: _Optional[int] = ..., kv_stream_layers_put: _Optional[int] = ..., kv_stream_fallbacks: _Optional[int] = ..., kv_stream_put_failures: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., decode_steps: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., local_prefill_requests: _Optional[int] = ..., local_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    store_degraded: bool
+    store_degraded_reason: str
+    store_errors: _containers.ScalarMap[str, int]
+    kv_recomputed_requests: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., progressive_requests: _Optional[int] = ..., progressive_anchor_joins: _Optional[int] = ..., progressive_exact_joins: _Optional[int] = ..., progressive_fallbacks: _Optional[int] = ..., anchor_num_drafts: _Optional[int] = ..., anchor_num_draft_tokens: _Optional[int] = ..., anchor_num_accepted_tokens: _Optional[int] = ..., kv_stream_layers_put: _Optional[int] = ..., kv_stream_fallbacks: _Optional[int] = ..., kv_stream_put_failures: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., decode_steps: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., local_prefill_requests: _Optional[int] = ..., local_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., store_degraded: _Optional[bool] = ..., store_degraded_reason: _Optional[str] = ..., store_errors: _Optional[_Mapping[str, int]] = ..., kv_recomputed_requests: _Optional[int] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ()

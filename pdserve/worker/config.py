@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.config import SPEC_METHODS, ConfigError
+from pdserve.kvstore import config as store_config
+from pdserve.kvstore.channel import check_cluster_id
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,13 @@ class WorkerConfig:
     register_with: str = ""
     # host:port others reach this worker at ("": `address`, a wildcard host read as 127.0.0.1).
     advertise_address: str = ""
+    # The cluster this worker belongs to ("": any). A store master of another cluster refuses
+    # it: at start the worker exits 1 naming both ids; later, it serves without that store.
+    cluster_id: str = ""
+    # Seconds one store operation may spend retrying a master that does not answer (a restart,
+    # a failover) before the worker serves without the store (degraded: the decode side
+    # recomputes the KV); once one found no master, the next ones fail at once until one answers.
+    store_retry_budget_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -89,6 +98,13 @@ class WorkerConfig:
             # Port 0 is known only once bound: neither the routers nor the health wait
             # before registering could be told it.
             raise ConfigError("register_with needs address with a fixed port, not 0")
+        try:
+            check_cluster_id(self.cluster_id)
+        except store_config.ConfigError as e:
+            raise ConfigError(str(e)) from None
+        if not 0 <= self.store_retry_budget_s <= 60:
+            raise ConfigError(f"store_retry_budget_s must be in [0, 60] seconds, got "
+                              f"{self.store_retry_budget_s!r}")
         if any(":" not in r for r in self.routers()):
             raise ConfigError(f"register_with must be host:port, comma-separated, got "
                               f"{self.register_with!r}")

@@ -5,6 +5,10 @@ Owns the only thread that touches the engine. RPC handlers never call the engine
 Prefill-only requests have their KV copied out here, on the engine thread, the moment their first
 token is sampled, so their blocks go back to the pool before the next step. It also times the
 steps (busy seconds; decode steps and theirs), the worker's own measure of its speed.
+A command whose caller stops waiting (`call` past its timeout, while a long step holds the
+thread) is cancelled before it runs and the caller gets `EngineBusy`; one already running is
+waited for, so its effect (a request added, blocks taken) is never lost to its caller. `post`
+queues a command nobody waits for (aborting a request whose caller left).
 It must not do network I/O: the roles do that on their own threads.
 """
 
@@ -15,12 +19,23 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from pdserve.engine.engine import LLMEngine, ParkedKV, StepOutput
 
 log = logging.getLogger(__name__)
+
+
+class EngineBusy(TimeoutError):
+    """The engine thread did not take a command within the caller's timeout (a step ran long);
+    the command was cancelled and never ran."""
+
+
+def _log_failure(fut: Future) -> None:
+    if fut.exception() is not None:
+        log.warning("posted engine command failed: %r", fut.exception())
 
 
 @dataclass
@@ -41,8 +56,11 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, call_timeout_s: float = 60.0) -> None:
+        if not call_timeout_s > 0:
+            raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s!r}")
         self.engine = engine
+        self.call_timeout_s = call_timeout_s
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
@@ -64,12 +82,31 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
-        """Run fn on the engine thread between steps and return its result (or raise its error)."""
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run fn on the engine thread between steps and return its result (or raise its error).
+
+        Waits `timeout` (default `call_timeout_s`) for the thread to take it; past that the
+        command is cancelled and EngineBusy raised, unless it already runs: then its result is
+        awaited (commands are short), so nothing it did is left without its caller."""
         fut: Future = Future()
         self._cmds.put((fn, fut))
         self._wake.set()
-        return fut.result(timeout=timeout)
+        wait_s = self.call_timeout_s if timeout is None else timeout
+        try:
+            return fut.result(timeout=wait_s)
+        except FutureTimeout:
+            if fut.cancel():
+                raise EngineBusy(f"worker busy: the engine did not take the command within "
+                                 f"{wait_s:g}s (a step ran long); nothing was done") from None
+            return fut.result()
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run fn on the engine thread between steps; nobody waits for it (its errors are
+        logged)."""
+        fut: Future = Future()
+        fut.add_done_callback(_log_failure)
+        self._cmds.put((fn, fut))
+        self._wake.set()
 
     def open_stream(self, request_id: str) -> RequestStream:
         """Register a stream; call inside the same `call()` that adds the request."""

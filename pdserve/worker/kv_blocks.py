@@ -11,9 +11,11 @@ import torch
 
 from pdserve.kvstore.client import BlockKey, Plane, StoreError, format_key
 from pdserve.kvstore.dist_client import DistStoreError
-
-_MISSING = (StoreError, DistStoreError, KeyError, OSError)
 from pdserve.kvstore.store import ObjectMeta
+from pdserve.worker.guarded_store import StoreFailure
+
+# Whatever keeps a block from being read: the caller recomputes it.
+_MISSING = (StoreError, DistStoreError, StoreFailure, KeyError, OSError)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -37,7 +39,7 @@ def fetch_block(store, key: str, engine) -> torch.Tensor | None:
     block = torch.empty(engine.kv.block_shape(), dtype=engine.model.dtype)
     try:
         n = store.get_into(key, block.view(-1).view(torch.uint8).numpy())
-    except _MISSING:  # missing, evicted, node lost, every replica corrupt: recompute
+    except _MISSING:  # missing, evicted, node lost, corrupt, the store down: recompute
         return None
     return block if n == block.numel() * block.element_size() else None
 

@@ -1,9 +1,16 @@
 """Builds a worker process: engine (loaded once), loop thread, both roles, gRPC server, and
-(with `register_with`) the thread that registers it with its routers."""
+(with `register_with`) the thread that registers it with its routers.
+
+The store comes first: a store master of another cluster (`cluster_id`) ends the process with
+exit code 1 before the weights load, naming both ids; a master that does not answer yet does
+not stop the worker (it serves degraded until the store answers). The roles see the store
+through a `GuardedStore`, whose health GetStats and /metrics report."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 import torch
 
@@ -12,15 +19,19 @@ from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.dist_client import DistStoreClient
+from pdserve.kvstore.dist_client import ClusterRefused, DistStoreClient, DistStoreError
+from pdserve.kvstore.retry import StoreRetryPolicy
 from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.prefill_worker.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.guarded_store import GuardedStore
 from pdserve.worker.registration import Registrar
 from pdserve.worker.service import WorkerService
+
+log = logging.getLogger(__name__)
 
 
 def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
@@ -43,19 +54,43 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
 
 
 def connect_store(cfg: WorkerConfig):
+    retry = StoreRetryPolicy(budget_s=cfg.store_retry_budget_s)
     if cfg.store_kind == "simple":
-        return KVStoreClient(cfg.store_address)
+        return KVStoreClient(cfg.store_address, retry=retry)
     return DistStoreClient(cfg.store_address, host_id=cfg.host_id,
-                           default_replicas=cfg.store_replicas)
+                           default_replicas=cfg.store_replicas, cluster_id=cfg.cluster_id,
+                           retry=retry)
+
+
+def store_refusal(store) -> str | None:
+    """Why the store's master refuses this worker (another cluster), or None: it accepts it,
+    it cannot say now (not answering yet), or the store has no master (the simple store)."""
+    if not isinstance(store, DistStoreClient):
+        return None
+    try:
+        store.check_cluster()
+    except ClusterRefused as e:
+        return str(e)
+    except DistStoreError as e:
+        log.warning("the store master does not answer yet (%s); serving without the store "
+                    "until it does", e)
+    return None
 
 
 def run(cfg: WorkerConfig) -> int:
     rpc.catch_stop_signals()  # a SIGTERM while the weights load still shuts down cleanly
+    raw_store = connect_store(cfg)
+    refusal = store_refusal(raw_store)
+    if refusal is not None:
+        print(f"pdserve.worker: refused by the store master: {refusal}", file=sys.stderr,
+              flush=True)
+        raw_store.close()
+        return 1
+    store = GuardedStore(raw_store).start()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     engine = build_engine(cfg)
     loop = EngineLoop(engine).start()
-    store = connect_store(cfg)
     model_id = model_id_for(cfg.model_path, cfg.dtype, cfg.model_name)
     role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
     sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
@@ -69,10 +104,13 @@ def run(cfg: WorkerConfig) -> int:
     metrics_note, metrics_server = "", None
     if cfg.metrics_port >= 0:
         from pdserve.metrics import WorkerCollector, serve_worker
+        from pdserve.worker.metrics import StoreHealthCollector, WorkerCollectors
 
         host = cfg.address.rpartition(":")[0].strip("[]")
         metrics_server, port = serve_worker(
-            WorkerCollector(model_id, lambda: service.metrics_snapshot()), host, cfg.metrics_port)
+            WorkerCollectors(WorkerCollector(model_id, service.metrics_snapshot),
+                             StoreHealthCollector(model_id, service.metrics_snapshot)),
+            host, cfg.metrics_port)
         metrics_note = f" metrics=http://{host}:{port}/metrics"
     registrar = (Registrar(cfg.routers(), cfg.advertised(), cfg.local_address(),
                            lambda: service.role).start() if cfg.register_with else None)

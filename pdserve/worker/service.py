@@ -6,7 +6,11 @@ engine, so switching is a flag flip after in-flight requests drain, never a weig
 A decode request may ask to be prefilled here (`prefill_locally`): the decode role computes
 its prompt in its own batches instead of reading KV from the store, and, for a request resumed
 after another decode worker died (`resume_token_ids`), the tokens it had already emitted.
-Maps engine errors to gRPC statuses (invalid argument, resource exhausted, failed precondition).
+Maps engine errors to gRPC statuses (invalid argument, resource exhausted, failed precondition),
+and the worker's own failures to statuses that say what happened, never an empty INTERNAL: an
+engine too busy to take a request (`EngineBusy`) or a store that failed a call the request could
+not do without is UNAVAILABLE (the router re-routes it), a prefill past its time
+DEADLINE_EXCEEDED, a caller that left CANCELLED. Reports the store's degraded mode in GetStats.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from pdserve.logctx import request_context
 from pdserve.engine.block_pool import REMOVED, STORED
 from pdserve.engine.sampling import InvalidArgumentError
 from pdserve.engine.scheduler import QueueFullError
-from pdserve.prefill_worker.role import PrefillRole
+from pdserve.prefill_worker.role import PrefillCancelled, PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.wire import finish_to_proto, logprobs_to_proto, params_from_proto
-from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.engine_loop import EngineBusy, EngineLoop
+from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_stream import StreamHandle
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,12 @@ def _status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after 1s"
+    if isinstance(e, (EngineBusy, StoreFailure)):
+        return grpc.StatusCode.UNAVAILABLE, f"{e}; retry"
+    if isinstance(e, PrefillCancelled):
+        return grpc.StatusCode.CANCELLED, str(e)
+    if isinstance(e, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or f"{type(e).__name__}: timed out"
     log.exception("request failed", exc_info=e)
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 
@@ -101,7 +112,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             with self._admit(pb.ROLE_PREFILL, request.request_id):
                 res = self.prefill_role.prefill(
                     request.request_id, list(request.prompt_token_ids),
-                    params_from_proto(request.sampling), request.tenant_salt)
+                    params_from_proto(request.sampling), request.tenant_salt,
+                    context.is_active)
         except Exception as e:
             context.abort(*_status_of(e))
         kv = pb.KvHandle(model_id=self.model_id, tenant_salt=request.tenant_salt,
@@ -182,7 +194,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                             kv.kv_dtype)
 
     def Abort(self, request, context):
-        found = self.loop.call(lambda: self.loop.engine.abort(request.request_id))
+        try:
+            found = self.loop.call(lambda: self.loop.engine.abort(request.request_id))
+        except EngineBusy as e:
+            context.abort(*_status_of(e))
         self.loop.close_stream(request.request_id)
         return pb.AbortResponse(found=found)
 
@@ -234,8 +249,18 @@ class WorkerService(pb_grpc.WorkerServicer):
                  kv_stream_fallbacks=sender.fallbacks if sender else 0,
                  kv_stream_put_failures=sender.put_failures if sender else 0,
                  reads_by_transport=dict(getattr(self.decode_role.store, "reads_by_transport",
-                                                 {})))
+                                                 {})),
+                 kv_recomputed_requests=d.kv_recomputed_requests,
+                 **self._store_health())
         return s
+
+    def _store_health(self) -> dict:
+        view = getattr(self.decode_role.store, "view", None)  # a GuardedStore
+        if view is None:
+            return dict(store_degraded=False, store_degraded_reason="", store_errors={})
+        v = view()
+        return dict(store_degraded=v.degraded, store_degraded_reason=v.reason,
+                    store_errors=v.errors)
 
     def GetStats(self, request, context):
         s = self.metrics_snapshot()
@@ -257,7 +282,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             spec_decode_num_accepted_tokens_per_pos=s.get(
                 "spec_decode_num_accepted_tokens_per_pos", []),
             **{k: s.get(k, 0) for k in _PROGRESSIVE_STATS},
-            **{k: s[k] for k in _CONTROLLER_STATS})
+            **{k: s[k] for k in _CONTROLLER_STATS},
+            store_degraded=s["store_degraded"], store_degraded_reason=s["store_degraded_reason"],
+            store_errors=s["store_errors"], kv_recomputed_requests=s["kv_recomputed_requests"])
 
     @property
     def draining(self) -> bool:

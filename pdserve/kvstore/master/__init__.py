@@ -10,13 +10,13 @@ from pdserve.kvstore.master.core import MasterCore
 from pdserve.kvstore.master.election import LeaderElection
 from pdserve.kvstore.master.journal import FileJournal, Journal, JournalError, RedisJournal
 from pdserve.kvstore.master.model import (
-    TIERS, AlreadyExists, Demotion, Event, EventsLost, InvalidArgument, MasterError, NoSpace,
+    TIERS, AlreadyExists, ClusterIdConflict, Demotion, Event, EventsLost, InvalidArgument, MasterError, NoSpace,
     NotFound, ObjectInfo, Placement, PutInProgress, Record, RestoreError, SegmentSpec, TierStats,
     UnknownNode,
 )
 
 __all__ = [
-    "TIERS", "AlreadyExists", "ConfigError", "Demotion", "Event", "EventsLost", "FileJournal",
+    "TIERS", "AlreadyExists", "ClusterIdConflict", "ConfigError", "Demotion", "Event", "EventsLost", "FileJournal",
     "InvalidArgument", "Journal", "JournalError", "LeaderElection", "MasterConfig", "MasterCore",
     "MasterError", "NoSpace", "NotFound", "ObjectInfo", "Placement", "PutInProgress", "Record",
     "RedisJournal", "RestoreError", "SegmentSpec", "TierStats", "UnknownNode",

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import threading
 
 from pdserve import logctx
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve import rpc
+from pdserve.kvstore.channel import check_cluster_id
+from pdserve.kvstore.config import ConfigError
 from pdserve.kvstore.master.config import MasterConfig
+from pdserve.kvstore.master.model import ClusterIdConflict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lease-s", type=float, default=MasterConfig.lease_s)
     p.add_argument("--high-watermark", type=float, default=MasterConfig.high_watermark)
     p.add_argument("--low-watermark", type=float, default=MasterConfig.low_watermark)
+    p.add_argument("--cluster-id", default="",
+                   help="the cluster this master serves (kept in its journal; '': any)")
     a = p.parse_args(argv)
     if bool(a.journal_dir) == bool(a.redis_url):
         p.error("give exactly one of --journal-dir or --redis-url")
+    try:
+        check_cluster_id(a.cluster_id)
+    except ConfigError as e:
+        p.error(str(e))
     logctx.configure(logging.INFO)
     config = MasterConfig(node_timeout_s=a.node_timeout_s, put_timeout_s=a.put_timeout_s,
                           lease_s=a.lease_s, high_watermark=a.high_watermark,
@@ -55,19 +66,32 @@ def main(argv: list[str] | None = None) -> int:
         election = LeaderElection(client, a.lease_key, a.address, a.leader_lease_s)
     else:
         journal = FileJournal(a.journal_dir)
-    service = MasterService(config, journal, election=election, address=a.address,
-                            transport=TcpTransport())
+    try:
+        service = MasterService(config, journal, election=election, address=a.address,
+                                transport=TcpTransport(), cluster_id=a.cluster_id)
+        service.campaign()
+    except ClusterIdConflict as e:
+        if election is not None:
+            election.release()
+        print(f"pdserve.kvstore.master: {e}", file=sys.stderr, flush=True)
+        return 1
+    rpc.catch_stop_signals()  # before the thread below may signal this process
     stop = threading.Event()
+    refused: list[str] = []
 
     def maintain() -> None:
         while not stop.wait(a.tick_s if election is None else min(a.tick_s, a.leader_lease_s / 3)):
             try:
                 if service.campaign():
                     service.tick()
+            except ClusterIdConflict as e:  # took over a journal of another cluster
+                election.release()
+                refused.append(str(e))
+                os.kill(os.getpid(), signal.SIGTERM)  # the main thread stops serving
+                return
             except Exception:  # keep the loop alive; the next round retries
                 logging.getLogger(__name__).exception("maintenance round failed")
 
-    service.campaign()
     threading.Thread(target=maintain, name="master-maintenance", daemon=True).start()
     server = rpc.make_server(32)
     pb_grpc.add_KVMasterServicer_to_server(service, server)
@@ -78,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     stop.set()
     if election is not None and service.is_leader():
         election.release()
+    if refused:
+        print(f"pdserve.kvstore.master: {refused[0]}", file=sys.stderr, flush=True)
+        return 1
     return code
 
 

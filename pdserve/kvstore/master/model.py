@@ -61,6 +61,10 @@ class EventsLost(MasterError):
     """The bounded event log no longer holds events after the asked seq: resynchronise."""
 
 
+class ClusterIdConflict(MasterError):
+    """The journal belongs to another cluster than the one this master was started for."""
+
+
 class RestoreError(MasterError):
     """A snapshot or journal record cannot be applied (corrupt, out of order, conflicting)."""
 

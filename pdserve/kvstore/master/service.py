@@ -5,7 +5,9 @@ the same to every master), writing each call's journal records before answering 
 client saw is on disk or in Redis), periodic maintenance (reclaim stale puts, expire silent nodes,
 evict past the watermark, carry out DRAM->SSD demotions through a transport), and leadership: a
 standby answers UNAVAILABLE until it wins the Redis lease, then rebuilds the state from the
-journal and serves. Must not decide anything the core decides.
+journal and serves. The cluster id: the master claims the one it was started with (or keeps
+its journal's) and refuses callers of another cluster (`kvstore.channel`). Must not decide
+anything the core decides.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Callable
 
 import grpc
 
+from pdserve.kvstore.channel import (CLUSTER_ID_METADATA, LEADER_METADATA, MISMATCH_METADATA,
+                                     cluster_mismatch)
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.master.core import MasterCore
 from pdserve.kvstore.master.journal import JournalFenced
@@ -52,7 +56,7 @@ def _extent(p: Placement) -> Extent:
 class MasterService(pb_grpc.KVMasterServicer):
     def __init__(self, config: MasterConfig, journal, *, election=None, address: str = "",
                  clock: Callable[[], float] = time.time, transport=None,
-                 heartbeat_interval_s: float = 1.0) -> None:
+                 heartbeat_interval_s: float = 1.0, cluster_id: str = "") -> None:
         self.config = config
         self.journal = journal
         self.election = election
@@ -60,6 +64,7 @@ class MasterService(pb_grpc.KVMasterServicer):
         self.clock = clock
         self.transport = transport  # carries DRAM->SSD demotions (TcpTransport)
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.cluster_id = cluster_id  # as started; the journal's, once loaded, if it had one
         self._lock = threading.RLock()
         self.core: MasterCore | None = None
         if election is None:
@@ -67,9 +72,15 @@ class MasterService(pb_grpc.KVMasterServicer):
 
     # ---- durability and leadership ------------------------------------------------------------
     def _load(self) -> None:
+        """Rebuild the core from the journal and claim the cluster id (ClusterIdConflict when
+        the journal belongs to another cluster: this master then serves nothing)."""
         snapshot, records = self.journal.load()
-        self.core = MasterCore.restore(self.config, snapshot, records, self.clock())
-        log.info("master state loaded: %d journal records after the snapshot", len(records))
+        core = MasterCore.restore(self.config, snapshot, records, self.clock())
+        self.cluster_id = core.claim_cluster_id(self.cluster_id, self.clock())
+        self.core = core
+        self._flush()  # a newly claimed id is durable before anyone is served
+        log.info("master state loaded: %d journal records after the snapshot; cluster id %r",
+                 len(records), self.cluster_id)
 
     def _flush(self) -> None:
         """Make this call's records durable before the caller hears back. A fenced journal
@@ -111,7 +122,9 @@ class MasterService(pb_grpc.KVMasterServicer):
         with self._lock:
             if self.core is None:
                 leader = self.election.current_leader() if self.election else ""
+                context.set_trailing_metadata(((LEADER_METADATA, leader or ""),))
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"not the leader; leader is {leader}")
+            self._refuse_other_cluster(context)
             try:
                 out = fn(self.clock())
                 error = None
@@ -124,6 +137,14 @@ class MasterService(pb_grpc.KVMasterServicer):
             if error is not None:
                 context.abort(*_status_of(error))
             return out
+
+    def _refuse_other_cluster(self, context) -> None:
+        caller = next((v for k, v in context.invocation_metadata() or ()
+                       if k == CLUSTER_ID_METADATA), "")
+        why = cluster_mismatch(caller, self.core.cluster_id)
+        if why is not None:
+            context.set_trailing_metadata(((MISMATCH_METADATA, self.core.cluster_id),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
 
     # ---- maintenance --------------------------------------------------------------------------
     def tick(self) -> None:
@@ -262,7 +283,8 @@ class MasterService(pb_grpc.KVMasterServicer):
 
     def GetLeader(self, request, context):
         leader = self.address if self.election is None else (self.election.current_leader() or "")
-        return pb.GetLeaderResponse(leader_address=leader, is_leader=self.is_leader())
+        return pb.GetLeaderResponse(leader_address=leader, is_leader=self.is_leader(),
+                                    cluster_id=self.cluster_id)
 
     def Stats(self, request, context):
         def stats(now):
@@ -271,5 +293,6 @@ class MasterService(pb_grpc.KVMasterServicer):
                 tiers=[pb.TierStats(tier=t.tier, capacity_bytes=t.capacity_bytes,
                                     used_bytes=t.used_bytes, objects=t.objects,
                                     evictions=t.evictions) for t in tiers.values()],
-                pending_puts=self.core.pending_puts, nodes_alive=self.core.nodes_alive)
+                pending_puts=self.core.pending_puts, nodes_alive=self.core.nodes_alive,
+                cluster_id=self.core.cluster_id)
         return self._serve(context, stats)

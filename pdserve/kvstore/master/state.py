@@ -6,6 +6,9 @@ run, so replay rebuilds exactly what the live master had committed. Also snapsho
 the invariant check. Must not decide policy (placement order, what to evict, timeouts): that is
 `core.py`. Pure: no I/O, no clock; `now_s` comes in with every call.
 
+The cluster id is committed state too (record `cluster`, and in snapshots): a master restarted
+on its journal keeps serving the cluster it was started for.
+
 Soft state, deliberately not journaled (a restored master starts without it): pending puts,
 read leases, LRU touch times (a restored object's touch time is its commit time), in-flight
 demotions, deferred frees, eviction counters, heartbeats (restored nodes count as seen at
@@ -24,8 +27,7 @@ from pdserve.kvstore.master.cluster import Cluster
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.master.model import (
     DEMOTED, EVICTED, NODE_DEAD, NODE_JOINED, PROMOTED, REMOVED, REPLICA_DROPPED, STORED, TIERS,
-    Event,
-    EventsLost, Placement, Record, RestoreError, SegmentSpec,
+    ClusterIdConflict, Event, EventsLost, Placement, Record, RestoreError, SegmentSpec,
 )
 
 SNAPSHOT_VERSION = 1
@@ -79,6 +81,7 @@ class MasterState:
         self._journal_seq = 0
         self._outbox: list[Record] = []
         self._records_since_snapshot = 0
+        self.cluster_id = ""  # "" until claimed: callers of any cluster are served
 
     # -- journal -------------------------------------------------------------------------------
 
@@ -98,6 +101,19 @@ class MasterState:
     def snapshot_due(self) -> bool:
         return self._records_since_snapshot >= self.config.snapshot_every_ops
 
+    def claim_cluster_id(self, cluster_id: str, now_s: float) -> str:
+        """The cluster this master serves: the one its journal names, else `cluster_id`
+        (journaled, so a restart keeps it; "" claims none). ClusterIdConflict when the journal
+        names another."""
+        if not cluster_id or cluster_id == self.cluster_id:
+            return self.cluster_id
+        if self.cluster_id:
+            raise ClusterIdConflict(f"cluster id mismatch: this master was started for cluster "
+                                    f"{cluster_id!r}, its journal belongs to cluster "
+                                    f"{self.cluster_id!r}")
+        self._record("cluster", now_s, cluster_id=cluster_id)
+        return cluster_id
+
     def _record(self, op: str, now_s: float, /, **fields: Any) -> None:
         self._journal_seq += 1
         rec = Record(self._journal_seq, op, fields)
@@ -115,6 +131,9 @@ class MasterState:
             handler(f, now_s)
         except (KeyError, TypeError, ValueError) as e:
             raise RestoreError(f"journal record {rec.seq} ({rec.op}) does not apply: {e!r}") from e
+
+    def _apply_cluster(self, f: dict, now_s: float) -> None:
+        self.cluster_id = str(f["cluster_id"])
 
     def _apply_register_node(self, f: dict, now_s: float) -> None:
         if f["node_id"] in self._cluster.nodes:
@@ -267,6 +286,7 @@ class MasterState:
             "version": SNAPSHOT_VERSION,
             "journal_seq": self._journal_seq,
             "event_seq": self._event_seq,
+            "cluster_id": self.cluster_id,
             "nodes": [n.to_dict() for n in self._cluster.nodes.values()],
             "objects": [
                 {"key": o.key, "size": o.size, "checksum": o.checksum, "commit_s": o.started_s,
@@ -283,6 +303,7 @@ class MasterState:
         try:
             self._journal_seq = int(snap["journal_seq"])
             self._event_seq = int(snap["event_seq"])
+            self.cluster_id = str(snap.get("cluster_id", ""))  # absent in older snapshots
             for n in snap["nodes"]:
                 self._cluster.add_node(n["node_id"], n["host_id"], n["data_address"],
                                        [SegmentSpec.from_dict(s) for s in n["segments"]], now_s,
@@ -319,6 +340,7 @@ class MasterState:
                         for o in self._objects.values()},
             "journal_seq": self._journal_seq,
             "event_seq": self._event_seq,
+            "cluster_id": self.cluster_id,
         }
 
     def check_invariants(self) -> None:

@@ -2,7 +2,9 @@
 
 Owns argument parsing and the ready line: one JSON object on one stdout line (bound data
 address, segment ids, shm paths) once the node serves. Everything else is in `config` and
-`service`. Exit codes: 0 after SIGTERM/SIGINT, 1 if the node cannot start, 2 for bad arguments.
+`service`. Exit codes: 0 after SIGTERM/SIGINT, 1 if the node cannot start or a master refuses it
+(another cluster: `--cluster-id`, the message names both ids), 2 for bad arguments. Its segment
+files are gone on every one of these exits.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 
 from pdserve.lifecycle import die_with_parent_if_asked
+from pdserve.kvstore import config as store_config
+from pdserve.kvstore.channel import ClusterMismatch, check_cluster_id
 from pdserve.kvstore.node.config import ConfigError, NodeConfig
 from pdserve.kvstore.node.service import NodeInfo, NodeStartError, serve
 
@@ -44,26 +49,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master", default=None,
                         help="comma-separated master addresses to register with and heartbeat")
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
+    parser.add_argument("--cluster-id", default="",
+                        help="the cluster this node belongs to; a master of another cluster "
+                             "refuses it ('': any)")
     args = parser.parse_args(argv)
     try:
+        check_cluster_id(args.cluster_id)
         config = NodeConfig(
             node_id=args.node_id, host_id=args.host_id, dram_bytes=args.dram_bytes,
             data_address=args.data_address, shm_dir=args.shm_dir, ssd_dir=args.ssd_dir,
             ssd_bytes=args.ssd_bytes, ssd_fsync=args.ssd_fsync,
             max_connections=args.max_connections, frame_timeout_s=args.frame_timeout_s,
             ucx_port=args.ucx_port)
-    except ConfigError as e:
+    except (ConfigError, store_config.ConfigError) as e:
         parser.error(str(e))
 
     membership = []
+
+    def refused(_message: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # stop serving: the main thread cleans up
 
     def announce(info: NodeInfo) -> None:
         if args.master:
             from pdserve.kvstore.node.registration import Membership
 
-            m = Membership(info, args.master.split(","), args.heartbeat_s)
-            m.register()  # best effort now; the heartbeat thread retries until a master answers
-            membership.append(m.start())
+            m = Membership(info, args.master.split(","), args.heartbeat_s, args.cluster_id,
+                           on_refused=refused)
+            membership.append(m)
+            # Best effort now (the heartbeat thread retries until a master answers), except a
+            # refusal: ClusterMismatch ends `serve`, which removes the segment files.
+            m.register()
+            m.start()
         # One JSON line on stdout: scripts and tests wait for it, then connect.
         print(json.dumps({"event": "ready", "pid": os.getpid(), **info.to_json_dict()}),
               flush=True)
@@ -73,9 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     except NodeStartError as e:
         print(f"pdserve.kvstore.node: {e}", file=sys.stderr)
         return 1
+    except ClusterMismatch as e:
+        print(f"pdserve.kvstore.node: refused by the store master: {e}", file=sys.stderr)
+        return 1
     finally:
         for m in membership:
             m.stop()
+    for m in membership:
+        if m.refused is not None:
+            print(f"pdserve.kvstore.node: refused by the store master: {m.refused}",
+                  file=sys.stderr)
+            return 1
     return 0
 
 

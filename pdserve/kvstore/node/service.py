@@ -1,16 +1,21 @@
 """One storage node's lifetime: make its segments and SSD tier, serve them, clean up.
 
 Owns building the node from its `NodeConfig` (segment files named per incarnation), the
-`NodeInfo` it would register with the master, and an orderly stop that unlinks every segment
-file. Must not parse arguments or print (that is `__main__`), nor hold object metadata.
+`NodeInfo` it would register with the master, and the segment files' lifetime: every exit path
+that runs Python code unlinks them (SIGTERM and SIGINT, also the SIGTERM a dying parent sends
+through `pdserve.lifecycle`; a normal return; an exception during start-up or in `on_ready`,
+e.g. a master of another cluster refusing the registration). SIGKILL cannot be caught: the next
+start of the same node id removes the files its killed predecessor left. Must not parse
+arguments or print (that is `__main__`), nor hold object metadata.
 
-Seam for the master (not built yet): `serve` calls `on_ready(info)` once the data server listens;
-registration (`register_node(info...)`) goes there, and heartbeats run until the stop signal.
+`serve` calls `on_ready(info)` once the data server listens (`__main__` registers with the master
+there and heartbeats until the stop signal).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -89,6 +94,9 @@ class StorageNode:
         except (SegmentError, SsdError, OSError) as e:
             self.stop()
             raise NodeStartError(f"node {c.node_id}: {e}") from None
+        except BaseException:  # anything else (NodeStartError, KeyboardInterrupt): no file left
+            self.stop()
+            raise
         self.info = NodeInfo(c.node_id, c.host_id, address, tuple(infos), ucx_address)
         return self.info
 
@@ -108,14 +116,16 @@ class StorageNode:
     def _remove_stale_segments(self) -> None:
         """Unlink segment files an earlier incarnation of this node left behind (killed with
         -9, it could not). Node ids are cluster-unique and the master dropped that incarnation's
-        replicas when this one registers, so nothing can still need them."""
-        prefix = f"pdserve-{self.config.node_id}."
+        replicas when this one registers, so nothing can still need them. Only names of exactly
+        this id's form are touched (`pdserve-<id>.<incarnation>.dram<n>`), never another id's
+        that merely starts the same ("a" vs "a.b")."""
+        mine = re.compile(rf"pdserve-{re.escape(self.config.node_id)}\.[0-9a-f]{{8}}\.dram\d+")
         try:
             names = os.listdir(self.config.shm_dir)
         except OSError:
             return
         for name in names:
-            if name.startswith(prefix) and name.count(".") == 2:
+            if mine.fullmatch(name):
                 try:
                     os.unlink(os.path.join(self.config.shm_dir, name))
                 except OSError:
