@@ -186,8 +186,8 @@ def run(cfg: ControllerConfig) -> int:
     channel = rpc.make_channel(cfg.router_address)
     controller = Controller(cfg, rpb_grpc.RouterControlStub(channel))
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=64)
-    pb_grpc.add_ControllerServicer_to_server(ControllerServicer(controller, admin, tenants),
-                                             server)
+    rpc.add_servicer(server, pb_grpc.add_ControllerServicer_to_server,
+                     ControllerServicer(controller, admin, tenants))
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Controller"])
     note, metrics_server = "", None
     if cfg.metrics_port >= 0:

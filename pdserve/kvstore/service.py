@@ -118,7 +118,7 @@ def start(config: StoreConfig) -> RunningStore:
     host, _ = parse_address(config.address)
     server = rpc.make_server(config.max_workers)
     servicer = KVStoreServicer(MemoryStore(config.capacity_bytes))
-    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    rpc.add_servicer(server, pb_grpc.add_KVStoreServicer_to_server, servicer)
     health_servicer = rpc.add_health_and_reflection(server, [SERVICE_NAME])
     try:
         port = server.add_insecure_port(config.address)

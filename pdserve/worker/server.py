@@ -99,7 +99,7 @@ def run(cfg: WorkerConfig) -> int:
                             DecodeRole(loop, store, stream_wait_s=cfg.progressive_wait_ms / 1000),
                             role, model_id)
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-    pb_grpc.add_WorkerServicer_to_server(service, server)
+    rpc.add_servicer(server, pb_grpc.add_WorkerServicer_to_server, service)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Worker"])
     metrics_note, metrics_server = "", None
     if cfg.metrics_port >= 0:

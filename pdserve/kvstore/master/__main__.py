@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=maintain, name="master-maintenance", daemon=True).start()
     server = rpc.make_server(32)
-    pb_grpc.add_KVMasterServicer_to_server(service, server)
+    rpc.add_servicer(server, pb_grpc.add_KVMasterServicer_to_server, service)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.KVMaster"])
     code = rpc.run_until_signal(server, health, a.address,
                                 lambda where: f"pdserve.kvstore.master ready on {where} "
