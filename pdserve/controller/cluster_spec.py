@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import re
 import socket
 import uuid
@@ -110,18 +111,45 @@ class ClusterSpec:
             cluster_id=self.cluster_id or uuid.uuid4().hex[:12])
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct TCP ports that were free a moment ago (held together while picked)."""
-    socks = []
+def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
+    """`n` distinct TCP ports, free a moment ago (held together while picked).
+
+    Drawn below the kernel's ephemeral range when it leaves room (10000 up to it): the kernel
+    never hands those out to an outgoing connection or to another process's bind to port 0,
+    so a port picked now is still free seconds later, when a child that first loads a model
+    binds it. Otherwise, or when that range is crowded, the kernel's own picks."""
+    rng = rng or random.Random()
+    low = _ephemeral_low()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(50 * n if low - _FIXED_LOW >= 1000 else 0):
+            if len(socks) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("0.0.0.0", rng.randrange(_FIXED_LOW, low)))  # free on every address
+                socks.append(s)
+            except OSError:  # taken: draw again
+                s.close()
+        while len(socks) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             socks.append(s)
-            s.bind(("0.0.0.0", 0))  # free on every address, so on `host` too
+            s.bind(("0.0.0.0", 0))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+_FIXED_LOW = 10000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: only the kernel's picks
+        return _FIXED_LOW
 
 
 class PortInUseError(RuntimeError):
