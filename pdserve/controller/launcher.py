@@ -113,16 +113,18 @@ class LocalCluster:
         with self._lock:
             return [c for c in self.children if not c.stopping]
 
-    def respawn(self, child: Child, exit_code: int, attempt: int) -> None:
+    def respawn(self, child: Child, exit_code: int, attempt: int) -> bool:
         """Start a dead child again with its arguments (a router with the workers' current
-        roles), appending to its log so the crash stays readable above the restart."""
+        roles), appending to its log so the crash stays readable above the restart. False if
+        it is being stopped on purpose meanwhile."""
         if child.kind == "router" and child.name == "router":
             child.argv = self._router_argv(self.current_roles())
         with self._lock:
             if child.stopping:
-                return
+                return False
             self._popen(child, "ab", f"\n[pdserve serve] restarting {child.name} "
                                      f"(exit {exit_code}), attempt {attempt}\n")
+            return True
 
     def current_roles(self, timeout_s: float = 1.0) -> dict[str, str]:
         """Worker address -> the role it hosts now (asked over gRPC; the role it was started

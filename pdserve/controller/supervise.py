@@ -47,7 +47,8 @@ class Supervised(Protocol):
 class Cluster(Protocol):
     def supervised(self) -> list[Supervised]: ...  # children not being stopped on purpose
 
-    def respawn(self, child: Supervised, exit_code: int, attempt: int) -> None: ...
+    def respawn(self, child: Supervised, exit_code: int, attempt: int) -> bool: ...
+    # False: not respawned, the cluster is stopping it meanwhile
 
 
 class Supervision:
@@ -117,7 +118,8 @@ class Supervision:
                 attempt = self._restarts_of[child.name] + 1
                 log.warning("restarting %s (exit %s), attempt %d", child.name, code, attempt)
                 try:
-                    self.cluster.respawn(child, code, attempt)
+                    if not self.cluster.respawn(child, code, attempt):
+                        continue
                 except OSError as e:  # counted as a run that died at once: backoff grows
                     log.error("could not restart %s: %s", child.name, e)
                 child.started_s = self.clock()

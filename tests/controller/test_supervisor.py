@@ -1,17 +1,24 @@
 """The restart rule of the launcher's supervision (`pdserve.controller.supervisor`): scenarios,
-then properties over simulated children that die after random up-times.
+then properties over simulated children that die after random up-times; then the thread that
+carries it out (`supervise.py`) over real short-lived processes.
 
 Property settings are derandomized (the same examples every run) and sized to run in seconds.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import subprocess
+import sys
+import time
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.controller.supervise import Supervision
 from pdserve.controller.supervisor import (GIVE_UP, RESTART, WAIT, RestartPolicy, Run,
                                            decide)
 
@@ -152,3 +159,81 @@ def test_the_decision_depends_only_on_the_kept_history(policy, ups, t0):
     kept = runs[-policy.history_len():]
     for t in (now, runs[-1].ended_s):
         assert decide(policy, kept, t) == decide(policy, runs, t)
+
+
+# ---- the adapter (supervise.py) over real short-lived processes ------------------------------
+
+class ProcCluster:
+    """Children that are real processes (`python -c CODE`), respawned with the same code."""
+
+    def __init__(self, tmp_path, code: str, n: int = 1) -> None:
+        self.code = code
+        self.spawns: list[float] = []
+        self.children = []
+        for i in range(n):
+            c = types.SimpleNamespace(name=f"w-{i}", kind="worker", started_s=time.monotonic(),
+                                      log_path=str(tmp_path / f"w-{i}.log"), stopping=False)
+            c.proc = self._popen(c, "w")
+            self.children.append(c)
+
+    def _popen(self, child, mode: str) -> subprocess.Popen:
+        with open(child.log_path, mode) as log:
+            return subprocess.Popen([sys.executable, "-c", self.code], stdout=log,
+                                    stderr=subprocess.STDOUT)
+
+    def supervised(self):
+        return [c for c in self.children if not c.stopping]
+
+    def respawn(self, child, exit_code: int, attempt: int) -> bool:
+        with open(child.log_path, "a") as log:
+            log.write(f"restarting {child.name} (exit {exit_code}), attempt {attempt}\n")
+        child.proc = self._popen(child, "a")
+        self.spawns.append(time.monotonic())
+        return True
+
+
+def wait_until(cond, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_child_that_always_dies_is_restarted_with_backoff_then_given_up_on(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="pdserve.controller.supervise")
+    cluster = ProcCluster(tmp_path, "print('boom: no such device'); raise SystemExit(3)")
+    policy = RestartPolicy(backoff_s=0.1, max_restarts=3, window_s=60.0)
+    sup = Supervision(cluster, policy, poll_s=0.01).start()
+    try:
+        wait_until(lambda: sup.counts()["gave_up"].get("worker") == 1)
+    finally:
+        sup.close()
+    assert sup.counts() == {"restarts": {"worker": 3}, "gave_up": {"worker": 1}}
+    gaps = [b - a for a, b in zip(cluster.spawns, cluster.spawns[1:])]
+    assert all(g >= 0.1 for g in gaps) and gaps[-1] >= 0.4  # 0.2 then 0.4 after quick deaths
+    log = (tmp_path / "w-0.log").read_text()
+    assert [f"attempt {n}" in log for n in (1, 2, 3, 4)] == [True, True, True, False]
+    assert "giving up on w-0 (exit 3): crash loop: 3 restarts within 60s" in log
+    [report] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "giving up on w-0 (exit 3)" in report.getMessage()
+    assert "boom: no such device" in report.getMessage()  # the tail of its log
+
+
+def test_paused_supervision_restarts_nothing(tmp_path):
+    cluster = ProcCluster(tmp_path, "import time; time.sleep(60)", n=2)
+    sup = Supervision(cluster, RestartPolicy(backoff_s=0.05), poll_s=0.01).start()
+    try:
+        cluster.children[0].proc.kill()
+        wait_until(lambda: sup.counts()["restarts"].get("worker") == 1)
+        sup.pause()  # what stop() does first
+        for c in cluster.children:
+            c.proc.kill()
+            c.proc.wait()
+        time.sleep(0.5)
+        assert sup.counts()["restarts"] == {"worker": 1}
+        assert all(c.proc.poll() is not None for c in cluster.children)
+    finally:
+        sup.close()
+        for c in cluster.children:
+            if c.proc.poll() is None:
+                c.proc.kill()

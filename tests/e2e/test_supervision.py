@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import rpc
+from pdserve.controller.cluster_spec import free_ports
 from pdserve.controller.launcher import LocalCluster
 from pdserve.controller.supervisor import RestartPolicy
 from pdserve.engine.config import CacheConfig, EngineConfig
@@ -47,9 +48,12 @@ POLICY = RestartPolicy(backoff_s=0.3, max_restarts=2, window_s=120.0)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
+    # Every port the launcher's way (internal ones left to it): below the ephemeral range, so
+    # no connection takes one while a child restarts.
     spec = cluster_spec(tiny_llama_dir, supervise=True, restart_policy=POLICY, controller=True,
-                        controller_mode="advisory", store_port=None, worker_ports=None,
-                        controller_port=None, router_args=("--stats-interval-s", "0.2"))
+                        controller_mode="advisory", router_port=free_ports(1)[0],
+                        store_port=None, worker_ports=None, controller_port=None,
+                        router_args=("--stats-interval-s", "0.2"))
     with LocalCluster(spec) as c:
         yield c
 
