@@ -79,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rpc.wait_for_signal()
         console.print("pdserve stopping: the router finishes its requests first")
     except Exception as e:  # a child failed to start, or a port is taken: say which and why
-        console.print(f"[bold red]pdserve failed to start[/]: {e}")
+        console.print(f"[bold red]pdserve failed to start[/]: {e}", soft_wrap=True)
         return 1
     finally:
         cluster.stop()

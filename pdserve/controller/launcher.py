@@ -129,6 +129,8 @@ class LocalCluster:
     def current_roles(self, timeout_s: float = 1.0) -> dict[str, str]:
         """Worker address -> the role it hosts now (asked over gRPC; the role it was started
         in when it does not answer)."""
+        import grpc
+
         from pdserve.proto import worker_pb2 as wpb
         from pdserve.proto import worker_pb2_grpc as wpb_grpc
 
@@ -140,7 +142,7 @@ class LocalCluster:
                     r = wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=timeout_s)
                 roles[c.address] = {wpb.ROLE_PREFILL: "prefill",
                                     wpb.ROLE_DECODE: "decode"}.get(r.role, roles[c.address])
-            except Exception:  # grpc.RpcError: dead or busy; its start role is the best guess
+            except grpc.RpcError:  # dead or busy: the role it was started in is the best guess
                 pass
         return roles
 
