@@ -36,15 +36,15 @@ def _spec_args(args: argparse.Namespace) -> dict:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
+    import signal
 
     from rich.console import Console
 
-    from pdserve import logctx, rpc
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve import logctx
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
 
     console = Console(stderr=True)
     logctx.configure(logging.INFO)  # supervision's restarts and give-ups go to stderr
-    rpc.catch_stop_signals()  # Ctrl-C or SIGTERM while starting still stops every child
     spec = ClusterSpec(model_path=args.model or _default_model(), dtype=args.dtype, host=args.host,
                        router_port=args.port, store_port=args.store_port,
                        http_host=args.http_host, http_port=None if args.no_http else args.http_port,
@@ -60,6 +60,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        shutdown_grace_s=args.shutdown_grace_s, supervise=not args.no_supervise,
                        metrics_port=args.metrics_port, **_spec_args(args))
     cluster = LocalCluster(spec)
+
+    def on_signal(signum, frame) -> None:
+        cluster.cancel.set()
+
+    # Ctrl-C or SIGTERM, while starting or serving, stops every child in order. The children
+    # run in sessions of their own: a terminal's Ctrl-C reaches only this process.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
                             f"{spec.decode_workers} decode workers, router ({spec.model_path})"):
@@ -76,8 +84,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                  ("controller", cluster.controller_address),
                                                  ("cluster", cluster.cluster_id)) if v)
         print(f"pdserve ready on {cluster.router_address}{notes}", flush=True)
-        rpc.wait_for_signal()
+        while not cluster.cancel.wait(0.5):  # a timed wait lets the signal handler run
+            pass
         console.print("pdserve stopping: the router finishes its requests first")
+    except StartCancelled:
+        console.print("pdserve stopped while starting")
     except Exception as e:  # a child failed to start, or a port is taken: say which and why
         console.print(f"[bold red]pdserve failed to start[/]: {e}", soft_wrap=True)
         return 1

@@ -65,6 +65,8 @@ class LocalCluster:
     worker_metrics: dict = field(default_factory=dict)
     metrics_url: str | None = None  # the launcher's own /metrics (restarts, liveness)
     supervision: Supervision | None = None
+    # Set (e.g. by a signal handler) to abandon a start in progress: StartCancelled.
+    cancel: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _metrics_server: object = None
 
@@ -146,10 +148,15 @@ class LocalCluster:
                 pass
         return roles
 
+    def _check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise StartCancelled("the start was cancelled (a stop signal arrived)")
+
     def _wait(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.spec.ready_timeout_s
         for c in children:
             while True:
+                self._check_cancel()
                 if c.proc.poll() is not None:
                     raise RuntimeError(f"{c.name} exited with {c.proc.returncode} before it was "
                                        f"ready; its log ({c.log_path}) ends:\n{tail(c.log_path)}")
@@ -169,6 +176,7 @@ class LocalCluster:
         with rpc.make_channel(master_addr) as ch:
             stub = pb_grpc.KVMasterStub(ch)
             while stub.Stats(pb.MasterStatsRequest(), timeout=5).nodes_alive < len(nodes):
+                self._check_cancel()
                 for c in nodes:
                     if c.proc.poll() is not None:
                         raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; its log "
@@ -322,6 +330,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         pattern = re.compile(rf" ready on \S+ .*\b{key}=(\S+)")
         while True:
+            self._check_cancel()
             with open(child.log_path, errors="replace") as f:
                 found = pattern.findall(f.read())
             if found:
@@ -364,6 +373,10 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class StartCancelled(Exception):
+    pass
 
 
 def _terminate(children: list[Child], timeout_s: float) -> None:

@@ -4,6 +4,7 @@
   first and its requests finish), then every child is gone and the storage node's
   shared-memory segment is unlinked.
 - kill -9 of `pdserve serve`: its children die with it.
+- SIGINT while starting: the start is abandoned, every child started so far stopped.
 - Two `pdserve serve` on one host with default internal ports (only the router ports differ)
   both serve the engine's tokens and stop cleanly (SIGTERM one, SIGINT the other); a third on
   a router port already taken refuses to start, saying so, before starting anything.
@@ -195,6 +196,31 @@ def test_two_clusters_share_a_host_and_a_taken_router_port_is_refused(tiny_llama
         for p in (a, b):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+def test_a_stop_signal_while_starting_stops_every_child(tiny_llama_dir, tmp_path):
+    """Ctrl-C during a start does not wait for the cluster to come up: the start is abandoned
+    and whatever was started is stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model",
+                             tiny_llama_dir, "--port", str(port()), "--http-port", "0",
+                             "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "decode-1.log").exists():  # store and workers spawned
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) == 4
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopped while starting" in err, err
+        assert "pdserve ready" not in out
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.skipif(not launcher._PASS_CLUSTER_ID,
