@@ -35,13 +35,16 @@ def _spec_args(args: argparse.Namespace) -> dict:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
     from rich.console import Console
 
-    from pdserve import rpc
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve import logctx
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
 
     console = Console(stderr=True)
-    rpc.catch_stop_signals()  # Ctrl-C or SIGTERM while starting still stops every child
+    logctx.configure(logging.INFO)  # supervision's restarts and give-ups go to stderr
     spec = ClusterSpec(model_path=args.model or _default_model(), dtype=args.dtype, host=args.host,
                        router_port=args.port, store_port=args.store_port,
                        http_host=args.http_host, http_port=None if args.no_http else args.http_port,
@@ -51,22 +54,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        threads_per_worker=args.threads_per_worker, routing=args.routing,
                        controller=not args.no_controller, controller_port=args.controller_port,
                        controller_mode=args.controller_mode, ttft_slo_ms=args.ttft_slo_ms,
-                       itl_slo_ms=args.itl_slo_ms, **_spec_args(args))
+                       itl_slo_ms=args.itl_slo_ms, max_in_flight=args.max_in_flight,
+                       api_keys_file=args.api_keys_file,
+                       max_predicted_ttft_s=args.max_predicted_ttft_s,
+                       shutdown_grace_s=args.shutdown_grace_s, supervise=not args.no_supervise,
+                       metrics_port=args.metrics_port, **_spec_args(args))
     cluster = LocalCluster(spec)
+
+    def on_signal(signum, frame) -> None:
+        cluster.cancel.set()
+
+    # Ctrl-C or SIGTERM, while starting or serving, stops every child in order. The children
+    # run in sessions of their own: a terminal's Ctrl-C reaches only this process.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
                             f"{spec.decode_workers} decode workers, router ({spec.model_path})"):
             cluster.start()
         http = f", OpenAI API on http://{cluster.http_address}/v1" if cluster.http_address else ""
         ctl = (f", controller on {cluster.controller_address} ({spec.controller_mode}; "
-               f"`pdserve ctl status`)" if cluster.controller_address else "")
+               f"`pdserve ctl --address {cluster.controller_address} status`)"
+               if cluster.controller_address else "")
         console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address}{http}"
-                      f"{ctl} (logs in {cluster.log_dir}); Ctrl-C stops it")
-        http_note = f" http={cluster.http_address}" if cluster.http_address else ""
-        print(f"pdserve ready on {cluster.router_address}{http_note}", flush=True)
-        rpc.wait_for_signal()
-    except Exception as e:  # a child failed to start: say which and why
-        console.print(f"[bold red]pdserve failed to start[/]: {e}")
+                      f"{ctl}, metrics on {cluster.metrics_url} (logs in {cluster.log_dir}); "
+                      f"Ctrl-C stops it")
+        notes = "".join(f" {k}={v}" for k, v in (("http", cluster.http_address),
+                                                 ("metrics", cluster.metrics_url),
+                                                 ("controller", cluster.controller_address),
+                                                 ("cluster", cluster.cluster_id)) if v)
+        print(f"pdserve ready on {cluster.router_address}{notes}", flush=True)
+        while not cluster.cancel.wait(0.5):  # a timed wait lets the signal handler run
+            pass
+        console.print("pdserve stopping: the router finishes its requests first")
+    except StartCancelled:
+        console.print("pdserve stopped while starting")
+    except Exception as e:  # a child failed to start, or a port is taken: say which and why
+        console.print(f"[bold red]pdserve failed to start[/]: {e}", soft_wrap=True)
         return 1
     finally:
         cluster.stop()
@@ -121,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API port (0: a free port, printed when ready)")
     s.add_argument("--no-http", action="store_true", help="serve gRPC only")
-    s.add_argument("--store-port", type=int, default=50070)
-    s.add_argument("--worker-base-port", type=int, default=50061)
+    s.add_argument("--store-port", type=int, default=None,
+                   help="the store master's port (default: a free port)")
+    s.add_argument("--worker-base-port", type=int, default=None,
+                   help="workers listen on this port and the next ones (default: free ports)")
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
     s.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
@@ -141,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute threads per worker (default: this machine's cores split evenly)")
     s.add_argument("--no-controller", action="store_true",
                    help="start no controller: roles stay as started")
-    s.add_argument("--controller-port", type=int, default=50052,
-                   help="the controller's gRPC port (`pdserve ctl --address`)")
+    s.add_argument("--controller-port", type=int, default=None,
+                   help="the controller's gRPC port (`pdserve ctl --address`; default: a free "
+                        "port, printed when ready)")
     s.add_argument("--controller-mode", default="active", choices=["active", "advisory", "off"],
                    help="active: flips roles and offloads prefill; advisory: only decides, "
                         "logs and exports; off")
@@ -150,6 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time-to-first-token SLO the controller steers for")
     s.add_argument("--itl-slo-ms", type=float, default=200.0,
                    help="inter-token latency SLO the controller steers for")
+    s.add_argument("--max-in-flight", type=int, default=None,
+                   help="requests the router holds at once; more get RESOURCE_EXHAUSTED / HTTP "
+                        "429 (default: the router's)")
+    s.add_argument("--api-keys-file", default=None,
+                   help="file of 'KEY TENANT' lines the router accepts (default: no auth)")
+    s.add_argument("--max-predicted-ttft-s", type=float, default=None,
+                   help="the router refuses a request whose predicted time to first token is "
+                        "longer (0: off; default: the router's)")
+    s.add_argument("--shutdown-grace-s", type=float, default=None,
+                   help="on SIGTERM or Ctrl-C the router stops admitting and gives requests in "
+                        "flight this long to finish before the rest stops (default: the "
+                        "router's, 30)")
+    s.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics of this launcher: restarts and liveness of its "
+                        "processes (default 0: a free port, printed when ready)")
+    s.add_argument("--no-supervise", action="store_true",
+                   help="do not restart a process that dies")
     s.add_argument("--ready-timeout-s", type=float, default=300.0)
     s.add_argument("--log-dir", default=None)
     s.set_defaults(func=cmd_serve)

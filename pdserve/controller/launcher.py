@@ -1,97 +1,61 @@
 """Local launcher: start the embedded cluster (store, workers, router) as child processes.
 
 Owns the children's lives: each is asked to die with its parent (`pdserve.lifecycle`, so a
-killed `pdserve serve` leaves nothing behind), logs to its own file, and is declared up only when its gRPC health check
-says SERVING. `stop()` sends SIGTERM to all, waits, and kills whatever is left.
+killed `pdserve serve` leaves nothing behind), runs in a session of its own (a terminal's Ctrl-C
+reaches only the launcher, which then stops them in order), logs to its own file, and is
+declared up only when its gRPC health check says SERVING. Internal ports (store master,
+workers, metrics, controller) are free ports picked at start unless given; the router's client
+ports are checked free before anything starts. Every cluster gets an id (`--cluster-id`, in the
+storage node's id and so in its shared-memory segment names), so clusters can share a host.
+With `ClusterSpec.supervise` (on in `pdserve serve`), a child that dies is restarted with the
+same arguments (`supervise.py`; the router with the workers' current roles) and the launcher
+serves its own Prometheus endpoint. `stop()` ends supervision, then stops the router (within
+the shutdown grace), the controller, the workers, the storage node and the master in turn.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
 from pdserve import rpc
+from pdserve.controller.cluster_spec import ClusterSpec, check_free, free_ports
+from pdserve.controller.supervise import Supervision, SupervisionCollector, tail
 from pdserve.lifecycle import child_env
 
-@dataclass(frozen=True)
-class ClusterSpec:
-    model_path: str
-    dtype: str = "float32"
-    host: str = "127.0.0.1"
-    router_port: int = 50051
-    # The router's OpenAI-compatible HTTP API: None turns it off, 0 picks a free port
-    # (LocalCluster.http_address says which).
-    http_host: str = "127.0.0.1"
-    http_port: int | None = 8000
-    store_port: int = 50070
-    worker_base_port: int = 50061
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    num_blocks: int = 1024
-    block_size_tokens: int = 16
-    max_num_batched_tokens: int = 2048
-    store_capacity_bytes: int = 1 << 30  # the storage node's shared-memory DRAM segment
-    ready_timeout_s: float = 300.0
-    log_dir: str | None = None
-    worker_ports: tuple[int, ...] | None = None  # explicit ports (prefill first); else base + i
-    threads_per_worker: int | None = None  # None: split this machine's cores among the workers
-    # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
-    # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
-    routing: str = "auto"
-    # Speculative decoding on the decode workers ("": off; "ngram"; "eagle", "dflash" or
-    # "dspark" with a trained drafter at draft_path).
-    spec_method: str = ""
-    draft_path: str = ""
-    num_speculative_tokens: int = 4
-    spec_schedule: bool = True  # the confidence scheduler (off: always verify whole drafts)
-    # Progressive KV transfer on every worker (--progressive-kv): layer-wise anchor/residual
-    # streaming through the store instead of whole blocks.
-    progressive_kv: bool = False
-    router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
-    # The controller (pdserve.controller): flips roles and offloads prefill under SLO pressure.
-    controller: bool = True
-    controller_port: int = 50052
-    controller_mode: str = "active"
-    ttft_slo_ms: float = 2000.0
-    itl_slo_ms: float = 200.0
-    controller_args: tuple[str, ...] = ()  # more flags (e.g. --cooldown-s 5)
+__all__ = ["ClusterSpec", "LocalCluster", "ROUTER_SHUTDOWN_GRACE_S"]
 
-    def __post_init__(self) -> None:
-        if self.controller_mode not in ("active", "advisory", "off"):
-            raise ValueError(f"controller_mode must be active, advisory or off, got "
-                             f"{self.controller_mode!r}")
-        if self.prefill_workers < 1 or self.decode_workers < 1:
-            raise ValueError("prefill_workers and decode_workers must be >= 1")
-        n = self.prefill_workers + self.decode_workers
-        if self.worker_ports is not None and len(self.worker_ports) != n:
-            raise ValueError(f"worker_ports: need {n} ports, got {len(self.worker_ports)}")
-
-    def worker_threads(self) -> int:
-        if self.threads_per_worker is not None:
-            return self.threads_per_worker
-        return max(1, (os.cpu_count() or 1) // (self.prefill_workers + self.decode_workers))
-
-    def worker_port(self, i: int) -> int:
-        return self.worker_ports[i] if self.worker_ports else self.worker_base_port + i
+# The store's `--cluster-id` flag (master, node, worker); passed once the store has it.
+_PASS_CLUSTER_ID = False
+# The router's own default for --shutdown-grace-s: how long stop() waits for it when unset.
+ROUTER_SHUTDOWN_GRACE_S = 30.0
+SHM_DIR = "/dev/shm"  # where the storage node keeps its segment files (its default)
 
 
-@dataclass
+@dataclass(eq=False)
 class Child:
     name: str
+    kind: str  # master, node, worker, router or controller
     address: str
     proc: subprocess.Popen
     log_path: str
+    argv: list[str]
+    started_s: float = 0.0  # time.monotonic() at its (re)start
+    stopping: bool = False  # the launcher stops it on purpose: never restarted
 
 
 @dataclass
 class LocalCluster:
-    spec: ClusterSpec
+    spec: ClusterSpec  # once started: resolved (every port and the cluster id fixed)
     children: list[Child] = field(default_factory=list)
     log_dir: str = ""
     http_address: str | None = None  # "host:port" of the OpenAI HTTP API once started
@@ -99,28 +63,103 @@ class LocalCluster:
     controller_metrics: str | None = None  # its Prometheus /metrics URL
     # Worker address -> its Prometheus /metrics URL (pdserve.metrics), once started.
     worker_metrics: dict = field(default_factory=dict)
+    metrics_url: str | None = None  # the launcher's own /metrics (restarts, liveness)
+    supervision: Supervision | None = None
+    # Set (e.g. by a signal handler) to abandon a start in progress: StartCancelled.
+    cancel: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _metrics_server: object = None
+
+    @property
+    def cluster_id(self) -> str:
+        return self.spec.cluster_id
 
     @property
     def router_address(self) -> str:
         return f"{self.spec.host}:{self.spec.router_port}"
 
-    def _spawn(self, name: str, address: str, args: list[str]) -> Child:
+    @property
+    def store_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.store_port}"
+
+    @property
+    def node_id(self) -> str:
+        return f"node0-{self.spec.cluster_id}"
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far by kind (master, node, worker, router, controller)."""
+        return self.supervision.counts()["restarts"] if self.supervision else {}
+
+    def _cluster_id_args(self) -> list[str]:
+        return ["--cluster-id", self.spec.cluster_id] if _PASS_CLUSTER_ID else []
+
+    def _spawn(self, name: str, kind: str, address: str, args: list[str]) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
-        log = open(log_path, "wb")
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=child_env())
-        log.close()
-        child = Child(name, address, proc, log_path)
-        self.children.append(child)
+        child = Child(name, kind, address, None, log_path, args)  # type: ignore[arg-type]
+        self._popen(child, "wb")
+        with self._lock:
+            self.children.append(child)
         return child
+
+    def _popen(self, child: Child, mode: str, note: str = "") -> None:
+        with open(child.log_path, mode) as log:
+            log.write(note.encode())
+            log.flush()
+            child.proc = subprocess.Popen(
+                [sys.executable, "-m", *child.argv], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=child_env(), start_new_session=True)
+        child.started_s = time.monotonic()
+
+    def supervised(self) -> list[Child]:
+        with self._lock:
+            return [c for c in self.children if not c.stopping]
+
+    def respawn(self, child: Child, exit_code: int, attempt: int) -> bool:
+        """Start a dead child again with its arguments (a router with the workers' current
+        roles), appending to its log so the crash stays readable above the restart. False if
+        it is being stopped on purpose meanwhile."""
+        if child.kind == "router" and child.name == "router":
+            child.argv = self._router_argv(self.current_roles())
+        with self._lock:
+            if child.stopping:
+                return False
+            self._popen(child, "ab", f"\n[pdserve serve] restarting {child.name} "
+                                     f"(exit {exit_code}), attempt {attempt}\n")
+            return True
+
+    def current_roles(self, timeout_s: float = 1.0) -> dict[str, str]:
+        """Worker address -> the role it hosts now (asked over gRPC; the role it was started
+        in when it does not answer)."""
+        import grpc
+
+        from pdserve.proto import worker_pb2 as wpb
+        from pdserve.proto import worker_pb2_grpc as wpb_grpc
+
+        roles = {}
+        for c in [c for c in self.supervised() if c.kind == "worker"]:
+            roles[c.address] = c.argv[c.argv.index("--role") + 1]
+            try:
+                with rpc.make_channel(c.address) as ch:
+                    r = wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=timeout_s)
+                roles[c.address] = {wpb.ROLE_PREFILL: "prefill",
+                                    wpb.ROLE_DECODE: "decode"}.get(r.role, roles[c.address])
+            except grpc.RpcError:  # dead or busy: the role it was started in is the best guess
+                pass
+        return roles
+
+    def _check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise StartCancelled("the start was cancelled (a stop signal arrived)")
 
     def _wait(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.spec.ready_timeout_s
         for c in children:
             while True:
+                self._check_cancel()
                 if c.proc.poll() is not None:
                     raise RuntimeError(f"{c.name} exited with {c.proc.returncode} before it was "
-                                       f"ready; its log ({c.log_path}) ends:\n{_tail(c.log_path)}")
+                                       f"ready; its log ({c.log_path}) ends:\n{tail(c.log_path)}")
                 try:
                     rpc.wait_healthy(c.address, timeout_s=1.0)
                     break
@@ -137,71 +176,101 @@ class LocalCluster:
         with rpc.make_channel(master_addr) as ch:
             stub = pb_grpc.KVMasterStub(ch)
             while stub.Stats(pb.MasterStatsRequest(), timeout=5).nodes_alive < len(nodes):
+                self._check_cancel()
                 for c in nodes:
                     if c.proc.poll() is not None:
                         raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; its log "
-                                           f"({c.log_path}) ends:\n{_tail(c.log_path)}")
+                                           f"({c.log_path}) ends:\n{tail(c.log_path)}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"storage nodes did not register with {master_addr}")
                 time.sleep(0.1)
 
     def start(self) -> "LocalCluster":
-        s = self.spec
+        check_free(self.spec.host, self.spec.router_port, "the router's gRPC port")
+        if self.spec.http_port:
+            check_free(self.spec.http_host, self.spec.http_port, "the router's HTTP port")
+        self.spec = s = self.spec.resolved()
         self.log_dir = s.log_dir or tempfile.mkdtemp(prefix="pdserve-")
         os.makedirs(self.log_dir, exist_ok=True)
         try:
             # The store: a master (metadata, journaled under the log dir) and one storage
             # node contributing a shared-memory DRAM segment of store_capacity_bytes.
-            store_addr = f"{s.host}:{s.store_port}"
-            master = self._spawn("kvmaster", store_addr, [
-                "pdserve.kvstore.master", "--address", store_addr,
-                "--journal-dir", os.path.join(self.log_dir, "kvmaster-journal")])
-            node = self._spawn("kvnode-0", "", [
+            master = self._spawn("kvmaster", "master", self.store_address, [
+                "pdserve.kvstore.master", "--address", self.store_address,
+                "--journal-dir", os.path.join(self.log_dir, "kvmaster-journal"),
+                *self._cluster_id_args()])
+            node = self._spawn("kvnode-0", "node", "", [
                 # Unique per cluster: a node removes stale segment files of its own id at start.
-                "pdserve.kvstore.node", "--node-id", f"node0-{s.store_port}",
-                "--data-address", f"{s.host}:0",
-                "--dram-bytes", str(s.store_capacity_bytes), "--master", store_addr])
+                "pdserve.kvstore.node", "--node-id", self.node_id, "--data-address", f"{s.host}:0",
+                "--dram-bytes", str(s.store_capacity_bytes), "--master", self.store_address,
+                *self._cluster_id_args()])
             workers = []
             roles = ["prefill"] * s.prefill_workers + ["decode"] * s.decode_workers
+            metrics_ports = free_ports(len(roles))
             for i, role in enumerate(roles):
                 addr = f"{s.host}:{s.worker_port(i)}"
-                workers.append(self._spawn(f"{role}-{i}", addr, [
+                workers.append(self._spawn(f"{role}-{i}", "worker", addr, [
                     "pdserve.worker", "--role", role, "--model", s.model_path, "--address", addr,
-                    "--store-address", store_addr, "--dtype", s.dtype,
+                    "--store-address", self.store_address, "--dtype", s.dtype,
                     "--num-blocks", str(s.num_blocks),
                     "--block-size-tokens", str(s.block_size_tokens),
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-                    "--threads", str(s.worker_threads()), "--metrics-port", "0",
+                    "--threads", str(s.worker_threads()),
+                    "--metrics-port", str(metrics_ports[i]),
+                    # Its heartbeat re-registers it with a restarted router.
+                    "--register-with", self.router_address, *self._cluster_id_args(),
                     *(["--progressive-kv", "true"] if s.progressive_kv else []),
                     *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
                        "--num-speculative-tokens", str(s.num_speculative_tokens),
                        "--spec-schedule", str(s.spec_schedule)]
                       if s.spec_method and role == "decode" else [])]))
+                self.worker_metrics[addr] = f"http://{s.host}:{metrics_ports[i]}/metrics"
             self._wait([master])
-            self._wait_store_nodes(store_addr, [node])
+            self._wait_store_nodes(self.store_address, [node])
             self._wait(workers)
-            for w in workers:  # each worker's Prometheus endpoint (a free port)
-                self.worker_metrics[w.address] = self._ready_field(w, "metrics")
-            prefill = ",".join(w.address for w in workers if w.name.startswith("prefill"))
-            decode = ",".join(w.address for w in workers if w.name.startswith("decode"))
-            http = [] if s.http_port is None else ["--http-host", s.http_host,
-                                                   "--http-port", str(s.http_port)]
-            # One request never holds more KV than a worker's pool: the router refuses longer
-            # ones up front, and chat's default max_tokens (the rest of the context) fits.
-            capacity = str(s.num_blocks * s.block_size_tokens)
-            router = self._spawn("router", self.router_address, [
-                "pdserve.router", "--model", s.model_path, "--address", self.router_address,
-                "--prefill", prefill, "--decode", decode, "--max-model-len-tokens", capacity,
-                *http, *self.routing_args(s.routing), *s.router_args])
+            router = self._spawn("router", "router", self.router_address,
+                                 self._router_argv(dict(zip((w.address for w in workers), roles))))
             self._wait([router])
-            if http:
+            if s.http_port is not None:
                 self.http_address = self._ready_field(router, "http")
             if s.controller:
                 self.start_controller()
+            if s.metrics_port is not None:
+                self._serve_metrics()
+            if s.supervise:
+                self.supervision = Supervision(self, s.restart_policy).start()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _router_argv(self, roles: dict[str, str]) -> list[str]:
+        s = self.spec
+        http = [] if s.http_port is None else ["--http-host", s.http_host,
+                                               "--http-port", str(s.http_port)]
+        flags = [(f, v) for f, v in (("--max-in-flight", s.max_in_flight),
+                                     ("--api-keys-file", s.api_keys_file),
+                                     ("--max-predicted-ttft-s", s.max_predicted_ttft_s),
+                                     ("--shutdown-grace-s", s.shutdown_grace_s)) if v is not None]
+        # One request never holds more KV than a worker's pool: the router refuses longer
+        # ones up front, and chat's default max_tokens (the rest of the context) fits.
+        return ["pdserve.router", "--model", s.model_path, "--address", self.router_address,
+                "--prefill", ",".join(a for a, r in roles.items() if r == "prefill"),
+                "--decode", ",".join(a for a, r in roles.items() if r == "decode"),
+                "--max-model-len-tokens", str(s.num_blocks * s.block_size_tokens),
+                *http, *self.routing_args(s.routing), *[str(x) for fv in flags for x in fv],
+                *s.router_args]
+
+    def _serve_metrics(self) -> None:
+        from pdserve.metrics import serve_worker
+
+        collector = SupervisionCollector(
+            lambda: self.supervision.counts() if self.supervision else
+            {"restarts": {}, "gave_up": {}},
+            lambda: [(c.name, c.kind, c.proc.poll() is None) for c in self.supervised()])
+        self._metrics_server, port = serve_worker(collector, self.spec.host,
+                                                  self.spec.metrics_port)
+        self.metrics_url = f"http://{self.spec.host}:{port}/metrics"
 
     @property
     def audit_log(self) -> str:
@@ -211,19 +280,16 @@ class LocalCluster:
         """Start the controller over this cluster's router; its address once healthy."""
         s = self.spec
         address = f"{s.host}:{s.controller_port}"
-        child = self._spawn("controller", address, [
+        [metrics_port] = free_ports(1)
+        child = self._spawn("controller", "controller", address, [
             "pdserve.controller", "--router", self.router_address, "--address", address,
             "--mode", s.controller_mode, "--ttft-slo-ms", str(s.ttft_slo_ms),
             "--itl-slo-ms", str(s.itl_slo_ms), "--audit-log", self.audit_log,
-            "--metrics-port", "0", *s.controller_args, *extra_args])
+            "--metrics-port", str(metrics_port), *s.controller_args, *extra_args])
         self._wait([child])
         self.controller_address = address
-        self.controller_metrics = self._ready_field(child, "metrics")
+        self.controller_metrics = f"http://{s.host}:{metrics_port}/metrics"
         return address
-
-    @property
-    def store_address(self) -> str:
-        return f"{self.spec.host}:{self.spec.store_port}"
 
     def worker_addresses(self, role: str) -> list[str]:
         """Addresses of the running workers started in `role` ("prefill" or "decode")."""
@@ -239,7 +305,7 @@ class LocalCluster:
         and `extra_args` (e.g. admission bounds, an API key file); returns its address once
         healthy. `stop()` stops it with the rest."""
         address = f"{self.spec.host}:{port}"
-        child = self._spawn(name, address, [
+        child = self._spawn(name, "router", address, [
             "pdserve.router", "--model", self.spec.model_path, "--address", address,
             "--prefill", ",".join(self.worker_addresses("prefill")),
             "--decode", ",".join(self.worker_addresses("decode")), *self.routing_args(routing),
@@ -250,42 +316,57 @@ class LocalCluster:
 
     def stop_child(self, address: str, timeout_s: float = 10.0) -> None:
         """Stop the child serving `address` (e.g. a router from add_router)."""
-        for c in [c for c in self.children if c.address == address]:
-            c.proc.send_signal(signal.SIGTERM)
-            try:
-                c.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
-            self.children.remove(c)
+        with self._lock:
+            found = [c for c in self.children if c.address == address]
+            for c in found:
+                c.stopping = True
+        _terminate(found, timeout_s)
+        with self._lock:
+            for c in found:
+                self.children.remove(c)
 
     def _ready_field(self, child: Child, key: str, timeout_s: float = 30.0) -> str:
-        """`key=value` from the child's ready line (printed just after its gRPC is healthy)."""
+        """`key=value` from the child's latest ready line (printed once its gRPC is healthy)."""
         deadline = time.monotonic() + timeout_s
         pattern = re.compile(rf" ready on \S+ .*\b{key}=(\S+)")
         while True:
+            self._check_cancel()
             with open(child.log_path, errors="replace") as f:
-                m = pattern.search(f.read())
-            if m:
-                return m.group(1)
+                found = pattern.findall(f.read())
+            if found:
+                return found[-1]
             if child.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{child.name} printed no ready line with {key}=; its log "
-                                   f"({child.log_path}) ends:\n{_tail(child.log_path)}")
+                                   f"({child.log_path}) ends:\n{tail(child.log_path)}")
             time.sleep(0.05)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        # Router first (no new requests), then workers, then the store they write to.
-        for c in reversed(self.children):
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for c in self.children:
-            try:
-                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
-        self.children.clear()
+        """Supervision first (an intended stop is never a restart), then the router, given the
+        shutdown grace to finish its requests, then the controller, the workers, the storage
+        node (it unlinks its segment) and the master, each kind within `timeout_s`."""
+        if self.supervision is not None:
+            self.supervision.pause()
+        with self._lock:
+            children = list(self.children)
+            for c in children:
+                c.stopping = True
+        grace = ROUTER_SHUTDOWN_GRACE_S if self.spec.shutdown_grace_s is None else \
+            self.spec.shutdown_grace_s
+        for kind, wait_s in (("router", grace + timeout_s), ("controller", timeout_s),
+                             ("worker", timeout_s), ("node", timeout_s), ("master", timeout_s)):
+            _terminate([c for c in children if c.kind == kind], wait_s)
+        if self.spec.cluster_id:  # a node killed past its timeout could not unlink its segment
+            for path in glob.glob(os.path.join(SHM_DIR, f"pdserve-{self.node_id}.*")):
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    os.unlink(path)
+        if self.supervision is not None:
+            self.supervision.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        with self._lock:
+            self.children.clear()
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -294,9 +375,19 @@ class LocalCluster:
         self.stop()
 
 
-def _tail(path: str, n: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
+class StartCancelled(Exception):
+    pass
+
+
+def _terminate(children: list[Child], timeout_s: float) -> None:
+    """SIGTERM to all of them, then SIGKILL to those still running after `timeout_s`."""
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()

@@ -1,54 +1,162 @@
-"""`pdserve serve` as a user runs it: starts every part, serves, and leaves no process behind."""
+"""`pdserve serve` as a user runs it: starts every part, serves, and leaves nothing behind.
+
+- SIGTERM while a stream is in flight: the stream ends with its full output (the router stops
+  first and its requests finish), then every child is gone and the storage node's
+  shared-memory segment is unlinked.
+- kill -9 of `pdserve serve`: its children die with it.
+- SIGINT while starting: the start is abandoned, every child started so far stopped.
+- Two `pdserve serve` on one host with default internal ports (only the router ports differ)
+  both serve the engine's tokens and stop cleanly (SIGTERM one, SIGINT the other); a third on
+  a router port already taken refuses to start, saying so, before starting anything.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 
 import psutil
+import pytest
 
+from pdserve import rpc
+from pdserve.controller import launcher
+from pdserve.controller.cluster_spec import free_ports
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from tests.e2e.test_cluster import generate
-from tests.helpers import free_port
+
+PROMPT = list(range(700, 740))  # two full blocks: they go through the store
 
 
-def test_serve_then_sigterm_leaves_no_child_behind(tiny_llama_dir, tmp_path):
-    port = free_port()
-    args = [sys.executable, "-m", "pdserve.cli", "serve", "--model", tiny_llama_dir,
-            "--port", str(port), "--store-port", str(free_port()), "--http-port", "0",
-            "--worker-base-port", str(free_port()), "--num-blocks", "64",
-            "--controller-port", str(free_port()),
-            "--log-dir", str(tmp_path)]
+def port() -> int:
+    """A free port the launcher's way: outside the kernel's ephemeral range, so no outgoing
+    connection takes it in the seconds before the router binds it."""
+    return free_ports(1)[0]
+
+
+def serve(model: str, log_dir, *flags: str) -> tuple[subprocess.Popen, dict[str, str]]:
+    """A `pdserve serve` with `flags`, once ready: (process, its ready line's fields)."""
+    args = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--num-blocks", "64",
+            "--log-dir", str(log_dir), *flags]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # blocks until the cluster is healthy (or serve fails)
+    if not line.startswith("pdserve ready on"):
+        proc.kill()
+        raise AssertionError(f"not ready: {line!r}; stderr:\n{proc.communicate()[1]}")
+    words = line.split()
+    ready = dict(w.split("=", 1) for w in words[4:])
+    ready["router"] = words[3]
+    return proc, ready
+
+
+def segments(ready: dict[str, str]) -> list[str]:
+    return glob.glob(f"/dev/shm/pdserve-node0-{ready['cluster']}.*")
+
+
+KINDS = {"pdserve.router": "router", "pdserve.controller": "controller",
+         "pdserve.worker": "worker", "pdserve.kvstore.node": "node",
+         "pdserve.kvstore.master": "master"}
+STOP_ORDER = ("router", "controller", "worker", "node", "master")
+
+
+def stop_and_check(proc: subprocess.Popen, ready: dict[str, str], sig: int) -> None:
+    """Signal `pdserve serve`; it exits 0, its children having exited in the stop order
+    (router first, the store master last), leaving no process and no segment behind."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    kind = {c.pid: KINDS[c.cmdline()[c.cmdline().index("-m") + 1]] for c in children}
+    assert children and segments(ready)
+    exits: dict[int, float] = {}
+    done = threading.Event()
+
+    def watch() -> None:  # when each child is first seen gone
+        while not done.is_set() and len(exits) < len(children):
+            for c in children:
+                if c.pid not in exits and not c.is_running():
+                    exits[c.pid] = time.monotonic()
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    proc.send_signal(sig)
     try:
-        line = proc.stdout.readline()  # blocks until the cluster is healthy (or serve fails)
-        assert line.startswith("pdserve ready on"), proc.stderr.read()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        gone, alive = psutil.wait_procs(children, timeout=10)
+    finally:
+        done.set()
+        watcher.join()
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+    assert not segments(ready), "the storage node's segment was left in /dev/shm"
+    last_of = {k: max(t for p, t in exits.items() if kind[p] == k) for k in set(kind.values())}
+    first_of = {k: min(t for p, t in exits.items() if kind[p] == k) for k in set(kind.values())}
+    order = [k for k in STOP_ORDER if k in last_of]
+    for before, after in zip(order, order[1:]):
+        assert last_of[before] <= first_of[after], f"{after} exited before {before} did"
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=64)))
+    return engine.generate([PROMPT], SamplingParams(max_tokens=200, ignore_eos=True))[0]
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_and_leaves_nothing(tiny_llama_dir, tmp_path,
+                                                                    expected):
+    proc, ready = serve(tiny_llama_dir, tmp_path, "--port", str(port()), "--http-port", "0")
+    try:
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) == 6  # store master and node, prefill and decode workers, router,
         # and the controller
-        ids, text, *_ = generate(f"127.0.0.1:{port}", prompt="Hello", max_tokens=8, ignore_eos=True)
-        assert len(ids) == 8
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        gone, alive = psutil.wait_procs(children, timeout=10)
-        assert not alive, f"left behind: {[p.pid for p in alive]}"
+        assert set(ready) >= {"router", "http", "metrics", "controller", "cluster"}
+        with urllib.request.urlopen(ready["metrics"], timeout=10) as r:
+            page = r.read().decode()
+        assert 'pdserve:process_restarts_total{kind="worker"} 0.0' in page
+        assert page.count("pdserve:process_up{") == 6
+        got, errors, first = [], [], threading.Event()
+
+        def stream() -> None:
+            req = api_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+                max_tokens=len(expected), ignore_eos=True))
+            req.token_ids.ids.extend(PROMPT)
+            try:
+                with rpc.make_channel(ready["router"]) as ch:
+                    for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60):
+                        got.extend(r.token_ids)
+                        first.set()
+            except Exception as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+                first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60) and not errors
+        assert len(got) < len(expected)  # in flight
+        stop_and_check(proc, ready, signal.SIGTERM)
+        t.join(timeout=60)
+        assert not errors and got == expected  # in flight at SIGTERM, finished in full
     finally:
         if proc.poll() is None:
             proc.kill()
 
 
 def test_children_die_with_a_killed_serve(tiny_llama_dir, tmp_path):
-    """Even kill -9 of `pdserve serve` leaves nothing: children carry a parent-death signal."""
-    port = free_port()
-    args = [sys.executable, "-m", "pdserve.cli", "serve", "--model", tiny_llama_dir,
-            "--port", str(port), "--store-port", str(free_port()), "--http-port", "0",
-            "--worker-base-port", str(free_port()), "--num-blocks", "64",
-            "--controller-port", str(free_port()),
-            "--log-dir", str(tmp_path)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Even kill -9 of `pdserve serve` leaves nothing: children carry a parent-death signal.
+    (Internal ports given explicitly here: they are honoured.)"""
+    store, controller, worker_base = free_ports(3)
+    proc, ready = serve(tiny_llama_dir, tmp_path, "--port", str(port()), "--store-port",
+                        str(store), "--controller-port", str(controller), "--worker-base-port",
+                        str(worker_base), "--no-http")
     try:
-        assert proc.stdout.readline().startswith("pdserve ready on"), proc.stderr.read()
+        assert ready["controller"] == f"127.0.0.1:{controller}" and "http" not in ready
+        assert rpc.wait_healthy(f"127.0.0.1:{store}", timeout_s=10) is None
+        assert rpc.wait_healthy(f"127.0.0.1:{worker_base + 1}", timeout_s=10) is None
         children = psutil.Process(proc.pid).children(recursive=True)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -57,3 +165,75 @@ def test_children_die_with_a_killed_serve(tiny_llama_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_two_clusters_share_a_host_and_a_taken_router_port_is_refused(tiny_llama_dir, tmp_path,
+                                                                       expected):
+    port_a = port()
+    a, ready_a = serve(tiny_llama_dir, tmp_path / "a", "--port", str(port_a), "--http-port", "0")
+    b = None
+    try:
+        b, ready_b = serve(tiny_llama_dir, tmp_path / "b", "--port", str(port()),
+                           "--http-port", "0")
+        assert ready_a["cluster"] != ready_b["cluster"]
+        assert segments(ready_a) and segments(ready_b)
+        for ready in (ready_a, ready_b):
+            ids, *_ = generate(ready["router"], token_ids=PROMPT, max_tokens=len(expected),
+                               ignore_eos=True)
+            assert ids == expected
+
+        third = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "serve", "--model", tiny_llama_dir,
+             "--port", str(port_a), "--http-port", "0", "--log-dir", str(tmp_path / "c")],
+            capture_output=True, text=True, timeout=120)
+        assert third.returncode == 1
+        assert f"127.0.0.1:{port_a} (the router's gRPC port) is in use" in third.stderr
+        assert not (tmp_path / "c").exists()  # refused before anything started
+
+        stop_and_check(a, ready_a, signal.SIGTERM)
+        stop_and_check(b, ready_b, signal.SIGINT)  # Ctrl-C reaches only the launcher
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def test_a_stop_signal_while_starting_stops_every_child(tiny_llama_dir, tmp_path):
+    """Ctrl-C during a start does not wait for the cluster to come up: the start is abandoned
+    and whatever was started is stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--model",
+                             tiny_llama_dir, "--port", str(port()), "--http-port", "0",
+                             "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "decode-1.log").exists():  # store and workers spawned
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) == 4
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopped while starting" in err, err
+        assert "pdserve ready" not in out
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.skipif(not launcher._PASS_CLUSTER_ID,
+                    reason="the store's --cluster-id flag is not in this tree yet")
+def test_a_node_of_another_cluster_is_refused_by_the_master(tiny_llama_dir, tmp_path):
+    from pdserve.controller.launcher import LocalCluster
+    from tests.e2e.conftest import cluster_spec
+
+    with LocalCluster(cluster_spec(tiny_llama_dir, controller=False)) as cluster:
+        stray = subprocess.run(
+            [sys.executable, "-m", "pdserve.kvstore.node", "--node-id", "stray",
+             "--dram-bytes", str(1 << 20), "--master", cluster.store_address,
+             "--cluster-id", "othercluster"], capture_output=True, text=True, timeout=60)
+        out = stray.stdout + stray.stderr
+        assert stray.returncode != 0
+        assert cluster.cluster_id in out and "othercluster" in out

@@ -1,0 +1,167 @@
+"""What one local cluster is: the `ClusterSpec` the launcher starts, and picking its ports.
+
+Owns the spec's fields and their checks (errors name the field), fixing a spec before start
+(`resolved()`: every internal port unset becomes a free port, the cluster id a random one, so a
+restarted child comes back at the same address), and the port helpers: free ports, and a clear
+error when a port the user asked for is taken. Must not start anything: `launcher.py` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import re
+import socket
+import uuid
+from dataclasses import dataclass
+
+from pdserve.controller.supervisor import RestartPolicy
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model_path: str
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    router_port: int = 50051
+    # The router's OpenAI-compatible HTTP API: None turns it off, 0 picks a free port
+    # (LocalCluster.http_address says which).
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 8000
+    store_port: int | None = None  # None: a free port, picked at start (as every internal port)
+    worker_base_port: int | None = None  # workers on base + i; None: free ports
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    num_blocks: int = 1024
+    block_size_tokens: int = 16
+    max_num_batched_tokens: int = 2048
+    store_capacity_bytes: int = 1 << 30  # the storage node's shared-memory DRAM segment
+    ready_timeout_s: float = 300.0
+    log_dir: str | None = None
+    worker_ports: tuple[int, ...] | None = None  # explicit ports (prefill first); else base + i
+    threads_per_worker: int | None = None  # None: split this machine's cores among the workers
+    # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
+    # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
+    routing: str = "auto"
+    # Speculative decoding on the decode workers ("": off; "ngram"; "eagle", "dflash" or
+    # "dspark" with a trained drafter at draft_path).
+    spec_method: str = ""
+    draft_path: str = ""
+    num_speculative_tokens: int = 4
+    spec_schedule: bool = True  # the confidence scheduler (off: always verify whole drafts)
+    # Progressive KV transfer on every worker (--progressive-kv): layer-wise anchor/residual
+    # streaming through the store instead of whole blocks.
+    progressive_kv: bool = False
+    router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
+    # Router flags, passed only when set (None: the router's defaults).
+    max_in_flight: int | None = None
+    api_keys_file: str | None = None
+    max_predicted_ttft_s: float | None = None
+    shutdown_grace_s: float | None = None  # stop() waits this long for the router to finish
+    # The controller (pdserve.controller): flips roles and offloads prefill under SLO pressure.
+    controller: bool = True
+    controller_port: int | None = None  # None: a free port
+    controller_mode: str = "active"
+    ttft_slo_ms: float = 2000.0
+    itl_slo_ms: float = 200.0
+    controller_args: tuple[str, ...] = ()  # more flags (e.g. --cooldown-s 5)
+    cluster_id: str = ""  # "": a random one at start
+    # Restart children that die (`pdserve serve` turns it on; tests that kill children on
+    # purpose keep it off), and the launcher's own /metrics (0: a free port; None: none).
+    supervise: bool = False
+    restart_policy: RestartPolicy = RestartPolicy()
+    metrics_port: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.controller_mode not in ("active", "advisory", "off"):
+            raise ValueError(f"controller_mode must be active, advisory or off, got "
+                             f"{self.controller_mode!r}")
+        if self.prefill_workers < 1 or self.decode_workers < 1:
+            raise ValueError("prefill_workers and decode_workers must be >= 1")
+        n = self.prefill_workers + self.decode_workers
+        if self.worker_ports is not None and len(self.worker_ports) != n:
+            raise ValueError(f"worker_ports: need {n} ports, got {len(self.worker_ports)}")
+        if not re.fullmatch(r"[A-Za-z0-9_-]{0,32}", self.cluster_id):
+            raise ValueError(f"cluster_id: at most 32 of [A-Za-z0-9_-], got {self.cluster_id!r}")
+        if self.shutdown_grace_s is not None and not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+    def worker_threads(self) -> int:
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        return max(1, (os.cpu_count() or 1) // (self.prefill_workers + self.decode_workers))
+
+    def worker_port(self, i: int) -> int:
+        return self.worker_ports[i] if self.worker_ports else self.worker_base_port + i
+
+    def resolved(self) -> "ClusterSpec":
+        """This spec with its cluster id and every internal port fixed (free ports where
+        unset), so that a restarted child comes back at the same address."""
+        n = self.prefill_workers + self.decode_workers
+        ports = iter(free_ports(n + 3))
+        pick = (lambda p: p or next(ports))
+        workers = self.worker_ports or (
+            tuple(self.worker_base_port + i for i in range(n)) if self.worker_base_port
+            else tuple(next(ports) for _ in range(n)))
+        return dataclasses.replace(
+            self, store_port=pick(self.store_port), worker_ports=workers,
+            controller_port=pick(self.controller_port),
+            http_port=None if self.http_port is None else pick(self.http_port),
+            cluster_id=self.cluster_id or uuid.uuid4().hex[:12])
+
+
+def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
+    """`n` distinct TCP ports, free a moment ago (held together while picked).
+
+    Drawn below the kernel's ephemeral range when it leaves room (10000 up to it): the kernel
+    never hands those out to an outgoing connection or to another process's bind to port 0,
+    so a port picked now is still free seconds later, when a child that first loads a model
+    binds it. Otherwise, or when that range is crowded, the kernel's own picks."""
+    rng = rng or random.Random()
+    low = _ephemeral_low()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(50 * n if low - _FIXED_LOW >= 1000 else 0):
+            if len(socks) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("0.0.0.0", rng.randrange(_FIXED_LOW, low)))  # free on every address
+                socks.append(s)
+            except OSError:  # taken: draw again
+                s.close()
+        while len(socks) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("0.0.0.0", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+_FIXED_LOW = 10000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: only the kernel's picks
+        return _FIXED_LOW
+
+
+class PortInUseError(RuntimeError):
+    pass
+
+
+def check_free(host: str, port: int, what: str) -> None:
+    """Raises PortInUseError unless `host:port` can be bound (as the router would bind it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUseError(f"{host}:{port} ({what}) is in use ({e.strerror}): another "
+                                 f"pdserve serve may be running; choose another port") from None
