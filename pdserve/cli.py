@@ -185,10 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-predicted-ttft-s", type=float, default=None,
                    help="the router refuses a request whose predicted time to first token is "
                         "longer (0: off; default: the router's)")
-    s.add_argument("--shutdown-grace-s", type=float, default=None,
+    s.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C the router stops admitting and gives requests in "
-                        "flight this long to finish before the rest stops (default: the "
-                        "router's, 30)")
+                        "flight this long to finish before the rest stops (default 30)")
     s.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics of this launcher: restarts and liveness of its "
                         "processes (default 0: a free port, printed when ready)")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,10 +20,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that was free a moment ago, picked the launcher's way: below the kernel's
+    ephemeral range where it can, so no outgoing connection takes it before a child that first
+    loads a model binds it."""
+    from pdserve.controller.cluster_spec import free_ports
+
+    return free_ports(1)[0]
 
 
 def _read(f) -> str:

@@ -185,7 +185,8 @@ def run_config(name: str, s: FluidBenchSettings, model: str, reqs, log_dir: str,
         worker_ports=tuple(_free_port() for _ in range(4)), prefill_workers=p, decode_workers=d,
         num_blocks=s.num_blocks, http_port=None, log_dir=log_dir, threads_per_worker=1,
         controller=ctl is not None, controller_port=_free_port(), ttft_slo_ms=s.ttft_slo_ms,
-        itl_slo_ms=s.itl_slo_ms, controller_args=ctl_args, ready_timeout_s=600)
+        itl_slo_ms=s.itl_slo_ms, controller_args=ctl_args, ready_timeout_s=600,
+        max_predicted_ttft_s=0.0)  # attainment counts every request: admission refuses none
     caps: list[str] = []
     with LocalCluster(spec) as cluster:
         if s.cpu_quota:

@@ -214,7 +214,8 @@ def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
                     prefill_workers=s.prefill_workers, decode_workers=1, num_blocks=s.num_blocks,
                     block_size_tokens=s.block_size_tokens, store_capacity_bytes=capacity,
                     routing=routing, http_port=None, log_dir=os.path.join(tmp, f"logs{k}"),
-                    router_args=router_args, controller=False)  # routing alone is measured
+                    router_args=router_args, controller=False,  # routing alone is measured
+                    max_predicted_ttft_s=0.0)  # open loop: every request measured, none refused
 
             with ExitStack() as stack:
                 shared = None if s.fresh_cluster else \

@@ -58,7 +58,7 @@ class ClusterSpec:
     max_in_flight: int | None = None
     api_keys_file: str | None = None
     max_predicted_ttft_s: float | None = None
-    shutdown_grace_s: float | None = None  # stop() waits this long for the router to finish
+    shutdown_grace_s: float = 30.0  # the router's grace on SIGTERM; stop() waits for it
     # The controller (pdserve.controller): flips roles and offloads prefill under SLO pressure.
     controller: bool = True
     controller_port: int | None = None  # None: a free port
@@ -84,7 +84,7 @@ class ClusterSpec:
             raise ValueError(f"worker_ports: need {n} ports, got {len(self.worker_ports)}")
         if not re.fullmatch(r"[A-Za-z0-9_-]{0,32}", self.cluster_id):
             raise ValueError(f"cluster_id: at most 32 of [A-Za-z0-9_-], got {self.cluster_id!r}")
-        if self.shutdown_grace_s is not None and not self.shutdown_grace_s >= 0:
+        if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
     def worker_threads(self) -> int:

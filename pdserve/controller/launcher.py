@@ -32,12 +32,8 @@ from pdserve.controller.cluster_spec import ClusterSpec, check_free, free_ports
 from pdserve.controller.supervise import Supervision, SupervisionCollector, tail
 from pdserve.lifecycle import child_env
 
-__all__ = ["ClusterSpec", "LocalCluster", "ROUTER_SHUTDOWN_GRACE_S"]
+__all__ = ["ClusterSpec", "LocalCluster"]
 
-# The store's `--cluster-id` flag (master, node, worker); passed once the store has it.
-_PASS_CLUSTER_ID = False
-# The router's own default for --shutdown-grace-s: how long stop() waits for it when unset.
-ROUTER_SHUTDOWN_GRACE_S = 30.0
 SHM_DIR = "/dev/shm"  # where the storage node keeps its segment files (its default)
 
 
@@ -92,7 +88,7 @@ class LocalCluster:
         return self.supervision.counts()["restarts"] if self.supervision else {}
 
     def _cluster_id_args(self) -> list[str]:
-        return ["--cluster-id", self.spec.cluster_id] if _PASS_CLUSTER_ID else []
+        return ["--cluster-id", self.spec.cluster_id]
 
     def _spawn(self, name: str, kind: str, address: str, args: list[str]) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
@@ -350,8 +346,7 @@ class LocalCluster:
             children = list(self.children)
             for c in children:
                 c.stopping = True
-        grace = ROUTER_SHUTDOWN_GRACE_S if self.spec.shutdown_grace_s is None else \
-            self.spec.shutdown_grace_s
+        grace = self.spec.shutdown_grace_s
         for kind, wait_s in (("router", grace + timeout_s), ("controller", timeout_s),
                              ("worker", timeout_s), ("node", timeout_s), ("master", timeout_s)):
             _terminate([c for c in children if c.kind == kind], wait_s)

@@ -15,7 +15,10 @@ def cluster_spec(model_path: str, **overrides) -> ClusterSpec:
                     store_capacity_bytes=512 << 20, ready_timeout_s=180.0,
                     # Off unless a test is about it: an acting controller would offload or flip
                     # under the load of tests that count blocks and cache hits per worker.
-                    controller=False, controller_port=free_port())
+                    controller=False, controller_port=free_port(),
+                    # Off unless a test is about it: a slow shared host would refuse requests
+                    # of tests that overload on purpose for their predicted TTFT.
+                    max_predicted_ttft_s=0.0)
     return ClusterSpec(model_path=model_path, **{**defaults, **overrides})
 
 

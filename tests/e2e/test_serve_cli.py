@@ -25,7 +25,6 @@ import psutil
 import pytest
 
 from pdserve import rpc
-from pdserve.controller import launcher
 from pdserve.controller.cluster_spec import free_ports
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -223,8 +222,6 @@ def test_a_stop_signal_while_starting_stops_every_child(tiny_llama_dir, tmp_path
             proc.kill()
 
 
-@pytest.mark.skipif(not launcher._PASS_CLUSTER_ID,
-                    reason="the store's --cluster-id flag is not in this tree yet")
 def test_a_node_of_another_cluster_is_refused_by_the_master(tiny_llama_dir, tmp_path):
     from pdserve.controller.launcher import LocalCluster
     from tests.e2e.conftest import cluster_spec
