@@ -243,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     f = bsub.add_parser("fluid", help="the controller vs static prefill:decode splits on a "
                                       "phase-shifting workload (SLO attainment, goodput)")
     bench_fluid.add_arguments(f).set_defaults(func=bench_fluid.run)
+    from pdserve.bench import chaos as bench_chaos
+
+    c = bsub.add_parser("chaos", help="kill -9 each process kind under streaming load: requests "
+                                      "lost or changed, time to heal")
+    bench_chaos.add_arguments(c).set_defaults(func=bench_chaos.run)
     from pdserve.controller import ctl
 
     ctl.add_parser(sub)
