@@ -2,7 +2,7 @@
 
 Owns the SLO (`Slo`), the two pressure indices the policy compares (`PrefillPressure`,
 `DecodePressure`: 1.0 means "at the limit the SLO allows"), the percentile and SLO attainment
-arithmetic, and `RateMeter`, which turns a worker's cumulative counters into a measured rate.
+arithmetic. Measured rates come from `pdserve.core.rates.RateMeter`.
 
 Must not do I/O, read a clock, draw random numbers or import torch, grpc or a service: the
 controller's service and the simulator both feed it numbers and get numbers back, so the two
@@ -130,47 +130,3 @@ def attainment(samples: Sequence[tuple[float, float]], slo: Slo) -> float | None
     return met / len(samples)
 
 
-class RateMeter:
-    """Measured rates (tokens per busy second) from per-worker cumulative counters.
-
-    Workers report totals, not rates, so a lost poll loses no work: each `observe` compares the
-    totals with the last baseline. A delta is used only once it spans at least `min_busy_s` of
-    busy time (until then the baseline stays put and the deltas add up), because a handful of
-    tokens over a few milliseconds measures timer noise. Samples are smoothed with an EWMA
-    (`alpha` = weight of the newest). A total that went down means the worker restarted: that
-    key starts over (no rate until a fresh delta). Pure: no clock, like `router.policy`'s
-    `RoundRobin` it only keeps state between calls.
-    """
-
-    def __init__(self, alpha: float = 0.3, min_busy_s: float = 0.05) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if not min_busy_s > 0:
-            raise ValueError(f"min_busy_s must be > 0, got {min_busy_s}")
-        self.alpha = alpha
-        self.min_busy_s = min_busy_s
-        self._base: dict[str, tuple[float, float]] = {}  # key -> (tokens_total, busy_s_total)
-        self._rate: dict[str, float] = {}
-
-    def observe(self, key: str, tokens_total: float, busy_s_total: float) -> float | None:
-        base = self._base.get(key)
-        if base is None or tokens_total < base[0] or busy_s_total < base[1]:
-            self._base[key] = (tokens_total, busy_s_total)
-            self._rate.pop(key, None)
-            return None
-        d_tokens, d_busy_s = tokens_total - base[0], busy_s_total - base[1]
-        if d_busy_s < self.min_busy_s:
-            return self._rate.get(key)
-        sample = d_tokens / d_busy_s
-        old = self._rate.get(key)
-        self._rate[key] = sample if old is None else self.alpha * sample + (1 - self.alpha) * old
-        self._base[key] = (tokens_total, busy_s_total)
-        return self._rate[key]
-
-    def rate(self, key: str) -> float | None:
-        return self._rate.get(key)
-
-    def forget(self, key: str) -> None:
-        """Drop a worker that left (so a new one at the same address starts fresh)."""
-        self._base.pop(key, None)
-        self._rate.pop(key, None)

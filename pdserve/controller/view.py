@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 from pdserve.controller.policy import (DECODE, DRAINING, FAILED, GONE, PREFILL, SERVING,
                                        SWITCHING, WorkerView)
-from pdserve.controller.signals import (DecodePressure, PrefillPressure, RateMeter, Slo,
+from pdserve.core.rates import RateMeter
+from pdserve.controller.signals import (DecodePressure, PrefillPressure, Slo,
                                         attainment, decode_pressure, percentile,
                                         prefill_pressure)
 from pdserve.proto import router_pb2 as rpb

@@ -5,8 +5,8 @@ caller passes `now_s` and the measured prefill rate; no clock, no I/O.
 Owns the decision "take this request now, or refuse it with a retry hint" (invariant 5: past a
 bound the caller gets RESOURCE_EXHAUSTED / HTTP 429, never a queue that grows without limit),
 the router's account of prefill work admitted and not yet done (`queued_tokens`), the TTFT
-prediction over it (`predict_ttft`), and the measured prefill rates it divides by
-(`PrefillRates`). Must not know gRPC or HTTP: `Overloaded` carries the message, the reason
+prediction over it (`predict_ttft`; the measured prefill rates it divides by come from
+`pdserve.core.rates.RateMeter`). Must not know gRPC or HTTP: `Overloaded` carries the message, the reason
 (the metric label) and `retry_after_s`; the adapters (`lifecycle.Door`) map it to their status
 codes and headers.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Overloaded.reason values: the `reason` label of pdserve:requests_rejected_total.
@@ -184,55 +183,3 @@ class Admission:
             self.queued_tokens = max(0.0, self.queued_tokens - max(0, int(own_tokens)))
 
 
-class PrefillRates:
-    """Measured prefill rates (prompt tokens computed per busy second) per worker, from its
-    cumulative `WorkerStats` counters; the controller's `RateMeter` rule (the router does not
-    import the controller).
-
-    Each `observe` compares the totals with the last baseline; a delta is used once it spans at
-    least `min_busy_s` of busy time (a few tokens over a few milliseconds measure timer noise),
-    smoothed with an EWMA (`alpha` = weight of the newest). A total that went down means the
-    worker restarted: it starts over. Keys are the members' addresses (`forget` drops one), so
-    the table is bounded by membership. Stateful but pure: no clock.
-    """
-
-    def __init__(self, alpha: float = 0.3, min_busy_s: float = 0.05) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if not min_busy_s > 0:
-            raise ValueError(f"min_busy_s must be > 0, got {min_busy_s}")
-        self.alpha = alpha
-        self.min_busy_s = min_busy_s
-        self._base: dict[str, tuple[float, float]] = {}
-        self._rate: dict[str, float] = {}
-
-    def observe(self, key: str, tokens_total: float, busy_s_total: float) -> float | None:
-        base = self._base.get(key)
-        if base is None or tokens_total < base[0] or busy_s_total < base[1]:
-            self._base[key] = (tokens_total, busy_s_total)
-            self._rate.pop(key, None)
-            return None
-        d_tokens, d_busy_s = tokens_total - base[0], busy_s_total - base[1]
-        if d_busy_s < self.min_busy_s:
-            return self._rate.get(key)
-        sample = d_tokens / d_busy_s
-        old = self._rate.get(key)
-        self._rate[key] = sample if old is None else self.alpha * sample + (1 - self.alpha) * old
-        self._base[key] = (tokens_total, busy_s_total)
-        return self._rate[key]
-
-    def rate(self, key: str) -> float | None:
-        return self._rate.get(key)
-
-    def forget(self, key: str) -> None:
-        self._base.pop(key, None)
-        self._rate.pop(key, None)
-
-    def pool_rate(self, keys: Iterable[str]) -> float | None:
-        """The pool's throughput: its workers' rates summed, a worker not measured yet counted
-        at the mean of those measured; None when none is."""
-        keys = list(keys)
-        measured = [r for r in (self._rate.get(k) for k in keys) if r]
-        if not measured:
-            return None
-        return sum(measured) / len(measured) * len(keys)

@@ -29,7 +29,7 @@ from pdserve import rpc
 from pdserve.engine.block_pool import prompt_block_hashes
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
-from pdserve.router.admission import PrefillRates
+from pdserve.core.rates import RateMeter
 from pdserve.router.kv_feed import KvFeeds
 from pdserve.router.membership import (
     DECODE, GONE, PREFILL, Health, Member, Membership, UnknownMemberError, reports_draining,
@@ -59,7 +59,7 @@ class WorkerSet:
                  forget_after_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.membership = Membership(max_missed, forget_after_s)
-        self.rates = PrefillRates()
+        self.rates = RateMeter()  # measured prefill rates per member
         self.policies = {PREFILL: prefill_policy, DECODE: decode_policy}
         self.block_size_tokens = block_size_tokens
         self.feeds = feeds

@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from pdserve.controller.signals import (RateMeter, Slo, attainment, decode_pressure, percentile,
+from pdserve.core.rates import RateMeter
+from pdserve.controller.signals import (Slo, attainment, decode_pressure, percentile,
                                         prefill_pressure)
 
 SLO = Slo(ttft_s=2.0, itl_s=0.2, ttft_share=0.5)  # the prefill queue may take 1.0 s

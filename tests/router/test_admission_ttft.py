@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.config import ConfigError
+from pdserve.core.rates import RateMeter
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.router.admission import (
-    IN_FLIGHT, PREDICTED_TTFT, Admission, AdmissionConfig, Overloaded, PrefillRates, predict_ttft,
+    IN_FLIGHT, PREDICTED_TTFT, Admission, AdmissionConfig, Overloaded, predict_ttft,
 )
 from pdserve.router.config import MIN_SPARE_THREADS, RouterConfig
 from pdserve.router.lifecycle import shutdown_plan
@@ -107,7 +108,7 @@ def test_the_queue_is_exactly_the_work_admitted_and_not_done(limit, rate, ops):
 # ---- measured prefill rates ---------------------------------------------------------------------
 
 def test_rates_come_from_counter_deltas_and_restarts_start_over():
-    r = PrefillRates(alpha=0.5, min_busy_s=0.1)
+    r = RateMeter(alpha=0.5, min_busy_s=0.1)
     assert r.observe("a", 100, 1.0) is None  # the baseline
     assert r.observe("a", 150, 1.05) is None  # 50 ms of busy time is timer noise
     assert r.observe("a", 1100, 2.0) == pytest.approx(1000.0)
