@@ -28,7 +28,7 @@ root=$(cd "$here/../.." && pwd)
 variant=cpu tag="" suite=bookworm mirror=http://deb.debian.org/debian ca_dir="" no_ca=0
 wheels_dir="" rebuild_base=0
 die() { echo "build.sh: $*" >&2; exit 2; }
-need_value() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"; }
+need_value() { if [ $# -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --variant) need_value "$@"; variant=$2; shift 2 ;;
@@ -110,6 +110,7 @@ else
   hooks=()
   if [ -n "$ca_dir" ]; then
     mkdir "$work/ca" && cp "$ca_dir"/*.crt "$work/ca/"
+    # shellcheck disable=SC2016  # $1 is mmdebstrap's: the chroot directory
     hooks=(--customize-hook="cp $work/ca/*.crt \"\$1/usr/local/share/ca-certificates/\""
            --customize-hook='chroot "$1" update-ca-certificates')
   fi
@@ -143,6 +144,7 @@ if [ "$variant" = cpu ]; then
   fi
   found=""
   for d in $wheels_dir; do
+    # shellcheck disable=SC2231  # $py may be a glob (cp3*)
     for w in "$d"/torch-"$torch_version"+cpu-$py-*linux*x86_64.whl; do
       [ -f "$w" ] && { found=$w; break 2; }
     done

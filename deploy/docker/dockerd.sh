@@ -30,22 +30,25 @@ running_pid() {
   [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"
 }
 unmount_left() {
-  # The daemon bind-mounts a netns file under its exec root; it stays when the daemon dies hard.
+  # The daemon bind-mounts a netns file at DIR/exec/netns/default, and a container's layers
+  # under DIR; both stay mounted when the daemon dies hard. Deepest first.
   local m
-  for m in "$dir/exec/netns/default"; do
-    if mountpoint -q "$m" 2>/dev/null; then
-      echo "dockerd.sh: umount $m"
-      umount "$m" || umount -l "$m"
-    fi
+  awk -v d="$dir/" 'index($2, d) == 1 { print $2 }' /proc/mounts | sort -r | while read -r m; do
+    echo "dockerd.sh: umount $m"
+    umount "$m" || umount -l "$m"
   done
 }
 
 case "$cmd" in
   start)
-    if running_pid >/dev/null && answers; then
-      echo "dockerd.sh: a daemon already answers on $sock (pid $(cat "$pidfile"))"
-      echo "export DOCKER_HOST=$DOCKER_HOST"
-      exit 0
+    if pid=$(running_pid); then
+      if answers; then
+        echo "dockerd.sh: a daemon already answers on $sock (pid $pid)"
+        echo "export DOCKER_HOST=$DOCKER_HOST"
+        exit 0
+      fi
+      echo "dockerd.sh: dockerd (pid $pid) runs for $dir but does not answer; stop it first" >&2
+      exit 1
     fi
     [ "$(id -u)" = 0 ] || { echo "dockerd.sh: needs root to start dockerd" >&2; exit 1; }
     command -v dockerd >/dev/null || {

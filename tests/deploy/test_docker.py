@@ -151,13 +151,18 @@ def docker_client():
                     f"and the dockerd binary (euid {os.geteuid()}, dockerd "
                     f"{shutil.which('dockerd') or 'missing'}; apt-get install docker.io)")
     state = os.environ.get("PDSERVE_DOCKER_DIR", "/var/tmp/pdserve-dockerd")
-    subprocess.run(["bash", str(DOCKER_DIR / "dockerd.sh"), "start", state], check=True)
+    dockerd = ["bash", str(DOCKER_DIR / "dockerd.sh")]
+    # A daemon already answering there is someone else's to stop.
+    ours = subprocess.run([*dockerd, "status", state], capture_output=True).returncode != 0
+    if ours:
+        subprocess.run([*dockerd, "start", state], check=True)
     os.environ["DOCKER_HOST"] = f"unix://{state}/docker.sock"
     try:
         yield docker.from_env()
     finally:
         del os.environ["DOCKER_HOST"]
-        subprocess.run(["bash", str(DOCKER_DIR / "dockerd.sh"), "stop", state], check=False)
+        if ours:
+            subprocess.run([*dockerd, "stop", state], check=False)
 
 
 def _version() -> str:
