@@ -82,16 +82,19 @@ echo "build.sh: image $tag (variant $variant, pdserve $version, torch $torch_ver
      "daemon $(docker version --format '{{.Server.Version}}') at ${DOCKER_HOST:-the default socket}"
 
 # --- the base image: Debian minbase + CA certificates, from the package repositories ---------
-extra_suites=""
+sources=("deb $mirror $suite main")
 case "$suite" in
-  sid|unstable|experimental) ;;
-  *) extra_suites="deb ${mirror%/debian}/debian-security $suite-security main|deb $mirror $suite-updates main" ;;
+  sid|unstable|experimental) ;;  # no security or updates suites
+  *) sources+=("deb ${mirror%/debian}/debian-security $suite-security main"
+               "deb $mirror $suite-updates main") ;;
 esac
 # Leave docs, man pages and translations out of every package (the image's too).
-dpkg_opts=(--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
+dpkg_opts=(--dpkgopt='path-exclude=/usr/share/doc/*'
+           --dpkgopt='path-include=/usr/share/doc/*/copyright'
            --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*'
-           --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-include=/usr/share/locale/locale.alias')
-recipe="minbase ca-certificates $suite $mirror $extra_suites ${dpkg_opts[*]}"
+           --dpkgopt='path-exclude=/usr/share/locale/*'
+           --dpkgopt='path-include=/usr/share/locale/locale.alias')
+recipe="minbase ca-certificates $suite ${sources[*]} ${dpkg_opts[*]}"
 if [ -n "$ca_dir" ]; then
   base_hash=$( { echo "$recipe"; cat "$ca_dir"/*.crt; } | sha256sum | cut -c1-12)
 else
@@ -101,7 +104,8 @@ base="pdserve-base:$suite-$base_hash"
 if [ "$rebuild_base" = 0 ] && docker image inspect "$base" >/dev/null 2>&1; then
   echo "build.sh: reusing base image $base"
 else
-  command -v mmdebstrap >/dev/null || die "no mmdebstrap to make the base (apt-get install mmdebstrap)"
+  command -v mmdebstrap >/dev/null ||
+    die "no mmdebstrap to make the base (apt-get install mmdebstrap)"
   echo "build.sh: making base image $base from $mirror ($suite)" \
        "${ca_dir:+with the CA certificates of $ca_dir}"
   t0=$(now)
@@ -113,11 +117,6 @@ else
     # shellcheck disable=SC2016  # $1 is mmdebstrap's: the chroot directory
     hooks=(--customize-hook="cp $work/ca/*.crt \"\$1/usr/local/share/ca-certificates/\""
            --customize-hook='chroot "$1" update-ca-certificates')
-  fi
-  sources=("deb $mirror $suite main")
-  if [ -n "$extra_suites" ]; then
-    IFS='|' read -r -a more <<<"$extra_suites"
-    sources+=("${more[@]}")
   fi
   # To a file first: a failed bootstrap must not leave a truncated image behind.
   run mmdebstrap --variant=minbase --include=ca-certificates "${dpkg_opts[@]}" "${hooks[@]}" \
@@ -139,7 +138,10 @@ echo "Local wheels for the image build (deploy/docker/build.sh fills this; not i
 if [ "$variant" = cpu ]; then
   case "$suite" in bookworm) py=cp311 ;; trixie) py=cp313 ;; *) py="cp3*" ;; esac
   if [ -z "$wheels_dir" ]; then
-    wheels_dir=$(python3 -m pip config list 2>/dev/null | sed -n "s/^[a-z:.]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sed 's#^file://##' | tr '\n' ' ')
+    # pip's find-links (global, user, site or environment): space-separated paths or file: URLs.
+    wheels_dir=$(python3 -m pip config list 2>/dev/null |
+      sed -n "s/^[a-z:.]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sed 's#^file://##' |
+      tr '\n' ' ')
     wheels_dir="$wheels_dir ${PIP_FIND_LINKS:-}"
   fi
   found=""
@@ -153,14 +155,16 @@ if [ "$variant" = cpu ]; then
     echo "build.sh: using the local CPU torch wheel $found"
     ln -f "$found" "$wheelhouse/" 2>/dev/null || run cp "$found" "$wheelhouse/"
   else
-    echo "build.sh: no local torch-$torch_version+cpu $py wheel (looked in:${wheels_dir:- nothing});" \
+    echo "build.sh: no local torch-$torch_version+cpu $py wheel" \
+         "(looked in:${wheels_dir:- nothing});" \
          "the build downloads it from the PyTorch CPU index"
   fi
 fi
 
 # --- the image ------------------------------------------------------------------------------
 revision=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
-if [ "$revision" != unknown ] && [ -n "$(git -C "$root" status --porcelain -- pdserve pyproject.toml deploy/docker 2>/dev/null)" ]; then
+changed=$(git -C "$root" status --porcelain -- pdserve pyproject.toml deploy/docker 2>/dev/null || true)
+if [ "$revision" != unknown ] && [ -n "$changed" ]; then
   revision="$revision-dirty"
 fi
 t0=$(now)

@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -134,7 +135,7 @@ def _answers(client) -> bool:
 
 @pytest.fixture(scope="module")
 def docker_client():
-    docker = pytest.importorskip("docker", reason="the docker SDK (pip install docker) is needed")
+    import docker  # the test extra has it
     if os.environ.get("DOCKER_HOST"):
         client = docker.from_env()
         if not _answers(client):
@@ -172,23 +173,19 @@ def _version() -> str:
         return tomllib.load(f)["project"]["version"]
 
 
-def _free_ports(n: int, consecutive: int) -> tuple[list[int], int]:
-    """`n` free loopback ports and the first of `consecutive` free ones (the workers' base)."""
-    import socket
-
-    ports = {free_port() for _ in range(n * 4)}
-    for base in sorted(ports):
-        if all(p not in ports for p in range(base + 1, base + consecutive)):
-            try:
-                for p in range(base, base + consecutive):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-            others = [p for p in ports if not base <= p < base + consecutive][:n]
-            if len(others) == n:
-                return others, base
-    raise RuntimeError("could not find free ports")
+def _worker_base_port(taken: set[int]) -> int:
+    """A free loopback port whose next one is free too (two workers listen on base, base+1)."""
+    for _ in range(100):
+        base = free_port()
+        if {base, base + 1} & taken:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no two consecutive free loopback ports found")
 
 
 def _generate(address: str, token_ids: list[int]) -> tuple[list[int], str]:
@@ -264,7 +261,8 @@ def test_image_serves_engine_tokens_reports_health_and_stops_on_sigterm(docker_c
     summary = [line for line in built.stdout.splitlines() if line.startswith("build.sh:")]
     with capsys.disabled():
         print("\n" + "\n".join(summary))
-    assert built.returncode == 0, f"build.sh failed:\n{built.stdout[-4000:]}\n{built.stderr[-4000:]}"
+    assert built.returncode == 0, \
+        f"build.sh failed:\n{built.stdout[-4000:]}\n{built.stderr[-4000:]}"
 
     image = docker_client.images.get(tag)
     config = image.attrs["Config"]
@@ -278,7 +276,11 @@ def test_image_serves_engine_tokens_reports_health_and_stops_on_sigterm(docker_c
     prompt_ids = tok.encode("The three primary colors are", add_special_tokens=False)
     expected = _engine_tokens(prompt_ids)
 
-    (port, http_port, store_port, controller_port), worker_base = _free_ports(4, 2)
+    ports: set[int] = set()
+    while len(ports) < 4:
+        ports.add(free_port())
+    worker_base = _worker_base_port(ports)
+    port, http_port, store_port, controller_port = sorted(ports)
     router = f"127.0.0.1:{port}"
     container = docker_client.containers.run(
         tag, name=f"pdserve-test-{uuid.uuid4().hex[:8]}", detach=True, init=True,
@@ -291,7 +293,8 @@ def test_image_serves_engine_tokens_reports_health_and_stops_on_sigterm(docker_c
         uid = container.exec_run(["id", "-u"]).output.decode().strip()
         assert uid != "0" and uid.isdigit(), uid
         probe = container.exec_run(["/bin/sh", "-c", "command -v sed pdserve python && python -c "
-                                    "'import pdserve.engine.loader as l; print(l.default_model_path())'"])
+                                    "'import pdserve.engine.loader as l; "
+                                    "print(l.default_model_path())'"])
         assert probe.exit_code == 0, probe.output.decode(errors="replace")
 
         _wait_healthy_router(container, router, timeout_s=420)
