@@ -12,6 +12,7 @@ user's client would not (the clients resend only on UNAVAILABLE, see `chaos_clie
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -92,23 +93,42 @@ def pick_victim(cluster, fault: str) -> str:
 
 
 def _healthy(cluster, name: str) -> bool:
-    """The child `name` runs and answers: gRPC health SERVING, or for a storage node, the
-    master counts it alive."""
+    """The child `name` runs and answers: gRPC health SERVING, or for a storage node (no gRPC
+    server), its ready line: printed by this process once the master took its registration."""
     c = _child(cluster, name)
     if c.proc.poll() is not None:
         return False
+    if not c.address:
+        try:
+            with open(c.log_path, errors="replace") as f:
+                return f'"event": "ready", "pid": {c.proc.pid},' in f.read()
+        except OSError:
+            return False
     try:
-        if c.address:
-            rpc.wait_healthy(c.address, timeout_s=1.0)
-            return True
-        from pdserve.proto import kvmaster_pb2 as pb
-        from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
-
-        with rpc.make_channel(cluster.store_address) as ch:
-            return pb_grpc.KVMasterStub(ch).Stats(pb.MasterStatsRequest(),
-                                                  timeout=2).nodes_alive >= 1
-    except Exception:  # noqa: BLE001 - not up yet: the caller polls
+        rpc.wait_healthy(c.address, timeout_s=1.0)
+        return True
+    except TimeoutError:
         return False
+
+
+class _HealWatch(threading.Thread):
+    """From the kill on: the seconds until the supervisor restarted the victim and the
+    replacement is healthy (`heal_s`, None until then or past the timeout)."""
+
+    def __init__(self, cluster, name: str, kind: str, restarts_before: int, killed_at: float,
+                 timeout_s: float) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.name, self.kind = cluster, name, kind
+        self.restarts_before, self.killed_at, self.timeout_s = restarts_before, killed_at, timeout_s
+        self.heal_s: float | None = None
+
+    def run(self) -> None:
+        while time.monotonic() < self.killed_at + self.timeout_s:
+            if (self.cluster.restarts.get(self.kind, 0) > self.restarts_before
+                    and _healthy(self.cluster, self.name)):
+                self.heal_s = time.monotonic() - self.killed_at
+                return
+            time.sleep(0.05)
 
 
 def run_fault(cluster, fault: str, specs: list[RequestSpec], ref: list[list[int]], *,
@@ -141,15 +161,12 @@ def run_fault(cluster, fault: str, specs: list[RequestSpec], ref: list[list[int]
             time.sleep(0.02)
         if killed_at is None:
             raise RuntimeError("every request ended before the kill: make them longer")
+        watch = _HealWatch(cluster, victim, kind, restarts_before, killed_at, heal_timeout_s)
+        watch.start()
         for c in clients:
             c.join(timeout=max(1.0, deadline - time.monotonic()))
-        heal_s = None
-        heal_deadline = killed_at + heal_timeout_s
-        while time.monotonic() < heal_deadline:
-            if cluster.restarts.get(kind, 0) > restarts_before and _healthy(cluster, victim):
-                heal_s = time.monotonic() - killed_at
-                break
-            time.sleep(0.1)
+        watch.join()
+        heal_s = watch.heal_s
     finally:
         probe.stop()
     correct = sum(1 for c, r in zip(clients, ref) if c.error is None and c.ids == r)
