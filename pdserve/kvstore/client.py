@@ -183,11 +183,11 @@ class KVStoreClient:
 
     def __init__(self, address: str, timeout_s: float = 30.0,
                  retry: StoreRetryPolicy | None = None) -> None:
-        """`timeout_s` bounds one attempt; `retry` (default: a 3 s budget) the retries of
-        transient failures of one operation."""
+        """`timeout_s` bounds one attempt; `retry` (default: a budget of `timeout_s`) the
+        retries of transient failures of one operation."""
         self.address = address
         self._timeout_s = timeout_s
-        self.retry = retry or StoreRetryPolicy()
+        self.retry = retry or StoreRetryPolicy(budget_s=timeout_s, attempt_timeout_s=timeout_s)
         self.store_down = False  # an operation found no store; the next ones fail fast
         self._channel = make_store_channel(address)
         self._stub = pb_grpc.KVStoreStub(self._channel)

@@ -79,7 +79,8 @@ class DistStoreClient:
                  sleep: Callable[[float], None] = time.sleep) -> None:
         """`ucx`: use UCX to nodes on other hosts that serve it (None: where `ucxx` is installed;
         False: never, TCP instead). `retry`: how one master call is retried (default: within
-        3 s per operation, each attempt at most `timeout_s`). `cluster_id`: the cluster this
+        `timeout_s` per operation; a worker passes its own short budget, so that it recomputes
+        rather than waits). `cluster_id`: the cluster this
         client belongs to ("": any)."""
         if isinstance(master_addresses, str):
             master_addresses = master_addresses.split(",")
@@ -88,7 +89,7 @@ class DistStoreClient:
             raise ValueError("master_addresses: need at least one host:port")
         self.host_id = host_id or socket.gethostname()
         self.timeout_s = timeout_s
-        self.retry = retry or StoreRetryPolicy(attempt_timeout_s=timeout_s)
+        self.retry = retry or StoreRetryPolicy(budget_s=timeout_s, attempt_timeout_s=timeout_s)
         self.cluster_id = check_cluster_id(cluster_id)
         self._metadata = call_metadata(self.cluster_id)
         self._clock, self._sleep = clock, sleep
