@@ -149,6 +149,8 @@ def test_serve_on_two_ray_nodes_survives_kills_and_comes_down_clean(
     assert sorted(stores.values()) == sorted([prefill["node_id"], decode["node_id"]])
     assert len({members[m]["node_id"] for m in ("master", "router", "controller")}) == 1
     assert all(s["state"] == "running" and s["restarts"] == 0 for s in members.values())
+    assert {m: s["health"] for m, s in members.items() if s["kind"] != "node"} == dict.fromkeys(
+        ("master", "router", "controller", "prefill-0", "decode-1"), "SERVING")
 
     # Same tokens as one process; the decode worker read the prompt's KV from the store.
     ids, *_ = generate(ready["router"], token_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -52,11 +52,11 @@ def test_expected_members_come_from_the_placement_groups():
     members = plan.expected_members("c1", groups)
     assert members == ["router", "controller", "decode-1", "prefill-0",
                        plan.store_member(NODE_A), plan.store_member(NODE_B), "master"]
-    live = {"router": {"state": "running", "pid": 7, "restarts": 0, "address": "h:1",
-                       "node_id": NODE_A},
+    live = {"router": {"state": "running", "health": "SERVING", "pid": 7, "restarts": 0,
+                       "address": "h:1", "node_id": NODE_A},
             "decode-1": {"state": "restarting", "exit_code": -9, "restarts": 2}}
     rows = {r[0]: r for r in plan.status_rows(members, live)}
-    assert rows["router"][2:] == ("running", "7", "0", "h:1", NODE_A[:12])
+    assert rows["router"][2:] == ("running", "SERVING", "7", "0", "h:1", NODE_A[:12])
     assert rows["decode-1"][2] == "restarting (exit -9)"
     assert rows["prefill-0"][2] == "actor dead"
 

@@ -130,12 +130,32 @@ class ProcessHost:
     def status(self) -> dict:
         with self._lock:
             proc = self.proc
-            return {"member": self.member, "kind": self.kind, "state": self.state,
-                    "pid": proc.pid if proc is not None and self.state == "running" else None,
-                    "exit_code": self.exit_code, "restarts": self.restarts,
-                    "reason": self.reason, "address": self.address, "node_id": self.node_id,
-                    "ip": self.ip, "log": self.log_path, "gpu_ids": self.gpu_ids,
-                    "actor_pid": os.getpid()}
+            out = {"member": self.member, "kind": self.kind, "state": self.state,
+                   "pid": proc.pid if proc is not None and self.state == "running" else None,
+                   "exit_code": self.exit_code, "restarts": self.restarts,
+                   "reason": self.reason, "address": self.address, "node_id": self.node_id,
+                   "ip": self.ip, "log": self.log_path, "gpu_ids": self.gpu_ids,
+                   "actor_pid": os.getpid()}
+        out["health"] = self._health() if out["state"] == "running" else ""
+        return out
+
+    def _health(self) -> str:
+        """Its gRPC health now (SERVING, NOT_SERVING, or no answer); a storage node, which
+        serves no gRPC: whether it printed its ready line."""
+        if not self.address:
+            return "ready" if self._log_has('"event": "ready"') else "starting"
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from pdserve import rpc
+
+        with rpc.make_channel(self.address) as ch:
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=1.0)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+            except grpc.RpcError as e:
+                return f"no answer ({e.code().name})"
 
     def stop(self, timeout_s: float = 10.0) -> dict:
         """SIGTERM to the process group, SIGKILL after `timeout_s`; never restarted after."""

@@ -236,23 +236,25 @@ def expected_members(cluster_id: str, groups: Sequence[GroupInfo]) -> list[str]:
     return sorted(out, key=lambda m: (STOP_ORDER.index(kind_of(m)), m))
 
 
-STATUS_COLUMNS = ("member", "kind", "state", "pid", "restarts", "address", "ray node")
+STATUS_COLUMNS = ("member", "kind", "state", "health", "pid", "restarts", "address", "ray node")
 
 
 def status_rows(members: Sequence[str], live: Mapping[str, Mapping]) -> list[tuple[str, ...]]:
     """One row per member, expected or live: an expected member without a live actor is
-    `actor dead`; a live one shows its process's state (running, restarting, exited, gave up)."""
+    `actor dead`; a live one shows its process's state (running, restarting, exited, gave up)
+    and health."""
     names = list(members) + sorted(m for m in live if m not in members)
     rows = []
     for m in names:
         st = live.get(m)
         if st is None:
-            rows.append((m, kind_of(m), "actor dead", "-", "-", "-", "-"))
+            rows.append((m, kind_of(m), "actor dead", "-", "-", "-", "-", "-"))
             continue
         state = st.get("state", "?")
         if st.get("exit_code") is not None and state != "running":
             state += f" (exit {st['exit_code']})"
-        rows.append((m, kind_of(m), state, str(st.get("pid") or "-"), str(st.get("restarts", 0)),
+        rows.append((m, kind_of(m), state, st.get("health") or "-", str(st.get("pid") or "-"),
+                     str(st.get("restarts", 0)),
                      st.get("address") or "-", (st.get("node_id") or "")[:12] or "-"))
     return rows
 
