@@ -14,7 +14,8 @@ drives it:
   its processes gone), serves the same tokens; `pdserve ray down` then leaves no process with
   the cluster's name in its command line, no actor, no placement group and no segment file,
   and the foreground `serve` notices and exits 0.
-- With no Ray cluster at the address, serve says so and how to start one, and starts nothing.
+- With no Ray cluster at the address, serve says so and how to start one, and starts nothing;
+  with a resource no node has, it names the worker and the resource and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -228,3 +229,18 @@ def test_no_ray_cluster_is_reported_with_how_to_start_one(tiny_llama_dir):
     assert r.returncode == 1
     assert "no Ray cluster reachable" in r.stderr and "ray start --head" in r.stderr, r.stderr
     assert "pdserve ready" not in r.stdout
+
+
+def test_resources_no_node_has_are_reported_and_nothing_is_left(ray_cluster, tiny_llama_dir):
+    name = "t" + uuid.uuid4().hex[:8]
+    args = serve_args(ray_cluster, tiny_llama_dir, name)
+    args[args.index("--ray-decode-resources") + 1] = '{"no_such_node": 1}'
+    args[args.index("--ready-timeout-s") + 1] = "5"
+    r = cli(ray_cluster, *args, "--detach", timeout_s=120)
+    assert r.returncode == 1
+    assert "placement groups not placed within 5s: decode-1" in r.stderr, r.stderr
+    assert "no_such_node" in r.stderr
+    assert [g for g in ray.util.placement_group_table().values()
+            if g["name"].startswith(f"pdserve-{name}-") and g["state"] != "REMOVED"] == []
+    assert [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"pdserve-{name}-")] == []

@@ -58,13 +58,12 @@ class ProcessHost:
         self.address = ""
         self.log_path = ""
         self.proc: subprocess.Popen | None = None
-        self.state = "new"  # new, running, restarting, exited, gave up, stopped
+        self.state = "new"  # new, starting, running, restarting, exited, gave up, stopped
         self.exit_code: int | None = None
         self.restarts = 0
         self.reason = ""
         self._runs: deque[Run] = deque(maxlen=(policy or RestartPolicy()).history_len())
         self._started_s = 0.0
-        self._due_s = 0.0
         self._lock = threading.Lock()
         self._jobs: queue.Queue[Future] = queue.Queue(maxsize=4)
         self._thread = threading.Thread(target=self._run, name="pdserve-process", daemon=True)
@@ -87,6 +86,7 @@ class ProcessHost:
         with self._lock:
             if self.state != "new":
                 raise RuntimeError(f"{self.member} was started already ({self.state})")
+            self.state = "starting"
             self.argv = [sys.executable, *cluster_marker(self.cluster_id), "-m", "pdserve.cli",
                          *args]
             self.address = address
@@ -221,15 +221,20 @@ class ProcessHost:
             with self._lock:
                 if job is not None:
                     try:
+                        if self.state == "stopped":  # stopped before it ever ran
+                            raise RuntimeError(f"{self.member} was stopped")
                         self._spawn("wb")
                         job.set_result(None)
-                    except BaseException as e:  # the caller raises it
+                    except Exception as e:  # the caller raises it
                         job.set_exception(e)
-                self._supervise(time.monotonic())
+                try:
+                    self._supervise(time.monotonic())
+                except Exception as e:  # a restart that cannot spawn: this thread carries on
+                    self.state, self.reason = "gave up", f"restart failed: {e}"
 
     def _supervise(self, now_s: float) -> None:
         proc = self.proc
-        if proc is None or self.state in ("stopped", "gave up", "new"):
+        if proc is None or self.state in ("stopped", "gave up"):
             return
         if self.state == "running":
             code = proc.poll()

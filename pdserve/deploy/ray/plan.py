@@ -68,7 +68,8 @@ class RaySpec:
 
     def worker_members(self) -> list[tuple[str, str]]:
         """(member, role) of every worker, prefill first, numbered as the local launcher."""
-        roles = ["prefill"] * self.cluster.prefill_workers + ["decode"] * self.cluster.decode_workers
+        c = self.cluster
+        roles = ["prefill"] * c.prefill_workers + ["decode"] * c.decode_workers
         return [(f"{role}-{i}", role) for i, role in enumerate(roles)]
 
     def control_members(self) -> tuple[str, ...]:
