@@ -1,4 +1,5 @@
-"""The `pdserve` command: serve the embedded cluster, generate through it, run benchmarks.
+"""The `pdserve` command: serve the embedded cluster (here, or on Ray), generate through it,
+run benchmarks.
 
 Owns argument parsing and what a person sees; the work is in the packages it calls.
 """
@@ -43,6 +44,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve import logctx
     from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
 
+    if args.backend == "ray":  # the same processes as actors on a Ray cluster
+        from pdserve.deploy.ray import cli as ray_cli
+
+        return ray_cli.cmd_serve(args, args.model or _default_model(), _spec_args(args))
     console = Console(stderr=True)
     logctx.configure(logging.INFO)  # supervision's restarts and give-ups go to stderr
     spec = ClusterSpec(model_path=args.model or _default_model(), dtype=args.dtype, host=args.host,
@@ -195,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not restart a process that dies")
     s.add_argument("--ready-timeout-s", type=float, default=300.0)
     s.add_argument("--log-dir", default=None)
+    from pdserve.deploy.ray import cli as ray_cli
+
+    ray_cli.add_serve_flags(s)
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("generate", help="stream a completion from a running cluster")
@@ -251,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.controller import ctl
 
     ctl.add_parser(sub)
+    ray_cli.add_ray_parser(sub)
     from pdserve.engine.spec import train as spec_train
 
     spec_train.add_train_draft_parser(sub)
@@ -265,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.entrypoints import run
 
         return run(argv[0], argv[1:])
+    if argv[:1] == ["ray"]:  # as fast as ctl: Ray is imported by the command, not the parser
+        from pdserve.deploy.ray import cli as ray_cli
+
+        p = argparse.ArgumentParser(prog="pdserve")
+        ray_cli.add_ray_parser(p.add_subparsers(dest="command", required=True))
+        args = p.parse_args(argv)
+        return args.func(args)
     if argv[:1] == ["ctl"]:  # the operator CLI starts fast: no torch, no benchmark modules
         from pdserve.controller import ctl
 

@@ -1,0 +1,188 @@
+"""The Ray side of the `pdserve` command: `serve --backend ray` and `pdserve ray down|status`.
+
+Owns the flags (`--address`, `--cluster`, `--detach`, `--ray-*`), turning them into a `RaySpec`
+(errors name the flag), the ready line (the local launcher's form, plus `backend=ray`), the
+foreground wait (Ctrl-C or SIGTERM tears the cluster down; `--detach` leaves it running for
+`pdserve ray down`), and what `pdserve ray status` prints. Must not import Ray or torch before
+a command runs: `pdserve --help` stays fast where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+DEFAULT_CLUSTER = "default"
+
+
+def add_serve_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--backend", default="local", choices=["local", "ray"],
+                   help="local: child processes of this command; ray: actors on a running Ray "
+                        "cluster (`ray start`), see deploy/ray/README.md")
+    r = s.add_argument_group("--backend ray")
+    r.add_argument("--address", default=None,
+                   help="the Ray cluster (default: $RAY_ADDRESS, else the one on this machine)")
+    r.add_argument("--cluster", default=DEFAULT_CLUSTER,
+                   help="this pdserve cluster's name on Ray (actors pdserve-NAME-*); starting a "
+                        "name again replaces what an earlier run left")
+    r.add_argument("--detach", action="store_true",
+                   help="return once ready and leave the cluster running (`pdserve ray down`)")
+    r.add_argument("--ray-worker-cpus", type=float, default=1.0, help="CPUs per worker bundle")
+    r.add_argument("--ray-worker-gpus", type=float, default=0.0,
+                   help="GPUs per worker bundle (Ray's ids become its CUDA_VISIBLE_DEVICES)")
+    r.add_argument("--ray-prefill-resources", default=None, metavar="JSON",
+                   help='custom Ray resources per prefill worker, e.g. \'{"h100": 1}\'')
+    r.add_argument("--ray-decode-resources", default=None, metavar="JSON",
+                   help="custom Ray resources per decode worker")
+    r.add_argument("--ray-control-cpus", type=float, default=0.5,
+                   help="CPUs for each of the store master, router and controller")
+    r.add_argument("--ray-control-resources", default=None, metavar="JSON",
+                   help="custom Ray resources for each of them (one node: STRICT_PACK)")
+    r.add_argument("--ray-store-dram-bytes", type=int, default=1 << 30,
+                   help="each storage node's shared-memory segment (one per Ray node with "
+                        "workers)")
+    r.add_argument("--ray-dir", default="/tmp/pdserve-ray",
+                   help="on every Ray node: logs, the store journal, pid files")
+
+
+def ray_spec(args: argparse.Namespace, model_path: str, spec_args: dict):
+    from pdserve.controller.cluster_spec import ClusterSpec
+    from pdserve.deploy.ray.plan import RaySpec, parse_resources
+
+    for flag, value, default in (("--host", args.host, "127.0.0.1"),
+                                 ("--http-host", args.http_host, "127.0.0.1"),
+                                 ("--store-port", args.store_port, None),
+                                 ("--worker-base-port", args.worker_base_port, None),
+                                 ("--log-dir", args.log_dir, None)):
+        if value != default:
+            raise ValueError(f"{flag} is not used with --backend ray: processes bind their Ray "
+                             f"node's IP on free ports there, and log under --ray-dir")
+    cluster = ClusterSpec(
+        model_path=model_path, dtype=args.dtype, router_port=args.port,
+        http_port=None if args.no_http else args.http_port,
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        num_blocks=args.num_blocks, ready_timeout_s=args.ready_timeout_s,
+        threads_per_worker=args.threads_per_worker, routing=args.routing,
+        controller=not args.no_controller, controller_port=args.controller_port,
+        controller_mode=args.controller_mode, ttft_slo_ms=args.ttft_slo_ms,
+        itl_slo_ms=args.itl_slo_ms, max_in_flight=args.max_in_flight,
+        api_keys_file=args.api_keys_file, max_predicted_ttft_s=args.max_predicted_ttft_s,
+        shutdown_grace_s=args.shutdown_grace_s, supervise=not args.no_supervise,
+        cluster_id=args.cluster, **spec_args)
+    return RaySpec(
+        cluster, worker_cpus=args.ray_worker_cpus, worker_gpus=args.ray_worker_gpus,
+        prefill_resources=parse_resources("--ray-prefill-resources", args.ray_prefill_resources),
+        decode_resources=parse_resources("--ray-decode-resources", args.ray_decode_resources),
+        control_cpus=args.ray_control_cpus,
+        control_resources=parse_resources("--ray-control-resources", args.ray_control_resources),
+        store_dram_bytes=args.ray_store_dram_bytes, base_dir=args.ray_dir)
+
+
+def cmd_serve(args: argparse.Namespace, model_path: str, spec_args: dict) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    try:
+        spec = ray_spec(args, model_path, spec_args)
+    except ValueError as e:
+        console.print(f"[bold red]pdserve serve --backend ray[/]: {e}", soft_wrap=True)
+        return 2
+    from pdserve.deploy.ray import backend
+
+    stop = threading.Event()
+    try:
+        backend.connect(args.address)
+        if not args.detach:  # after connecting: Ray's driver sets handlers of its own
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: stop.set())
+        with console.status(f"starting cluster {spec.cluster_id} on Ray: store, "
+                            f"{spec.cluster.prefill_workers} prefill and "
+                            f"{spec.cluster.decode_workers} decode workers, router "
+                            f"({spec.cluster.model_path})"):
+            d = backend.up(spec, say=console.print, cancel=stop)
+    except backend.StartCancelled:
+        console.print("pdserve stopped while starting (everything started is gone)")
+        return 0
+    except Exception as e:  # no cluster, a process that failed to start: say which and why
+        console.print(f"[bold red]pdserve failed to start on Ray[/]: {e}", soft_wrap=True)
+        return 1
+    from pdserve.deploy.ray.plan import ready_line
+
+    console.print(f"[bold green]pdserve ready on Ray[/] (cluster {d.cluster_id}): gRPC on "
+                  f"{d.router}" + (f", OpenAI API on http://{d.http}/v1" if d.http else "")
+                  + (f", controller on {d.controller}" if d.controller else "")
+                  + f"; logs under {spec.base_dir}/{d.cluster_id} on each node; "
+                  + (f"`pdserve ray down --cluster {d.cluster_id}` stops it" if args.detach
+                     else "Ctrl-C stops it"))
+    print(ready_line(d.router, d.http, d.controller, d.cluster_id), flush=True)
+    if args.detach:
+        return 0
+    while not stop.wait(5.0):  # a timed wait lets the signal handler run
+        if not any(g.name.endswith("-control") for g in backend.groups(d.cluster_id)):
+            console.print(f"cluster {d.cluster_id} was taken down elsewhere")
+            return 0
+    console.print("pdserve stopping: the router finishes its requests first")
+    backend.down(d.cluster_id, spec.base_dir, grace_s=spec.cluster.shutdown_grace_s)
+    return 0
+
+
+def add_ray_parser(sub) -> argparse.ArgumentParser:
+    r = sub.add_parser("ray", help="pdserve clusters on Ray: status, down")
+    rs = r.add_subparsers(dest="ray_command", required=True)
+    for name, what in (("status", "every process of a cluster: state, pid, restarts, node"),
+                       ("down", "stop a cluster: its processes, actors and placement groups")):
+        p = rs.add_parser(name, help=what)
+        p.add_argument("--cluster", default=None,
+                       help=f"the cluster's name (default: {DEFAULT_CLUSTER}; status without "
+                            f"it lists the clusters)" if name == "status" else
+                            f"the cluster's name (default: {DEFAULT_CLUSTER})")
+        p.add_argument("--address", default=None, help="the Ray cluster (as for serve)")
+        p.add_argument("--ray-dir", default="/tmp/pdserve-ray",
+                       help="where its processes' pid files are on each node")
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="machine-readable")
+        else:
+            p.add_argument("--grace-s", type=float, default=30.0,
+                           help="the router's time to finish requests in flight")
+    r.set_defaults(func=cmd_ray)
+    return r
+
+
+def cmd_ray(args: argparse.Namespace) -> int:
+    from pdserve.deploy.ray import backend
+    from pdserve.deploy.ray.plan import STATUS_COLUMNS
+
+    try:
+        backend.connect(args.address)
+    except backend.NoRayCluster as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.ray_command == "down":
+        name = args.cluster or DEFAULT_CLUSTER
+        found = backend.down(name, args.ray_dir, grace_s=args.grace_s)
+        print(f"cluster {name}: stopped {found['actors']} actors, removed "
+              f"{found['placement_groups']} placement groups, swept "
+              f"{found['stray_processes']} processes whose actor was gone")
+        return 0
+    if args.cluster is None and not args.json:
+        names = backend.clusters()
+        print("pdserve clusters on this Ray cluster: " + (", ".join(names) or "none"))
+        if DEFAULT_CLUSTER not in names:
+            return 0
+    name = args.cluster or DEFAULT_CLUSTER
+    rows, live = backend.status(name)
+    if args.json:
+        print(json.dumps({"cluster": name, "rows": [dict(zip(STATUS_COLUMNS, r)) for r in rows],
+                          "members": live}, indent=1))
+        return 0
+    if not rows:
+        print(f"cluster {name}: nothing on this Ray cluster")
+        return 0
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(STATUS_COLUMNS)]
+    print(f"cluster {name}")
+    for r in [STATUS_COLUMNS, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    return 0

@@ -1,0 +1,267 @@
+"""What a pdserve cluster on Ray is made of, as a pure core: names, bundles, command lines.
+
+Owns the `RaySpec` (the local `ClusterSpec` plus where things go on Ray: each worker's CPU/GPU
+bundle and custom resources per role, the control processes' bundles, the storage nodes' DRAM),
+the naming rule (actor and placement group `pdserve-<cluster>-<member>`, namespace `pdserve`;
+`member_of` reads a name back unambiguously), the command line of every process
+(`pdserve master|node|worker|router|controller ...`, the same flags the local launcher passes,
+bound to the Ray node's IP), which members a cluster is expected to have given its placement
+groups (so a dead actor still shows in a status), and the status table's rows.
+
+Must not import Ray, start anything or read a clock: `backend.py` does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.controller.cluster_spec import ClusterSpec
+
+NAMESPACE = "pdserve"
+CONTROL_PG = "control"  # the placement group of the store master, the router, the controller
+CONTROL_MEMBERS = ("master", "router", "controller")
+STOP_ORDER = ("router", "controller", "worker", "node", "master")  # as the local launcher
+# A member's name: kvnode-<first 12 hex digits of its Ray node id>, prefill-<i>, decode-<i>.
+_MEMBER = re.compile(r"(master|router|controller|control|kvnode-[0-9a-f]{12}|(prefill|decode)-\d+)")
+_RESOURCE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]{0,63}")
+
+
+class RaySpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    cluster: ClusterSpec  # model, worker counts, router/controller/spec flags; cluster_id: the name
+    worker_cpus: float = 1.0  # per worker bundle
+    worker_gpus: float = 0.0  # per worker bundle; Ray's GPU ids become CUDA_VISIBLE_DEVICES
+    prefill_resources: Mapping[str, float] = field(default_factory=dict)  # custom, per worker
+    decode_resources: Mapping[str, float] = field(default_factory=dict)
+    control_cpus: float = 0.5  # per control process (master, router, controller)
+    control_resources: Mapping[str, float] = field(default_factory=dict)  # per control bundle
+    store_dram_bytes: int = 1 << 30  # each storage node's shared-memory DRAM segment
+    base_dir: str = "/tmp/pdserve-ray"  # on every Ray node: logs, journal, pid files
+
+    def __post_init__(self) -> None:
+        if not self.cluster.cluster_id:
+            raise RaySpecError("cluster: a cluster name is required on Ray (--cluster)")
+        if not self.worker_cpus > 0:
+            raise RaySpecError(f"ray_worker_cpus must be > 0, got {self.worker_cpus}")
+        if not self.worker_gpus >= 0:
+            raise RaySpecError(f"ray_worker_gpus must be >= 0, got {self.worker_gpus}")
+        if not self.control_cpus > 0:
+            raise RaySpecError(f"ray_control_cpus must be > 0, got {self.control_cpus}")
+        if self.store_dram_bytes < 1 << 20:
+            raise RaySpecError(f"ray_store_dram_bytes must be >= 1 MiB, got "
+                               f"{self.store_dram_bytes}")
+        if not self.base_dir.startswith("/"):
+            raise RaySpecError(f"ray_dir must be an absolute path, got {self.base_dir!r}")
+        for what in ("prefill_resources", "decode_resources", "control_resources"):
+            check_resources(f"ray_{what}", getattr(self, what))
+
+    @property
+    def cluster_id(self) -> str:
+        return self.cluster.cluster_id
+
+    def worker_members(self) -> list[tuple[str, str]]:
+        """(member, role) of every worker, prefill first, numbered as the local launcher."""
+        c = self.cluster
+        roles = ["prefill"] * c.prefill_workers + ["decode"] * c.decode_workers
+        return [(f"{role}-{i}", role) for i, role in enumerate(roles)]
+
+    def control_members(self) -> tuple[str, ...]:
+        return CONTROL_MEMBERS if self.cluster.controller else CONTROL_MEMBERS[:2]
+
+    def control_bundles(self) -> list[dict[str, float]]:
+        return [{"CPU": self.control_cpus, **self.control_resources}
+                for _ in self.control_members()]
+
+    def worker_bundle(self, role: str) -> dict[str, float]:
+        extra = self.prefill_resources if role == "prefill" else self.decode_resources
+        gpus = {"GPU": self.worker_gpus} if self.worker_gpus else {}
+        return {"CPU": self.worker_cpus, **gpus, **extra}
+
+    def worker_threads(self) -> int:
+        return self.cluster.threads_per_worker or max(1, int(self.worker_cpus))
+
+
+def check_resources(what: str, resources: Mapping[str, float]) -> None:
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not _RESOURCE.fullmatch(name):
+            raise RaySpecError(f"{what}: bad resource name {name!r}")
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise RaySpecError(f"{what}: {name} is set by its own flag, not as a custom resource")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+            raise RaySpecError(f"{what}: {name} must be a number > 0, got {amount!r}")
+
+
+def parse_resources(what: str, text: str | None) -> dict[str, float]:
+    """A JSON object of custom resources (`{"worker_node": 0.1}`); errors name the flag."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RaySpecError(f"{what}: not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise RaySpecError(f"{what}: expected a JSON object of resource: amount, got {text!r}")
+    check_resources(what, value)
+    return {k: float(v) for k, v in value.items()}
+
+
+def prefix(cluster_id: str) -> str:
+    return f"pdserve-{cluster_id}-"
+
+
+def full_name(cluster_id: str, member: str) -> str:
+    """The Ray name of a member's actor (and of a worker's placement group)."""
+    return prefix(cluster_id) + member
+
+
+def member_of(cluster_id: str, name: str) -> str | None:
+    """The member a Ray actor or placement group name stands for in this cluster, else None
+    (another cluster's, even one whose name starts with this one's)."""
+    p = prefix(cluster_id)
+    if not name.startswith(p):
+        return None
+    member = name[len(p):]
+    return member if _MEMBER.fullmatch(member) else None
+
+
+def kind_of(member: str) -> str:
+    if member.startswith("kvnode-"):
+        return "node"
+    if member.startswith(("prefill-", "decode-")):
+        return "worker"
+    return member
+
+
+def store_member(ray_node_id: str) -> str:
+    return f"kvnode-{ray_node_id[:12]}"
+
+
+def store_node_id(cluster_id: str, ray_node_id: str) -> str:
+    """The store's id of the storage node on a Ray node (in its segment files' names)."""
+    return f"{cluster_id}-{ray_node_id[:12]}"
+
+
+def cluster_marker(cluster_id: str) -> list[str]:
+    """Python options that name the cluster in every process's command line (`-X` options are
+    free-form; Python keeps them in sys._xoptions): how a sweep recognises its processes."""
+    return ["-X", f"pdserve_cluster={cluster_id}"]
+
+
+# The command lines, as `pdserve <kind> ...` arguments (the actor runs them with its Python).
+
+def master_args(spec: RaySpec, address: str, journal_dir: str) -> list[str]:
+    return ["master", "--address", address, "--journal-dir", journal_dir,
+            "--cluster-id", spec.cluster_id]
+
+
+def node_args(spec: RaySpec, ray_node_id: str, ip: str, master: str) -> list[str]:
+    # The host id is the Ray node: workers on it use shared memory, the others TCP (two Ray
+    # nodes are two hosts, or two pods that do not share /dev/shm).
+    return ["node", "--node-id", store_node_id(spec.cluster_id, ray_node_id),
+            "--host-id", ray_node_id, "--data-address", f"{ip}:0",
+            "--dram-bytes", str(spec.store_dram_bytes), "--master", master,
+            "--cluster-id", spec.cluster_id]
+
+
+def worker_args(spec: RaySpec, role: str, address: str, ray_node_id: str, store: str,
+                router: str, metrics_port: int) -> list[str]:
+    s = spec.cluster
+    return ["worker", "--role", role, "--model", s.model_path, "--address", address,
+            "--advertise-address", address, "--host-id", ray_node_id, "--store-address", store,
+            "--dtype", s.dtype, "--num-blocks", str(s.num_blocks),
+            "--block-size-tokens", str(s.block_size_tokens),
+            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+            "--threads", str(spec.worker_threads()), "--metrics-port", str(metrics_port),
+            "--register-with", router, "--cluster-id", spec.cluster_id,
+            *(["--progressive-kv", "true"] if s.progressive_kv else []),
+            *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
+               "--num-speculative-tokens", str(s.num_speculative_tokens),
+               "--spec-schedule", str(s.spec_schedule)]
+              if s.spec_method and role == "decode" else [])]
+
+
+def router_args(spec: RaySpec, address: str, http: str | None, store: str) -> list[str]:
+    """Pools start empty: the workers register themselves with their current role, so a
+    restarted router learns the roles as they are now, never as they were at start."""
+    s = spec.cluster
+    http_flags = [] if http is None else ["--http-host", http.rsplit(":", 1)[0],
+                                          "--http-port", http.rsplit(":", 1)[1]]
+    flags = [(f, v) for f, v in (("--max-in-flight", s.max_in_flight),
+                                 ("--api-keys-file", s.api_keys_file),
+                                 ("--max-predicted-ttft-s", s.max_predicted_ttft_s),
+                                 ("--shutdown-grace-s", s.shutdown_grace_s)) if v is not None]
+    return ["router", "--model", s.model_path, "--address", address, "--prefill", "",
+            "--decode", "", "--max-model-len-tokens", str(s.num_blocks * s.block_size_tokens),
+            "--routing", s.routing, "--block-size-tokens", str(s.block_size_tokens),
+            "--store-address", store, *http_flags, *[str(x) for fv in flags for x in fv],
+            *s.router_args]
+
+
+def controller_args(spec: RaySpec, address: str, router: str, audit_log: str,
+                    metrics_port: int) -> list[str]:
+    s = spec.cluster
+    return ["controller", "--router", router, "--address", address, "--mode", s.controller_mode,
+            "--ttft-slo-ms", str(s.ttft_slo_ms), "--itl-slo-ms", str(s.itl_slo_ms),
+            "--audit-log", audit_log, "--metrics-port", str(metrics_port), *s.controller_args]
+
+
+# What a cluster is expected to hold, from its placement groups (they outlive a dead actor).
+
+@dataclass(frozen=True)
+class GroupInfo:
+    name: str  # the placement group's Ray name
+    state: str  # Ray's: PENDING, CREATED, REMOVED, RESCHEDULING
+    bundle_nodes: tuple[str, ...]  # the Ray node id of each bundle ("" while unplaced)
+
+
+def expected_members(cluster_id: str, groups: Sequence[GroupInfo]) -> list[str]:
+    """Members the cluster's live placement groups stand for: the control group's processes,
+    each worker, and one storage node per Ray node hosting a worker; sorted by stop order."""
+    out: set[str] = set()
+    for g in groups:
+        member = member_of(cluster_id, g.name)
+        if member is None or g.state == "REMOVED":
+            continue
+        if member == CONTROL_PG:
+            out.update(CONTROL_MEMBERS[:len(g.bundle_nodes)])
+        else:
+            out.add(member)
+            out.update(store_member(n) for n in g.bundle_nodes if n)
+    return sorted(out, key=lambda m: (STOP_ORDER.index(kind_of(m)), m))
+
+
+STATUS_COLUMNS = ("member", "kind", "state", "health", "pid", "restarts", "address", "ray node")
+
+
+def status_rows(members: Sequence[str], live: Mapping[str, Mapping]) -> list[tuple[str, ...]]:
+    """One row per member, expected or live: an expected member without a live actor is
+    `actor dead`; a live one shows its process's state (running, restarting, exited, gave up)
+    and health."""
+    names = list(members) + sorted(m for m in live if m not in members)
+    rows = []
+    for m in names:
+        st = live.get(m)
+        if st is None:
+            rows.append((m, kind_of(m), "actor dead", "-", "-", "-", "-", "-"))
+            continue
+        state = st.get("state", "?")
+        if st.get("exit_code") is not None and state != "running":
+            state += f" (exit {st['exit_code']})"
+        rows.append((m, kind_of(m), state, st.get("health") or "-", str(st.get("pid") or "-"),
+                     str(st.get("restarts", 0)),
+                     st.get("address") or "-", (st.get("node_id") or "")[:12] or "-"))
+    return rows
+
+
+def ready_line(router: str, http: str | None, controller: str | None, cluster_id: str) -> str:
+    """The line `pdserve serve` prints once the cluster serves (the local launcher's form)."""
+    notes = "".join(f" {k}={v}" for k, v in (("http", http), ("controller", controller),
+                                             ("cluster", cluster_id), ("backend", "ray")) if v)
+    return f"pdserve ready on {router}{notes}"
