@@ -18,6 +18,8 @@
 #   --wheels DIR          where to look for the CPU torch wheel (default: pip's find-links);
 #                         without one the build downloads it from the PyTorch CPU index
 #   --rebuild-base        make the base image again even if it exists
+#   --with-ray            also install pdserve's `ray` extra (Ray for the KubeRay manifest in
+#                         deploy/ray); tags <version>[-cuda]-ray
 # The base is tagged pdserve-base:<suite>-<hash of its recipe and CA certificates> and reused
 # while both stay the same.
 set -euo pipefail
@@ -26,7 +28,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
 variant=cpu tag="" suite=bookworm mirror=http://deb.debian.org/debian ca_dir="" no_ca=0
-wheels_dir="" rebuild_base=0
+wheels_dir="" rebuild_base=0 extras=""
 die() { echo "build.sh: $*" >&2; exit 2; }
 need_value() { if [ $# -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi; }
 while [ $# -gt 0 ]; do
@@ -39,6 +41,7 @@ while [ $# -gt 0 ]; do
     --no-ca) no_ca=1; shift ;;
     --wheels) need_value "$@"; wheels_dir=$2; shift 2 ;;
     --rebuild-base) rebuild_base=1; shift ;;
+    --with-ray) extras=ray; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
@@ -53,6 +56,7 @@ torch_version=$(sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' "$root/pyproject.toml" |
 if [ -z "$tag" ]; then
   tag="pdserve:$version"
   [ "$variant" = cpu ] || tag="$tag-$variant"
+  [ -z "$extras" ] || tag="$tag-$extras"
 fi
 case "$tag" in
   *:latest) die "--tag: name a version, not latest ($tag)" ;;
@@ -171,7 +175,7 @@ t0=$(now)
 # The classic builder: BuildKit needs the buildx plugin, which Debian's docker.io lacks.
 DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0} run docker build --network host \
   -f "$here/Dockerfile" \
-  --build-arg BASE_IMAGE="$base" --build-arg VARIANT="$variant" \
+  --build-arg BASE_IMAGE="$base" --build-arg VARIANT="$variant" --build-arg EXTRAS="$extras" \
   --build-arg TORCH_VERSION="$torch_version" --build-arg VERSION="$version" \
   --build-arg REVISION="$revision" \
   -t "$tag" "$root"

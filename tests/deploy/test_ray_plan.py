@@ -159,7 +159,7 @@ def test_kuberay_manifest_runs_the_cli_on_resources_its_pods_provide():
     for group in [head, *groups]:
         pod = group["template"]["spec"]
         [container] = pod["containers"]
-        assert container["image"] == f"pdserve:{version}"
+        assert container["image"] == f"pdserve:{version}-ray"  # build.sh --with-ray
         assert container["command"] == ["/bin/bash", "-lc", "--"]
         assert "$KUBERAY_GEN_RAY_START_CMD" in container["args"][0]
         shm = [v["name"] for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
