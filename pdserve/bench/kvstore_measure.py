@@ -64,7 +64,7 @@ def _unique(prefix: str) -> str:
 def _put_retrying(client, key: str, view) -> None:
     """put_from, retried while the node is full: a removed object's bytes come back only when its
     read lease ends (the bench's master uses a short lease)."""
-    from pdserve.kvstore.dist_client import DistStoreError
+    from pdserve.kvstore.dist_client import StoreFull
 
     deadline = time.monotonic() + NOSPACE_RETRY_S
     while True:
@@ -72,8 +72,8 @@ def _put_retrying(client, key: str, view) -> None:
             if not client.put_from(key, view):
                 raise MeasureError(f"put {key}: the key was already stored")
             return
-        except DistStoreError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e) or time.monotonic() > deadline:
+        except StoreFull:
+            if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
 
