@@ -196,7 +196,8 @@ def test_a_failed_hop_is_unavailable_unless_the_request_or_the_queues_are_at_fau
 def test_the_shutdown_plan_ends_requests_before_it_stops_within_the_grace(now, grace):
     p = shutdown_plan(now, grace)
     assert now <= p.requests_until_s <= p.stop_by_s == pytest.approx(now + grace)
-    assert p.stop_by_s - p.requests_until_s == pytest.approx(min(2.0, grace / 4))
+    # Within a nanosecond: two instants near `now` differ by at least its float spacing.
+    assert p.stop_by_s - p.requests_until_s == pytest.approx(min(2.0, grace / 4), abs=1e-9)
     with pytest.raises(ValueError, match="grace_s"):
         shutdown_plan(now, -1.0)
 
