@@ -133,6 +133,22 @@ def alive(pid: int) -> bool:
 def test_serve_on_two_ray_nodes_survives_kills_and_comes_down_clean(
         ray_cluster, tiny_llama_dir, expected_tokens):
     name = "t" + uuid.uuid4().hex[:8]
+    try:
+        serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name)
+    finally:  # a failure above must not leave placement groups that starve the next test
+        cli(ray_cluster, "ray", "down", "--cluster", name)
+
+
+def router_sees_active(router: str, address: str) -> bool:
+    """The router's membership has `address` ACTIVE again (its poll or heartbeat came)."""
+    from pdserve.proto import router_pb2 as rpb
+    from tests.e2e.test_membership import members
+
+    m = members(router).get(address)
+    return m is not None and m.state == rpb.MEMBER_STATE_ACTIVE
+
+
+def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name: str) -> None:
     r = cli(ray_cluster, *serve_args(ray_cluster, tiny_llama_dir, name), "--detach",
             timeout_s=300)
     assert r.returncode == 0, r.stderr
@@ -166,6 +182,8 @@ def test_serve_on_two_ray_nodes_survives_kills_and_comes_down_clean(
                          90, "decode-1 restarted")
     assert restarted["pid"] != decode["pid"] and restarted["exit_code"] == -signal.SIGKILL
     rpc.wait_healthy(decode["address"], timeout_s=120)
+    wait_for(lambda: router_sees_active(ready["router"], decode["address"]), 60,
+             "the router to take decode-1 back")
     ids, *_ = generate(ready["router"], token_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert ids == expected_tokens
 
