@@ -171,8 +171,10 @@ def test_ten_times_overload_is_refused_by_admission_alone(tiny_cluster):
 
 
 def test_predicted_ttft_over_the_bound_is_refused_with_a_drain_time_hint(tiny_cluster):
+    # 1 ms: even the tiny model's fastest measured prefill rate cannot clear two 400-token
+    # prompts that fast, so every request that finds another queued is refused, on any host.
     router = start_router(tiny_cluster, "--max-in-flight", "64", "--max-predicted-ttft-s",
-                          "0.05")
+                          "0.001")
     try:
         # Distinct long prompts until the prefill worker's rate is measured.
         deadline = time.monotonic() + 120
