@@ -261,8 +261,8 @@ def run(args) -> int:
         raise SystemExit("--requests must be >= 1 and --max-tokens >= 8")
     model = args.model
     if not model:
-        from pdserve.cli import _default_model
-        model = _default_model()
+        from pdserve.engine.loader import default_model_path
+        model = default_model_path()
     with Progress(transient=True, disable=args.json) as bar:
         task = bar.add_task("fault-free run", total=len(faults))
 

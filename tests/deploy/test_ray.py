@@ -104,7 +104,7 @@ def wait_for(check, timeout_s: float, what: str):
         value = check()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
 
 
