@@ -96,3 +96,13 @@ def stop_process(p: subprocess.Popen, timeout_s: float = 5.0) -> int:
             p.pdserve_final_output = process_output(p)
             p.pdserve_stdout.close()
             p.pdserve_stderr.close()
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    """Whether `predicate()` came true within `timeout_s` (polled every 10 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

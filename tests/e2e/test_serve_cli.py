@@ -157,10 +157,11 @@ def test_children_die_with_a_killed_serve(tiny_llama_dir, tmp_path):
         assert rpc.wait_healthy(f"127.0.0.1:{store}", timeout_s=10) is None
         assert rpc.wait_healthy(f"127.0.0.1:{worker_base + 1}", timeout_s=10) is None
         children = psutil.Process(proc.pid).children(recursive=True)
+        names = {c.pid: " ".join(c.cmdline()[:4]) for c in children}
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         gone, alive = psutil.wait_procs(children, timeout=20)
-        assert not alive, f"left behind: {[p.pid for p in alive]}"
+        assert not alive, f"left behind: {[(p.pid, names[p.pid]) for p in alive]}"
     finally:
         if proc.poll() is None:
             proc.kill()

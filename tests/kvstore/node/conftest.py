@@ -14,11 +14,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, wait_until  # noqa: F401 - re-exported to the node tests
 
 MiB = 1 << 20
 
@@ -85,11 +84,3 @@ def stop_node(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float =
         p.test_stderr.close()
         p.stdout.close()
 
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()

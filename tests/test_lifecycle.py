@@ -1,0 +1,78 @@
+"""A child asked to die with its parent (`pdserve.lifecycle`) is gone soon after a kill -9 of
+the parent: by the kernel's SIGTERM and its own handler, or, when that handler never returns,
+by the watchdog's deadline. Real processes; the hung shutdown is a handler that sleeps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from tests.helpers import REPO_ROOT, wait_until
+
+# The child: asks to die with its parent, makes SIGTERM's clean shutdown hang (as a shutdown step
+# waiting on a dead peer would), says it is ready, then idles.
+_CHILD = """
+import os, signal, sys, time
+from pdserve import lifecycle
+lifecycle.ORPHAN_EXIT_S = float(sys.argv[1])
+lifecycle.die_with_parent_if_asked()
+def hang(signum, frame):
+    time.sleep(600)
+signal.signal(signal.SIGTERM, hang)
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
+
+_PARENT = """
+import subprocess, sys, time
+from pdserve.lifecycle import child_env
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE,
+                         env=child_env(), text=True)
+print(child.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie counts as gone
+    except OSError:
+        return False
+
+
+def test_an_orphan_whose_shutdown_hangs_still_exits_after_the_deadline():
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, "2"], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert _alive(pid)
+        killed = time.monotonic()
+        parent.kill()
+        parent.wait()
+        assert wait_until(lambda: not _alive(pid), timeout_s=20), "the orphan outlived its deadline"
+        assert time.monotonic() - killed >= 2.0  # its shutdown had the whole deadline first
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.stdout.close()
+
+
+def test_a_child_whose_parent_lives_is_left_alone():
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, "0.1"], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        time.sleep(1.0)  # ten times the deadline: a watchdog that fired early would have ended it
+        assert _alive(pid)
+        parent.kill()
+        parent.wait()
+        assert wait_until(lambda: not _alive(pid), timeout_s=20)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.stdout.close()
+        if _alive(pid):
+            os.kill(pid, 9)
