@@ -189,11 +189,12 @@ class LocalCluster:
         self.log_dir = s.log_dir or tempfile.mkdtemp(prefix="pdserve-")
         os.makedirs(self.log_dir, exist_ok=True)
         try:
-            # The store: a master (metadata, journaled under the log dir) and one storage
-            # node contributing a shared-memory DRAM segment of store_capacity_bytes.
+            # The store: a master (metadata, journaled under the log dir, one journal per
+            # cluster id so a later `serve` with the same --log-dir starts afresh) and one
+            # storage node contributing a shared-memory DRAM segment of store_capacity_bytes.
             master = self._spawn("kvmaster", "master", self.store_address, [
                 "pdserve.kvstore.master", "--address", self.store_address,
-                "--journal-dir", os.path.join(self.log_dir, "kvmaster-journal"),
+                "--journal-dir", os.path.join(self.log_dir, "kvmaster-journal", s.cluster_id),
                 *self._cluster_id_args()])
             node = self._spawn("kvnode-0", "node", "", [
                 # Unique per cluster: a node removes stale segment files of its own id at start.

@@ -2,7 +2,7 @@
 
 - SIGTERM while a stream is in flight: the stream ends with its full output (the router stops
   first and its requests finish), then every child is gone and the storage node's
-  shared-memory segment is unlinked.
+  shared-memory segment is unlinked; a second `serve` with the same log folder starts.
 - kill -9 of `pdserve serve`: its children die with it.
 - SIGINT while starting: the start is abandoned, every child started so far stopped.
 - Two `pdserve serve` on one host with default internal ports (only the router ports differ)
@@ -140,6 +140,11 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_leaves_nothing(tiny_llama_
         stop_and_check(proc, ready, signal.SIGTERM)
         t.join(timeout=60)
         assert not errors and got == expected  # in flight at SIGTERM, finished in full
+        # The same --log-dir serves again: the store's journal of the cluster before is not
+        # this one's.
+        proc, again = serve(tiny_llama_dir, tmp_path, "--port", str(port()), "--no-http")
+        assert again["cluster"] != ready["cluster"]
+        stop_and_check(proc, again, signal.SIGTERM)
     finally:
         if proc.poll() is None:
             proc.kill()
