@@ -1,7 +1,8 @@
 """The first minute with the `pdserve` command: it starts without torch, and bad input to
 `pdserve serve` is refused at once, in one line naming the flag, before any process starts.
 
-- `import pdserve.cli`, building the whole parser, and `--help` of every light command import
+- `import pdserve.cli`, building the whole parser, `--help` of every light command, and what
+  `pdserve serve` itself runs (its checks, the default model's path, the launcher) import
   neither torch, Ray, transformers nor a benchmark module (a fresh interpreter each).
 - `pdserve serve --model BAD` (missing path, folder without config.json, a file that is not
   .gguf, a .gguf that is not GGUF) exits 2 within a generous 5 s, saying `--model` and the path,
@@ -44,6 +45,18 @@ def test_import_cli_imports_no_torch():
 def test_building_the_whole_parser_imports_no_torch():
     out = _fresh("import pdserve.cli as c; p = c.build_parser(); "
                  "p.parse_args(['serve', '--model', 'm.gguf', '--max-in-flight', '4'])")
+    assert out.returncode == 0, out.stderr
+
+
+def test_serve_checks_its_input_and_imports_its_launcher_without_torch():
+    """The `pdserve serve` process only supervises: the workers load the model, so it never
+    holds torch (about 200 MB of memory)."""
+    out = _fresh("import pdserve.cli as c, pdserve.cli_serve as s\n"
+                 "a = c.build_parser().parse_args(['serve'])\n"
+                 "assert s.input_problem(a) is None\n"
+                 "from pdserve.engine.model_files import default_model_path\n"
+                 "default_model_path()\n"
+                 "import pdserve.controller.launcher")
     assert out.returncode == 0, out.stderr
 
 
