@@ -1,105 +1,79 @@
 """The `pdserve` command: serve the embedded cluster (here, or on Ray), generate through it,
 run benchmarks.
 
-Owns argument parsing and what a person sees; the work is in the packages it calls.
+Owns argument parsing and what a person sees; the work is in the packages it calls. Must not
+import torch, Ray or a benchmark module before a command that needs one runs: `pdserve --help`,
+`generate`, `ctl` and a bad `serve` answer in well under a second. Benchmarks and `train-draft`
+are registered by module name (`BENCHES`, `COMMANDS`) and imported only when they run.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import importlib
 import sys
 import uuid
+from dataclasses import dataclass
 
 
-def _default_model() -> str:
-    from pdserve.engine.loader import default_model_path
+@dataclass(frozen=True)
+class Lazy:
+    """A subcommand whose module is imported only when it runs. The module offers
+    `add_arguments(parser)` and `run(args) -> int`, or, when `adder` is set, a function of that
+    name that adds the subcommand (flags and `func`) to an argparse subparsers object itself."""
 
-    return default_model_path()
-
-
-def _spec_args(args: argparse.Namespace) -> dict:
-    """--spec / --draft as ClusterSpec fields; a drafter's kind comes from its config.json."""
-    if args.draft:
-        from pdserve.engine.spec.draft_model import read_draft_kind
-
-        kind = read_draft_kind(args.draft)
-        if args.spec not in (None, kind):
-            raise SystemExit(f"--spec {args.spec} does not match the drafter at --draft "
-                             f"({kind})")
-        return dict(spec_method=kind, draft_path=os.path.abspath(args.draft),
-                    num_speculative_tokens=args.num_speculative_tokens)
-    if args.spec not in (None, "ngram"):
-        raise SystemExit(f"--spec {args.spec} needs --draft PATH (train one with "
-                         f"`pdserve train-draft --kind {args.spec}`)")
-    return dict(spec_method=args.spec or "", num_speculative_tokens=args.num_speculative_tokens)
+    module: str
+    help: str
+    adder: str = ""
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-    import signal
+BENCHES: dict[str, Lazy] = {
+    "decode": Lazy("pdserve.bench.decode", "engine decode/prefill tokens/s vs transformers"),
+    "kvstore": Lazy("pdserve.bench.kvstore",
+                    "KV store put/get GB/s, batch gets, trace hit rate"),
+    "route": Lazy("pdserve.bench.route", "prefix-cache hit rate and TTFT per routing policy on "
+                                         "the Mooncake trace"),
+    "spec": Lazy("pdserve.bench.spec", "speculative decoding speed-up and exactness per drafter "
+                                       "and batch size", adder="add_spec_bench_parser"),
+    "transfer": Lazy("pdserve.bench.transfer", "progressive KV transfer over a bandwidth-limited "
+                                               "link (time to the 2nd and 10th token per variant)"),
+    "fluid": Lazy("pdserve.bench.fluid", "the controller vs static prefill:decode splits on a "
+                                         "phase-shifting workload (SLO attainment, goodput)"),
+    "chaos": Lazy("pdserve.bench.chaos", "kill -9 each process kind under streaming load: "
+                                         "requests lost or changed, time to heal"),
+    "serve": Lazy("pdserve.bench.serve", "the serving path vs the engine's own decode rate and "
+                                         "vLLM: tokens/s, TTFT, ITL per concurrency"),
+}
+COMMANDS: dict[str, Lazy] = {
+    "train-draft": Lazy("pdserve.engine.spec.train", "train an EAGLE/DFlash/DSpark drafter for a "
+                        "target by self-distillation on ShareGPT prompts",
+                        adder="add_train_draft_parser"),
+}
 
-    from rich.console import Console
 
-    from pdserve import logctx
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
-
-    if args.backend == "ray":  # the same processes as actors on a Ray cluster
-        from pdserve.deploy.ray import cli as ray_cli
-
-        return ray_cli.cmd_serve(args, args.model or _default_model(), _spec_args(args))
-    console = Console(stderr=True)
-    logctx.configure(logging.INFO)  # supervision's restarts and give-ups go to stderr
-    spec = ClusterSpec(model_path=args.model or _default_model(), dtype=args.dtype, host=args.host,
-                       router_port=args.port, store_port=args.store_port,
-                       http_host=args.http_host, http_port=None if args.no_http else args.http_port,
-                       worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,
-                       decode_workers=args.decode_workers, num_blocks=args.num_blocks,
-                       ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
-                       threads_per_worker=args.threads_per_worker, routing=args.routing,
-                       controller=not args.no_controller, controller_port=args.controller_port,
-                       controller_mode=args.controller_mode, ttft_slo_ms=args.ttft_slo_ms,
-                       itl_slo_ms=args.itl_slo_ms, max_in_flight=args.max_in_flight,
-                       api_keys_file=args.api_keys_file,
-                       max_predicted_ttft_s=args.max_predicted_ttft_s,
-                       shutdown_grace_s=args.shutdown_grace_s, supervise=not args.no_supervise,
-                       metrics_port=args.metrics_port, **_spec_args(args))
-    cluster = LocalCluster(spec)
-
-    def on_signal(signum, frame) -> None:
-        cluster.cancel.set()
-
-    # Ctrl-C or SIGTERM, while starting or serving, stops every child in order. The children
-    # run in sessions of their own: a terminal's Ctrl-C reaches only this process.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+def run_lazy(prog: str, name: str, entry: Lazy, argv: list[str]) -> int:
+    """Import `entry`'s module, parse `argv` with its flags, run it; its exit code."""
     try:
-        with console.status(f"starting store, {spec.prefill_workers} prefill and "
-                            f"{spec.decode_workers} decode workers, router ({spec.model_path})"):
-            cluster.start()
-        http = f", OpenAI API on http://{cluster.http_address}/v1" if cluster.http_address else ""
-        ctl = (f", controller on {cluster.controller_address} ({spec.controller_mode}; "
-               f"`pdserve ctl --address {cluster.controller_address} status`)"
-               if cluster.controller_address else "")
-        console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address}{http}"
-                      f"{ctl}, metrics on {cluster.metrics_url} (logs in {cluster.log_dir}); "
-                      f"Ctrl-C stops it")
-        notes = "".join(f" {k}={v}" for k, v in (("http", cluster.http_address),
-                                                 ("metrics", cluster.metrics_url),
-                                                 ("controller", cluster.controller_address),
-                                                 ("cluster", cluster.cluster_id)) if v)
-        print(f"pdserve ready on {cluster.router_address}{notes}", flush=True)
-        while not cluster.cancel.wait(0.5):  # a timed wait lets the signal handler run
-            pass
-        console.print("pdserve stopping: the router finishes its requests first")
-    except StartCancelled:
-        console.print("pdserve stopped while starting")
-    except Exception as e:  # a child failed to start, or a port is taken: say which and why
-        console.print(f"[bold red]pdserve failed to start[/]: {e}", soft_wrap=True)
+        module = importlib.import_module(entry.module)
+    except ModuleNotFoundError as e:
+        if e.name == entry.module:
+            print(f"{prog} {name}: not available in this installation (module {entry.module} "
+                  f"is missing)", file=sys.stderr)
+        else:
+            print(f"{prog} {name}: needs the Python package {e.name!r}, which is not installed "
+                  f"(pip install -e '.[bench]' installs what the benchmarks use)",
+                  file=sys.stderr)
         return 1
-    finally:
-        cluster.stop()
-    return 0
+    p = argparse.ArgumentParser(prog=prog)
+    sub = p.add_subparsers(dest="command", required=True)
+    if entry.adder:
+        getattr(module, entry.adder)(sub)
+    else:
+        c = sub.add_parser(name, help=entry.help, description=entry.help)
+        module.add_arguments(c)
+        c.set_defaults(func=module.run)
+    args = p.parse_args([name, *argv])
+    return args.func(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -138,72 +112,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every command, for parsing and --help. Light: the lazy commands are listed by name (their
+    flags are `pdserve bench NAME --help`), nothing here imports torch, Ray or a benchmark."""
+    from pdserve.cli_serve import add_serve_parser
+    from pdserve.controller import ctl
+    from pdserve.deploy.ray import cli as ray_cli
+    from pdserve.entrypoints import PROCESSES
+
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("serve", help="start the embedded cluster in the foreground")
-    s.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051, help="router gRPC port")
-    s.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP API host")
-    s.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI-compatible HTTP API port (0: a free port, printed when ready)")
-    s.add_argument("--no-http", action="store_true", help="serve gRPC only")
-    s.add_argument("--store-port", type=int, default=None,
-                   help="the store master's port (default: a free port)")
-    s.add_argument("--worker-base-port", type=int, default=None,
-                   help="workers listen on this port and the next ones (default: free ports)")
-    s.add_argument("--prefill-workers", type=int, default=1)
-    s.add_argument("--decode-workers", type=int, default=1)
-    s.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
-    s.add_argument("--routing", default="auto",
-                   choices=["auto", "round_robin", "least_loaded", "power_of_two", "kv_aware"],
-                   help="prefill routing policy (auto: kv_aware with 2+ prefill workers, "
-                        "else round_robin)")
-    s.add_argument("--spec", default=None, choices=["ngram", "eagle", "dflash", "dspark"],
-                   help="speculative decoding on the decode workers (default: off); the "
-                        "trained drafters need --draft")
-    s.add_argument("--draft", default=None, metavar="PATH",
-                   help="a drafter from `pdserve train-draft` (implies --spec of its kind)")
-    s.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="most draft tokens per request per step (gamma)")
-    s.add_argument("--threads-per-worker", type=int, default=None,
-                   help="compute threads per worker (default: this machine's cores split evenly)")
-    s.add_argument("--no-controller", action="store_true",
-                   help="start no controller: roles stay as started")
-    s.add_argument("--controller-port", type=int, default=None,
-                   help="the controller's gRPC port (`pdserve ctl --address`; default: a free "
-                        "port, printed when ready)")
-    s.add_argument("--controller-mode", default="active", choices=["active", "advisory", "off"],
-                   help="active: flips roles and offloads prefill; advisory: only decides, "
-                        "logs and exports; off")
-    s.add_argument("--ttft-slo-ms", type=float, default=2000.0,
-                   help="time-to-first-token SLO the controller steers for")
-    s.add_argument("--itl-slo-ms", type=float, default=200.0,
-                   help="inter-token latency SLO the controller steers for")
-    s.add_argument("--max-in-flight", type=int, default=None,
-                   help="requests the router holds at once; more get RESOURCE_EXHAUSTED / HTTP "
-                        "429 (default: the router's)")
-    s.add_argument("--api-keys-file", default=None,
-                   help="file of 'KEY TENANT' lines the router accepts (default: no auth)")
-    s.add_argument("--max-predicted-ttft-s", type=float, default=None,
-                   help="the router refuses a request whose predicted time to first token is "
-                        "longer (0: off; default: the router's)")
-    s.add_argument("--shutdown-grace-s", type=float, default=30.0,
-                   help="on SIGTERM or Ctrl-C the router stops admitting and gives requests in "
-                        "flight this long to finish before the rest stops (default 30)")
-    s.add_argument("--metrics-port", type=int, default=0,
-                   help="Prometheus /metrics of this launcher: restarts and liveness of its "
-                        "processes (default 0: a free port, printed when ready)")
-    s.add_argument("--no-supervise", action="store_true",
-                   help="do not restart a process that dies")
-    s.add_argument("--ready-timeout-s", type=float, default=300.0)
-    s.add_argument("--log-dir", default=None)
-    from pdserve.deploy.ray import cli as ray_cli
-
-    ray_cli.add_serve_flags(s)
-    s.set_defaults(func=cmd_serve)
+    add_serve_parser(sub)
 
     g = sub.add_parser("generate", help="stream a completion from a running cluster")
     g.add_argument("prompt")
@@ -218,51 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout-s", type=float, default=600.0)
     g.set_defaults(func=cmd_generate)
 
-    from pdserve.entrypoints import PROCESSES
-
     for kind, (_, what) in PROCESSES.items():  # dispatched in main(), listed here for --help
         sub.add_parser(kind, help=f"{what} (one process; flags: pdserve {kind} --help, or "
                                   f"PDSERVE_{kind.upper()}_<FLAG> variables)", add_help=False)
-    b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same run)")
+    b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same run)",
+                       description="benchmarks (ratios against a baseline in the same run); "
+                                   "`pdserve bench NAME --help` for a benchmark's flags")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from pdserve.bench import decode as bench_decode
-    from pdserve.bench import kvstore as bench_kvstore
-    from pdserve.bench import route as bench_route
-
-    d = bsub.add_parser("decode", help="engine decode/prefill tokens/s vs transformers")
-    bench_decode.add_arguments(d)
-    d.set_defaults(func=bench_decode.run)
-    k = bsub.add_parser("kvstore", help="KV store put/get GB/s, batch gets, trace hit rate")
-    bench_kvstore.add_arguments(k).set_defaults(func=bench_kvstore.run)
-    r = bsub.add_parser("route", help="prefix-cache hit rate and TTFT per routing policy on "
-                                      "the Mooncake trace")
-    bench_route.add_arguments(r).set_defaults(func=bench_route.run)
-    from pdserve.bench import spec as bench_spec
-
-    bench_spec.add_spec_bench_parser(bsub)
-    from pdserve.bench import transfer as bench_transfer
-
-    t = bsub.add_parser("transfer", help="progressive KV transfer over a bandwidth-limited link "
-                                         "(time to the 2nd and 10th token per variant)")
-    bench_transfer.add_arguments(t).set_defaults(func=bench_transfer.run)
-
-    from pdserve.bench import fluid as bench_fluid
-
-    f = bsub.add_parser("fluid", help="the controller vs static prefill:decode splits on a "
-                                      "phase-shifting workload (SLO attainment, goodput)")
-    bench_fluid.add_arguments(f).set_defaults(func=bench_fluid.run)
-    from pdserve.bench import chaos as bench_chaos
-
-    c = bsub.add_parser("chaos", help="kill -9 each process kind under streaming load: requests "
-                                      "lost or changed, time to heal")
-    bench_chaos.add_arguments(c).set_defaults(func=bench_chaos.run)
-    from pdserve.controller import ctl
-
+    for name, entry in BENCHES.items():  # dispatched in main(); a bare name runs it too
+        bsub.add_parser(name, help=entry.help, add_help=False).set_defaults(
+            func=lambda args, name=name: run_lazy("pdserve bench", name, BENCHES[name], []))
     ctl.add_parser(sub)
     ray_cli.add_ray_parser(sub)
-    from pdserve.engine.spec import train as spec_train
-
-    spec_train.add_train_draft_parser(sub)
+    for name, entry in COMMANDS.items():
+        sub.add_parser(name, help=entry.help, add_help=False).set_defaults(
+            func=lambda args, name=name: run_lazy("pdserve", name, COMMANDS[name], []))
     return p
 
 
@@ -274,20 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.entrypoints import run
 
         return run(argv[0], argv[1:])
-    if argv[:1] == ["ray"]:  # as fast as ctl: Ray is imported by the command, not the parser
-        from pdserve.deploy.ray import cli as ray_cli
-
-        p = argparse.ArgumentParser(prog="pdserve")
-        ray_cli.add_ray_parser(p.add_subparsers(dest="command", required=True))
-        args = p.parse_args(argv)
-        return args.func(args)
-    if argv[:1] == ["ctl"]:  # the operator CLI starts fast: no torch, no benchmark modules
-        from pdserve.controller import ctl
-
-        p = argparse.ArgumentParser(prog="pdserve")
-        ctl.add_parser(p.add_subparsers(dest="command", required=True))
-        args = p.parse_args(argv)
-        return args.func(args)
+    if argv[:1] and argv[0] in COMMANDS:  # imported only now, with its flags
+        return run_lazy("pdserve", argv[0], COMMANDS[argv[0]], argv[1:])
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHES:
+        return run_lazy("pdserve bench", argv[1], BENCHES[argv[1]], argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -4,10 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+. scripts/python.sh  # the interpreter install.sh installed into (./.venv on a PEP 668 Python)
 PORT=${PDSERVE_PORT:-50051}
 HTTP_PORT=${PDSERVE_HTTP_PORT:-8000}
 log=$(mktemp -t pdserve-serve.XXXXXX)
-pdserve serve --port "$PORT" --http-port "$HTTP_PORT" >"$log" 2>&1 &
+"$PYTHON" -m pdserve.cli serve --port "$PORT" --http-port "$HTTP_PORT" >"$log" 2>&1 &
 serve_pid=$!
 trap 'kill -TERM $serve_pid 2>/dev/null; wait $serve_pid 2>/dev/null' EXIT INT TERM
 echo "starting pdserve (log: $log) ..."
@@ -16,11 +17,15 @@ until grep -q "pdserve ready on" "$log"; do
   sleep 0.5
 done
 echo "ready on 127.0.0.1:$PORT; asking it something:"
-pdserve generate --chat --max-tokens 64 --address "127.0.0.1:$PORT" \
+"$PYTHON" -m pdserve.cli generate --chat --max-tokens 64 --address "127.0.0.1:$PORT" \
   "What are three good reasons to split LLM prefill and decode onto different machines?"
 echo
-echo "Still serving on 127.0.0.1:$PORT: try  pdserve generate --chat \"Hello\"  in another shell,"
+case "$PYTHON" in
+  .venv/*) activate=". .venv/bin/activate && " ;;  # `pdserve` is on PATH once activated
+  *) activate="" ;;
+esac
+echo "Still serving on 127.0.0.1:$PORT: try  ${activate}pdserve generate --chat \"Hello\"  in another shell,"
 echo "or the OpenAI-compatible API:  curl http://127.0.0.1:${HTTP_PORT}/v1/chat/completions \\"
-echo "  -H 'content-type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32}'"
+echo "  -H 'content-type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 32, \"temperature\": 0}'"
 echo "Ctrl-C stops it."
 wait $serve_pid

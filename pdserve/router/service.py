@@ -73,9 +73,9 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self.door = Door(self.admission, workers, self.metrics, self.signals)
 
     def ListModels(self, request, context):
-        return api_pb2.ListModelsResponse(models=[
-            api_pb2.ModelInfo(id=n, max_context_length_tokens=self.max_model_len)
-            for n in self.model_names])
+        # One entry per model, as /v1/models: its aliases are accepted, not listed.
+        return api_pb2.ListModelsResponse(models=[api_pb2.ModelInfo(
+            id=self.model_names[0], max_context_length_tokens=self.max_model_len)])
 
     def _timeout(self, context) -> float:
         remaining = context.time_remaining()

@@ -8,6 +8,8 @@
 - Two `pdserve serve` on one host with default internal ports (only the router ports differ)
   both serve the engine's tokens and stop cleanly (SIGTERM one, SIGINT the other); a third on
   a router port already taken refuses to start, saying so, before starting anything.
+- The admission and key flags reach the processes: the served name is the one /v1/models lists,
+  tenant keys and a tenant's rate are enforced by the router, admin keys by the controller.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import threading
 import time
 import urllib.request
 
+import httpx
 import psutil
 import pytest
 
@@ -240,3 +243,32 @@ def test_a_node_of_another_cluster_is_refused_by_the_master(tiny_llama_dir, tmp_
         out = stray.stdout + stray.stderr
         assert stray.returncode != 0
         assert cluster.cluster_id in out and "othercluster" in out
+
+
+def test_admission_and_key_flags_reach_the_router_and_controller(tiny_llama_dir, tmp_path):
+    (tmp_path / "keys").write_text("sk-test-0001 alice\n")
+    (tmp_path / "admin").write_text("admin-key-0001 ops\n")
+    proc, ready = serve(tiny_llama_dir, tmp_path / "logs", "--port", str(port()), "--http-port",
+                        "0", "--served-model-name", "tiny", "--api-keys-file",
+                        str(tmp_path / "keys"), "--admin-keys-file", str(tmp_path / "admin"),
+                        "--tenant-rate-rps", "0.01", "--tenant-burst", "1")
+    try:
+        with httpx.Client(base_url=f"http://{ready['http']}/v1", timeout=60) as c:
+            assert c.get("/models").status_code == 401
+            key = {"authorization": "Bearer sk-test-0001"}
+            assert [m["id"] for m in c.get("/models", headers=key).json()["data"]] == ["tiny"]
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+            assert c.post("/completions", json=body, headers=key).status_code == 200
+            assert c.post("/completions", json=body, headers=key).status_code == 429  # burst 1
+        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ADMIN_KEY"}
+        status = [sys.executable, "-m", "pdserve.cli", "ctl", "--address", ready["controller"]]
+        refused = subprocess.run([*status, "status"], env=env, capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode != 0 and "admin key" in refused.stdout + refused.stderr
+        ok = subprocess.run([*status, "--admin-key", "admin-key-0001", "status"], env=env,
+                            capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        stop_and_check(proc, ready, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

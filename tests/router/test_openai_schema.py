@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from pdserve.engine.loader import default_model_path
 from pdserve.proto import common_pb2
 from pdserve.router.openai_format import MIN_LOGPROB, Renderer
-from pdserve.router.openai_schema import (OpenAIError, error_from_status, parse_chat,
-                                          parse_completion)
+from pdserve.router.openai_schema import (DEFAULT_TEMPERATURE, OpenAIError, error_from_status,
+                                          parse_chat, parse_completion, with_defaults)
 from tests.helpers import free_port, process_output, start_process, stop_process
 
 USER = [{"role": "user", "content": "hi"}]
@@ -50,6 +50,17 @@ def test_chat_fields_map_to_the_generate_request():
     assert (r.max_tokens, r.temperature, r.seed, r.stop, r.logprobs) == (7, 0.0, -5, ("x",), 4)
     assert r.stream and r.include_usage and r.top_k == 0
     assert r.params["max_tokens"] == "max_completion_tokens"  # errors name what the client sent
+
+
+def test_sampling_left_unset_takes_the_models_defaults_else_openais():
+    model = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    r = with_defaults(parse_chat({"messages": USER}), model)
+    assert (r.temperature, r.top_p, r.top_k) == (0.6, 0.95, 20)
+    r = with_defaults(parse_chat({"messages": USER, "temperature": 0, "top_p": 1, "top_k": -1}),
+                      model)
+    assert (r.temperature, r.top_p, r.top_k) == (0.0, 1.0, 0)  # what the request sent wins
+    r = with_defaults(parse_completion({"prompt": "hi", "top_p": 0.5}), {})
+    assert (r.temperature, r.top_p, r.top_k) == (DEFAULT_TEMPERATURE, 0.5, 0)
 
 
 def test_completion_prompt_forms_and_logprobs():
@@ -327,5 +338,43 @@ def test_api_keys_and_rate_limits_apply_to_http_too(smollm2_gguf_path, monkeypat
             r = c.post("/v1/completions", json=body, headers=key)
             err = assert_openai_error(r, 429)
             assert err["type"] == "rate_limit_error" and int(r.headers["retry-after"]) >= 1
+    finally:
+        stop_process(p, timeout_s=15)
+
+
+def test_models_lists_the_model_once_and_accepts_its_aliases(http_router, smollm2_gguf_path):
+    name = os.path.basename(smollm2_gguf_path)
+    data = http_router.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == [name]
+    for alias in (name, name.removesuffix(".gguf")):  # valid: 503 (no worker here), not 404
+        body = {"model": alias, "prompt": "hi", "max_tokens": 2}
+        assert_openai_error(http_router.post("/v1/completions", json=body), 503)
+
+
+def test_served_name_is_the_one_listed_and_model_defaults_are_applied(smollm2_gguf_path,
+                                                                     tiny_llama_dir, tmp_path):
+    p, base = start_http_router(smollm2_gguf_path, "--model-name", "smol")
+    try:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["smol"]
+            body = {"model": os.path.basename(smollm2_gguf_path), "prompt": "hi", "max_tokens": 2}
+            assert_openai_error(c.post("/v1/completions", json=body), 503)  # still accepted
+    finally:
+        stop_process(p, timeout_s=15)
+    # A model folder whose generation_config.json recommends sampling settings: the router
+    # says it applies them to HTTP requests that leave them unset.
+    folder = tmp_path / "Qwen2.5-like"  # a dot in a folder name is not an extension
+    folder.mkdir()
+    for f in os.listdir(tiny_llama_dir):
+        (folder / f).symlink_to(os.path.join(tiny_llama_dir, f))
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    p, base = start_http_router(str(folder))
+    try:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["Qwen2.5-like"]
+            assert_openai_error(c.post("/v1/completions", json={"model": "Qwen2", "prompt": "hi"}),
+                                404)
+        out = process_output(p)
+        assert "sample with temperature=0.6, top_k=20" in "".join(out), out
     finally:
         stop_process(p, timeout_s=15)

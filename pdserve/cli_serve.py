@@ -1,0 +1,271 @@
+"""`pdserve serve`: its flags, the checks made before any process starts, and the foreground run.
+
+Owns turning the flags into a `ClusterSpec` (router admission and key flags travel as
+`router_args` / `controller_args`), refusing bad input in one line that names the flag before
+anything is started (a model path that is not a model, a key file that does not load), and what
+a person sees while the cluster starts, serves and stops. Must not import torch: the checks run
+in a fraction of a second, and the model is loaded by the workers, not by this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser("serve", help="start the embedded cluster in the foreground")
+    s.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    s.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP API host")
+    s.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port (0: a free port, printed when ready)")
+    s.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    s.add_argument("--store-port", type=int, default=None,
+                   help="the store master's port (default: a free port)")
+    s.add_argument("--worker-base-port", type=int, default=None,
+                   help="workers listen on this port and the next ones (default: free ports)")
+    s.add_argument("--prefill-workers", type=int, default=1)
+    s.add_argument("--decode-workers", type=int, default=1)
+    s.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
+    s.add_argument("--routing", default="auto",
+                   choices=["auto", "round_robin", "least_loaded", "power_of_two", "kv_aware"],
+                   help="prefill routing policy (auto: kv_aware with 2+ prefill workers, "
+                        "else round_robin)")
+    s.add_argument("--spec", default=None, choices=["ngram", "eagle", "dflash", "dspark"],
+                   help="speculative decoding on the decode workers (default: off); the "
+                        "trained drafters need --draft")
+    s.add_argument("--draft", default=None, metavar="PATH",
+                   help="a drafter from `pdserve train-draft` (implies --spec of its kind)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="most draft tokens per request per step (gamma)")
+    s.add_argument("--threads-per-worker", type=int, default=None,
+                   help="compute threads per worker (default: this machine's cores split evenly)")
+    s.add_argument("--no-controller", action="store_true",
+                   help="start no controller: roles stay as started")
+    s.add_argument("--controller-port", type=int, default=None,
+                   help="the controller's gRPC port (`pdserve ctl --address`; default: a free "
+                        "port, printed when ready)")
+    s.add_argument("--controller-mode", default="active", choices=["active", "advisory", "off"],
+                   help="active: flips roles and offloads prefill; advisory: only decides, "
+                        "logs and exports; off")
+    s.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                   help="time-to-first-token SLO the controller steers for")
+    s.add_argument("--itl-slo-ms", type=float, default=200.0,
+                   help="inter-token latency SLO the controller steers for")
+    a = s.add_argument_group("admission and keys (the router's)")
+    a.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id /v1/models lists and clients send (default: the model's "
+                        "file or folder name; that name and its stem are accepted too)")
+    a.add_argument("--max-in-flight", type=_positive_int, default=None,
+                   help="requests the router holds at once; more get RESOURCE_EXHAUSTED / HTTP "
+                        "429 (default: the router's, 128)")
+    a.add_argument("--max-in-flight-per-tenant", type=_nonneg_int, default=None,
+                   help="requests one tenant (API key) may hold at once (0: no bound, the "
+                        "default)")
+    a.add_argument("--tenant-rate-rps", type=_nonneg_float, default=None,
+                   help="requests per second one tenant may start (0: no limit, the default)")
+    a.add_argument("--tenant-burst", type=_positive_int, default=None,
+                   help="requests a tenant may start at once above its rate (default 8)")
+    a.add_argument("--max-predicted-ttft-s", type=_nonneg_float, default=None,
+                   help="the router refuses a request whose predicted time to first token is "
+                        "longer (0: off; default: the router's, 10)")
+    a.add_argument("--api-keys-file", default=None,
+                   help="file of 'KEY TENANT' lines the router accepts; PDSERVE_API_KEYS="
+                        "KEY:TENANT,... adds more (default: no auth)")
+    a.add_argument("--admin-keys-file", default=None,
+                   help="file of 'KEY [NAME]' lines the controller requires of every operator "
+                        "call (`pdserve ctl --admin-key`; default: none required)")
+    a.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="text in chat messages that spells a control token (e.g. <|im_start|>) "
+                        "becomes that token (default: encoded as text)")
+    s.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C the router stops admitting and gives requests in "
+                        "flight this long to finish before the rest stops (default 30)")
+    s.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics of this launcher: restarts and liveness of its "
+                        "processes (default 0: a free port, printed when ready)")
+    s.add_argument("--no-supervise", action="store_true",
+                   help="do not restart a process that dies")
+    s.add_argument("--ready-timeout-s", type=float, default=300.0)
+    s.add_argument("--log-dir", default=None)
+    from pdserve.deploy.ray import cli as ray_cli
+
+    ray_cli.add_serve_flags(s)
+    s.set_defaults(func=cmd_serve)
+    return s
+
+
+def passthrough_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """The router and controller flags given, as ClusterSpec `router_args` / `controller_args`
+    (flags left unset keep the processes' own defaults)."""
+    router: list[str] = []
+    for flag, value in (("--model-name", args.served_model_name),
+                        ("--max-in-flight-per-tenant", args.max_in_flight_per_tenant),
+                        ("--tenant-rate-rps", args.tenant_rate_rps),
+                        ("--tenant-burst", args.tenant_burst)):
+        if value is not None:
+            router += [flag, str(value)]
+    if args.allow_special_tokens_in_messages:
+        router.append("--allow-special-tokens-in-messages")
+    controller: list[str] = []
+    if args.admin_keys_file:
+        controller += ["--admin-keys-file", os.path.abspath(args.admin_keys_file)]
+        if args.api_keys_file:  # tenant keys are then told apart: PERMISSION_DENIED
+            controller += ["--api-keys-file", os.path.abspath(args.api_keys_file)]
+    return {"router_args": tuple(router), "controller_args": tuple(controller)}
+
+
+def input_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, in one line naming the flag, before anything starts; None
+    when nothing is. The model is checked here only for the local backend (with Ray it is a
+    path on the Ray nodes)."""
+    from pdserve.engine.model_files import ModelNotFoundError, default_model_path, \
+        model_path_problem
+
+    if args.model is not None and args.backend == "local":
+        problem = model_path_problem(args.model)
+        if problem:
+            return f"--model {problem}"
+    if args.model is None:
+        try:
+            default_model_path()
+        except ModelNotFoundError as e:
+            return f"{e} (or pass --model PATH)"
+    if args.draft is not None and not os.path.isdir(args.draft):
+        return f"--draft {args.draft}: no such folder (train one with `pdserve train-draft`)"
+    if args.api_keys_file is not None:
+        from pdserve.router.auth import ApiKeys, KeyFileError
+
+        try:
+            ApiKeys.load(args.api_keys_file)
+        except OSError as e:
+            return f"--api-keys-file {args.api_keys_file}: {e.strerror}"
+        except KeyFileError as e:
+            return f"--api-keys-file: {e}"
+    if args.admin_keys_file is not None and not os.path.isfile(args.admin_keys_file):
+        return f"--admin-keys-file {args.admin_keys_file}: no such file"
+    return None
+
+
+def _spec_args(args: argparse.Namespace) -> dict:
+    """--spec / --draft as ClusterSpec fields; a drafter's kind comes from its config.json."""
+    if args.draft:
+        from pdserve.engine.spec.draft_model import read_draft_kind
+
+        try:
+            kind = read_draft_kind(args.draft)
+        except ValueError as e:
+            raise SystemExit(f"pdserve serve: --draft {e}") from None
+        if args.spec not in (None, kind):
+            raise SystemExit(f"pdserve serve: --spec {args.spec} does not match the drafter at "
+                             f"--draft ({kind})")
+        return dict(spec_method=kind, draft_path=os.path.abspath(args.draft),
+                    num_speculative_tokens=args.num_speculative_tokens)
+    if args.spec not in (None, "ngram"):
+        raise SystemExit(f"pdserve serve: --spec {args.spec} needs --draft PATH (train one with "
+                         f"`pdserve train-draft --kind {args.spec}`)")
+    return dict(spec_method=args.spec or "", num_speculative_tokens=args.num_speculative_tokens)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    problem = input_problem(args)
+    if problem:
+        print(f"pdserve serve: error: {problem}", file=sys.stderr)
+        return 2
+    from pdserve.engine.model_files import default_model_path
+
+    model = args.model or default_model_path()
+    extra = {**_spec_args(args), **passthrough_args(args)}
+    if args.backend == "ray":  # the same processes as actors on a Ray cluster
+        from pdserve.deploy.ray import cli as ray_cli
+
+        return ray_cli.cmd_serve(args, model, extra)
+    return _serve_local(args, model, extra)
+
+
+def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
+    import logging
+    import signal
+
+    from rich.console import Console
+
+    from pdserve import logctx
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
+
+    console = Console(stderr=True)
+    logctx.configure(logging.INFO)  # supervision's restarts and give-ups go to stderr
+    spec = ClusterSpec(model_path=model, dtype=args.dtype, host=args.host,
+                       router_port=args.port, store_port=args.store_port,
+                       http_host=args.http_host, http_port=None if args.no_http else args.http_port,
+                       worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,
+                       decode_workers=args.decode_workers, num_blocks=args.num_blocks,
+                       ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
+                       threads_per_worker=args.threads_per_worker, routing=args.routing,
+                       controller=not args.no_controller, controller_port=args.controller_port,
+                       controller_mode=args.controller_mode, ttft_slo_ms=args.ttft_slo_ms,
+                       itl_slo_ms=args.itl_slo_ms, max_in_flight=args.max_in_flight,
+                       api_keys_file=args.api_keys_file,
+                       max_predicted_ttft_s=args.max_predicted_ttft_s,
+                       shutdown_grace_s=args.shutdown_grace_s, supervise=not args.no_supervise,
+                       metrics_port=args.metrics_port, **extra)
+    cluster = LocalCluster(spec)
+
+    def on_signal(signum, frame) -> None:
+        cluster.cancel.set()
+
+    # Ctrl-C or SIGTERM, while starting or serving, stops every child in order. The children
+    # run in sessions of their own: a terminal's Ctrl-C reaches only this process.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        with console.status(f"starting store, {spec.prefill_workers} prefill and "
+                            f"{spec.decode_workers} decode workers, router ({spec.model_path})"):
+            cluster.start()
+        http = f", OpenAI API on http://{cluster.http_address}/v1" if cluster.http_address else ""
+        ctl = (f", controller on {cluster.controller_address} ({spec.controller_mode}; "
+               f"`pdserve ctl --address {cluster.controller_address} status`)"
+               if cluster.controller_address else "")
+        console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address}{http}"
+                      f"{ctl}, metrics on {cluster.metrics_url} (logs in {cluster.log_dir}); "
+                      f"Ctrl-C stops it")
+        notes = "".join(f" {k}={v}" for k, v in (("http", cluster.http_address),
+                                                 ("metrics", cluster.metrics_url),
+                                                 ("controller", cluster.controller_address),
+                                                 ("cluster", cluster.cluster_id)) if v)
+        print(f"pdserve ready on {cluster.router_address}{notes}", flush=True)
+        while not cluster.cancel.wait(0.5):  # a timed wait lets the signal handler run
+            pass
+        console.print("pdserve stopping: the router finishes its requests first")
+    except StartCancelled:
+        console.print("pdserve stopped while starting")
+    except Exception as e:  # a child failed to start, or a port is taken: say which and why
+        console.print(f"[bold red]pdserve failed to start[/]: {e}", soft_wrap=True)
+        return 1
+    finally:
+        cluster.stop()
+    return 0
