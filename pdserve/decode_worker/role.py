@@ -184,8 +184,9 @@ class DecodeRole:
 
     def _relay(self, request_id: str, out_stream: RequestStream, is_active: Callable[[], bool]
                ) -> Iterator[DecodeChunk]:
-        """The request's step outputs as chunks until it finishes; a client that is gone, or
-        stops reading, aborts it in the engine."""
+        """The request's step outputs as chunks until it finishes (the steps queued while this
+        thread waited coalesce into one chunk); a client that is gone, or stops reading, aborts
+        it in the engine."""
         try:
             while True:
                 try:
@@ -195,14 +196,12 @@ class DecodeRole:
                         self._drop(request_id)
                         return
                     continue
-                if item.error is not None:
-                    raise item.error
-                out = item.output
-                assert out is not None
-                yield DecodeChunk(out.new_token_ids, out.finish_reason if out.finished else None,
-                                  out.logprobs)
-                if out.finished:
+                chunk, finished, pending = _coalesce(item, out_stream)
+                yield chunk
+                if finished:
                     return
+                if pending is not None:
+                    raise pending.error
         except GeneratorExit:
             self._drop(request_id)
             raise
@@ -216,3 +215,27 @@ class DecodeRole:
     def abort(self, request_id: str) -> bool:
         self.loop.close_stream(request_id)
         return self.loop.call(lambda: self.loop.engine.abort(request_id))
+
+
+def _coalesce(item, out_stream: RequestStream) -> tuple[DecodeChunk, bool, object]:
+    """`item` and every step output already queued behind it, as one chunk: a reader that fell
+    behind the engine (its thread waited for the GIL or the network) catches up in one message
+    instead of one per token. Returns (chunk, finished, an error item read after the chunk's
+    tokens, to raise on the next read) ; an error with no token before it raises here."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs] | None = []
+    while True:
+        if item.error is not None:
+            if tokens:
+                return DecodeChunk(tokens, None, logprobs), False, item
+            raise item.error
+        out = item.output
+        assert out is not None
+        tokens.extend(out.new_token_ids)
+        logprobs = None if out.logprobs is None or logprobs is None else logprobs + out.logprobs
+        if out.finished:
+            return DecodeChunk(tokens, out.finish_reason, logprobs), True, None
+        try:
+            item = out_stream.q.get_nowait()
+        except queue.Empty:
+            return DecodeChunk(tokens, None, logprobs), False, None
