@@ -6,7 +6,7 @@ Owns only the mapping (and the proto defaults' meaning); validation stays in
 
 from __future__ import annotations
 
-from pdserve.engine.sampling import SamplingParams, TokenLogprobs
+from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.proto import common_pb2
 
 DEFAULT_MAX_TOKENS = 16  # as vLLM's completions API when the client sets none

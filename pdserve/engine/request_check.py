@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from pdserve.engine.sampling import InvalidArgumentError, SamplingParams
+from pdserve.core.sampling_params import InvalidArgumentError, SamplingParams
 
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, *, vocab_size: int,

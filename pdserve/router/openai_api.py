@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from pdserve import rpc
-from pdserve.engine.sampling import InvalidArgumentError
+from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.router.auth import ApiKeys, AuthError
 from pdserve.router.openai_format import Renderer, token_texts

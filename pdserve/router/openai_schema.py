@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.engine.sampling import MAX_LOGPROBS
+from pdserve.core.sampling_params import MAX_LOGPROBS
 from pdserve.router.limits import (MAX_CACHE_SALT_BYTES, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
                                    MAX_STOP_TOKEN_IDS)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 from pdserve import rpc
-from pdserve.engine.loader import load_model_config
+from pdserve.engine.checkpoint_config import load_model_config
 from pdserve.engine.model_files import recommended_sampling
 from pdserve.engine.tokenizer import Tokenizer
 from grpc_health.v1 import health_pb2

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.engine.sampling import InvalidArgumentError
+from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.logctx import request_context
 from pdserve.metrics import RouterMetrics
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2

@@ -10,7 +10,7 @@ tokenizer's `encode_chat` (text spelling a control token stays text unless the r
 from __future__ import annotations
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.sampling import InvalidArgumentError, SamplingParams
+from pdserve.core.sampling_params import InvalidArgumentError, SamplingParams
 from pdserve.engine.tokenizer import ChatTemplateError
 from pdserve.proto import api_pb2
 from pdserve.router import limits

@@ -4,10 +4,13 @@
 The store comes first: a store master of another cluster (`cluster_id`) ends the process with
 exit code 1 before the weights load, naming both ids; a master that does not answer yet does
 not stop the worker (it serves degraded until the store answers). The roles see the store
-through a `GuardedStore`, whose health GetStats and /metrics report."""
+through a `GuardedStore`, whose health GetStats and /metrics report. Once the weights are loaded
+and packed, the heap the loading freed (the checkpoint as read, the unpacked copies) goes back
+to the operating system: about 450 MB of the default model's worker."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -41,7 +44,7 @@ def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
 
 
 def build_engine(cfg: WorkerConfig) -> LLMEngine:
-    return LLMEngine(EngineConfig(
+    engine = LLMEngine(EngineConfig(
         model_path=cfg.model_path, dtype=cfg.dtype,
         cache=CacheConfig(block_size_tokens=cfg.block_size_tokens, num_blocks=cfg.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
@@ -51,6 +54,17 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
                         num_speculative_tokens=cfg.num_speculative_tokens,
                         draft_path=cfg.draft_path or None, schedule=cfg.spec_schedule)
         if cfg.spec_method else None))
+    release_free_heap()
+    return engine
+
+
+def release_free_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc's malloc_trim): freed memory otherwise
+    stays in the process's resident set. Elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def connect_store(cfg: WorkerConfig):

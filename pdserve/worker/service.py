@@ -26,7 +26,7 @@ import grpc
 from pdserve.decode_worker.role import DecodeChunk, DecodeRole
 from pdserve.logctx import request_context
 from pdserve.engine.block_pool import REMOVED, STORED
-from pdserve.engine.sampling import InvalidArgumentError
+from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.engine.scheduler import QueueFullError
 from pdserve.prefill_worker.role import PrefillCancelled, PrefillRole
 from pdserve.proto import worker_pb2 as pb

@@ -1,14 +1,21 @@
-"""The shared core imports in a fresh interpreter without torch: the router's admission, the
-controller's pressures and a simulator can all use it."""
+"""The shared core, the router and the controller import in a fresh interpreter without torch:
+the router's admission, the controller's pressures and a simulator can all use the core, and
+the router serves without loading torch (its memory and start-up are a tokenizer's, not a
+model runtime's)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
 
-def test_core_imports_without_torch():
-    code = ("import sys, pdserve.core.rates; "
+
+@pytest.mark.parametrize("module", ["pdserve.core.rates", "pdserve.core.sampling_params",
+                                    "pdserve.engine.checkpoint_config", "pdserve.router.server",
+                                    "pdserve.router.__main__", "pdserve.controller.server"])
+def test_imports_without_torch(module):
+    code = (f"import sys, {module}; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
