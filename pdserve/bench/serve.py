@@ -44,7 +44,7 @@ class ServeBenchSettings:
     threads_per_worker: int | None = None  # None: this machine's cores split evenly
     controller: bool = True
     max_predicted_ttft_s: float | None = None  # None: the router's default
-    ceiling_repeats: int = 2
+    ceiling_repeats: int = 3
     vllm_python: str = ""
     llamacpp_python: str = ""
     ready_timeout_s: float = 1800.0  # a baseline server's start (vLLM compiles at start)
@@ -95,6 +95,7 @@ def run_levels(address: str, model: str, reqs, levels: list[Any], s: ServeBenchS
     mark = between() if between else None
     for lv in levels:
         what = f"{label}: {'trace replay' if lv == 'trace' else f'concurrency {lv}'}"
+        load = os.getloadavg()[0]  # other work on the machine, as this level starts
         done = [0]
         ui(what, 0, len(reqs))
 
@@ -110,7 +111,7 @@ def run_levels(address: str, model: str, reqs, levels: list[Any], s: ServeBenchS
         fig = level_figures(rows, wall) if wall > 0 else None
         if fig is None:
             raise RuntimeError(f"{label}: no request of level {lv} ran")
-        fig.update(concurrency=lv, batch_size=batch)
+        fig.update(concurrency=lv, batch_size=batch, loadavg_1m_start=load)
         if between:
             now = between()
             fig["metrics_diff"] = scrape_diff(mark, now)
@@ -349,21 +350,43 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 2
-    bar = Progress(SpinnerColumn(), TextColumn("{task.description:<60}"), BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True),
-                   disable=args.no_progress)
+    console = Console(stderr=True)
     try:
-        with bar:
-            task = bar.add_task("preparing the workload", total=1)
+        if console.is_terminal or args.no_progress:
+            bar = Progress(SpinnerColumn(), TextColumn("{task.description:<60}"), BarColumn(),
+                           MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                           disable=args.no_progress)
+            with bar:
+                task = bar.add_task("preparing the workload", total=1)
 
-            def ui(what: str, completed: int | None = None, total: int | None = None) -> None:
-                bar.update(task, description=what, completed=completed, total=total)
-            result = run_bench(s, args.out, ui)
+                def ui(what: str, completed: int | None = None,
+                       total: int | None = None) -> None:
+                    bar.update(task, description=what, completed=completed, total=total)
+                result = run_bench(s, args.out, ui)
+        else:  # a log file, not a terminal: a status line per step, and every 10 s within one
+            result = run_bench(s, args.out, StatusLines(console))
     except WorkloadError as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 2
     return emit(result, json_out=args.json, out_dir=args.out,
                 write_outputs=serve_report.write_outputs, print_tables=serve_report.print_tables)
+
+
+class StatusLines:
+    """Progress as plain lines: on each new step, and at most every `every_s` within one."""
+
+    def __init__(self, console, every_s: float = 10.0, clock=time.monotonic) -> None:
+        self.console, self.every_s, self.clock = console, every_s, clock
+        self.t0, self.last_what, self.last_s = clock(), None, 0.0
+
+    def __call__(self, what: str, completed: int | None = None,
+                 total: int | None = None) -> None:
+        now = self.clock()
+        if what == self.last_what and now - self.last_s < self.every_s:
+            return
+        self.last_what, self.last_s = what, now
+        count = f" ({completed}/{total})" if total and total > 1 else ""
+        self.console.print(f"[{now - self.t0:6.0f} s] {what}{count}", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:
