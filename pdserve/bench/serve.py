@@ -373,18 +373,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 class StatusLines:
-    """Progress as plain lines: on each new step, and at most every `every_s` within one."""
+    """Progress as plain lines: on each new step, and at most every `every_s` within one (a
+    step is the text before any " (": "starting vllm (12 s): ..." is one step)."""
 
     def __init__(self, console, every_s: float = 10.0, clock=time.monotonic) -> None:
         self.console, self.every_s, self.clock = console, every_s, clock
-        self.t0, self.last_what, self.last_s = clock(), None, 0.0
+        self.t0, self.last_step, self.last_s = clock(), None, 0.0
 
     def __call__(self, what: str, completed: int | None = None,
                  total: int | None = None) -> None:
-        now = self.clock()
-        if what == self.last_what and now - self.last_s < self.every_s:
+        now, step = self.clock(), what.split(" (", 1)[0]
+        if step == self.last_step and now - self.last_s < self.every_s:
             return
-        self.last_what, self.last_s = what, now
+        self.last_step, self.last_s = step, now
         count = f" ({completed}/{total})" if total and total > 1 else ""
         self.console.print(f"[{now - self.t0:6.0f} s] {what}{count}", highlight=False)
 

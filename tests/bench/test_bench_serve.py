@@ -177,3 +177,22 @@ def test_trace_requests_keep_shared_prefixes_and_scale(tmp_path):
     with pytest.raises(wl.WorkloadError, match="--token-scale"):
         wl.trace_requests(str(path), 2, 64, token_scale=7, speedup=1.0, vocab=(10, 100),
                           max_prompt_tokens=64)
+
+
+def test_status_lines_print_each_step_and_throttle_within_one():
+    import io
+
+    from rich.console import Console
+
+    from pdserve.bench.serve import StatusLines
+
+    buf, now = io.StringIO(), [0.0]
+    ui = StatusLines(Console(file=buf, width=200), every_s=10.0, clock=lambda: now[0])
+    for t, what, done in [(0, "starting vllm (0 s): loading", 0), (1, "starting vllm (1 s): x", 0),
+                          (11, "starting vllm (11 s): y", 0), (12, "vllm: concurrency 1", 0),
+                          (13, "vllm: concurrency 1", 5), (25, "vllm: concurrency 1", 9)]:
+        now[0] = t
+        ui(what, done, 32)
+    assert [line.split("] ", 1)[1] for line in buf.getvalue().splitlines()] == [
+        "starting vllm (0 s): loading (0/32)", "starting vllm (11 s): y (0/32)",
+        "vllm: concurrency 1 (0/32)", "vllm: concurrency 1 (9/32)"]
