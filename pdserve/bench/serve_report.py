@@ -1,0 +1,147 @@
+"""`pdserve bench serve`'s result as tables on a console, and as summary.json + bench_serve.png.
+
+Owns the presentation only: the comparison per concurrency (pdserve, the engine's ceiling,
+each baseline server, their ratios), each server's latency figures, the per-hop breakdown of
+one token's time with the hops no metric measures named, and the plot (tokens/s per level for
+pdserve, the engine and the baselines; ITL and TTFT per level). Must not compute figures: the
+result document carries them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def _f(x: float | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
+    return "-" if x is None else fmt.format(x * scale)
+
+
+def _ms(x: float | None) -> str:
+    return _f(x, "{:.1f}", 1000.0)
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" if n == 1 else f"{n} threads"
+
+
+def _servers(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [result["pdserve"], *[b for b in result["baselines"].values() if "levels" in b]]
+
+
+def print_tables(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    eng = result["engine"]
+    base = [k for k, b in result["baselines"].items() if "levels" in b]
+    t = Table(title=f"{result['model']}: output tokens/s per concurrency (engine alone: "
+                    f"{_threads(eng['threads'])}, as the decode worker)")
+    for col in ("c", "pdserve", "engine", "pdserve/engine", "ITL p50/step",
+                *[c for k in base for c in (k, f"pdserve/{k}")]):
+        t.add_column(col, justify="right")
+    for row in result["comparison"]:
+        t.add_row(str(row["concurrency"]), _f(row["pdserve_tokens_per_s"]),
+                  _f(row["engine_tokens_per_s"]), _f(row["serving_over_engine"], "{:.2f}x"),
+                  _f(row["itl_p50_over_engine_step"], "{:.2f}x"),
+                  *[c for k in base for c in (_f(row[f"{k}_tokens_per_s"]),
+                                              _f(row[f"pdserve_over_{k}"], "{:.2f}x"))])
+    console.print(t)
+    lat = Table(title="latency (ms; ITL: gap between streamed chunks; p50 / p90)")
+    for col in ("server", "c", "tok/s", "TTFT", "ITL", "TPOT mean", "ok", "failed"):
+        lat.add_column(col, justify="right")
+    for srv in _servers(result):
+        for lv in srv["levels"]:
+            lat.add_row(srv["name"], str(lv["concurrency"]), _f(lv["tokens_per_s"]),
+                        f"{_ms(lv['ttft_p50_s'])} / {_ms(lv['ttft_p90_s'])}",
+                        f"{_ms(lv['itl_p50_s'])} / {_ms(lv['itl_p90_s'])}",
+                        _ms(lv["tpot_mean_s"]), str(lv["ok"]), str(lv["failed"]))
+    console.print(lat)
+    hop = Table(title="pdserve: one token's time by hop (ms, means over the level)")
+    hop.caption = ("to router: worker -> router; to client: router -> client; busy: the "
+                   "decode engine's share of the wall time")
+    for col in ("c", "engine step", "to router", "to client", "router ITL", "client TPOT",
+                "busy"):
+        hop.add_column(col, justify="right")
+    for lv in result["pdserve"]["levels"]:
+        h = lv["hops"]
+        secs = {x["hop"]: x["seconds"] for x in h["hops"]}
+        hop.add_row(str(lv["concurrency"]), _ms(secs["engine step"]),
+                    _ms(secs["worker -> router"]), _ms(secs["router -> client"]),
+                    _ms(h["router_itl_mean_s"]), _ms(h["client_tpot_mean_s"]),
+                    _f(h["decode_engine_busy_fraction"], "{:.0%}"))
+    console.print(hop)
+    for note in missing_metrics(result):
+        console.print(f"[yellow]no metric[/]: {note}")
+    for srv in _servers(result):
+        console.print(f"{srv['name']}: ready in {srv['start_s']:.1f} s, resident memory "
+                      f"{srv['rss_bytes'] / 2**30:.2f} GiB at the end")
+        for lv in srv["levels"]:
+            for e in lv["errors"]:
+                console.print(f"[red]{srv['name']} c{lv['concurrency']}[/]: {e['count']} x "
+                              f"{e['error']}")
+    for k, b in result["baselines"].items():
+        if "skipped" in b:
+            console.print(f"[yellow]{k} not measured[/]: {b['skipped']}")
+    m = result["machine"]
+    console.print(f"load average {m['loadavg_1m_start']:.2f} at the start, "
+                  f"{m['loadavg_1m_end']:.2f} at the end; {result['seconds']:.0f} s")
+
+
+def missing_metrics(result: dict[str, Any]) -> list[str]:
+    seen: list[str] = []
+    for lv in result["pdserve"]["levels"]:
+        for note in lv["hops"]["missing"]:
+            if note not in seen:
+                seen.append(note)
+    return seen
+
+
+def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
+    from matplotlib.figure import Figure
+
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "summary.json")
+    png_path = os.path.join(out_dir, "bench_serve.png")
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    levels = [lv["concurrency"] for lv in result["pdserve"]["levels"]]
+    x = list(range(len(levels)))
+    fig = Figure(figsize=(13, 4.2), layout="constrained")
+    tput, itl, ttft = fig.subplots(1, 3)
+    eng = {e["batch_size"]: e for e in result["engine"]["levels"]}
+    batches = [lv["batch_size"] for lv in result["pdserve"]["levels"]]
+    tput.plot(x, [eng[b]["tokens_per_s"] for b in batches], "k--o",
+              label=f"engine alone ({_threads(result['engine']['threads'])})")
+    itl.plot(x, [eng[b]["step_s"] * 1000 for b in batches], "k--o", label="engine step")
+    for srv, mark in zip(_servers(result), "osd^v"):
+        by = {lv["concurrency"]: lv for lv in srv["levels"]}
+        rows = [by.get(c) for c in levels]
+        tput.plot(x, [r["tokens_per_s"] if r else None for r in rows], f"-{mark}",
+                  label=srv["name"])
+        itl.errorbar(x, [r["itl_p50_s"] * 1000 if r and r["itl_p50_s"] else None for r in rows],
+                     yerr=[[0] * len(rows),
+                           [(r["itl_p90_s"] - r["itl_p50_s"]) * 1000
+                            if r and r["itl_p50_s"] else 0 for r in rows]],
+                     fmt=f"-{mark}", capsize=3, label=f"{srv['name']} (p50, bar to p90)")
+        ttft.errorbar(x, [r["ttft_p50_s"] if r and r["ttft_p50_s"] else None for r in rows],
+                      yerr=[[0] * len(rows),
+                            [r["ttft_p90_s"] - r["ttft_p50_s"]
+                             if r and r["ttft_p50_s"] else 0 for r in rows]],
+                      fmt=f"-{mark}", capsize=3, label=srv["name"])
+    for ax, title, ylabel in ((tput, "output tokens/s", "tokens/s"),
+                              (itl, "inter-token latency", "ms"),
+                              (ttft, "time to first token (p50, bar to p90)", "s")):
+        ax.set_xticks(x, [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    m = result["machine"]
+    fig.suptitle(f"pdserve bench serve: {result['model']}, {result['workload']['requests']} "
+                 f"requests x {result['settings']['max_tokens']} tokens, "
+                 f"{m['cpu_count']} cores, load {m['loadavg_1m_start']:.1f}")
+    fig.savefig(png_path, dpi=110)
+    return [json_path, png_path]

@@ -1,0 +1,198 @@
+"""`pdserve bench serve`: a short real run on the tiny model (a cluster with its HTTP API, the
+engine ceiling, the per-hop fields), bad flags, and the summary math as pure functions.
+Figures of the tiny model mean nothing; only what a user reads from the document is checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.bench import serve_summary as ss
+from pdserve.bench import serve_workload as wl
+from tests.helpers import REPO_ROOT
+
+BENCH = [sys.executable, "-m", "pdserve.bench.serve"]
+
+
+@pytest.mark.timeout(240)
+def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
+    out = subprocess.run(
+        [*BENCH, "--model", tiny_llama_dir, "--requests", "4", "--concurrency", "1,2",
+         "--max-tokens", "8", "--ceiling-repeats", "1", "--json", "--out", str(tmp_path),
+         "--no-progress"], capture_output=True, text=True, timeout=220, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["bench"] == "serve" and r["workload"]["source"] == "sharegpt"
+    assert r["workload"]["requests"] == 4 and r["workload"]["prompt_tokens_min"] > 0
+    levels = r["pdserve"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2]
+    for lv in levels:
+        # Every request completed with exactly its 8 tokens (ignore_eos), none failed.
+        assert (lv["requests"], lv["ok"], lv["failed"], lv["errors"]) == (4, 4, 0, [])
+        assert lv["output_tokens"] == 4 * 8 and lv["tokens_per_s"] > 0
+        assert 0 < lv["ttft_p50_s"] <= lv["ttft_p90_s"]
+        assert 0 <= lv["itl_p50_s"] <= lv["itl_p90_s"] and lv["tpot_mean_s"] > 0
+        h = lv["hops"]
+        assert [x["hop"] for x in h["hops"]] == ["engine step", "worker -> router",
+                                                  "router -> client"]
+        assert h["engine_step_s"] > 0 and h["router_itl_mean_s"] > 0
+        assert all(x["seconds"] is not None for x in h["hops"])
+        assert h["decode_engine_busy_s"] > 0
+        assert h["missing"] and all(isinstance(m, str) and m for m in h["missing"])
+        # The scrapes' differences: this level's 4 requests and 32 tokens at the router.
+        router = lv["metrics_diff"]["router"]
+        assert router["pdserve:generation_tokens_total"] == 32
+        assert router["pdserve:time_to_first_token_seconds_count"] == 4
+    eng = r["engine"]
+    assert eng["threads"] == r["pdserve"]["config"]["threads_per_worker"] >= 1
+    assert [e["batch_size"] for e in eng["levels"]] == [1, 2]
+    assert all(e["tokens_per_s"] > 0 and e["step_s"] > 0 for e in eng["levels"])
+    assert [c["concurrency"] for c in r["comparison"]] == [1, 2]
+    assert all(c["serving_over_engine"] > 0 for c in r["comparison"])
+    assert r["baselines"] == {}
+    with open(tmp_path / "summary.json") as f:
+        assert json.load(f) == r
+    assert os.path.getsize(tmp_path / "bench_serve.png") > 5000
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--concurrency", "1,0"], "--concurrency"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
+    (["--vllm-python", "/nonexistent/python"], "--vllm-python"),
+])
+def test_bench_serve_bad_flag_names_it(flags, message):
+    out = subprocess.run([*BENCH, *flags], capture_output=True, text=True, timeout=120,
+                         cwd=REPO_ROOT)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
+# ---- the summary math ------------------------------------------------------------------------
+def test_percentile_interpolates_as_numpy():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert ss.percentile(xs, 0) == 1.0 and ss.percentile(xs, 100) == 4.0
+    assert ss.percentile(xs, 50) == pytest.approx(2.5)
+    assert ss.percentile(xs, 90) == pytest.approx(3.7)
+    assert ss.percentile([], 50) is None
+    with pytest.raises(ValueError, match="q must be"):
+        ss.percentile(xs, 101)
+
+
+def _row(ttft, times, tokens, expected=4, error=None, e2e=1.0):
+    return {"error": error, "output_tokens": tokens, "expected_tokens": expected,
+            "ttft_s": ttft, "chunk_times_s": times, "e2e_s": e2e}
+
+
+def test_level_figures_counts_only_complete_requests():
+    rows = [_row(0.1, [0.1, 0.2, 0.3, 0.4], 4),
+            _row(0.2, [0.2, 0.4, 0.6, 0.8], 4),
+            _row(0.3, [0.3, 0.4], 2),  # fewer tokens than asked: failed
+            _row(None, [], 0, error="HTTP 429: busy")]
+    f = ss.level_figures(rows, wall_s=2.0)
+    assert (f["requests"], f["ok"], f["failed"]) == (4, 2, 2)
+    assert f["output_tokens"] == 8 and f["tokens_per_s"] == pytest.approx(4.0)
+    assert f["ttft_p50_s"] == pytest.approx(0.15)
+    assert f["itl_p50_s"] == pytest.approx(0.15)  # gaps 0.1 x3 and 0.2 x3
+    assert f["tpot_mean_s"] == pytest.approx(0.15)
+    assert f["tokens_per_chunk"] == 1.0
+    assert f["errors"] == [{"error": "2 of 4 tokens", "count": 1},
+                           {"error": "HTTP 429: busy", "count": 1}]
+    with pytest.raises(ValueError, match="wall_s"):
+        ss.level_figures(rows, 0.0)
+
+
+PROM = """# TYPE pdserve:inter_token_latency_seconds histogram
+pdserve:inter_token_latency_seconds_bucket{le="0.1",model_name="m"} 3.0
+pdserve:inter_token_latency_seconds_bucket{le="+Inf",model_name="m"} 4.0
+pdserve:inter_token_latency_seconds_count{model_name="m"} 4.0
+pdserve:inter_token_latency_seconds_sum{model_name="m"} 0.5
+# TYPE pdserve:engine_busy_seconds counter
+pdserve:engine_busy_seconds_total{model_name="m"} 2.5
+"""
+
+
+def test_sample_totals_and_diff():
+    t = ss.sample_totals(PROM)
+    assert t == {"pdserve:inter_token_latency_seconds_count": 4.0,
+                 "pdserve:inter_token_latency_seconds_sum": 0.5,
+                 "pdserve:engine_busy_seconds_total": 2.5}
+    assert ss.diff({"a": 1.0}, {"a": 3.0, "b": 2.0}) == {"a": 2.0, "b": 2.0}
+
+
+def test_hop_breakdown_from_metric_differences():
+    router = {ss.ROUTER_ITL + "_sum": 1.2, ss.ROUTER_ITL + "_count": 40.0,
+              ss.ROUTER_TTFT + "_sum": 0.8, ss.ROUTER_TTFT + "_count": 4.0}
+    workers = [{"role": "prefill", "metrics": {ss.ENGINE_BUSY: 0.4}, "stats": {
+                   "decode_steps": 0, "decode_step_seconds": 0.0}},
+               {"role": "decode", "metrics": {ss.ENGINE_BUSY: 1.0}, "stats": {
+                   "decode_steps": 40, "decode_step_seconds": 1.0}}]
+    client = {"wall_s": 2.0, "tpot_mean_s": 0.035, "ttft_mean_s": 0.25}
+    h = ss.hop_breakdown(router, workers, client)
+    secs = {x["hop"]: x["seconds"] for x in h["hops"]}
+    assert secs["engine step"] == pytest.approx(0.025)
+    assert secs["worker -> router"] == pytest.approx(0.005)  # 30 ms router ITL - 25 ms step
+    assert secs["router -> client"] == pytest.approx(0.005)  # 35 ms TPOT - 30 ms
+    assert h["router_ttft_mean_s"] == pytest.approx(0.2)
+    assert h["decode_engine_busy_fraction"] == pytest.approx(0.5)
+    assert ss.MISSING["engine_step"] in h["missing"]
+    # A decode-step histogram on /metrics, once a worker exports one, is used instead.
+    workers[1]["metrics"].update({ss.ENGINE_STEP + "_sum": 0.8, ss.ENGINE_STEP + "_count": 40})
+    h = ss.hop_breakdown(router, workers, client)
+    assert h["engine_step_s"] == pytest.approx(0.02)
+    assert ss.MISSING["engine_step"] not in h["missing"]
+    # No worker stats and no histogram: the hop is None, never a made-up number.
+    h = ss.hop_breakdown({}, [{"role": "decode", "metrics": {}, "stats": None}], client)
+    assert h["engine_step_s"] is None and all(x["seconds"] is None for x in h["hops"])
+
+
+def test_engine_rate_and_comparison():
+    e = ss.engine_rate(8, 64, [2.0, 1.0, 3.0])
+    assert e["median_s"] == 2.0 and e["tokens_per_s"] == 256.0 and e["step_s"] == 2.0 / 64
+    levels = [{"concurrency": 8, "batch_size": 8, "tokens_per_s": 128.0, "itl_p50_s": 0.0625}]
+    [row] = ss.comparison(levels, {8: e}, {"vllm": [{"concurrency": 8, "tokens_per_s": 64.0}]})
+    assert row["serving_over_engine"] == 0.5 and row["itl_p50_over_engine_step"] == 2.0
+    assert row["vllm_tokens_per_s"] == 64.0 and row["pdserve_over_vllm"] == 2.0
+
+
+def test_trace_requests_keep_shared_prefixes_and_scale(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"timestamp": 2000, "input_length": 1024, "output_length": 500, "hash_ids": [1, 3]},
+        {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]},
+    ]) + "\n")
+    reqs = wl.trace_requests(str(path), 2, 64, token_scale=32, speedup=2.0, vocab=(10, 100),
+                             max_prompt_tokens=4096)
+    a, b = reqs  # timestamp order
+    assert (a.arrival_s, b.arrival_s) == (0.0, 1.0)
+    assert (a.max_tokens, b.max_tokens) == (5, 64)
+    pa, pb = a.body["prompt"], b.body["prompt"]
+    assert (len(pa), len(pb)) == (19, 32)  # ceil(600 / 32), 1024 / 32
+    assert pa[:16] == pb[:16] and pa[16:] != pb[16:19]  # hash id 1 shared, then 2 vs 3
+    assert all(10 <= t < 100 for t in pa + pb)
+    assert a.path == "/v1/completions" and a.body["ignore_eos"] and a.body["temperature"] == 0
+    with pytest.raises(wl.WorkloadError, match="--token-scale"):
+        wl.trace_requests(str(path), 2, 64, token_scale=7, speedup=1.0, vocab=(10, 100),
+                          max_prompt_tokens=64)
+
+
+def test_status_lines_print_each_step_and_throttle_within_one():
+    import io
+
+    from rich.console import Console
+
+    from pdserve.bench.serve import StatusLines
+
+    buf, now = io.StringIO(), [0.0]
+    ui = StatusLines(Console(file=buf, width=200), every_s=10.0, clock=lambda: now[0])
+    for t, what, done in [(0, "starting vllm (0 s): loading", 0), (1, "starting vllm (1 s): x", 0),
+                          (11, "starting vllm (11 s): y", 0), (12, "vllm: concurrency 1", 0),
+                          (13, "vllm: concurrency 1", 5), (25, "vllm: concurrency 1", 9)]:
+        now[0] = t
+        ui(what, done, 32)
+    assert [line.split("] ", 1)[1] for line in buf.getvalue().splitlines()] == [
+        "starting vllm (0 s): loading (0/32)", "starting vllm (11 s): y (0/32)",
+        "vllm: concurrency 1 (0/32)", "vllm: concurrency 1 (9/32)"]
