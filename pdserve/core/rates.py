@@ -20,6 +20,12 @@ class RateMeter:
     (`alpha` = weight of the newest). A total that went down means the worker restarted: that
     key starts over (no rate until a fresh delta). Pure: no clock, like `router.policy`'s
     `RoundRobin` it only keeps state between calls.
+
+    Each key also keeps its peak: the highest sample since it (re)started. The smoothed rate
+    says what the worker has been doing; the peak, what it has shown it can do. They differ
+    because a prefill step costs nearly as much for one short prompt as for a batch of them:
+    under light load the smoothed rate is a fraction of what the same worker delivers once a
+    queue lets it batch, so a bound on the predicted wait divides by the peak.
     """
 
     def __init__(self, alpha: float = 0.3, min_busy_s: float = 0.05) -> None:
@@ -31,12 +37,14 @@ class RateMeter:
         self.min_busy_s = min_busy_s
         self._base: dict[str, tuple[float, float]] = {}  # key -> (tokens_total, busy_s_total)
         self._rate: dict[str, float] = {}
+        self._peak: dict[str, float] = {}
 
     def observe(self, key: str, tokens_total: float, busy_s_total: float) -> float | None:
         base = self._base.get(key)
         if base is None or tokens_total < base[0] or busy_s_total < base[1]:
             self._base[key] = (tokens_total, busy_s_total)
             self._rate.pop(key, None)
+            self._peak.pop(key, None)
             return None
         d_tokens, d_busy_s = tokens_total - base[0], busy_s_total - base[1]
         if d_busy_s < self.min_busy_s:
@@ -44,6 +52,7 @@ class RateMeter:
         sample = d_tokens / d_busy_s
         old = self._rate.get(key)
         self._rate[key] = sample if old is None else self.alpha * sample + (1 - self.alpha) * old
+        self._peak[key] = max(sample, self._peak.get(key, 0.0))
         self._base[key] = (tokens_total, busy_s_total)
         return self._rate[key]
 
@@ -54,12 +63,17 @@ class RateMeter:
         """Drop a worker that left (so a new one at the same address starts fresh)."""
         self._base.pop(key, None)
         self._rate.pop(key, None)
+        self._peak.pop(key, None)
 
-    def pool_rate(self, keys: Iterable[str]) -> float | None:
-        """The pool's throughput: its workers' rates summed, a worker not measured yet counted
-        at the mean of those measured; None when none is."""
+    def peak(self, key: str) -> float | None:
+        return self._peak.get(key)
+
+    def pool_rate(self, keys: Iterable[str], peak: bool = False) -> float | None:
+        """The pool's throughput: its workers' rates (with `peak`, their peaks) summed, a worker
+        not measured yet counted at the mean of those measured; None when none is."""
         keys = list(keys)
-        measured = [r for r in (self._rate.get(k) for k in keys) if r]
+        rates = self._peak if peak else self._rate
+        measured = [r for r in (rates.get(k) for k in keys) if r]
         if not measured:
             return None
         return sum(measured) / len(measured) * len(keys)

@@ -12,8 +12,10 @@ codes and headers.
 
 The TTFT model: a request admitted now waits for the prefill work admitted before it (every
 admitted request's uncached prompt tokens, from admission until its first token) and then for
-its own; the prefill pool works through it at the sum of its workers' measured rates
-(prompt tokens computed per busy second, from `WorkerStats`). So
+its own; the prefill pool works through it at the sum of its workers' peak measured rates
+(prompt tokens computed per busy second, from `WorkerStats`: the best rate each has shown, since
+a queue lets a worker batch and a smoothed rate measured at light load would predict waits
+several times too long). So
 predicted TTFT = (queued + own) / rate. Over `max_predicted_ttft_s` the request is refused,
 and its retry hint is the time the queue needs to drain enough for it to fit:
 predicted - max. A request is never refused for the TTFT with nothing queued before it

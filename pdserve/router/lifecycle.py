@@ -147,7 +147,7 @@ class Door:
         # One token is always computed, however much of the prompt is cached.
         own = max(1, len(prompt_ids) - cached)
         try:
-            self.admission.admit_prefill(own, self.workers.prefill_rate())
+            self.admission.admit_prefill(own, self.workers.prefill_rate(peak=True))
         except Overloaded as e:
             trip.error = "RESOURCE_EXHAUSTED"
             self._refuse(context, e)
@@ -264,7 +264,7 @@ class Door:
             status, reason = "shutting_down", SHUTTING_DOWN
         else:
             status, reason = ("ok" if h.serving else "not_serving"), h.reason
-        rate = self.workers.prefill_rate()
+        rate, peak = self.workers.prefill_rate(), self.workers.prefill_rate(peak=True)
         return status == "ok", {
             "status": status, "reason": reason,
             "active_workers": {"prefill": h.prefill_active, "decode": h.decode_active},
@@ -272,6 +272,7 @@ class Door:
             "max_in_flight": a.config.max_in_flight,
             "queued_prefill_tokens": round(a.queued_tokens),
             "prefill_tokens_per_s": None if rate is None else round(rate, 1),
+            "prefill_peak_tokens_per_s": None if peak is None else round(peak, 1),
             "max_predicted_ttft_s": a.config.max_predicted_ttft_s}
 
     def close(self) -> None:

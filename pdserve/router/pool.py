@@ -155,11 +155,12 @@ class WorkerSet:
         with self._lock:
             return self.membership.health()
 
-    def prefill_rate(self) -> float | None:
-        """The prefill pool's measured prompt tokens per second (None: nothing measured)."""
+    def prefill_rate(self, peak: bool = False) -> float | None:
+        """The prefill pool's measured prompt tokens per second, smoothed or (`peak`) the best
+        each member has shown (None: nothing measured)."""
         with self._lock:
-            return self.rates.pool_rate(m.address for m in self.membership.pool(PREFILL)
-                                        if not reports_draining(m))
+            return self.rates.pool_rate((m.address for m in self.membership.pool(PREFILL)
+                                         if not reports_draining(m)), peak=peak)
 
     def cached_prefix_tokens(self, prompt_ids: Sequence[int], salt: str = "") -> int:
         """Prompt tokens some prefill worker or the store already caches (0 without a KV

@@ -221,3 +221,18 @@ def test_config_sizes_every_bound_above_admission_and_refuses_otherwise():
                        ("shutdown_grace_s", -0.5), ("shutdown_grace_s", math.nan)):
         with pytest.raises(ConfigError, match=f"^{field}"):
             RouterConfig(model_path="m", **{field: bad})
+
+
+def test_the_peak_rate_is_the_best_sample_and_starts_over_with_the_worker():
+    """Light load (one short prompt per step) measures a fraction of what a batching worker
+    does; the peak keeps the best, which the TTFT bound divides by."""
+    r = RateMeter(alpha=0.5, min_busy_s=0.1)
+    r.observe("a", 0, 0.0)
+    r.observe("a", 300, 1.0)  # one prompt a step: 300 tokens/s
+    r.observe("a", 3300, 2.0)  # a queue let it batch: 3000 tokens/s
+    r.observe("a", 3600, 3.0)  # light again
+    assert r.rate("a") == pytest.approx(0.5 * 300 + 0.5 * (0.5 * 3000 + 0.5 * 300))
+    assert r.peak("a") == pytest.approx(3000.0)
+    assert r.pool_rate(["a", "b"], peak=True) == pytest.approx(6000.0)
+    r.observe("a", 10, 0.1)  # restarted: its peak is gone with its rate
+    assert r.peak("a") is None and r.pool_rate(["a"], peak=True) is None
