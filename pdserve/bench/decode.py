@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pdserve.bench.common import emit, number_list
+from pdserve.engine.attention import describe_decode_path
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -297,6 +298,7 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
         "engine_prefill_steps": steps, "loadavg_1m_start": load_start,
         "loadavg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "transformers_version": sys.modules["transformers"].__version__,
+        "decode_attention": describe_decode_path(engine.kv.k.dtype, engine.kv.k.device),
         "wall_s": time.perf_counter() - started,
     }
     return summarize(s, setup, copies, decode, pre)
@@ -357,6 +359,8 @@ def summarize(s: DecodeBenchSettings, setup: dict[str, Any], copy_s: list[float]
             # with it, torch's threads stall each other and the times spread widely.
             "loadavg_1m_start": setup["loadavg_1m_start"],
             "loadavg_1m_end": setup["loadavg_1m_end"],
+            # The engine's decode attention: the C paged kernel or the PyTorch reference.
+            "decode_attention": setup.get("decode_attention"),
         },
         "model": {"path": setup["model_path"], "dtype": s.dtype, "weight_bytes": weight_bytes},
         "settings": {**asdict(s), "batch_sizes": list(s.batch_sizes),
@@ -394,6 +398,11 @@ def print_table(result: dict[str, Any], console: Any) -> None:
                   f"{p['transformers']['tokens_per_s']:.0f} tok/s, ratio {p['ratio']:.2f}x")
     console.print(f"copy bandwidth {result['bandwidth']['bytes_per_s'] / 1e9:.2f} GB/s, weights "
                   f"{result['model']['weight_bytes'] / 2**20:.0f} MiB")
+    att = result["machine"].get("decode_attention")
+    if att:
+        how = (f"C paged kernel ({att['isa']}, {'OpenMP' if att['openmp'] else 'one thread'})"
+               if att["path"] == "c" else f"PyTorch reference ({att['reason']})")
+        console.print(f"decode attention: {how}")
     for name, (b, aim) in AIMS.items():
         met = result["aims"][f"{name}_met"]
         status = "not measured" if met is None else ("met" if met else "not met")
