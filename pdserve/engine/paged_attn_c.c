@@ -48,6 +48,7 @@ typedef struct {
     int64_t max_q;            /* the largest q_len (sizes the scratch) */
     int64_t split;            /* chunks per sequence; 0: chosen here from the batch */
     int64_t min_parallel_work; /* multiply-adds below which one thread runs the call */
+    int64_t max_isa;          /* the widest build to use (see pa_isa); tests lower it */
     float scale;
     int32_t nthreads;
 } pa_batch;
@@ -410,9 +411,9 @@ int pa_isa(void)
     return 0;
 }
 
-static item_fn pick(int dt)
+static item_fn pick(int dt, int64_t max_isa)
 {
-    const int isa = pa_isa();
+    const int64_t isa = pa_isa() < max_isa ? pa_isa() : max_isa;
 #ifdef PA_X86
     if (isa == 2)
         return dt == PA_F32 ? item_f32_avx512 : item_bf16_avx512;
@@ -482,7 +483,7 @@ int pa_decode(int dt, const pa_batch *bt, const void *q, int64_t q_stride, const
     if (bt->nseq == 0)
         return 0;
     const pa_layer ly = {q, q_stride, k, v, out, out_stride};
-    const item_fn fn = pick(dt);
+    const item_fn fn = pick(dt, bt->max_isa);
     const int64_t D = bt->head_dim, BS = bt->block_size;
     const int64_t nr_max = bt->n_heads * bt->max_q;
     const int nt = (int)choose_threads(bt);

@@ -62,7 +62,7 @@ class _Batch(ctypes.Structure):
                 ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64),
                 ("max_q", ctypes.c_int64), ("split", ctypes.c_int64),
-                ("min_parallel_work", ctypes.c_int64),
+                ("min_parallel_work", ctypes.c_int64), ("max_isa", ctypes.c_int64),
                 ("scale", ctypes.c_float), ("nthreads", ctypes.c_int32)]
 
 
@@ -211,14 +211,15 @@ class DecodeSpans:
         self._key: tuple[int, ...] = ()
 
     def batch(self, n_heads: int, n_kv_heads: int, head_dim: int, threads: int,
-              split: int = 0, min_parallel_work: int = MIN_PARALLEL_WORK) -> _Batch:
-        key = (n_heads, n_kv_heads, head_dim, threads, split, min_parallel_work)
+              split: int = 0, min_parallel_work: int = MIN_PARALLEL_WORK,
+              max_isa: int = max(ISA_NAMES)) -> _Batch:
+        key = (n_heads, n_kv_heads, head_dim, threads, split, min_parallel_work, max_isa)
         if self._batch is None or key != self._key:
             base, step = self.ints.data_ptr(), self.ints.element_size()
             n = self.nseq
             self._batch = _Batch(base, base + n * step, base + 2 * n * step, base + 3 * n * step,
                                  self.width, n, n_heads, n_kv_heads, head_dim, self.block_size,
-                                 self.max_q, split, min_parallel_work,
+                                 self.max_q, split, min_parallel_work, max_isa,
                                  1.0 / math.sqrt(head_dim), threads)
             self._key = key
         return self._batch
@@ -226,11 +227,11 @@ class DecodeSpans:
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            spans: DecodeSpans, threads: int | None = None, split: int = 0,
-           min_parallel_work: int = MIN_PARALLEL_WORK) -> None:
+           min_parallel_work: int = MIN_PARALLEL_WORK, max_isa: int = max(ISA_NAMES)) -> None:
     """Attention of the spans' rows of q [T, H, D] over the paged cache [slots, Hkv, D] into the
     same rows of out [T, H, D]; other rows of out are left alone. `threads`: default
-    torch.get_num_threads(); `split` (chunks per sequence, 0: the kernel picks) and
-    `min_parallel_work` are for tests."""
+    torch.get_num_threads(); `split` (chunks per sequence, 0: the kernel picks),
+    `min_parallel_work` and `max_isa` (the widest build to use, of ISA_NAMES) are for tests."""
     lib = _load()
     if not supports(q, k_cache) or v_cache.dtype != q.dtype or out.dtype != q.dtype:
         raise ValueError(f"paged attention C kernel: want CPU fp32/bf16 tensors of one dtype, got "
@@ -256,7 +257,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
                          f"{k_cache.shape[0] // spans.block_size} blocks")
     if threads is None:
         threads = torch.get_num_threads()
-    bt = spans.batch(h, hkv, d, threads, split, min_parallel_work)
+    bt = spans.batch(h, hkv, d, threads, split, min_parallel_work, max_isa)
     rc = lib.pa_decode(DTYPE_CODES[q.dtype], ctypes.byref(bt), q.data_ptr(), q.stride(0),
                        k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), out.stride(0))
     if rc != 0:

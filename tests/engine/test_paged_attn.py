@@ -52,10 +52,11 @@ def reference(meta, q, k_new, v_new, k_cache, v_cache, monkeypatch) -> torch.Ten
         return paged_attention(q, k_new, v_new, k_cache, v_cache, meta)
 
 
-def kernel(meta, q, k_cache, v_cache, threads: int, split: int = 0) -> torch.Tensor:
+def kernel(meta, q, k_cache, v_cache, threads: int, split: int = 0, isa: int = 2) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))  # rows the kernel does not write stay NaN
     paged_attn_cpu.decode(q, k_cache, v_cache, out, meta.decode.spans(), threads=threads,
-                          split=split, min_parallel_work=0)  # threads even on tiny cases
+                          split=split, min_parallel_work=0,  # threads even on tiny cases
+                          max_isa=isa)
     return out
 
 
@@ -64,7 +65,8 @@ SHAPES = [(9, 3, 64), (4, 2, 16), (8, 1, 40), (4, 4, 128), (6, 2, 32)]  # (heads
 
 @pytest.mark.parametrize("h,hkv,d", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_decode_rows_match_reference(h, hkv, d, threads, monkeypatch):
+@pytest.mark.parametrize("isa", [0, 1, 2])  # each build this CPU can run (2: its widest)
+def test_decode_rows_match_reference(h, hkv, d, threads, isa, monkeypatch):
     bs = 16
     # Contexts on both sides of block boundaries, the shortest a decode has (a cached token and
     # the new one), a long one; ragged.
@@ -74,7 +76,7 @@ def test_decode_rows_match_reference(h, hkv, d, threads, monkeypatch):
     ref = reference(*case, monkeypatch)
     meta, q, _, _, kc, vc = case
     for split in (0, 1, 2, 5):
-        out = kernel(meta, q, kc, vc, threads, split)
+        out = kernel(meta, q, kc, vc, threads, split, isa)
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
@@ -125,10 +127,11 @@ def test_bfloat16_cache_stays_within_bf16_rounding(monkeypatch):
     case = make_case([(30, 1), (77, 1), (5, 3)], 9, 3, 64, 16, seed=3, dtype=torch.bfloat16)
     meta, q, kn, vn, kc, vc = case
     exact = reference(meta, q.float(), kn.float(), vn.float(), kc.float(), vc.float(), monkeypatch)
-    out = kernel(meta, q, kc, vc, 2)
-    assert out.dtype == torch.bfloat16
-    # Rounding the output to bf16 is the only error left: half a bf16 ulp of |x| <= 2.
-    torch.testing.assert_close(out.float(), exact, rtol=2 ** -8, atol=2 ** -8)
+    for isa in (0, 1, 2):
+        out = kernel(meta, q, kc, vc, 2, isa=isa)
+        assert out.dtype == torch.bfloat16
+        # Rounding the output to bf16 is the only error left: half a bf16 ulp of |x| <= 2.
+        torch.testing.assert_close(out.float(), exact, rtol=2 ** -8, atol=2 ** -8)
 
 
 def test_rows_and_blocks_outside_the_tensors_are_refused():
