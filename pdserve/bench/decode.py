@@ -1,9 +1,10 @@
 """`pdserve bench decode`: engine decode and prefill speed vs `transformers` and the bandwidth bound.
 
-Owns one benchmark run, all on this machine in one process: engine decode tokens/s per batch size,
-Hugging Face `generate` on the same weights and the same prompt token ids, the memory-bandwidth
-bound (a large tensor copy), and one long prefill on both sides; then the ratios, a table, a JSON
-document and a plot. Decode time on the `transformers` side is `generate(N + 1) - generate(1)`
+Owns one benchmark run, all on this machine in one process: engine decode tokens/s per batch size
+(with `--attention-baseline` also with the PyTorch reference decode attention instead of the C
+kernel, alternating which goes first), Hugging Face `generate` on the same weights and the same
+prompt token ids, the memory-bandwidth bound (a large tensor copy), and one long prefill on both
+sides; then the ratios, a table, a JSON document and a plot. Decode time on the `transformers` side is `generate(N + 1) - generate(1)`
 (both include the same prefill), so both sides time exactly `N` decode steps per sequence.
 It drives `LLMEngine` through its public API only, and reports the aims; it must not assert them.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from pdserve.bench.common import emit, number_list
+from pdserve.engine.attention import describe_decode_path
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -51,6 +53,9 @@ class DecodeBenchSettings:
     dtype: str = "float32"
     repeats: int = 3
     copy_bytes: int = 512 << 20
+    # Also time the engine with the PyTorch reference decode attention (PDSERVE_PAGED_ATTN=torch)
+    # right after each engine run: the C kernel's gain, measured in the same run.
+    attention_baseline: bool = False
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
@@ -222,22 +227,36 @@ def _pad_id(model: Any) -> int:
     return 0
 
 
+def _with_torch_attention(fn: Any, *args: Any) -> Any:
+    """fn(*args) with the engine's decode attention on the PyTorch reference (decided per step)."""
+    old = os.environ.get("PDSERVE_PAGED_ATTN")
+    os.environ["PDSERVE_PAGED_ATTN"] = "torch"
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            del os.environ["PDSERVE_PAGED_ATTN"]
+        else:
+            os.environ["PDSERVE_PAGED_ATTN"] = old
+
+
 # ---- one run --------------------------------------------------------------------------------------
 def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
                      prompt_tokens: int = 128, new_tokens: int = 64, prefill_tokens: int = 2048,
                      dtype: str = "float32", repeats: int = 3, progress: bool = True,
-                     copy_bytes: int = 512 << 20) -> dict[str, Any]:
+                     copy_bytes: int = 512 << 20, attention_baseline: bool = False
+                     ) -> dict[str, Any]:
     """Measure everything once and return the result document (see `summarize`).
 
     Per batch size, each repeat runs engine, `generate(N + 1)`, `generate(1)` back to back, so a
     burst of other work on the machine lands on both sides; repeat 0 is the warm-up and dropped.
     """
     s = DecodeBenchSettings(tuple(batch_sizes), prompt_tokens, new_tokens, prefill_tokens, dtype,
-                            repeats, copy_bytes)
+                            repeats, copy_bytes, attention_baseline)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    runs = 2 + 2 + (1 + s.repeats) * (3 * len(s.batch_sizes) + 2)
+    runs = 2 + 2 + (1 + s.repeats) * ((3 + s.attention_baseline) * len(s.batch_sizes) + 2)
     bar = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=Console(stderr=True), disable=not progress)
     started = time.perf_counter()
@@ -266,7 +285,19 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
             raw: dict[str, list[float]] = {"engine_s": [], "generate_s": [], "generate_one_s": []}
             for r in range(1 + s.repeats):  # r == 0 warms both sides up and is dropped
                 tick(f"decode B={b} engine {r}/{s.repeats}")
-                e = engine_decode_s(engine, prompts[:b], new_tokens, f"bench-{next(salt)}")
+                if s.attention_baseline:
+                    tick(f"decode B={b} engine, torch attention {r}/{s.repeats}")
+                    both = [lambda: engine_decode_s(engine, prompts[:b], new_tokens,
+                                                    f"bench-{next(salt)}"),
+                            lambda: _with_torch_attention(engine_decode_s, engine, prompts[:b],
+                                                          new_tokens, f"bench-{next(salt)}")]
+                    order = (1, 0) if r % 2 else (0, 1)  # which goes first alternates
+                    times = {i: both[i]() for i in order}
+                    e, e_ref = times[0], times[1]
+                    if r:
+                        raw.setdefault("engine_torch_attention_s", []).append(e_ref)
+                else:
+                    e = engine_decode_s(engine, prompts[:b], new_tokens, f"bench-{next(salt)}")
                 tick(f"decode B={b} transformers {r}/{s.repeats}")
                 full = hf_generate_s(hf, ids, mask, new_tokens + 1, pad_id)
                 tick(f"decode B={b} transformers 1 {r}/{s.repeats}")
@@ -297,6 +328,7 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
         "engine_prefill_steps": steps, "loadavg_1m_start": load_start,
         "loadavg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "transformers_version": sys.modules["transformers"].__version__,
+        "decode_attention": describe_decode_path(engine.kv.k.dtype, engine.kv.k.device),
         "wall_s": time.perf_counter() - started,
     }
     return summarize(s, setup, copies, decode, pre)
@@ -328,6 +360,12 @@ def summarize(s: DecodeBenchSettings, setup: dict[str, Any], copy_s: list[float]
             "bound_tokens_per_s": bound,
             "engine_fraction_of_bound": eng / bound,
         })
+        if "engine_torch_attention_s" in raw:
+            ref_s = statistics.median(raw["engine_torch_attention_s"])
+            rows[-1]["engine_torch_attention"] = {
+                "decode_s": raw["engine_torch_attention_s"], "median_s": ref_s,
+                "tokens_per_s": b * s.new_tokens / ref_s}
+            rows[-1]["attention_kernel_gain"] = ref_s / eng_s
     eng_p, hf_p = statistics.median(prefill["engine_s"]), statistics.median(prefill["transformers_s"])
     prefill_doc = {
         "prompt_tokens": s.prefill_tokens,
@@ -357,6 +395,8 @@ def summarize(s: DecodeBenchSettings, setup: dict[str, Any], copy_s: list[float]
             # with it, torch's threads stall each other and the times spread widely.
             "loadavg_1m_start": setup["loadavg_1m_start"],
             "loadavg_1m_end": setup["loadavg_1m_end"],
+            # The engine's decode attention: the C paged kernel or the PyTorch reference.
+            "decode_attention": setup.get("decode_attention"),
         },
         "model": {"path": setup["model_path"], "dtype": s.dtype, "weight_bytes": weight_bytes},
         "settings": {**asdict(s), "batch_sizes": list(s.batch_sizes),
@@ -381,12 +421,17 @@ def print_table(result: dict[str, Any], console: Any) -> None:
     t = Table(title=f"decode, {result['model']['dtype']}, "
                     f"{result['machine']['torch_threads']} torch threads")
     # "HF" is transformers `generate`; "ratio" is engine/HF; "of bound" is engine/bound.
-    for col in ("batch", "engine tok/s", "HF tok/s", "ratio", "bound tok/s", "of bound"):
+    # "torch-attn" is the engine with PDSERVE_PAGED_ATTN=torch; "kernel" is engine/torch-attn.
+    gain = any("attention_kernel_gain" in r for r in result["decode"])
+    for col in ("batch", "engine tok/s", "HF tok/s", "ratio", "bound tok/s", "of bound",
+                *(("torch-attn tok/s", "kernel") if gain else ())):
         t.add_column(col, justify="right")
     for r in result["decode"]:
+        extra = (f"{r['engine_torch_attention']['tokens_per_s']:.1f}",
+                 f"{r['attention_kernel_gain']:.2f}x") if gain else ()
         t.add_row(str(r["batch_size"]), f"{r['engine']['tokens_per_s']:.1f}",
                   f"{r['transformers']['tokens_per_s']:.1f}", f"{r['ratio']:.2f}x",
-                  f"{r['bound_tokens_per_s']:.1f}", f"{r['engine_fraction_of_bound']:.0%}")
+                  f"{r['bound_tokens_per_s']:.1f}", f"{r['engine_fraction_of_bound']:.0%}", *extra)
     console.print(t)
     p = result["prefill"]
     console.print(f"prefill {p['prompt_tokens']} tokens (budget {p['max_num_batched_tokens']}): "
@@ -394,6 +439,11 @@ def print_table(result: dict[str, Any], console: Any) -> None:
                   f"{p['transformers']['tokens_per_s']:.0f} tok/s, ratio {p['ratio']:.2f}x")
     console.print(f"copy bandwidth {result['bandwidth']['bytes_per_s'] / 1e9:.2f} GB/s, weights "
                   f"{result['model']['weight_bytes'] / 2**20:.0f} MiB")
+    att = result["machine"].get("decode_attention")
+    if att:
+        how = (f"C paged kernel ({att['isa']}, {'OpenMP' if att['openmp'] else 'one thread'})"
+               if att["path"] == "c" else f"PyTorch reference ({att['reason']})")
+        console.print(f"decode attention: {how}")
     for name, (b, aim) in AIMS.items():
         met = result["aims"][f"{name}_met"]
         status = "not measured" if met is None else ("met" if met else "not met")
@@ -412,6 +462,9 @@ def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()
     ax.plot(bs, [r["engine"]["tokens_per_s"] for r in result["decode"]], "o-", label="pdserve engine")
+    if all("engine_torch_attention" in r for r in result["decode"]):
+        ax.plot(bs, [r["engine_torch_attention"]["tokens_per_s"] for r in result["decode"]], "o:",
+                label="pdserve engine, PyTorch decode attention")
     ax.plot(bs, [r["transformers"]["tokens_per_s"] for r in result["decode"]], "s-",
             label="transformers generate")
     ax.plot(bs, [r["bound_tokens_per_s"] for r in result["decode"]], "k--",
@@ -446,6 +499,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="tiny run for tests: batch 1,2; 16+8 tokens; 64 prefill; 1 repeat")
     parser.add_argument("--threads", type=int, help="torch threads (default: leave as is)")
+    parser.add_argument("--attention-baseline", action="store_true",
+                        help="also time the engine with PDSERVE_PAGED_ATTN=torch (the PyTorch "
+                             "reference decode attention) in the same run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
 
@@ -469,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
         new_tokens=args.new_tokens, prefill_tokens=args.prefill_tokens, repeats=args.repeats)
     try:
         result = run_decode_bench(args.model, dtype=args.dtype, progress=not args.no_progress,
-                                  **sizes)
+                                  attention_baseline=args.attention_baseline, **sizes)
     except BenchConfigError as e:
         print(f"pdserve bench decode: {e}", file=sys.stderr)
         return 2

@@ -1,18 +1,26 @@
 """Paged KV storage and the PyTorch reference attention over it.
 
-Owns the cache tensors (one flat slot axis per layer: slot = block_id * block_size + offset) and
-the attention math on them. It is the reference every later kernel (Triton, CUDA) is checked
-against, so it favours clarity; it still batches all decode tokens into one SDPA call because at
-batch 32 a per-sequence loop would cost more than the attention itself.
-It must not decide which blocks a sequence owns: the block pool does that.
+Owns the cache tensors (one flat slot axis per layer: slot = block_id * block_size + offset),
+the attention metadata of a step, and the attention math on them. The PyTorch path is the
+reference every kernel is checked against, so it favours clarity; it still batches all decode
+tokens into one SDPA call over block-gathered KV because at batch 32 a per-sequence loop would
+cost more than the attention itself. Decode attention on CPU (fp32/bf16) runs the C kernel of
+`paged_attn_cpu` instead, which reads the blocks in place; `PDSERVE_PAGED_ATTN` picks
+(`attention_mode`). It must not decide which blocks a sequence owns: the block pool does that.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.engine import paged_attn_cpu
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,20 +35,62 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeBatch:
+    """The decodes of one step: sequences with cached context running at most SHORT_SPAN query
+    tokens (one, or one plus drafts to verify). Sequence b's queries are the flat-batch rows
+    rows[b] .. rows[b] + q_lens[b] - 1; its last one sees ctx_lens[b] keys, through tables[b].
+    The kernel's and the reference's tensors are built on first use (once per step, not per
+    layer), so a step pays only for the path it takes."""
+
+    rows: list[int]
+    q_lens: list[int]
+    ctx_lens: list[int]
+    tables: list[list[int]]
+    block_size: int
+    device: torch.device
+    _spans: paged_attn_cpu.DecodeSpans | None = field(default=None, repr=False)
+    _ref: _ReferenceDecode | None = field(default=None, repr=False)
+    # Whether this step's decodes run the C kernel: decided at the first layer (every layer has
+    # the same dtype and device), so the others skip the check.
+    kernel: bool | None = None
+
+    def spans(self) -> paged_attn_cpu.DecodeSpans:
+        if self._spans is None:
+            self._spans = paged_attn_cpu.DecodeSpans(self.rows, self.q_lens, self.ctx_lens,
+                                                     self.tables, self.block_size)
+        return self._spans
+
+    def reference(self) -> _ReferenceDecode:
+        if self._ref is None:
+            self._ref = _reference_decode_meta(self)
+        return self._ref
+
+
+@dataclass
+class _ReferenceDecode:
+    """The reference's padded form. Each sequence has Q query slots (the longest span); a
+    shorter span's spare slots repeat its last row and are dropped."""
+
+    idx: torch.Tensor  # [B * Q] rows of the flat batch, slot by slot
+    tables: torch.Tensor  # [B, nblk] block ids of each context (padded with 0)
+    length: int  # Lmax, the longest decode context
+    mask: torch.Tensor | None  # [B, 1, 1, Lmax] or [B, Q, Lmax] bool; None: no padding
+    q: int = 1  # Q, query slots per decode
+    keep: torch.Tensor | None = None  # [B * Q] bool: real slots (None when Q == 1)
+    out: torch.Tensor | None = None  # rows of the flat batch the real slots fill
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     prefills: list[PrefillSpan] = field(default_factory=list)
-    # Decodes: sequences with cached context running at most SHORT_SPAN tokens (one, or one
-    # plus drafts to verify), attended in one batched call. Each has Q query slots (the longest
-    # span); a shorter span's spare slots repeat its last row and are dropped.
-    decode_idx: torch.Tensor | None = None  # [B * Q] rows of the flat batch, slot by slot
-    decode_tables: torch.Tensor | None = None  # [B, nblk] block ids of each context (padded with 0)
-    decode_len: int = 0  # Lmax, the longest decode context
+    decode: DecodeBatch | None = None
     block_size: int = 16
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] or [B, Q, Lmax] bool; None: no padding
-    decode_q: int = 1  # Q, query slots per decode
-    decode_keep: torch.Tensor | None = None  # [B * Q] bool: real slots (None when Q == 1)
-    decode_out: torch.Tensor | None = None  # rows of the flat batch the real slots fill
+
+    @property
+    def decode_idx(self) -> torch.Tensor | None:
+        """The reference's decode rows (None without decodes)."""
+        return None if self.decode is None else self.decode.reference().idx
 
 
 # Speculative verification runs 1 + gamma tokens per sequence; up to this many query tokens on
@@ -64,7 +114,10 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
     row = 0
     for computed, n_new, table in seqs:
         ctx_len = computed + n_new
-        slots.extend(_slots(table, computed, ctx_len, block_size))
+        if n_new == 1:
+            slots.append(table[computed // block_size] * block_size + computed % block_size)
+        else:
+            slots.extend(_slots(table, computed, ctx_len, block_size))
         if computed > 0 and n_new <= SHORT_SPAN:
             dec_rows.append(row)
             dec_tables.append(table)
@@ -81,39 +134,87 @@ def build_attention_metadata(seqs: list[tuple[int, int, list[int]]], block_size:
     meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), prefills,
                              block_size=block_size)
     if dec_rows:
-        # Whole blocks are gathered (runs of block_size slots), not single slots: fewer, larger
-        # copies, and no per-token index tensor to build.
-        lmax = max(dec_lens)
-        nblk = (lmax + block_size - 1) // block_size
-        tables = torch.zeros(len(dec_rows), nblk, dtype=torch.long)
-        for i, tb in enumerate(dec_tables):
-            n = min(len(tb), nblk)
-            tables[i, :n] = torch.tensor(tb[:n], dtype=torch.long)
-        mask = None
-        lens = torch.tensor(dec_lens, dtype=torch.long)
-        qmax = max(dec_q)
-        if qmax == 1:
-            if min(dec_lens) != lmax:
-                valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
-                mask = valid.view(len(dec_rows), 1, 1, lmax).to(device)
-            meta.decode_idx = torch.tensor(dec_rows, dtype=torch.long, device=device)
-        else:
-            # Slot i of a span of q tokens sees keys up to position (ctx_len - q) + i; spare
-            # slots (i >= q) repeat slot q - 1.
-            q = torch.tensor(dec_q, dtype=torch.long)
-            i = torch.minimum(torch.arange(qmax).unsqueeze(0), (q - 1).unsqueeze(1))  # [B, Q]
-            rows = torch.tensor(dec_rows, dtype=torch.long).unsqueeze(1) + i
-            last = (lens - q).unsqueeze(1) + i  # [B, Q] last visible key position
-            mask = (torch.arange(lmax).view(1, 1, lmax) <= last.unsqueeze(2)).to(device)
-            keep = (torch.arange(qmax).unsqueeze(0) < q.unsqueeze(1)).flatten()
-            meta.decode_idx = rows.flatten().to(device)
-            meta.decode_keep = keep.to(device)
-            meta.decode_out = rows.flatten()[keep].to(device)
-            meta.decode_q = qmax
-        meta.decode_tables = tables.to(device)
-        meta.decode_len = lmax
-        meta.decode_mask = mask
+        meta.decode = DecodeBatch(dec_rows, dec_q, dec_lens, dec_tables, block_size, device)
     return meta
+
+
+def _reference_decode_meta(d: DecodeBatch) -> _ReferenceDecode:
+    device, block_size = d.device, d.block_size
+    # Whole blocks are gathered (runs of block_size slots), not single slots: fewer, larger
+    # copies, and no per-token index tensor to build.
+    lmax = max(d.ctx_lens)
+    nblk = (lmax + block_size - 1) // block_size
+    tables = torch.tensor([tb[:nblk] + [0] * (nblk - len(tb[:nblk])) for tb in d.tables],
+                          dtype=torch.long)
+    lens = torch.tensor(d.ctx_lens, dtype=torch.long)
+    b = len(d.rows)
+    qmax = max(d.q_lens)
+    if qmax == 1:
+        mask = None
+        if min(d.ctx_lens) != lmax:
+            valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
+            mask = valid.view(b, 1, 1, lmax).to(device)
+        return _ReferenceDecode(torch.tensor(d.rows, dtype=torch.long, device=device),
+                                tables.to(device), lmax, mask)
+    # Slot i of a span of q tokens sees keys up to position (ctx_len - q) + i; spare slots
+    # (i >= q) repeat slot q - 1.
+    q = torch.tensor(d.q_lens, dtype=torch.long)
+    i = torch.minimum(torch.arange(qmax).unsqueeze(0), (q - 1).unsqueeze(1))  # [B, Q]
+    rows = torch.tensor(d.rows, dtype=torch.long).unsqueeze(1) + i
+    last = (lens - q).unsqueeze(1) + i  # [B, Q] last visible key position
+    mask = (torch.arange(lmax).view(1, 1, lmax) <= last.unsqueeze(2)).to(device)
+    keep = (torch.arange(qmax).unsqueeze(0) < q.unsqueeze(1)).flatten()
+    return _ReferenceDecode(rows.flatten().to(device), tables.to(device), lmax, mask, qmax,
+                            keep.to(device), rows.flatten()[keep].to(device))
+
+
+MODES = ("auto", "c", "torch")
+_warned = False
+
+
+def attention_mode() -> str:
+    """`PDSERVE_PAGED_ATTN`: "auto" (the C kernel where it builds and applies, else the
+    reference), "c" (the kernel, an error if it cannot be built), "torch" (the reference)."""
+    mode = os.environ.get("PDSERVE_PAGED_ATTN", "").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"PDSERVE_PAGED_ATTN must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether decode attention on these tensors runs the C kernel (fp32/bf16 on CPU)."""
+    global _warned
+    mode = attention_mode()
+    if mode == "torch" or not paged_attn_cpu.supports(q, k_cache):
+        return False
+    if mode == "c":
+        paged_attn_cpu.load()  # raises KernelUnavailable, saying why
+        return True
+    if paged_attn_cpu.available():
+        return True
+    if not _warned:
+        _warned = True
+        try:
+            paged_attn_cpu.load()
+        except paged_attn_cpu.KernelUnavailable as exc:
+            log.warning("%s; decode attention uses the PyTorch reference", exc)
+    return False
+
+
+def describe_decode_path(dtype: torch.dtype, device: torch.device) -> dict[str, object]:
+    """Which decode attention a cache of this dtype and device gets, for reports:
+    {"mode", "path": "c" | "torch", and the kernel's "isa" and "openmp", or "reason"}."""
+    mode = attention_mode()
+    probe = torch.empty(0, dtype=dtype, device=device)
+    if mode == "torch":
+        return {"mode": mode, "path": "torch", "reason": "PDSERVE_PAGED_ATTN=torch"}
+    if not paged_attn_cpu.supports(probe, probe):
+        return {"mode": mode, "path": "torch", "reason": f"the kernel takes fp32/bf16 on CPU, "
+                                                         f"not {dtype} on {device.type}"}
+    try:
+        return {"mode": mode, "path": "c", **paged_attn_cpu.info()}
+    except paged_attn_cpu.KernelUnavailable as exc:
+        return {"mode": mode, "path": "torch", "reason": str(exc)}
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -128,6 +229,28 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, block_size: int,
     b, nblk = tables.shape
     blocks = cache.view(-1, block_size, cache.shape[1], cache.shape[2])[tables]
     return blocks.view(b, nblk * block_size, cache.shape[1], cache.shape[2])[:, :length].transpose(1, 2)
+
+
+def _reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out: torch.Tensor, r: _ReferenceDecode, block_size: int) -> None:
+    kd = _gather_blocks(k_cache, r.tables, block_size, r.length)
+    vd = _gather_blocks(v_cache, r.tables, block_size, r.length)
+    # The query heads that share a KV head (times the query slots) become the rows of one
+    # [group * Q, D] query against it, which is exact and cheaper than enable_gqa.
+    b, kvh, d = kd.shape[0], kd.shape[1], q.shape[-1]
+    nq = r.q
+    if nq == 1:
+        qd = q[r.idx].view(b, kvh, -1, d)  # [B, Hkv, H/Hkv, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=r.mask)
+        out[r.idx] = o.reshape(b, -1, d)
+    else:
+        g = q.shape[1] // kvh
+        qd = (q[r.idx].view(b, nq, kvh, g, d).permute(0, 2, 3, 1, 4)
+              .reshape(b, kvh, g * nq, d))
+        mask = r.mask.unsqueeze(1).unsqueeze(1).expand(b, 1, g, nq, -1).reshape(b, 1, g * nq, -1)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
+        o = o.view(b, kvh, g, nq, d).permute(0, 3, 1, 2, 4).reshape(b * nq, kvh * g, d)
+        out[r.out] = o[r.keep]
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -148,26 +271,14 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             vs = v_cache[p.gather].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
         out[p.q_start: p.q_start + p.q_len] = o[0].transpose(0, 1)
-    if meta.decode_idx is not None:
-        kd = _gather_blocks(k_cache, meta.decode_tables, meta.block_size, meta.decode_len)
-        vd = _gather_blocks(v_cache, meta.decode_tables, meta.block_size, meta.decode_len)
-        # The query heads that share a KV head (times the query slots) become the rows of one
-        # [group * Q, D] query against it, which is exact and cheaper than enable_gqa.
-        b, kvh, d = kd.shape[0], kd.shape[1], q.shape[-1]
-        nq = meta.decode_q
-        if nq == 1:
-            qd = q[meta.decode_idx].view(b, kvh, -1, d)  # [B, Hkv, H/Hkv, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-            out[meta.decode_idx] = o.reshape(b, -1, d)
+    d = meta.decode
+    if d is not None:
+        if d.kernel is None:
+            d.kernel = use_kernel(q, k_cache)
+        if d.kernel:
+            paged_attn_cpu.decode(q, k_cache, v_cache, out, d.spans())
         else:
-            g = q.shape[1] // kvh
-            qd = (q[meta.decode_idx].view(b, nq, kvh, g, d).permute(0, 2, 3, 1, 4)
-                  .reshape(b, kvh, g * nq, d))
-            mask = (meta.decode_mask.unsqueeze(1).unsqueeze(1).expand(b, 1, g, nq, -1)
-                    .reshape(b, 1, g * nq, -1))
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
-            o = o.view(b, kvh, g, nq, d).permute(0, 3, 1, 2, 4).reshape(b * nq, kvh * g, d)
-            out[meta.decode_out] = o[meta.decode_keep]
+            _reference_decode(q, k_cache, v_cache, out, d.reference(), meta.block_size)
     return out
 
 
@@ -181,6 +292,11 @@ class PagedKVCache:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Build the decode kernel now (a second or two, once per machine) rather than in the
+        # first step; `use_kernel` reports a failure.
+        q = torch.empty(0, dtype=dtype, device=device)
+        if attention_mode() != "torch" and paged_attn_cpu.supports(q, self.k):
+            use_kernel(q, self.k)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]

@@ -7,6 +7,7 @@ positive, and that the ratios are the quotients of the figures they are built fr
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -103,3 +104,23 @@ def test_prompts_have_the_asked_lengths(tiny_llama_dir: str) -> None:
     assert [len(p) for p in prompts] == [16, 16, 64]
     assert source in ("sharegpt", "random")
     assert all(0 <= t < 49152 for p in prompts for t in p)
+
+
+def test_attention_baseline_times_the_reference_attention_in_the_same_run(
+        tiny_llama_dir: str, capsys, monkeypatch) -> None:
+    """--attention-baseline: every row also carries the engine with PDSERVE_PAGED_ATTN=torch,
+    and the kernel's gain is the quotient of the two; the setting is put back afterwards."""
+    monkeypatch.delenv("PDSERVE_PAGED_ATTN", raising=False)
+    rc = bench.main(["--model", tiny_llama_dir, "--quick", "--json", "--no-progress",
+                     "--threads", "1", "--attention-baseline"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "PDSERVE_PAGED_ATTN" not in os.environ
+    assert doc["settings"]["attention_baseline"] is True
+    assert doc["machine"]["decode_attention"]["path"] in ("c", "torch")
+    for r in doc["decode"]:
+        ref = r["engine_torch_attention"]
+        assert len(ref["decode_s"]) == bench.QUICK.repeats and all(_positive(t) for t in ref["decode_s"])
+        assert ref["tokens_per_s"] == pytest.approx(
+            r["batch_size"] * bench.QUICK.new_tokens / ref["median_s"])
+        assert r["attention_kernel_gain"] == pytest.approx(ref["median_s"] / r["engine"]["median_s"])

@@ -1,0 +1,265 @@
+"""The C paged-attention kernel for decode rows on CPU: build, load, call.
+
+Owns building and loading `paged_attn_c.c` and calling it through ctypes on CPU tensors: the
+decode spans of one step (each sequence's query rows, query count, context length and block
+table) against one layer's paged K/V cache, read in place through the block tables (no gather,
+no padding, no mask tensors). `attention.py` owns the math's reference and decides when this runs.
+Supports fp32 and bf16 caches; GQA; spans of Q >= 1 query rows with the causal mask over the
+last Q positions (speculative verification). It must not decide which blocks a sequence owns.
+
+The library is compiled on first use with `$CC` (default gcc) into `$PDSERVE_CACHE/paged_attn`
+(default `~/.cache/pdserve/paged_attn`), named by a hash of the source, compiler and flags, so an
+edit recompiles; the compile writes a temp file that is `os.replace`d into place, so concurrent
+processes never load a half-written library. It is built with OpenMP when the compiler has it
+(the same `libgomp.so.1` torch already loaded, so one thread pool, no second set of spinning
+threads), else single-threaded. `KernelUnavailable` says why it could not be built.
+Threads: `torch.get_num_threads()` at each call, the engine's own setting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_attn_c.c")
+BASE_FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-shared", "-fPIC")
+# Tried in order: OpenMP threads, else vectorised loops on one thread.
+FLAG_SETS = (BASE_FLAGS + ("-fopenmp",), BASE_FLAGS + ("-fopenmp-simd",))
+ABI = 1  # pa_abi() of the source this module speaks to
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2}
+ISA_NAMES = {0: "baseline", 1: "avx2", 2: "avx512"}
+# Multiply-adds (keys x query heads x head dim) below which one call runs on one thread: tens of
+# microseconds of work, less than waking the others costs (batch 1 at short contexts).
+MIN_PARALLEL_WORK = 1 << 20
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: KernelUnavailable | None = None
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel could not be built or loaded (no C compiler, a compile or load error)."""
+
+
+class _NoCompiler(KernelUnavailable):
+    pass
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("row_start", ctypes.c_void_p), ("q_len", ctypes.c_void_p),
+                ("ctx_len", ctypes.c_void_p), ("tables", ctypes.c_void_p),
+                ("table_stride", ctypes.c_int64), ("nseq", ctypes.c_int64),
+                ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("max_q", ctypes.c_int64), ("split", ctypes.c_int64),
+                ("min_parallel_work", ctypes.c_int64), ("max_isa", ctypes.c_int64),
+                ("scale", ctypes.c_float), ("nthreads", ctypes.c_int32)]
+
+
+_ERRORS = {1: "unsupported dtype", 2: "bad head or block sizes", 3: "a span's lengths do not fit "
+           "its block table", 4: "out of memory"}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    return Path(root) / "paged_attn"
+
+
+def _compiler() -> list[str]:
+    cc = shlex.split(os.environ.get("CC", "").strip() or "gcc")
+    if shutil.which(cc[0]) is None:
+        raise _NoCompiler(
+            f"paged attention C kernel: C compiler {cc[0]!r} not found (install gcc or set CC)")
+    return cc
+
+
+def library_path(flags: tuple[str, ...] = FLAG_SETS[0]) -> Path:
+    """Where the library for this source, compiler and flags lives (built or not)."""
+    cc = _compiler()
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update("\0".join(cc + list(flags)).encode())
+    return cache_dir() / f"paged_attn_c-{key.hexdigest()[:16]}.so"
+
+
+def _build(target: Path, flags: tuple[str, ...]) -> None:
+    cc = _compiler()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [*cc, *flags, str(SOURCE), "-o", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except OSError as exc:
+            raise KernelUnavailable(f"paged attention C kernel: cannot run {cc[0]!r}: {exc}") from exc
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"paged attention C kernel: `{shlex.join(cmd)}` failed "
+                                    f"({proc.returncode}):\n{proc.stderr[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine to replace
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _open(flags: tuple[str, ...]) -> ctypes.CDLL:
+    path = library_path(flags)
+    if not path.exists():
+        _build(path, flags)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelUnavailable(f"paged attention C kernel: cannot load {path}: {exc}") from exc
+    if lib.pa_abi() != ABI:
+        raise KernelUnavailable(f"paged attention C kernel: {path} has ABI {lib.pa_abi()}, want {ABI}")
+    return lib
+
+
+def _load() -> ctypes.CDLL:
+    global _lib, _error
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _error is not None:
+            raise _error
+        errors: list[KernelUnavailable] = []
+        lib = None
+        for flags in FLAG_SETS:
+            try:
+                lib = _open(flags)
+                break
+            except _NoCompiler as exc:
+                errors.append(exc)
+                break  # other flags will not help
+            except KernelUnavailable as exc:
+                errors.append(exc)
+            except OSError as exc:  # an unwritable cache dir
+                errors.append(KernelUnavailable(f"paged attention C kernel: {exc}"))
+        if lib is None:
+            _error = errors[0] if len(errors) == 1 else KernelUnavailable(
+                "\n".join(str(e) for e in errors))
+            raise _error
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.pa_decode.argtypes = [ctypes.c_int, ctypes.POINTER(_Batch), ptr, i64, ptr, ptr, ptr, i64]
+        lib.pa_decode.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def load() -> None:
+    """Build and load the library now; raises `KernelUnavailable` if it cannot."""
+    _load()
+
+
+def available() -> bool:
+    """Whether the kernel builds and loads here (the answer is remembered per process)."""
+    try:
+        _load()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def info() -> dict[str, object]:
+    """What runs here: {"openmp": bool, "isa": "baseline" | "avx2" | "avx512"}."""
+    lib = _load()
+    return {"openmp": bool(lib.pa_openmp()), "isa": ISA_NAMES.get(lib.pa_isa(), "?")}
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether these tensors are ones the kernel takes (CPU, fp32 or bf16, same dtype)."""
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype == k_cache.dtype
+            and q.dtype in DTYPE_CODES)
+
+
+class DecodeSpans:
+    """One step's decode spans in the kernel's form; built once, used by every layer.
+
+    rows[b], q_lens[b]: the flat-batch rows of sequence b's query span; ctx_lens[b]: the keys its
+    last row sees; tables[b]: its block ids (at least ceil(ctx_len / block_size) of them)."""
+
+    def __init__(self, rows: list[int], q_lens: list[int], ctx_lens: list[int],
+                 tables: list[list[int]], block_size: int) -> None:
+        n = len(rows)
+        width = max(1, max(-(-c // block_size) for c in ctx_lens)) if n else 1
+        flat = rows + q_lens + ctx_lens
+        for tb in tables:
+            row = tb[:width]
+            flat.extend(row)
+            if len(row) < width:
+                flat.extend([0] * (width - len(row)))
+        # One int32 tensor for all four arrays: one allocation per step.
+        self.ints = torch.tensor(flat, dtype=torch.int32)
+        self.nseq, self.width, self.block_size = n, width, block_size
+        self.max_q = max(q_lens) if n else 1
+        # Checked against each call's tensors: the kernel trusts every row and block id.
+        self.rows_end = max((r + c for r, c in zip(rows, q_lens)), default=0)
+        self.max_block = max(flat[3 * n:], default=0)
+        self.min_value = min(flat, default=0)
+        self._batch: _Batch | None = None
+        self._key: tuple[int, ...] = ()
+
+    def batch(self, n_heads: int, n_kv_heads: int, head_dim: int, threads: int,
+              split: int = 0, min_parallel_work: int = MIN_PARALLEL_WORK,
+              max_isa: int = max(ISA_NAMES)) -> _Batch:
+        key = (n_heads, n_kv_heads, head_dim, threads, split, min_parallel_work, max_isa)
+        if self._batch is None or key != self._key:
+            base, step = self.ints.data_ptr(), self.ints.element_size()
+            n = self.nseq
+            self._batch = _Batch(base, base + n * step, base + 2 * n * step, base + 3 * n * step,
+                                 self.width, n, n_heads, n_kv_heads, head_dim, self.block_size,
+                                 self.max_q, split, min_parallel_work, max_isa,
+                                 1.0 / math.sqrt(head_dim), threads)
+            self._key = key
+        return self._batch
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           spans: DecodeSpans, threads: int | None = None, split: int = 0,
+           min_parallel_work: int = MIN_PARALLEL_WORK, max_isa: int = max(ISA_NAMES)) -> None:
+    """Attention of the spans' rows of q [T, H, D] over the paged cache [slots, Hkv, D] into the
+    same rows of out [T, H, D]; other rows of out are left alone. `threads`: default
+    torch.get_num_threads(); `split` (chunks per sequence, 0: the kernel picks),
+    `min_parallel_work` and `max_isa` (the widest build to use, of ISA_NAMES) are for tests."""
+    lib = _load()
+    if not supports(q, k_cache) or v_cache.dtype != q.dtype or out.dtype != q.dtype:
+        raise ValueError(f"paged attention C kernel: want CPU fp32/bf16 tensors of one dtype, got "
+                         f"q {q.dtype}@{q.device}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}, "
+                         f"out {out.dtype}")
+    t, h, d = q.shape
+    hkv = k_cache.shape[1]
+    for name, x in (("q", q), ("out", out)):
+        if x.stride(2) != 1 or x.stride(1) != d:
+            raise ValueError(f"paged attention C kernel: {name} must have contiguous heads, "
+                             f"got strides {x.stride()}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not x.is_contiguous() or x.shape[1:] != (hkv, d):
+            raise ValueError(f"paged attention C kernel: {name} must be a contiguous "
+                             f"[slots, {hkv}, {d}] tensor, got {tuple(x.shape)}")
+    if out.shape != q.shape:
+        raise ValueError(f"paged attention C kernel: out is {tuple(out.shape)}, want {tuple(q.shape)}")
+    if spans.rows_end > t or spans.min_value < 0:
+        raise ValueError(f"paged attention C kernel: spans reach row {spans.rows_end} of {t} "
+                         f"or hold a negative value")
+    if (spans.max_block + 1) * spans.block_size > k_cache.shape[0]:
+        raise ValueError(f"paged attention C kernel: block {spans.max_block} is past the cache's "
+                         f"{k_cache.shape[0] // spans.block_size} blocks")
+    if threads is None:
+        threads = torch.get_num_threads()
+    bt = spans.batch(h, hkv, d, threads, split, min_parallel_work, max_isa)
+    rc = lib.pa_decode(DTYPE_CODES[q.dtype], ctypes.byref(bt), q.data_ptr(), q.stride(0),
+                       k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), out.stride(0))
+    if rc != 0:
+        raise RuntimeError(f"paged attention C kernel: {_ERRORS.get(rc, f'error {rc}')} "
+                           f"(q {tuple(q.shape)}, cache {tuple(k_cache.shape)})")
