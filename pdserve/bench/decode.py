@@ -421,10 +421,10 @@ def print_table(result: dict[str, Any], console: Any) -> None:
     t = Table(title=f"decode, {result['model']['dtype']}, "
                     f"{result['machine']['torch_threads']} torch threads")
     # "HF" is transformers `generate`; "ratio" is engine/HF; "of bound" is engine/bound.
-    # "torch-attn" is the engine with PDSERVE_PAGED_ATTN=torch; "kernel" is engine/torch-attn.
+    # "ref attn" is the engine with PDSERVE_PAGED_ATTN=torch; "kernel" is engine / ref attn.
     gain = any("attention_kernel_gain" in r for r in result["decode"])
     for col in ("batch", "engine tok/s", "HF tok/s", "ratio", "bound tok/s", "of bound",
-                *(("torch-attn tok/s", "kernel") if gain else ())):
+                *(("ref attn tok/s", "kernel") if gain else ())):
         t.add_column(col, justify="right")
     for r in result["decode"]:
         extra = (f"{r['engine_torch_attention']['tokens_per_s']:.1f}",

@@ -39,12 +39,7 @@ typedef struct {
     const int32_t *q_len;     /* [nseq] query rows of each span (>= 1) */
     const int32_t *ctx_len;   /* [nseq] keys the span's last row sees (>= q_len) */
     const int32_t *tables;    /* [nseq, table_stride] block ids */
-    int64_t table_stride;
-    int64_t nseq;
-    int64_t n_heads;
-    int64_t n_kv_heads;
-    int64_t head_dim;
-    int64_t block_size;
+    int64_t table_stride, nseq, n_heads, n_kv_heads, head_dim, block_size;
     int64_t max_q;            /* the largest q_len (sizes the scratch) */
     int64_t split;            /* chunks per sequence; 0: chosen here from the batch */
     int64_t min_parallel_work; /* multiply-adds below which one thread runs the call */
@@ -53,11 +48,10 @@ typedef struct {
     int32_t nthreads;
 } pa_batch;
 
-typedef struct {
+typedef struct { /* one layer's tensors; strides: elements between rows */
     const void *q;
-    int64_t q_stride; /* elements between rows */
-    const void *k;
-    const void *v;
+    int64_t q_stride;
+    const void *k, *v;
     void *out;
     int64_t out_stride;
 } pa_layer;
@@ -70,14 +64,11 @@ typedef struct {
 
 int pa_abi(void) { return PA_ABI; }
 
-int pa_openmp(void)
-{
 #ifdef _OPENMP
-    return 1;
+int pa_openmp(void) { return 1; }
 #else
-    return 0;
+int pa_openmp(void) { return 0; }
 #endif
-}
 
 PA_INLINE float bf16_load(uint16_t h)
 {
@@ -149,25 +140,40 @@ PA_INLINE vf16 vload(const void *p, int64_t i, const int dt)
     return x;
 }
 
-PA_INLINE float hsum(vf16 a)
-{
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
 #define PA_HAS_SHUFFLE 1
 #endif
 #endif
+
+/* The sums of four vectors' lanes, out[u] = sum of a_u: folded together (about five operations
+ * a sum instead of ten one by one). */
+PA_INLINE void hsum4(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float *out)
+{
 #ifdef PA_HAS_SHUFFLE
     typedef float vf8 __attribute__((vector_size(32)));
     typedef float vf4 __attribute__((vector_size(16)));
-    vf8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-    return (c[0] + c[2]) + (c[1] + c[3]);
+#define PA_FOLD(a) (__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + \
+                    __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15))
+    const vf8 b0 = PA_FOLD(a0), b1 = PA_FOLD(a1), b2 = PA_FOLD(a2), b3 = PA_FOLD(a3);
+#undef PA_FOLD
+    /* c01 = [b0[0]+b0[1], b1[0]+b1[1], b0[2]+b0[3], b1[2]+b1[3], ...] */
+    const vf8 c01 = __builtin_shufflevector(b0, b1, 0, 8, 2, 10, 4, 12, 6, 14) +
+                    __builtin_shufflevector(b0, b1, 1, 9, 3, 11, 5, 13, 7, 15);
+    const vf8 c23 = __builtin_shufflevector(b2, b3, 0, 8, 2, 10, 4, 12, 6, 14) +
+                    __builtin_shufflevector(b2, b3, 1, 9, 3, 11, 5, 13, 7, 15);
+    /* d[u] = a_u's lanes 0-3 (of the folded 8), d[4 + u] = lanes 4-7 */
+    const vf8 d = __builtin_shufflevector(c01, c23, 0, 1, 8, 9, 4, 5, 12, 13) +
+                  __builtin_shufflevector(c01, c23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const vf4 e = __builtin_shufflevector(d, d, 0, 1, 2, 3) + __builtin_shufflevector(d, d, 4, 5, 6, 7);
+    memcpy(out, &e, sizeof e);
 #else
-    float s = 0.0f;
-    for (int i = 0; i < VW; i++)
-        s += a[i];
-    return s;
+    const vf16 *a[4] = {&a0, &a1, &a2, &a3};
+    for (int u = 0; u < 4; u++) {
+        out[u] = 0.0f;
+        for (int i = 0; i < VW; i++)
+            out[u] += (*a[u])[i];
+    }
 #endif
 }
 
@@ -176,8 +182,7 @@ PA_INLINE float hsum(vf16 a)
 PA_INLINE void prefetch_slots(const pa_batch *bt, const pa_layer *ly, int64_t slot0, int64_t n,
                               const int dt)
 {
-    const int64_t esz = dt == PA_F32 ? 4 : 2;
-    const int64_t row = bt->n_kv_heads * bt->head_dim * esz;
+    const int64_t row = bt->n_kv_heads * bt->head_dim * (dt == PA_F32 ? 4 : 2);
     const char *k = (const char *)ly->k + slot0 * row, *v = (const char *)ly->v + slot0 * row;
     for (int64_t o = 0; o < n * row; o += 64) {
         __builtin_prefetch(k + o, 0, 3);
@@ -185,38 +190,117 @@ PA_INLINE void prefetch_slots(const pa_batch *bt, const pa_layer *ly, int64_t sl
     }
 }
 
-/* One item: every query row of sequence b (each head, each query slot; row r = slot * n_heads
- * + head) over its blocks [j0, j1), so each block is read front to back once. While on its
- * last block it prefetches after_n slots from slot `after` (the next item's first block;
- * after < 0: none). part == NULL:
- * the item covers the whole context and writes the normalised rows to out; else it writes per
- * row (max, sum, accumulator[d]) to part, to be merged. Head dims are covered 16 at a time, a
- * rest (d % 16) one by one. */
-PA_INLINE void item_impl(const pa_batch *bt, const pa_layer *ly, int64_t b, int64_t j0,
-                         int64_t j1, int64_t after, int64_t after_n, float *restrict scr,
-                         float *restrict part, const int dt, const int64_t dconst)
+/* Query rows: r = query slot * n_heads + head; a kv head h serves heads h*G .. h*G + G-1. */
+#define PA_ROWS_OF(h)                                                                             \
+    for (int64_t i = 0; i < Q; i++)                                                               \
+        for (int64_t g = 0, r = i * H + h * G; g < G; g++, r++)
+
+/* s[r][t] = q_r . k_t for the n slots from slot0, four keys at a time (a block's last 0-3 keys
+ * padded with its first, their scores unused); the n slots from `next` are prefetched meanwhile,
+ * one per key, so the requests overlap this block's work instead of queueing in one burst. */
+PA_INLINE void block_scores(const pa_batch *bt, const pa_layer *ly, const float *qv, float *s,
+                            int64_t slot0, int64_t n, int64_t next, int64_t next_n, int64_t Q,
+                            const int64_t D, const int dt)
 {
-    /* dconst: the head dim as a constant (the loops over it unroll), or 0 */
+    const int64_t H = bt->n_heads, HK = bt->n_kv_heads, G = H / HK, BS = bt->block_size;
+    const int64_t DV = D - D % VW;
+    for (int64_t t = 0; t < n; t += 4) {
+        for (int64_t u = t; u < t + 4 && u < next_n; u++)
+            prefetch_slots(bt, ly, next + u, 1, dt);
+        int64_t ko[4];
+        for (int64_t u = 0; u < 4; u++)
+            ko[u] = (slot0 + (t + u < n ? t + u : 0)) * HK * D;
+        for (int64_t h = 0; h < HK; h++)
+            PA_ROWS_OF(h) {
+                const float *qr = qv + r * D;
+                vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t d = 0; d < DV; d += VW) {
+                    vf16 x;
+                    memcpy(&x, qr + d, sizeof x);
+                    a0 += x * vload(ly->k, ko[0] + h * D + d, dt);
+                    a1 += x * vload(ly->k, ko[1] + h * D + d, dt);
+                    a2 += x * vload(ly->k, ko[2] + h * D + d, dt);
+                    a3 += x * vload(ly->k, ko[3] + h * D + d, dt);
+                }
+                float sum[4];
+                hsum4(a0, a1, a2, a3, sum);
+                for (int64_t u = 0; u < 4 && t + u < n; u++) {
+                    for (int64_t d = DV; d < D; d++)
+                        sum[u] += qr[d] * ld(ly->k, ko[u] + h * D + d, dt);
+                    s[r * BS + t + u] = sum[u];
+                }
+            }
+    }
+}
+
+/* acc_r += sum over the block's keys of s[r][t] v_t: each row's accumulator stays in registers
+ * across the keys, four vectors (64 dims) at a time, then one, then single dims. */
+PA_INLINE void block_values(const pa_batch *bt, const pa_layer *ly, const float *s, float *acc,
+                            int64_t slot0, int64_t n, int64_t Q, const int64_t D, const int dt)
+{
+    const int64_t H = bt->n_heads, HK = bt->n_kv_heads, G = H / HK, BS = bt->block_size;
+    const int64_t DV = D - D % VW, step = HK * D;
+    for (int64_t h = 0; h < HK; h++)
+        PA_ROWS_OF(h) {
+            const float *sr = s + r * BS;
+            float *ar = acc + r * D;
+            const int64_t off = slot0 * step + h * D;
+            int64_t d = 0;
+            for (; d + 4 * VW <= DV; d += 4 * VW) {
+                vf16 a[4];
+                memcpy(a, ar + d, sizeof a);
+                for (int64_t t = 0; t < n; t++)
+                    for (int u = 0; u < 4; u++)
+                        a[u] += sr[t] * vload(ly->v, off + t * step + d + u * VW, dt);
+                memcpy(ar + d, a, sizeof a);
+            }
+            for (; d < DV; d += VW) {
+                vf16 a;
+                memcpy(&a, ar + d, sizeof a);
+                for (int64_t t = 0; t < n; t++)
+                    a += sr[t] * vload(ly->v, off + t * step + d, dt);
+                memcpy(ar + d, &a, sizeof a);
+            }
+            for (; d < D; d++)
+                for (int64_t t = 0; t < n; t++)
+                    ar[d] += sr[t] * ld(ly->v, off + t * step + d, dt);
+        }
+}
+
+/* Row r of `out` (query slot r / n_heads of sequence b, head r % n_heads) = acc * inv. */
+PA_INLINE void store_row(const pa_batch *bt, const pa_layer *ly, int64_t b, int64_t r,
+                         const float *acc, float inv, int64_t D, const int dt)
+{
+    const int64_t H = bt->n_heads;
+    const int64_t dst = (bt->row_start[b] + r / H) * ly->out_stride + (r % H) * D;
+    for (int64_t d = 0; d < D; d++) {
+        if (dt == PA_F32)
+            ((float *)ly->out)[dst + d] = acc[d] * inv;
+        else
+            ((uint16_t *)ly->out)[dst + d] = bf16_store(acc[d] * inv);
+    }
+}
+
+/* One item: every query row of sequence b over its blocks [j0, j1), each block read front to
+ * back once while the next is prefetched. part == NULL: the item covers the whole context and
+ * writes the normalised rows to out; else it writes per row (max, sum, accumulator[D]) to part,
+ * to be merged. dconst: the head dim as a constant (its loops unroll), or 0. */
+PA_INLINE void item_impl(const pa_batch *bt, const pa_layer *ly, int64_t b, int64_t j0,
+                         int64_t j1, float *restrict scr, float *restrict part, const int dt,
+                         const int64_t dconst)
+{
     const int64_t D = dconst ? dconst : bt->head_dim;
-    const int64_t H = bt->n_heads, HK = bt->n_kv_heads, G = H / HK;
-    const int64_t DV = D - D % VW; /* dims covered by whole vectors */
-    const int64_t BS = bt->block_size;
-    const int64_t Q = bt->q_len[b], L = bt->ctx_len[b], row0 = bt->row_start[b];
-    const int64_t NR = H * Q;
+    const int64_t H = bt->n_heads, BS = bt->block_size;
+    const int64_t Q = bt->q_len[b], L = bt->ctx_len[b], NR = H * Q;
     const int32_t *table = bt->tables + b * bt->table_stride;
-    float *restrict qv = scr;
-    float *restrict acc = qv + NR * D;
-    float *restrict m = acc + NR * D;
-    float *restrict l = m + NR;
-    float *restrict s = l + NR;
+    float *restrict qv = scr, *restrict acc = qv + NR * D;
+    float *restrict m = acc + NR * D, *restrict l = m + NR, *restrict s = l + NR;
 
     if (j0 < j1)
         prefetch_slots(bt, ly, (int64_t)table[j0] * BS, L - j0 * BS < BS ? L - j0 * BS : BS, dt);
-    for (int64_t i = 0; i < Q; i++) {
-        const int64_t src = (row0 + i) * ly->q_stride;
+    for (int64_t i = 0; i < Q; i++)
         for (int64_t e = 0; e < H * D; e++)
-            qv[i * H * D + e] = ld(ly->q, src + e, dt) * bt->scale;
-    }
+            qv[i * H * D + e] = ld(ly->q, (bt->row_start[b] + i) * ly->q_stride + e, dt) * bt->scale;
     for (int64_t r = 0; r < NR; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -224,47 +308,23 @@ PA_INLINE void item_impl(const pa_batch *bt, const pa_layer *ly, int64_t b, int6
     memset(acc, 0, (size_t)(NR * D) * sizeof(float));
 
     for (int64_t j = j0; j < j1; j++) {
-        const int64_t p0 = j * BS;
-        const int64_t n = L - p0 < BS ? L - p0 : BS;
+        const int64_t p0 = j * BS, n = L - p0 < BS ? L - p0 : BS;
         const int64_t slot0 = (int64_t)table[j] * BS;
-        /* The next block's slots, one per slot of this block: spread out, so the requests
-         * overlap this block's work instead of queueing up in one burst. */
-        const int64_t next = j + 1 < j1 ? (int64_t)table[j + 1] * BS : after;
-        const int64_t nn = j + 1 < j1 ? (L - p0 - BS < BS ? L - p0 - BS : BS) : after_n;
-        for (int64_t t = 0; t < n; t++) {
-            if (next >= 0 && t < nn)
-                prefetch_slots(bt, ly, next + t, 1, dt);
-            for (int64_t h = 0; h < HK; h++) {
-                const int64_t off = ((slot0 + t) * HK + h) * D;
-                for (int64_t i = 0; i < Q; i++)
-                    for (int64_t g = 0; g < G; g++) {
-                        const int64_t r = i * H + h * G + g;
-                        const float *qr = qv + r * D;
-                        vf16 a = {0};
-                        for (int64_t d = 0; d < DV; d += VW) {
-                            vf16 x;
-                            memcpy(&x, qr + d, sizeof x);
-                            a += x * vload(ly->k, off + d, dt);
-                        }
-                        float sum = hsum(a);
-                        for (int64_t d = DV; d < D; d++)
-                            sum += qr[d] * ld(ly->k, off + d, dt);
-                        s[r * BS + t] = sum;
-                    }
-            }
-        }
+        const int64_t next = j + 1 < j1 ? (int64_t)table[j + 1] * BS : 0;
+        const int64_t next_n = j + 1 < j1 ? (L - p0 - BS < BS ? L - p0 - BS : BS) : 0;
+        block_scores(bt, ly, qv, s, slot0, n, next, next_n, Q, D, dt);
+        /* Online softmax: s becomes the block's weights, m and l the running max and sum. */
         for (int64_t r = 0; r < NR; r++) {
             float *sr = s + r * BS;
             int64_t nv = L - Q + 1 + r / H - p0; /* keys of this block row r sees */
             nv = nv < n ? nv : n;
-            if (nv <= 0) {
-                for (int64_t t = 0; t < n; t++)
-                    sr[t] = 0.0f;
-                continue;
-            }
             float mx = m[r];
             for (int64_t t = 0; t < nv; t++)
                 mx = sr[t] > mx ? sr[t] : mx;
+            if (nv <= 0) {
+                memset(sr, 0, (size_t)n * sizeof(float));
+                continue;
+            }
             const float alpha = m[r] == -INFINITY ? 0.0f : pa_exp(m[r] - mx);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -279,52 +339,17 @@ PA_INLINE void item_impl(const pa_batch *bt, const pa_layer *ly, int64_t b, int6
                 for (int64_t d = 0; d < D; d++)
                     acc[r * D + d] *= alpha;
         }
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t h = 0; h < HK; h++) {
-                const int64_t off = ((slot0 + t) * HK + h) * D;
-                for (int64_t d = 0; d < DV; d += VW) {
-                    const vf16 x = vload(ly->v, off + d, dt);
-                    for (int64_t i = 0; i < Q; i++)
-                        for (int64_t g = 0; g < G; g++) {
-                            const int64_t r = i * H + h * G + g;
-                            vf16 a;
-                            memcpy(&a, acc + r * D + d, sizeof a);
-                            a += s[r * BS + t] * x;
-                            memcpy(acc + r * D + d, &a, sizeof a);
-                        }
-                }
-                for (int64_t d = DV; d < D; d++) {
-                    const float x = ld(ly->v, off + d, dt);
-                    for (int64_t i = 0; i < Q; i++)
-                        for (int64_t g = 0; g < G; g++) {
-                            const int64_t r = i * H + h * G + g;
-                            acc[r * D + d] += s[r * BS + t] * x;
-                        }
-                }
-            }
+        block_values(bt, ly, s, acc, slot0, n, Q, D, dt);
     }
 
-    if (part != NULL) {
-        for (int64_t r = 0; r < NR; r++) {
+    for (int64_t r = 0; r < NR; r++) {
+        if (part == NULL) {
+            store_row(bt, ly, b, r, acc + r * D, 1.0f / l[r], D, dt);
+        } else {
             float *pr = part + r * (D + 2);
             pr[0] = m[r];
             pr[1] = l[r];
             memcpy(pr + 2, acc + r * D, (size_t)D * sizeof(float));
-        }
-        return;
-    }
-    for (int64_t r = 0; r < NR; r++) {
-        const int64_t dst = (row0 + r / H) * ly->out_stride + (r % H) * D;
-        const float inv = 1.0f / l[r];
-        const float *ar = acc + r * D;
-        if (dt == PA_F32) {
-            float *o = (float *)ly->out + dst;
-            for (int64_t d = 0; d < D; d++)
-                o[d] = ar[d] * inv;
-        } else {
-            uint16_t *o = (uint16_t *)ly->out + dst;
-            for (int64_t d = 0; d < D; d++)
-                o[d] = bf16_store(ar[d] * inv);
         }
     }
 }
@@ -333,18 +358,15 @@ PA_INLINE void item_impl(const pa_batch *bt, const pa_layer *ly, int64_t b, int6
 static void merge(const pa_batch *bt, const pa_layer *ly, int64_t b, int64_t split,
                   const float *part, int64_t part_stride, int dt)
 {
-    const int64_t D = bt->head_dim, H = bt->n_heads;
-    const int64_t Q = bt->q_len[b], row0 = bt->row_start[b];
-    for (int64_t r = 0; r < H * Q; r++) {
-        float mx = -INFINITY;
+    const int64_t D = bt->head_dim;
+    float o[D];
+    for (int64_t r = 0; r < bt->n_heads * bt->q_len[b]; r++) {
+        float mx = -INFINITY, sum = 0.0f;
         for (int64_t c = 0; c < split; c++) {
             const float mc = part[c * part_stride + r * (D + 2)];
             mx = mc > mx ? mc : mx;
         }
-        float sum = 0.0f;
-        float o[D];
-        for (int64_t d = 0; d < D; d++)
-            o[d] = 0.0f;
+        memset(o, 0, sizeof o);
         for (int64_t c = 0; c < split; c++) {
             const float *pr = part + c * part_stride + r * (D + 2);
             if (pr[0] == -INFINITY)
@@ -354,17 +376,10 @@ static void merge(const pa_batch *bt, const pa_layer *ly, int64_t b, int64_t spl
             for (int64_t d = 0; d < D; d++)
                 o[d] += w * pr[2 + d];
         }
-        const int64_t dst = (row0 + r / H) * ly->out_stride + (r % H) * D;
-        const float inv = 1.0f / sum;
-        if (dt == PA_F32) {
-            float *out = (float *)ly->out + dst;
-            for (int64_t d = 0; d < D; d++)
-                out[d] = o[d] * inv;
-        } else {
-            uint16_t *out = (uint16_t *)ly->out + dst;
-            for (int64_t d = 0; d < D; d++)
-                out[d] = bf16_store(o[d] * inv);
-        }
+        if (dt == PA_F32)
+            store_row(bt, ly, b, r, o, 1.0f / sum, D, PA_F32);
+        else
+            store_row(bt, ly, b, r, o, 1.0f / sum, D, PA_BF16);
     }
 }
 
@@ -372,19 +387,19 @@ static void merge(const pa_batch *bt, const pa_layer *ly, int64_t b, int64_t spl
  * time (one cached library, fast where the CPU allows, runs on any x86-64), and within each for
  * head dims 64 and 128 as constants (the common ones) and any other. Elsewhere (or with
  * -DPA_NO_ISA_VARIANTS) one baseline build. */
-typedef void (*item_fn)(const pa_batch *, const pa_layer *, int64_t, int64_t, int64_t, int64_t,
-                        int64_t, float *, float *);
+typedef void (*item_fn)(const pa_batch *, const pa_layer *, int64_t, int64_t, int64_t, float *,
+                        float *);
 
 #define PA_ITEM(name, attr, dt)                                                                  \
     attr static void name(const pa_batch *bt, const pa_layer *ly, int64_t b, int64_t j0,          \
-                          int64_t j1, int64_t after, int64_t after_n, float *scr, float *part)    \
+                          int64_t j1, float *scr, float *part)                                    \
     {                                                                                             \
         if (bt->head_dim == 64)                                                                   \
-            item_impl(bt, ly, b, j0, j1, after, after_n, scr, part, dt, 64);                      \
+            item_impl(bt, ly, b, j0, j1, scr, part, dt, 64);                                      \
         else if (bt->head_dim == 128)                                                             \
-            item_impl(bt, ly, b, j0, j1, after, after_n, scr, part, dt, 128);                     \
+            item_impl(bt, ly, b, j0, j1, scr, part, dt, 128);                                     \
         else                                                                                      \
-            item_impl(bt, ly, b, j0, j1, after, after_n, scr, part, dt, 0);                       \
+            item_impl(bt, ly, b, j0, j1, scr, part, dt, 0);                                       \
     }
 
 PA_ITEM(item_f32, , PA_F32)
@@ -508,18 +523,9 @@ int pa_decode(int dt, const pa_batch *bt, const void *q, int64_t q_stride, const
         for (int64_t it = 0; it < items; it++) {
             if (scr == NULL)
                 continue;
-            int64_t b, j0, j1, nb, nj0, nj1;
+            int64_t b, j0, j1;
             item_range(bt, it, split, &b, &j0, &j1);
-            int64_t after = -1, after_n = 0;
-            if (it + 1 < items) { /* often this thread's next item: start its first block */
-                item_range(bt, it + 1, split, &nb, &nj0, &nj1);
-                if (nj0 < nj1) {
-                    after = (int64_t)bt->tables[nb * bt->table_stride + nj0] * BS;
-                    after_n = bt->ctx_len[nb] - nj0 * BS < BS ? bt->ctx_len[nb] - nj0 * BS : BS;
-                }
-            }
-            fn(bt, &ly, b, j0, j1, after, after_n, scr,
-               part == NULL ? NULL : part + it * part_stride);
+            fn(bt, &ly, b, j0, j1, scr, part == NULL ? NULL : part + it * part_stride);
         }
         if (part != NULL) {
 #pragma omp for schedule(static)
