@@ -121,3 +121,20 @@ def test_build_is_cached_by_source_and_atomic(monkeypatch, tmp_path):
 def test_kernel_reports_what_it_runs():
     info = paged_attn_cpu.info()
     assert info["isa"] in ("baseline", "avx2", "avx512") and isinstance(info["openmp"], bool)
+
+
+@needs_cc
+def test_a_compiler_without_openmp_gets_the_single_threaded_build(monkeypatch, tmp_path):
+    """The OpenMP build failing (here: a flag the compiler refuses) falls back to the build
+    without it, which gives the same results on one thread."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(paged_attn_cpu, "_lib", None)
+    monkeypatch.setattr(paged_attn_cpu, "_error", None)
+    monkeypatch.setattr(paged_attn_cpu, "FLAG_SETS",
+                        (paged_attn_cpu.BASE_FLAGS + ("--no-such-flag",), paged_attn_cpu.FLAG_SETS[1]))
+    assert paged_attn_cpu.info()["openmp"] is False
+    from tests.engine.test_paged_attn import kernel, make_case, reference
+    case = make_case([(40, 1), (70, 3)], 9, 3, 64, 16, seed=11)
+    meta, q, _, _, kc, vc = case
+    torch.testing.assert_close(kernel(meta, q, kc, vc, threads=2), reference(*case, monkeypatch),
+                               rtol=0, atol=1e-5)
