@@ -18,18 +18,14 @@ over 32 MiB anew), which costs more than the codec, so a hot path should reuse i
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from pdserve.engine import cbuild
 
 SOURCE = Path(__file__).with_name("kvcodec_c.c")
 CFLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
@@ -38,6 +34,7 @@ GROUP_SIZE = 32  # mirrors kvcodec.GROUP_SIZE (a chunk boundary must be a group 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _RBYTES = {torch.float32: 3, torch.bfloat16: 1, torch.float16: 1}
+_WHAT = "kvcodec C backend"
 _MIN_CHUNK_GROUPS = 1 << 15  # 1 Mi values: below this a thread hand-off costs more than it saves
 
 _lock = threading.Lock()
@@ -52,45 +49,17 @@ class CBackendUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
-    return Path(root) / "kvcodec"
-
-
-def _compiler() -> list[str]:
-    cc = shlex.split(os.environ.get("CC", "").strip() or "gcc")
-    if shutil.which(cc[0]) is None:
-        raise CBackendUnavailable(
-            f"kvcodec C backend: C compiler {cc[0]!r} not found (install gcc or set CC); "
-            "backend='auto' falls back to the PyTorch reference")
-    return cc
+    return cbuild.cache_dir("kvcodec")
 
 
 def library_path() -> Path:
     """Where the compiled library for this source, compiler and flags lives (built or not)."""
-    cc = _compiler()
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update("\0".join(cc + list(CFLAGS)).encode())
-    return cache_dir() / f"kvcodec_c-{key.hexdigest()[:16]}.so"
+    return cbuild.library_path(SOURCE, CFLAGS, "kvcodec", _WHAT, CBackendUnavailable,
+                               "; backend='auto' falls back to the PyTorch reference")
 
 
 def _build(target: Path) -> None:
-    cc = _compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = [*cc, *CFLAGS, str(SOURCE), "-o", tmp]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except OSError as exc:
-            raise CBackendUnavailable(f"kvcodec C backend: cannot run {cc[0]!r}: {exc}") from exc
-        if proc.returncode != 0:
-            raise CBackendUnavailable(
-                f"kvcodec C backend: `{shlex.join(cmd)}` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-        os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine to replace
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    cbuild.build(SOURCE, target, CFLAGS, _WHAT, CBackendUnavailable)
 
 
 def _load() -> ctypes.CDLL:

@@ -19,17 +19,13 @@ Threads: `torch.get_num_threads()` at each call, the engine's own setting.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from pdserve.engine import cbuild
 
 SOURCE = Path(__file__).with_name("paged_attn_c.c")
 BASE_FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-shared", "-fPIC")
@@ -37,6 +33,7 @@ BASE_FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-shared", "-fPIC")
 FLAG_SETS = (BASE_FLAGS + ("-fopenmp",), BASE_FLAGS + ("-fopenmp-simd",))
 ABI = 1  # pa_abi() of the source this module speaks to
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2}
+_WHAT = "paged attention C kernel"
 ISA_NAMES = {0: "baseline", 1: "avx2", 2: "avx512"}
 # Multiply-adds (keys x query heads x head dim) below which one call runs on one thread: tens of
 # microseconds of work, less than waking the others costs (batch 1 at short contexts).
@@ -71,44 +68,16 @@ _ERRORS = {1: "unsupported dtype", 2: "bad head or block sizes", 3: "a span's le
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
-    return Path(root) / "paged_attn"
-
-
-def _compiler() -> list[str]:
-    cc = shlex.split(os.environ.get("CC", "").strip() or "gcc")
-    if shutil.which(cc[0]) is None:
-        raise _NoCompiler(
-            f"paged attention C kernel: C compiler {cc[0]!r} not found (install gcc or set CC)")
-    return cc
+    return cbuild.cache_dir("paged_attn")
 
 
 def library_path(flags: tuple[str, ...] = FLAG_SETS[0]) -> Path:
     """Where the library for this source, compiler and flags lives (built or not)."""
-    cc = _compiler()
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update("\0".join(cc + list(flags)).encode())
-    return cache_dir() / f"paged_attn_c-{key.hexdigest()[:16]}.so"
+    return cbuild.library_path(SOURCE, flags, "paged_attn", _WHAT, _NoCompiler)
 
 
 def _build(target: Path, flags: tuple[str, ...]) -> None:
-    cc = _compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = [*cc, *flags, str(SOURCE), "-o", tmp]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except OSError as exc:
-            raise KernelUnavailable(f"paged attention C kernel: cannot run {cc[0]!r}: {exc}") from exc
-        if proc.returncode != 0:
-            raise KernelUnavailable(f"paged attention C kernel: `{shlex.join(cmd)}` failed "
-                                    f"({proc.returncode}):\n{proc.stderr[-2000:]}")
-        os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine to replace
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    cbuild.build(SOURCE, target, flags, _WHAT, KernelUnavailable)
 
 
 def _open(flags: tuple[str, ...]) -> ctypes.CDLL:

@@ -1,0 +1,65 @@
+"""Compiling a C source of the engine into a shared library on first use, cached by content.
+
+Owns where such libraries live (`$PDSERVE_CACHE/<kind>`, default `~/.cache/pdserve/<kind>`), their
+names (a hash of the source, the compiler and its flags, so an edit or another flag set builds
+anew) and the build itself: `$CC` (default gcc) writes a temp file that is `os.replace`d into
+place, so concurrent processes never load a half-written library. Failures raise the caller's
+error type with the caller's name for the library (no compiler, a compile error), so each
+backend says in its own words why it falls back.
+Must not load or call the library: each backend (`kvcodec_cpu`, `paged_attn_cpu`) does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cache_dir(kind: str) -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "pdserve")
+    return Path(root) / kind
+
+
+def compiler(what: str, error: type[Exception], hint: str = "") -> list[str]:
+    """`$CC` split into words (default gcc); `error` naming `what` when it is not installed."""
+    cc = shlex.split(os.environ.get("CC", "").strip() or "gcc")
+    if shutil.which(cc[0]) is None:
+        raise error(f"{what}: C compiler {cc[0]!r} not found (install gcc or set CC){hint}")
+    return cc
+
+
+def library_path(source: Path, flags: tuple[str, ...], kind: str, what: str,
+                 error: type[Exception], hint: str = "") -> Path:
+    """Where the library of `source` built with this compiler and `flags` lives (built or not)."""
+    cc = compiler(what, error, hint)
+    key = hashlib.sha256(source.read_bytes())
+    key.update("\0".join(cc + list(flags)).encode())
+    return cache_dir(kind) / f"{source.stem}-{key.hexdigest()[:16]}.so"
+
+
+def build(source: Path, target: Path, flags: tuple[str, ...], what: str,
+          error: type[Exception]) -> None:
+    """Compile `source` into `target` atomically; `error` with the compiler's message if not."""
+    cc = compiler(what, error)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [*cc, *flags, str(source), "-o", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except OSError as exc:
+            raise error(f"{what}: cannot run {cc[0]!r}: {exc}") from exc
+        if proc.returncode != 0:
+            raise error(f"{what}: `{shlex.join(cmd)}` failed ({proc.returncode}):\n"
+                        f"{proc.stderr[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent builder's identical file is fine to replace
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
