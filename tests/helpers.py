@@ -6,6 +6,7 @@ gRPC health service, and stopping it with SIGTERM. Must not know any particular 
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
+from unittest import mock
 
 from pdserve.rpc import wait_healthy
 
@@ -106,3 +108,20 @@ def wait_until(predicate, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+class _Parsed(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def parser_of(main) -> argparse.ArgumentParser:
+    """The parser a process's `main` builds, caught at parse_args (nothing else runs)."""
+    def capture(self, *args, **kwargs):
+        raise _Parsed(self)
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            main([])
+        except _Parsed as e:
+            return e.parser
+    raise AssertionError(f"{main.__module__}.main never parsed its arguments")

@@ -15,17 +15,16 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import subprocess
 import sys
 import time
-from unittest import mock
 
 import pytest
 
 from pdserve import cli
 from pdserve.cli_serve import passthrough_args
+from tests.helpers import parser_of
 
 HEAVY = ("torch", "transformers", "ray", "pdserve.bench.decode", "pdserve.engine.loader")
 
@@ -137,22 +136,6 @@ def test_bench_flags_come_from_the_module_only_when_it_runs():
     assert out.stdout.startswith("usage: pdserve bench kvstore") and "--json" in out.stdout
 
 
-class _Parsed(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-
-def _parser_of(main) -> argparse.ArgumentParser:
-    """The parser a process's `main` builds, caught at parse_args (nothing else runs)."""
-    def capture(self, *args, **kwargs):
-        raise _Parsed(self)
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
-        try:
-            main([])
-        except _Parsed as e:
-            return e.parser
-    raise AssertionError(f"{main.__module__}.main never parsed its arguments")
-
 
 def test_serve_admission_and_key_flags_reach_the_router_and_controller(tmp_path):
     from pdserve.controller.__main__ import main as controller_main
@@ -164,10 +147,10 @@ def test_serve_admission_and_key_flags_reach_the_router_and_controller(tmp_path)
         "--tenant-rate-rps", "2.5", "--tenant-burst", "4", "--allow-special-tokens-in-messages",
         "--api-keys-file", str(keys), "--admin-keys-file", str(admin)])
     extra = passthrough_args(args)
-    r = _parser_of(router_main).parse_args(["--model", "m", *extra["router_args"]])
+    r = parser_of(router_main).parse_args(["--model", "m", *extra["router_args"]])
     assert (r.model_name, r.max_in_flight_per_tenant, r.tenant_rate_rps, r.tenant_burst,
             r.allow_special_tokens_in_messages) == ("smol", 3, 2.5, 4, True)
-    c = _parser_of(controller_main).parse_args(["--router", "h:1", *extra["controller_args"]])
+    c = parser_of(controller_main).parse_args(["--router", "h:1", *extra["controller_args"]])
     assert (c.admin_keys_file, c.api_keys_file) == (str(admin), str(keys))
     # Unset flags pass nothing: the processes keep their own defaults.
     assert passthrough_args(cli.build_parser().parse_args(["serve"])) == {

@@ -16,22 +16,10 @@ tokens it asked for.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]; None for no data."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+from pdserve.core.stats import percentile  # noqa: F401 - re-exported
 
 
 def _mean(xs: Sequence[float]) -> float | None:

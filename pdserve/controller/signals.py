@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from pdserve.core.stats import percentile  # noqa: F401 - re-exported
+
 
 @dataclass(frozen=True)
 class Slo:
@@ -105,20 +107,6 @@ def decode_pressure(kv_used_blocks: int, kv_total_blocks: int, itl_p90_s: float 
     waiting_ratio = max(0, waiting) / max(running, waiting_floor) if waiting > 0 else 0.0
     return DecodePressure(max(kv_ratio, itl_ratio, waiting_ratio), occupancy, kv_ratio,
                           itl_ratio, waiting_ratio)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (q in [0, 100]) with linear interpolation between closest ranks
-    (numpy's default), or None for no values."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def attainment(samples: Sequence[tuple[float, float]], slo: Slo) -> float | None:

@@ -12,7 +12,8 @@ import pytest
 
 
 @pytest.mark.parametrize("module", ["pdserve.core.rates", "pdserve.core.sampling_params",
-                                    "pdserve.engine.checkpoint_config", "pdserve.router.server",
+                                    "pdserve.engine.checkpoint_config", "pdserve.core.stats",
+                                    "pdserve.router.server",
                                     "pdserve.router.__main__", "pdserve.controller.server"])
 def test_imports_without_torch(module):
     code = (f"import sys, {module}; "

@@ -9,7 +9,6 @@ is skipped, saying so, only where none can start). The healthcheck's pure core i
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import shutil
@@ -19,11 +18,10 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
-from tests.helpers import REPO_ROOT, free_port
+from tests.helpers import REPO_ROOT, free_port, parser_of
 
 DOCKER_DIR = REPO_ROOT / "deploy" / "docker"
 GRACE_S = 30  # docker stop's grace before SIGKILL; the cluster must be gone well within it
@@ -91,22 +89,6 @@ def test_probe_for_refuses_bad_input_naming_it():
         hc.probe_for("router", ["--address", "nowhere"], {})
 
 
-class _Parsed(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-
-def _parser_of(main) -> argparse.ArgumentParser:
-    """The parser a process's `main` builds, caught at parse_args (nothing else runs)."""
-    def capture(self, *args, **kwargs):
-        raise _Parsed(self)
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
-        try:
-            main([])
-        except _Parsed as e:
-            return e.parser
-    raise AssertionError(f"{main.__module__}.main never parsed its arguments")
-
 
 def test_healthcheck_defaults_are_the_processes_defaults():
     from pdserve import cli
@@ -120,8 +102,8 @@ def test_healthcheck_defaults_are_the_processes_defaults():
     assert hc.DEFAULT_ADDRESS["serve"] == f"{serve.host}:{serve.port}"
     for kind, main in (("master", master_main), ("worker", worker_main),
                        ("router", router_main), ("controller", controller_main)):
-        assert hc.DEFAULT_ADDRESS[kind] == _parser_of(main).get_default("address"), kind
-    assert hc.DEFAULT_ADDRESS["node"] == _parser_of(node_main).get_default("data_address")
+        assert hc.DEFAULT_ADDRESS[kind] == parser_of(main).get_default("address"), kind
+    assert hc.DEFAULT_ADDRESS["node"] == parser_of(node_main).get_default("data_address")
 
 
 # --- the image (PDSERVE_DOCKER_TESTS=1) -------------------------------------------------------
