@@ -61,11 +61,13 @@ def test_an_orphan_whose_shutdown_hangs_still_exits_after_the_deadline():
 
 
 def test_a_child_whose_parent_lives_is_left_alone():
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, "0.1"], cwd=REPO_ROOT,
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, "0.05"], cwd=REPO_ROOT,
                               stdout=subprocess.PIPE, text=True)
     try:
         pid = int(parent.stdout.readline())
-        time.sleep(1.0)  # ten times the deadline: a watchdog that fired early would have ended it
+        # An absence, so no condition to wait on: past the watchdog's first poll (0.25 s) plus
+        # its deadline, a watchdog that fired with the parent alive would have ended it.
+        time.sleep(0.4)
         assert _alive(pid)
         parent.kill()
         parent.wait()
