@@ -19,9 +19,10 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.core.block_hash import hash_block
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sampling import SamplingParams
+from pdserve.core.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):
