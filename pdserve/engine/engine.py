@@ -194,27 +194,11 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_ids), params.with_seed(), salt=salt,
                        stop_rules=self.stop_rules)
         seq.token_ids.append(first_token)
-        full = len(prompt_ids) // self.block_size
-        for i, (h, data) in enumerate(blocks):
-            is_full = i < full
-            bid = self.pool.lookup(h) if is_full else None
-            if bid is not None:
-                self.pool.take_cached(bid)
-            elif data is not None and self.pool.num_free > 0:
-                bid = self.pool.allocate(1)[0]
-                self.kv.write_block(bid, data)
-                if is_full and self.cfg.cache.enable_prefix_caching and not approximate:
-                    self.pool.register(bid, h)
-            else:
-                break
-            seq.block_table.append(bid)
-            if is_full:
-                seq.block_hashes.append(h)
-        seq.num_computed = min(len(seq.block_table) * self.block_size, len(prompt_ids))
-        seq.num_cached_tokens = seq.num_computed
-        # A trailing partial block is only valid up to the prompt's end; the scheduler never
-        # treats it as cached (it has no hash registered).
-        self.scheduler.add(seq)
+        writes = self.scheduler.add_prefilled(seq, [h for h, _ in blocks],
+                                              [d is not None for _, d in blocks],
+                                              approximate=approximate)
+        for i, bid in writes:
+            self.kv.write_block(bid, blocks[i][1])
         self.seqs[request_id] = seq
         if check_stop(seq, first_token):
             self._finish(seq, seq.finish_reason)

@@ -31,21 +31,12 @@ from pdserve.core.block_hash import iter_block_hashes
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
+# The seam's types; importable from here, where the seam is.
+from pdserve.engine.outputs import ModelRunnerOutput, StepOutput, StopRules  # noqa: F401
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound (mapped to RESOURCE_EXHAUSTED / HTTP 429)."""
-
-
-@dataclass(frozen=True)
-class StopRules:
-    """What ends or pauses a sequence beyond its sampling parameters: its model's end-of-sequence
-    ids and context length, and how many drafts it may decode on anchor-precision KV before it
-    waits for the exact KV. The defaults stop nothing (a simulated request ends by max_tokens)."""
-
-    eos_ids: frozenset[int] = frozenset()
-    max_model_len: int = 1 << 62
-    max_anchor_drafts: int = 15
 
 
 class SeqStatus(enum.Enum):
@@ -115,33 +106,6 @@ class ScheduledBatch:
         return seq.num_computed + n - len(seq.spec_token_ids) == seq.num_tokens
 
 
-@dataclass
-class ModelRunnerOutput:
-    """What running a `ScheduledBatch` produced, one entry per scheduled sequence, in order.
-
-    `sampled_token_ids[i]`: the tokens entry i emits this step: empty when it drew none (a
-    prefill chunk short of the prompt's end), one token for a plain step, and for a sequence
-    that ran drafts the accepted drafts followed by the target's own next token (so at most
-    1 + its draft count). `logprobs[i]`: parallel to it when the request asked for logprobs
-    (opaque records, passed through), else None; the whole list may be None when none asked."""
-
-    sampled_token_ids: list[list[int]]
-    logprobs: list[list[TokenLogprobs] | None] | None = None
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # a `pdserve.core.finish` reason; None while running
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    prefill_done: bool = False  # prefill-only request: first token sampled, KV parked for export
-    # Parallel to new_token_ids when the request asked for logprobs, else None.
-    logprobs: list[TokenLogprobs] | None = None
-
-
 def check_stop(seq: Sequence, tok: int) -> bool:
     """Whether `tok`, just appended, ends `seq`; sets its finish reason if so."""
     p, rules = seq.params, seq.stop_rules
@@ -177,9 +141,46 @@ class Scheduler:
         self.prompt_tokens_computed = 0  # run through the model, not served from a cache
 
     def add(self, seq: Sequence) -> None:
+        self._check_room()
+        self.waiting.append(seq)
+
+    def _check_room(self) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+
+    def add_prefilled(self, seq: Sequence, block_hashes: list[bytes],
+                      has_data: list[bool], *, approximate: bool = False) -> list[tuple[int, int]]:
+        """Queue a sequence whose prompt was prefilled elsewhere (its first token appended),
+        holding the leading run of its prompt's blocks that can be placed here: a full block
+        the pool already caches by its hash, else one with data (`has_data[i]`) while blocks
+        are free. Whatever is not placed is recomputed, so a lost block costs time, never a
+        wrong token. Returns (index in `block_hashes`, block id) of the blocks whose data the
+        caller writes. `approximate` (anchor-precision data) keeps them out of the prefix
+        cache."""
+        self._check_room()  # before taking blocks, so that a refusal holds none
+        full = len(seq.prompt_ids) // self.block_size
+        writes: list[tuple[int, int]] = []
+        for i, (h, data) in enumerate(zip(block_hashes, has_data)):
+            is_full = i < full
+            bid = self.pool.lookup(h) if is_full else None
+            if bid is not None:
+                self.pool.take_cached(bid)
+            elif data and self.pool.num_free > 0:
+                bid = self.pool.allocate(1)[0]
+                writes.append((i, bid))
+                if is_full and self.enable_prefix_caching and not approximate:
+                    self.pool.register(bid, h)
+            else:
+                break
+            seq.block_table.append(bid)
+            if is_full:
+                seq.block_hashes.append(h)
+        # A trailing partial block is only valid up to the prompt's end; it is never treated
+        # as cached (no hash is registered for it).
+        seq.num_computed = min(len(seq.block_table) * self.block_size, len(seq.prompt_ids))
+        seq.num_cached_tokens = seq.num_computed
         self.waiting.append(seq)
+        return writes
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(not s.paused for s in self.running)

@@ -16,6 +16,7 @@ import pytest
                                     "pdserve.core.block_hash", "pdserve.core.finish",
                                     "pdserve.core.errors",
                                     "pdserve.engine.scheduler", "pdserve.engine.block_pool",
+                                    "pdserve.engine.outputs",
                                     "pdserve.router.policy", "pdserve.router.admission",
                                     "pdserve.router.kv_index", "pdserve.router.membership",
                                     "pdserve.controller.policy",

@@ -13,11 +13,12 @@ import random
 import pytest
 
 from pdserve.core import finish
+from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.scheduler import (ModelRunnerOutput, Scheduler, SeqStatus, Sequence,
-                                      StopRules, simulated_output)
+from pdserve.engine.scheduler import (ModelRunnerOutput, QueueFullError, Scheduler, SeqStatus,
+                                      Sequence, StopRules, simulated_output)
 
 BS = 4  # tokens per block
 
@@ -219,3 +220,37 @@ def test_a_request_aborted_mid_step_is_skipped():
     outs = sched.update_from_output(batch, simulated_output(batch))
     assert [o.request_id for o in outs] == ["b"]
     check_pool(sched)
+
+
+def test_a_prefilled_request_joins_with_the_blocks_it_can_place_and_recomputes_the_rest():
+    """The decode side of a hand-over: a full block the pool caches is reused, one with data
+    is placed (the caller writes it), the first one without either ends the run, and what was
+    not placed is computed here before the request decodes."""
+    sched = make_scheduler()
+    prompt = list(range(200, 214))  # three full blocks and a partial one
+    donor = make_seq("donor", prompt[:BS] + [1], max_tokens=1)  # caches block 0
+    sched.add(donor)
+    batch = sched.schedule()
+    sched.update_from_output(batch, simulated_output(batch))
+    hashes = prompt_block_hashes(prompt, BS, include_partial=True)
+    seq = make_seq("joined", prompt, max_tokens=3)
+    seq.token_ids.append(42)  # the first token, sampled by the prefill side
+    writes = sched.add_prefilled(seq, hashes, [False, True, False, True])
+    assert [i for i, _ in writes] == [1]  # block 0 cached here; block 2 missing ends the run
+    assert seq.num_computed == seq.num_cached_tokens == 2 * BS
+    batch = sched.schedule()
+    assert batch.num_new == [len(prompt) + 1 - 2 * BS]  # the prompt's rest and the first token
+    outs = sched.update_from_output(batch, simulated_output(batch, token_id=8))
+    assert outs[0].new_token_ids == [8] and seq.output_ids == [42, 8]
+    check_pool(sched)
+
+
+def test_a_prefilled_request_refused_by_a_full_queue_holds_no_blocks():
+    cfg = SchedulerConfig(max_waiting=1)
+    sched = Scheduler(cfg, BlockPool(16), BS)
+    sched.add(make_seq("first", [1, 2, 3], max_tokens=2))
+    seq = make_seq("late", list(range(8)), max_tokens=2)
+    seq.token_ids.append(9)
+    with pytest.raises(QueueFullError):
+        sched.add_prefilled(seq, prompt_block_hashes(list(range(8)), BS), [True, True])
+    assert sched.pool.num_free == 16 and not seq.block_table
