@@ -233,7 +233,7 @@ class LLMEngine:
                 if self.pool.lookup(h) is None:
                     self.pool.register(bid, h)
         self.scheduler.trim_blocks(seq, seq.num_tokens)
-        room = min(len(drafts), seq.params.max_tokens - len(seq.output_ids) - 1,
+        room = min(len(drafts), seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens)
         seq.forced_drafts = drafts[:max(0, room)]
         return len(seq.forced_drafts)
@@ -323,7 +323,7 @@ class LLMEngine:
         seqs = [batch.seqs[i] for i in samplers]
         # One row per sampler, plus one per draft token of a speculating one.
         params = [s.params for s in seqs for _ in range(1 + len(s.spec_token_ids))]
-        index = [len(s.output_ids) + j for s in seqs for j in range(1 + len(s.spec_token_ids))]
+        index = [s.num_output_tokens + j for s in seqs for j in range(1 + len(s.spec_token_ids))]
         # Each row is sampled with its own output position's seeded generator, so a
         # draft is accepted exactly when the target draws the same token (see _verify).
         tokens = sample(logits, params, index)
@@ -381,7 +381,7 @@ class LLMEngine:
                     or seq.num_computed != seq.num_tokens - 1):
                 continue
             # Never draft past max_tokens (the bonus token comes on top) or the context length.
-            room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
+            room = min(k, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens)
             blocks_for = self.scheduler.blocks_needed
             own = blocks_for(seq, seq.num_tokens)

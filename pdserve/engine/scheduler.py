@@ -87,6 +87,10 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids):]
 
+    @property
+    def num_output_tokens(self) -> int:  # without copying them: checked after every token
+        return len(self.token_ids) - len(self.prompt_ids)
+
 
 @dataclass
 class ScheduledBatch:
@@ -111,7 +115,7 @@ def check_stop(seq: Sequence, tok: int) -> bool:
     p, rules = seq.params, seq.stop_rules
     if (tok in rules.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
         seq.finish_reason = finish.STOP
-    elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= rules.max_model_len:
+    elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= rules.max_model_len:
         seq.finish_reason = finish.LENGTH
     return seq.finish_reason is not None
 
@@ -286,7 +290,7 @@ class Scheduler:
         self.prefix_queries_tokens += prompt_len
         hit_tokens = min(n_hit_blocks * self.block_size, prompt_len)
         self.prefix_hits_tokens += hit_tokens
-        if not seq.output_ids:  # a recompute after preemption is not a user-visible cache hit
+        if not seq.num_output_tokens:  # a recompute after preemption is not a user-visible cache hit
             seq.num_cached_tokens = hit_tokens
         # The hit blocks' hashes are the first entries of the chain.
         seq.block_hashes = list(iter_block_hashes(seq.token_ids, self.block_size, seq.salt,
@@ -313,6 +317,8 @@ class Scheduler:
         """After a step: index every newly completed block so later prompts can share it."""
         n_full = seq.num_computed // self.block_size
         first = len(seq.block_hashes)
+        if n_full <= first:  # most decode steps complete no block
+            return
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i, h in enumerate(iter_block_hashes(seq.token_ids, self.block_size, seq.salt,
                                                 first=first, parent=parent, end_block=n_full),
@@ -399,6 +405,6 @@ class Scheduler:
         n = seq.num_tokens - seq.anchor_from
         if (n >= rules.max_anchor_drafts or (tok in rules.eos_ids and not p.ignore_eos)
                 or tok in p.stop_token_ids
-                or len(seq.output_ids) >= p.max_tokens
+                or seq.num_output_tokens >= p.max_tokens
                 or seq.num_tokens >= rules.max_model_len):
             seq.paused = True
