@@ -39,7 +39,7 @@ from pdserve.engine.model import LlamaModel, StepInput
 from pdserve.engine.request_check import check_request, check_resume
 from pdserve.engine.sampling import InvalidArgumentError, SamplingParams, sample, token_logprobs
 from pdserve.engine.scheduler import (  # noqa: F401 (StepOutput re-exported for the workers)
-    ModelRunnerOutput, ScheduledBatch, Scheduler, Sequence, StepOutput, StopRules, check_stop)
+    ModelRunnerOutput, ScheduledBatch, Scheduler, Sequence, StepOutput, StopRules)
 from pdserve.engine.spec import DraftRequest, SpecStats, make_drafter, verify_greedy
 from pdserve.engine.spec.schedule import (AcceptanceEstimator, StepCostTable, plan_draft_lengths,
                                           profile_step_costs)
@@ -199,11 +199,8 @@ class LLMEngine:
                                               approximate=approximate)
         for i, bid in writes:
             self.kv.write_block(bid, blocks[i][1])
-        self.seqs[request_id] = seq
-        if check_stop(seq, first_token):
-            self._finish(seq, seq.finish_reason)
-        elif approximate:
-            seq.anchor_from = seq.num_tokens
+        if seq.finish_reason is None:
+            self.seqs[request_id] = seq
         return seq.finish_reason
 
     def finish_anchor(self, request_id: str,

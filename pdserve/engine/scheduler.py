@@ -159,8 +159,11 @@ class Scheduler:
         the pool already caches by its hash, else one with data (`has_data[i]`) while blocks
         are free. Whatever is not placed is recomputed, so a lost block costs time, never a
         wrong token. Returns (index in `block_hashes`, block id) of the blocks whose data the
-        caller writes. `approximate` (anchor-precision data) keeps them out of the prefix
-        cache."""
+        caller writes.
+
+        If the first token already ends the sequence it is finished and freed at once (its
+        `finish_reason` says why). `approximate` (anchor-precision data) keeps its blocks out of
+        the prefix cache and makes it decode drafts on them until the exact KV lands."""
         self._check_room()  # before taking blocks, so that a refusal holds none
         full = len(seq.prompt_ids) // self.block_size
         writes: list[tuple[int, int]] = []
@@ -184,6 +187,11 @@ class Scheduler:
         seq.num_computed = min(len(seq.block_table) * self.block_size, len(seq.prompt_ids))
         seq.num_cached_tokens = seq.num_computed
         self.waiting.append(seq)
+        if check_stop(seq, seq.token_ids[-1]):
+            self.finish(seq, seq.finish_reason)
+            self.free(seq)
+        elif approximate:
+            seq.anchor_from = seq.num_tokens
         return writes
 
     def has_work(self) -> bool:

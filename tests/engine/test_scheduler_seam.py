@@ -254,3 +254,28 @@ def test_a_prefilled_request_refused_by_a_full_queue_holds_no_blocks():
     with pytest.raises(QueueFullError):
         sched.add_prefilled(seq, prompt_block_hashes(list(range(8)), BS), [True, True])
     assert sched.pool.num_free == 16 and not seq.block_table
+
+
+def test_a_prefilled_request_whose_first_token_ends_it_never_runs():
+    sched = make_scheduler()
+    seq = make_seq("one", list(range(8)), max_tokens=1)
+    seq.token_ids.append(9)
+    sched.add_prefilled(seq, prompt_block_hashes(list(range(8)), BS), [True, True])
+    assert seq.finish_reason == finish.LENGTH and seq.status is SeqStatus.FINISHED
+    assert not sched.has_work() and sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_a_request_joined_on_approximate_kv_drafts_without_sharing_its_blocks():
+    sched = make_scheduler()
+    prompt = list(range(300, 308))
+    seq = make_seq("anchor", prompt, max_tokens=8, stop_rules=StopRules(max_anchor_drafts=2))
+    seq.token_ids.append(9)
+    sched.add_prefilled(seq, prompt_block_hashes(prompt, BS), [True, True], approximate=True)
+    assert seq.anchor_from == seq.num_tokens
+    assert all(sched.pool.lookup(h) is None for h in prompt_block_hashes(prompt, BS))
+    for _ in range(3):
+        batch = sched.schedule()
+        if batch.empty:
+            break
+        assert sched.update_from_output(batch, simulated_output(batch, token_id=4)) == []
+    assert seq.paused and seq.token_ids[seq.anchor_from:] == [4, 4]
