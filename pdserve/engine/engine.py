@@ -19,6 +19,7 @@ None a step is exactly the plain one.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable
@@ -30,6 +31,7 @@ import torch
 from pdserve.engine.attention import SHORT_SPAN, PagedKVCache, build_attention_metadata
 from pdserve.engine.block_pool import BlockPool, hash_block
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.loader import load_checkpoint
 from pdserve.engine.model import LlamaModel, StepInput
 from pdserve.engine.request_check import check_request, check_resume
@@ -71,7 +73,9 @@ class ParkedKV:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, *, model_config: ModelConfig | None = None,
                  weights: dict[str, torch.Tensor] | None = None, tokenizer=None) -> None:
-        self.cfg = cfg
+        device = resolve_device(cfg.device)
+        self.cfg = cfg = dataclasses.replace(cfg, device=device,
+                                             dtype=resolve_dtype(cfg.dtype, device))
         dtype = DTYPES[cfg.dtype]
         if weights is None:
             model_config, weights = load_checkpoint(cfg.model_path, dtype)
