@@ -161,3 +161,38 @@ def plan_worker_devices(device: str, n_workers: int, visible: list[str], *,
         raise DeviceError(f"--device {device}: only {len(visible)} GPU(s) are visible "
                           f"({', '.join(visible)})")
     return [f"cuda:{index}"] * n_workers
+
+
+# ---- timing on a device --------------------------------------------------------------------------
+# Peak HBM bandwidth from the vendors' data sheets, bytes/s, by a name fragment of
+# `torch.cuda.get_device_name` (most specific first): the stated decode bound on that GPU.
+STATED_HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+                          ("A100-SXM4-80GB", 2.039e12),
+                          ("A100 80GB", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12),
+                          ("A10G", 0.6e12), ("L4", 0.3e12))
+
+
+def stated_bandwidth(device_name: str) -> float | None:
+    """The data-sheet HBM bandwidth of a GPU named `device_name`, bytes/s; None if unknown."""
+    for fragment, bw in STATED_HBM_BYTES_PER_S:
+        if fragment.lower() in device_name.lower():
+            return bw
+    return None
+
+
+def synchronize(device: str) -> None:
+    """Wait for the work queued on `device` (a no-op on the CPU): a timer read after it counts
+    the GPU's time, not just the launches."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: str) -> str:
+    """The GPU's marketing name, or "cpu"."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(device)

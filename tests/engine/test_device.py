@@ -12,7 +12,7 @@ import pytest
 from pdserve.engine.config import ConfigError
 from pdserve.engine.device import (DeviceError, assign_devices, default_dtype,
                                    plan_worker_devices, resolve_device, resolve_dtype,
-                                   visible_gpus)
+                                   stated_bandwidth, visible_gpus)
 
 SMI = ["GPU 0: NVIDIA H200 (UUID: GPU-aaaa1111)", "GPU 1: NVIDIA H200 (UUID: GPU-bbbb2222)",
        "GPU 2: NVIDIA H200 (UUID: GPU-cccc3333)", "GPU 3: NVIDIA H200 (UUID: GPU-dddd4444)"]
@@ -115,3 +115,10 @@ def test_the_device_module_imports_without_torch():
             "assert 'torch' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_stated_bandwidth_by_gpu_name():
+    assert stated_bandwidth("NVIDIA H200") == 4.8e12
+    assert stated_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert stated_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert stated_bandwidth("cpu") is None
