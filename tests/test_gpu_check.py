@@ -78,3 +78,29 @@ def test_missing_requirements_skip_torch_and_triton(tmp_path):
 def test_an_unknown_step_is_refused(tmp_path):
     out = _check("--device", "cpu", "--steps", "env,warp", "--out", str(tmp_path), timeout_s=60)
     assert out.returncode == 2 and "--steps: unknown warp" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
+@pytest.mark.timeout(300)
+def test_the_script_installs_over_the_hosts_torch_then_stops_without_cuda(tmp_path):
+    """scripts/gpu_check.sh into a fresh environment that sees this Python's packages (as a GPU
+    host's own torch): pdserve is installed editable, torch is left alone, and the check stops
+    at the point where it needs CUDA."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
+                    str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=280,
+                         env={**env, "PYTHON": py})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "installing pdserve (editable, no dependencies)" in out.stderr
+    assert "torch sees no CUDA device" in out.stderr
+    doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert doc["ok"] is False and "no CUDA device" in doc["stopped"]
+    where = subprocess.run([py, "-c", "import pdserve, torch; print(pdserve.__file__, "
+                                      "torch.__version__)"], capture_output=True, text=True,
+                           timeout=120, cwd=str(tmp_path), env=env)
+    assert where.stdout.split() == [os.path.join(ROOT, "pdserve", "__init__.py"),
+                                    torch.__version__], where.stderr
