@@ -74,3 +74,16 @@ def test_serve_refuses_a_bad_device_value():
     out = _serve(["--device", "tpu"], dict(os.environ))
     assert out.returncode == 2
     assert "--device must be auto, cpu, cuda or cuda:N, got 'tpu'" in out.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has CUDA")
+def test_a_worker_asked_for_cuda_without_it_exits_2_naming_the_flag():
+    out = subprocess.run([sys.executable, "-m", "pdserve.worker", "--model", "m.gguf",
+                          "--device", "cuda:1", "--store-kind", "simple",
+                          "--store-address", "127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "pdserve.worker: --device cuda:1: torch sees no CUDA device" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "pdserve.worker", "--model", "m.gguf",
+                          "--device", "gpu0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--device must be auto, cpu, cuda or cuda:N" in bad.stderr

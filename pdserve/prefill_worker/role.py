@@ -38,6 +38,7 @@ from pdserve.worker.engine_loop import EngineLoop
 from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_blocks import block_key, blocks_as_buffers, fetch_run
+from pdserve.worker.kv_staging import StagingError
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.05
@@ -184,7 +185,7 @@ class PrefillRole:
                 with blocks_as_buffers([b for _, b in todo]) as bufs:
                     self.store.batch_put_from([(k, *buf) for (k, _), buf in zip(todo, bufs)])
             return len(todo)
-        except StoreFailure as e:
+        except (StoreFailure, StagingError) as e:
             log.warning("%s: KV not stored, the decode side will recompute it: %s",
                         request_id, e)
             return -1

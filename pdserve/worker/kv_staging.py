@@ -18,6 +18,7 @@ GPUs of one host is not used: bytes always cross host memory. Must not do store 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 _MIN_BUFFER_BYTES = 64 << 10
+log = logging.getLogger(__name__)
 
 
 class StagingError(RuntimeError):
@@ -175,7 +177,11 @@ class HostStaging:
             for read in reads:
                 if len(in_flight) >= limit:
                     self._land(*in_flight.popleft())
-                buf = self.acquire(nbytes)
+                try:
+                    buf = self.acquire(nbytes)
+                except StagingError as e:  # the rest is recomputed, as for a missing block
+                    log.warning("KV fetch stops after %d blocks: %s", len(out), e)
+                    break
                 if read(buf.numpy()) != nbytes:
                     self.release(buf)
                     break

@@ -145,3 +145,16 @@ def test_a_run_stops_at_the_first_missing_block_and_gives_every_buffer_back(engi
     assert fetch_block(store, keys[3], engine, staging=pool) is None
     assert torch.equal(fetch_block(store, keys[4], engine, staging=pool), kv.blocks[4])
     assert pool.in_use_bytes == 0
+
+
+def test_a_fetch_that_finds_the_pool_full_stops_there_and_the_rest_is_recomputed(engine, store):
+    kv = _parked_blocks(engine, 8, seed=3)  # 2 blocks
+    keys = [block_key("tiny@float32", "full", h, engine.model_config.num_hidden_layers)
+            for h in kv.block_hashes]
+    pool = HostStaging(256 * KIB, stage_cpu=True, wait_s=0.1)
+    with blocks_as_buffers(kv.blocks, pool) as bufs:
+        store.batch_put_from([(k, *buf) for k, buf in zip(keys, bufs)])
+    held = pool.acquire(256 * KIB)  # another caller holds the whole pool
+    assert fetch_run(store, engine, kv.block_hashes, keys, staging=pool) == []
+    pool.release(held)
+    assert len(fetch_run(store, engine, kv.block_hashes, keys, staging=pool)) == 2
