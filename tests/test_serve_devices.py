@@ -1,7 +1,8 @@
-"""`pdserve serve --device`: the launcher lists the host's GPUs without torch (a stand-in
+"""`--device` on the commands: `pdserve serve` lists the host's GPUs without torch (a stand-in
 `nvidia-smi` on PATH plays a GPU host here), gives each worker its own, refuses more workers than
 GPUs unless told to share, and refuses `--device cuda` on a host without GPUs before anything
-starts, in one line naming the flag."""
+starts, in one line naming the flag; a worker and `bench decode` asked for CUDA where torch
+sees none exit 2 saying so."""
 
 from __future__ import annotations
 
@@ -87,3 +88,13 @@ def test_a_worker_asked_for_cuda_without_it_exits_2_naming_the_flag():
     bad = subprocess.run([sys.executable, "-m", "pdserve.worker", "--model", "m.gguf",
                           "--device", "gpu0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--device must be auto, cpu, cuda or cuda:N" in bad.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has CUDA")
+def test_bench_decode_on_cuda_without_it_says_so_before_loading_a_model():
+    code = ("import sys, pdserve.cli as c\n"
+            "sys.exit(c.main(['bench', 'decode', '--device', 'cuda', '--model', 'none.gguf']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert "pdserve bench decode: --device cuda: torch sees no CUDA device" in out.stderr
