@@ -192,13 +192,19 @@ def print_table(doc: dict[str, Any]) -> None:
                           f"{r['engine_fraction_of_bound']:.0%}",
                           "-" if stated is None else f"{stated:.0%}")
             console.print(d)
+            a = s.get("aims", {})
+            for what, key in (("engine/transformers at batch 32", "ratio_b32"),
+                              ("share of the HBM bound at batch 1", "bound_fraction_b1")):
+                met = a.get(f"{key}_met")
+                console.print(f"aim: {what} >= {a.get(f'{key}_aim')}: "
+                              f"{'not measured' if met is None else 'met' if met else 'not met'}")
 
 
 def _figures(s: dict[str, Any]) -> str:
     if s.get("error"):
         return str(s["error"])[:90]
     keep = {k: v for k, v in s.items() if k not in ("name", "status", "wall_s", "rows",
-                                                    "document", "output", "nvidia_smi")}
+                                                    "document", "output", "nvidia_smi", "aims")}
     return json.dumps(keep, default=str)[:200]
 
 

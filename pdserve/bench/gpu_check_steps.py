@@ -36,6 +36,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 FP32_LOGITS_TOL = 1e-4  # max abs error / max abs logit, as the CPU parity tests
 BF16_LOGITS_TOL = 3e-2  # relative L2 error of bf16 logits against the fp32 reference
+# Reported, never asserted: engine/transformers at batch 32, and the share of the HBM bound
+# (the data sheet's, over weight + KV bytes per step; the measured copy's where the GPU is
+# not known) at batch 1.
+DECODE_AIMS = {"ratio_b32": 2.0, "bound_fraction_b1": 0.6}
 
 
 def step_env(device: str, **_: Any) -> dict[str, Any]:
@@ -224,7 +228,15 @@ def step_decode(device: str, model_path: str, quick: bool, **_: Any) -> dict[str
             | {"engine_tokens_per_s": r["engine"]["tokens_per_s"],
                "transformers_tokens_per_s": r["transformers"]["tokens_per_s"]}
             for r in doc["decode"]]
-    return {"status": "ok", "dtype": doc["model"]["dtype"], "rows": rows,
+    by_b = {r["batch_size"]: r for r in rows}
+    b1, b32 = by_b.get(1, {}), by_b.get(32, {})
+    frac = b1.get("engine_fraction_of_stated_bound") or b1.get("engine_fraction_of_bound")
+    aims = {"ratio_b32": b32.get("ratio"), "ratio_b32_aim": DECODE_AIMS["ratio_b32"],
+            "ratio_b32_met": None if not b32 else b32["ratio"] >= DECODE_AIMS["ratio_b32"],
+            "bound_fraction_b1": frac, "bound_fraction_b1_aim": DECODE_AIMS["bound_fraction_b1"],
+            "bound_fraction_b1_met": None if frac is None
+            else frac >= DECODE_AIMS["bound_fraction_b1"]}
+    return {"status": "ok", "dtype": doc["model"]["dtype"], "rows": rows, "aims": aims,
             "copy_bytes_per_s": doc["bandwidth"]["bytes_per_s"],
             "stated_bytes_per_s": doc["bandwidth"]["stated_bytes_per_s"],
             "prefill_ratio": doc["prefill"]["ratio"], "document": doc}
