@@ -340,7 +340,8 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
                 pre["engine_s"].append(e)
                 pre["transformers_s"].append(h)
                 steps.append(n)
-        copies += copy_times_s(s.copy_bytes, device=s.device)  # again at the end: the best of both phases counts
+        # Again at the end: the best of both phases counts.
+        copies += copy_times_s(s.copy_bytes, device=s.device)
         bar.update(task, advance=1, description="done")
     setup = {
         "model_path": model_path, "prompt_source": source,

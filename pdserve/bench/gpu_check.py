@@ -203,8 +203,8 @@ def print_table(doc: dict[str, Any]) -> None:
 def _figures(s: dict[str, Any]) -> str:
     if s.get("error"):
         return str(s["error"])[:90]
-    keep = {k: v for k, v in s.items() if k not in ("name", "status", "wall_s", "rows",
-                                                    "document", "output", "nvidia_smi", "aims")}
+    hidden = ("name", "status", "wall_s", "rows", "document", "output", "nvidia_smi", "aims")
+    keep = {k: v for k, v in s.items() if k not in hidden}
     return json.dumps(keep, default=str)[:200]
 
 

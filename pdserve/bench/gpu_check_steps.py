@@ -84,12 +84,13 @@ def make_checkpoint(path: str, shape: str) -> str:
     w = {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": 1 + rand(h)}
     for i in range(c["num_hidden_layers"]):
         pre = f"model.layers.{i}."
-        w |= {pre + "input_layernorm.weight": 1 + rand(h),
-              pre + "post_attention_layernorm.weight": 1 + rand(h),
-              pre + "self_attn.q_proj.weight": rand(q, h), pre + "self_attn.k_proj.weight": rand(kv, h),
-              pre + "self_attn.v_proj.weight": rand(kv, h), pre + "self_attn.o_proj.weight": rand(h, q),
-              pre + "mlp.gate_proj.weight": rand(inter, h), pre + "mlp.up_proj.weight": rand(inter, h),
-              pre + "mlp.down_proj.weight": rand(h, inter)}
+        shapes = {"input_layernorm": (h,), "post_attention_layernorm": (h,),
+                  "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+                  "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q),
+                  "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                  "mlp.down_proj": (h, inter)}
+        for name, dims in shapes.items():  # norms near 1, projections small
+            w[f"{pre}{name}.weight"] = (1 + rand(*dims)) if len(dims) == 1 else rand(*dims)
     if not c["tie_word_embeddings"]:
         w["lm_head.weight"] = rand(v, h)
     os.makedirs(path, exist_ok=True)
@@ -147,7 +148,8 @@ def step_parity(device: str, model_path: str, quick: bool, **_: Any) -> dict[str
         ids = prompts[0]
         table = engine.pool.allocate(-(-len(ids) // engine.block_size))
         with torch.inference_mode():
-            step = StepInput(torch.tensor(ids, device=device), torch.arange(len(ids), device=device),
+            step = StepInput(torch.tensor(ids, device=device),
+                             torch.arange(len(ids), device=device),
                              build_attention_metadata([(0, len(ids), table)], engine.block_size,
                                                       torch.device(device)))
             ours = engine.model.compute_logits(engine.model.forward(step, engine.kv)).float()

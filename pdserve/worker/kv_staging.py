@@ -149,7 +149,7 @@ class HostStaging:
         finally:
             self.release(buf)
 
-    # ---- host -> device ----------------------------------------------------------------------------
+    # ---- host -> device -------------------------------------------------------------------------
     def fetch_many(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
                    reads: list[Callable[[np.ndarray], int]]) -> list[torch.Tensor | None]:
         """One tensor of (shape, dtype) on `device` per read, in order, up to the first read
