@@ -1,0 +1,239 @@
+"""The Triton paged-attention kernel for decode rows on CUDA.
+
+Owns the GPU twin of `paged_attn_cpu`: one step's decode spans (each sequence's query rows, query
+count, context length and block table, the same `paged_attn_cpu.DecodeSpans` the C kernel takes)
+against one layer's paged K/V cache [slots, Hkv, D], read in place through the block tables (no
+gather, no padding, no mask tensors). `attention.py` owns the reference and decides when this
+runs; this module must not decide which blocks a sequence owns.
+
+Work. One program is (sequence, kv head, split of the context): the query heads sharing that kv
+head times the span's query slots are the rows of one [rows, D] tile, so each K/V vector is read
+once for all of them (GQA); query slot i of a span of Q sees keys 0 .. ctx_len - Q + i. Keys are
+visited in tiles of BLOCK_N positions, each position's slot found through the block table, so any
+block size works; softmax is online (running max, sum, rescaled accumulator) in fp32. With few
+sequences (batch 1 at a long context) one program per sequence would leave most of the GPU idle,
+so the context is cut into splits whose partials (max, sum, accumulator) a second kernel merges.
+fp32 products use IEEE precision (not TF32): greedy fp32 tokens must equal the reference's;
+bf16/fp16 tiles multiply natively with fp32 accumulation, the probabilities rounded to the cache
+dtype for the second product, as flash attention does.
+Supports fp32, bf16 and fp16 caches. On CPU the kernels run under `TRITON_INTERPRET=1` (set
+before this module is imported: `triton.jit` reads it at decoration), which the tests use.
+Only long-standing Triton APIs are used (Triton 3.x: `tl.dot(input_precision=...)`, `tl.trans`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.engine.paged_attn_cpu import DecodeSpans
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_N = 32  # key positions per tile
+MIN_ROWS = 16  # tl.dot wants tiles of at least 16 rows
+# Key positions a split should at least cover: below this, the merge costs more than it saves.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split(q_ptr, k_ptr, v_ptr, out_ptr, meta_ptr, part_ml_ptr, part_acc_ptr,
+                  nseq, width, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
+                  split_len, scale_log2,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                  NSPLIT: tl.constexpr, F32: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    row0 = tl.load(meta_ptr + b)
+    qlen = tl.load(meta_ptr + nseq + b)
+    ctx = tl.load(meta_ptr + 2 * nseq + b)
+    table = meta_ptr + 3 * nseq + b.to(tl.int64) * width
+
+    m_idx = tl.arange(0, BLOCK_M)  # row m is query slot m // G of head kvh * G + m % G
+    slot_i = m_idx // G
+    head = kvh * G + m_idx % G
+    row_ok = slot_i < qlen
+    d_idx = tl.arange(0, BLOCK_D)
+    d_ok = d_idx < D
+    q_rows = (row0 + slot_i).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d_idx[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if F32:
+        q = q.to(tl.float32)
+    last = ctx - qlen + slot_i  # the last key position each row sees
+
+    lo = sp * split_len
+    hi = tl.minimum(lo + split_len, ctx)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n_idx = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + n_idx
+        pos_ok = pos < hi
+        blk = tl.load(table + pos // BS, mask=pos_ok, other=0)
+        slot = blk.to(tl.int64) * BS + pos % BS
+        kv_off = slot[:, None] * stride_ks + kvh * stride_kh + d_idx[None, :]
+        kv_ok = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)
+        if F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        s = tl.where(pos_ok[None, :] & (pos[None, :] <= last[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps m = -inf: subtract 0 there, not -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0)
+        if F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NSPLIT == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d_idx[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = ((b.to(tl.int64) * tl.num_programs(1) + kvh) * NSPLIT + sp) * BLOCK_M
+        tl.store(part_ml_ptr + 2 * part + m_idx, m_i)
+        tl.store(part_ml_ptr + 2 * part + BLOCK_M + m_idx, l_i)
+        tl.store(part_acc_ptr + (part + m_idx[:, None]) * BLOCK_D + d_idx[None, :], acc)
+
+
+@triton.jit
+def _merge_splits(out_ptr, meta_ptr, part_ml_ptr, part_acc_ptr, nseq, stride_ot, stride_oh,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, NSPLIT: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row0 = tl.load(meta_ptr + b)
+    qlen = tl.load(meta_ptr + nseq + b)
+    m_idx = tl.arange(0, BLOCK_M)
+    slot_i = m_idx // G
+    head = kvh * G + m_idx % G
+    row_ok = slot_i < qlen
+    d_idx = tl.arange(0, BLOCK_D)
+    d_ok = d_idx < D
+    base = (b.to(tl.int64) * tl.num_programs(1) + kvh) * NSPLIT
+    big = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for sp in range(NSPLIT):
+        big = tl.maximum(big, tl.load(part_ml_ptr + 2 * (base + sp) * BLOCK_M + m_idx))
+    big = tl.where(big == float("-inf"), 0.0, big)  # padding rows only: every real row sees key 0
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for sp in range(NSPLIT):
+        part = (base + sp) * BLOCK_M
+        w = tl.exp2(tl.load(part_ml_ptr + 2 * part + m_idx) - big)
+        l_sum += w * tl.load(part_ml_ptr + 2 * part + BLOCK_M + m_idx)
+        acc += w[:, None] * tl.load(part_acc_ptr + (part + m_idx[:, None]) * BLOCK_D + d_idx[None, :])
+    o = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    q_rows = (row0 + slot_i).to(tl.int64)
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d_idx[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+# The interpreter's tl.dot multiplies bf16 tiles wrongly, so there every product runs in fp32
+# (the numbers differ from the GPU's bf16 products only by rounding).
+INTERPRETED = type(_decode_split).__name__ == "InterpretedFunction"
+
+
+def choose_splits(nseq: int, n_kv_heads: int, max_ctx: int, programs_wanted: int) -> int:
+    """How many splits to cut each context into: enough programs to fill the GPU
+    (`programs_wanted`, about twice its multiprocessors), each split at least MIN_SPLIT_TOKENS
+    keys, at most MAX_SPLITS. A pure function of the step's shape."""
+    by_work = max(1, max_ctx // MIN_SPLIT_TOKENS)
+    by_fill = max(1, -(-programs_wanted // max(1, nseq * n_kv_heads)))
+    return max(1, min(by_work, by_fill, MAX_SPLITS))
+
+
+def _programs_wanted(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: more programs only cost time
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class DecodeMeta:
+    """One step's spans on the kernel's device: built once per step, used by every layer."""
+
+    def __init__(self, spans: DecodeSpans, device: torch.device) -> None:
+        self.spans = spans
+        self.ints = spans.ints.to(device, non_blocking=True)
+        self.max_ctx = max(spans.ints[2 * spans.nseq: 3 * spans.nseq].tolist(), default=0)
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether these tensors are ones the kernel takes (CUDA, or CPU under the interpreter;
+    fp32, bf16 or fp16, one dtype)."""
+    return q.device == k_cache.device and q.dtype == k_cache.dtype and q.dtype in DTYPES
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           meta: DecodeMeta, splits: int | None = None) -> None:
+    """Attention of the spans' rows of q [T, H, D] over the paged cache [slots, Hkv, D] into the
+    same rows of out [T, H, D]; other rows of out are left alone. `splits`: pieces each context
+    is cut into (default: `choose_splits`)."""
+    if not supports(q, k_cache) or v_cache.dtype != q.dtype or out.dtype != q.dtype:
+        raise ValueError(f"paged attention Triton kernel: want fp32/bf16/fp16 tensors of one "
+                         f"dtype and device, got q {q.dtype}@{q.device}, k_cache {k_cache.dtype}"
+                         f"@{k_cache.device}, v_cache {v_cache.dtype}, out {out.dtype}")
+    t, h, d = q.shape
+    hkv = k_cache.shape[1]
+    if h % hkv:
+        raise ValueError(f"paged attention Triton kernel: {h} query heads over {hkv} kv heads")
+    for name, x in (("q", q), ("out", out)):
+        if x.stride(2) != 1:
+            raise ValueError(f"paged attention Triton kernel: {name} needs a contiguous head "
+                             f"dim, got strides {x.stride()}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not x.is_contiguous() or x.shape[1:] != (hkv, d):
+            raise ValueError(f"paged attention Triton kernel: {name} must be a contiguous "
+                             f"[slots, {hkv}, {d}] tensor, got {tuple(x.shape)}")
+    sp = meta.spans
+    if out.shape != q.shape:
+        raise ValueError(f"paged attention Triton kernel: out is {tuple(out.shape)}, want {tuple(q.shape)}")
+    if sp.rows_end > t or sp.min_value < 0:
+        raise ValueError(f"paged attention Triton kernel: spans reach row {sp.rows_end} of {t} "
+                         f"or hold a negative value")
+    if (sp.max_block + 1) * sp.block_size > k_cache.shape[0]:
+        raise ValueError(f"paged attention Triton kernel: block {sp.max_block} is past the "
+                         f"cache's {k_cache.shape[0] // sp.block_size} blocks")
+    if sp.nseq == 0:
+        return
+    g = h // hkv
+    block_m = max(MIN_ROWS, triton.next_power_of_2(g * sp.max_q))
+    block_d = max(16, triton.next_power_of_2(d))
+    if splits is None:
+        splits = choose_splits(sp.nseq, hkv, meta.max_ctx, _programs_wanted(q.device))
+    splits = max(1, min(splits, -(-meta.max_ctx // BLOCK_N)))
+    # Each split covers whole tiles so only the context's end is a partial tile.
+    split_len = -(-(-(-meta.max_ctx // splits)) // BLOCK_N) * BLOCK_N
+    if splits > 1:
+        n_part = sp.nseq * hkv * splits * block_m
+        part_ml = torch.empty(2 * n_part, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(n_part * block_d, dtype=torch.float32, device=q.device)
+    else:
+        part_ml = part_acc = out  # not touched
+    scale_log2 = (1.0 / math.sqrt(d)) * 1.4426950408889634  # softmax in base 2
+    _decode_split[(sp.nseq, hkv, splits)](
+        q, k_cache, v_cache, out, meta.ints, part_ml, part_acc,
+        sp.nseq, sp.width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), split_len, scale_log2,
+        G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BS=sp.block_size,
+        NSPLIT=splits, F32=q.dtype == torch.float32 or INTERPRETED)
+    if splits > 1:
+        _merge_splits[(sp.nseq, hkv)](
+            out, meta.ints, part_ml, part_acc, sp.nseq, out.stride(0), out.stride(1),
+            G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, NSPLIT=splits)
