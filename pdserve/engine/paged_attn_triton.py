@@ -237,3 +237,87 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         _merge_splits[(sp.nseq, hkv)](
             out, meta.ints, part_ml, part_acc, sp.nseq, out.stride(0), out.stride(1),
             G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, NSPLIT=splits)
+
+
+# Tolerances of `self_check` against the reference, by dtype: the reference rounds through the
+# cache dtype at different points than the kernel does.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# (heads, kv heads, head dim, block size, [(cached, new) per sequence]): SmolLM2-135M's heads,
+# Llama-3-8B's heads with a long ragged batch, a GQA span batch of verification steps.
+CHECK_SHAPES = [
+    (9, 3, 64, 16, [(1, 1), (40, 1), (300, 1)]),
+    (32, 8, 128, 16, [(c, 1) for c in (17, 200, 900, 2047, 4000, 31, 64, 1500)]),
+    (8, 2, 64, 32, [(20, 4), (100, 16), (64, 1), (7, 3)]),
+]
+
+
+def random_case(spans: list[tuple[int, int]], h: int, hkv: int, d: int, bs: int,
+                dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """(cached, new) per sequence -> (decode batch, q, k_cache, v_cache): random values, each
+    sequence's blocks scattered over a pool with spare blocks in shuffled order, the new tokens'
+    K/V written; for checks against the reference."""
+    from pdserve.engine.attention import build_attention_metadata, write_kv
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // bs) for c, n in spans]
+    ids = torch.randperm(sum(need) + 7, generator=gen).tolist()
+    seqs, at = [], 0
+    for (c, n), k in zip(spans, need):
+        seqs.append((c, n, ids[at:at + k]))
+        at += k
+    t = sum(n for _, n in spans)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    k_cache, v_cache = rand(len(ids) * bs, hkv, d), rand(len(ids) * bs, hkv, d)
+    q, k_new, v_new = rand(t, h, d), rand(t, hkv, d), rand(t, hkv, d)
+    meta = build_attention_metadata(seqs, bs, device)
+    write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
+    return meta.decode, q, k_cache, v_cache
+
+
+def decode_rows(d) -> list[int]:
+    """The flat-batch rows a decode batch's spans own."""
+    return [r + i for r, n in zip(d.rows, d.q_lens) for i in range(n)]
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    fn()  # compile / warm up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def self_check(device: str | torch.device = "cuda", dtypes=DTYPES, shapes=None,
+               repeats: int = 20) -> dict:
+    """The kernel against the PyTorch reference on CHECK_SHAPES (or `shapes`) in each dtype:
+    {"device", "triton", "torch", "ok", "cases": [{shape, dtype, max_abs_err, tol, ok,
+    kernel_ms, reference_ms}]}; the times are per call (one layer of one step), measured in the
+    same run, on CUDA only (the interpreter's times mean nothing)."""
+    from pdserve.engine.attention import decode_reference
+    device = torch.device(device)
+    cases = []
+    for i, (h, hkv, d, bs, spans) in enumerate(shapes or CHECK_SHAPES):
+        for dtype in dtypes:
+            dec, q, kc, vc = random_case(spans, h, hkv, d, bs, dtype, device, seed=i)
+            rows = torch.tensor(decode_rows(dec), device=device)
+            meta = DecodeMeta(dec.spans(), device)
+            out, ref = torch.zeros_like(q), torch.zeros_like(q)
+            decode(q, kc, vc, out, meta)
+            decode_reference(q, kc, vc, ref, dec)
+            err = (out[rows].float() - ref[rows].float()).abs().max().item()
+            case = {"shape": {"heads": h, "kv_heads": hkv, "head_dim": d, "block_size": bs,
+                              "spans": spans}, "dtype": str(dtype).removeprefix("torch."),
+                    "max_abs_err": err, "tol": TOLERANCE[dtype], "ok": err <= TOLERANCE[dtype]}
+            if device.type == "cuda":
+                case["kernel_ms"] = _timed(lambda: decode(q, kc, vc, out, meta), device, repeats)
+                case["reference_ms"] = _timed(lambda: decode_reference(q, kc, vc, ref, dec),
+                                              device, repeats)
+            cases.append(case)
+    return {"device": str(device), "triton": triton.__version__, "torch": torch.__version__,
+            "ok": all(c["ok"] for c in cases), "cases": cases}
