@@ -253,7 +253,7 @@ CHECK_SHAPES = [
 
 def random_case(spans: list[tuple[int, int]], h: int, hkv: int, d: int, bs: int,
                 dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """(cached, new) per sequence -> (decode batch, q, k_cache, v_cache): random values, each
+    """(cached, new) per sequence -> (metadata, q, k_new, v_new, k_cache, v_cache): random values, each
     sequence's blocks scattered over a pool with spare blocks in shuffled order, the new tokens'
     K/V written; for checks against the reference."""
     from pdserve.engine.attention import build_attention_metadata, write_kv
@@ -273,7 +273,7 @@ def random_case(spans: list[tuple[int, int]], h: int, hkv: int, d: int, bs: int,
     q, k_new, v_new = rand(t, h, d), rand(t, hkv, d), rand(t, hkv, d)
     meta = build_attention_metadata(seqs, bs, device)
     write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
-    return meta.decode, q, k_cache, v_cache
+    return meta, q, k_new, v_new, k_cache, v_cache
 
 
 def decode_rows(d) -> list[int]:
@@ -304,7 +304,8 @@ def self_check(device: str | torch.device = "cuda", dtypes=DTYPES, shapes=None,
     cases = []
     for i, (h, hkv, d, bs, spans) in enumerate(shapes or CHECK_SHAPES):
         for dtype in dtypes:
-            dec, q, kc, vc = random_case(spans, h, hkv, d, bs, dtype, device, seed=i)
+            meta_all, q, _, _, kc, vc = random_case(spans, h, hkv, d, bs, dtype, device, seed=i)
+            dec = meta_all.decode
             rows = torch.tensor(decode_rows(dec), device=device)
             meta = DecodeMeta(dec.spans(), device)
             out, ref = torch.zeros_like(q), torch.zeros_like(q)
