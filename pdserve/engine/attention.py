@@ -23,11 +23,6 @@ import torch.nn.functional as F
 
 from pdserve.engine import paged_attn_cpu
 
-try:  # torch >= 2.3; without it CUDA prefill keeps the mask tensor
-    from torch.nn.attention.bias import causal_lower_right
-except ImportError:  # pragma: no cover
-    causal_lower_right = None
-
 log = logging.getLogger(__name__)
 
 
@@ -376,7 +371,9 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lq, lk = q.shape[2], k.shape[2]
     if lq == lk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if causal_lower_right is None:
+    try:  # torch >= 2.3. Imported here: it imports triton, which CPU runs must not load early
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk))
 
