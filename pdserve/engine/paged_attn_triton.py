@@ -23,7 +23,12 @@ Only long-standing Triton APIs are used (Triton 3.x: `tl.dot(input_precision=...
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -159,6 +164,7 @@ def choose_splits(nseq: int, n_kv_heads: int, max_ctx: int, programs_wanted: int
     return max(1, min(by_work, by_fill, MAX_SPLITS))
 
 
+@functools.lru_cache(maxsize=None)
 def _programs_wanted(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: more programs only cost time
@@ -249,6 +255,11 @@ CHECK_SHAPES = [
     (32, 8, 128, 16, [(c, 1) for c in (17, 200, 900, 2047, 4000, 31, 64, 1500)]),
     (8, 2, 64, 32, [(20, 4), (100, 16), (64, 1), (7, 3)]),
 ]
+# The interpreter is slow: on CPU, the same kinds of case at small sizes.
+CPU_CHECK_SHAPES = [
+    (9, 3, 64, 16, [(1, 1), (40, 1)]),
+    (8, 2, 16, 32, [(20, 4), (7, 16)]),
+]
 
 
 def random_case(spans: list[tuple[int, int]], h: int, hkv: int, d: int, bs: int,
@@ -295,14 +306,20 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 
 def self_check(device: str | torch.device = "cuda", dtypes=DTYPES, shapes=None,
                repeats: int = 20) -> dict:
-    """The kernel against the PyTorch reference on CHECK_SHAPES (or `shapes`) in each dtype:
-    {"device", "triton", "torch", "ok", "cases": [{shape, dtype, max_abs_err, tol, ok,
-    kernel_ms, reference_ms}]}; the times are per call (one layer of one step), measured in the
-    same run, on CUDA only (the interpreter's times mean nothing)."""
+    """The kernel against the PyTorch reference on CHECK_SHAPES (on CPU: CPU_CHECK_SHAPES; or
+    `shapes`) in each dtype, and CUDA prefill's SDPA call against the mask path:
+    {"device", "triton", "torch", "ok", "interpreter", "cases": [{shape, dtype, max_abs_err, tol,
+    ok, kernel_ms, reference_ms}], "prefill": [...]}; the times are per call (one layer of one
+    step), measured in the same run, on CUDA only (the interpreter's times mean nothing). On CPU
+    the kernels need the interpreter: a process that did not set TRITON_INTERPRET=1 before
+    importing this module runs the check in a child process that does."""
     from pdserve.engine.attention import decode_reference
     device = torch.device(device)
+    if device.type == "cpu" and not INTERPRETED:
+        return _self_check_in_interpreter(dtypes, shapes)
     cases = []
-    for i, (h, hkv, d, bs, spans) in enumerate(shapes or CHECK_SHAPES):
+    default = CHECK_SHAPES if device.type == "cuda" else CPU_CHECK_SHAPES
+    for i, (h, hkv, d, bs, spans) in enumerate(shapes or default):
         for dtype in dtypes:
             meta_all, q, _, _, kc, vc = random_case(spans, h, hkv, d, bs, dtype, device, seed=i)
             dec = meta_all.decode
@@ -320,5 +337,43 @@ def self_check(device: str | torch.device = "cuda", dtypes=DTYPES, shapes=None,
                 case["reference_ms"] = _timed(lambda: decode_reference(q, kc, vc, ref, dec),
                                               device, repeats)
             cases.append(case)
+    prefill = [_prefill_case(lq, lk, dtype, device) for lq, lk in PREFILL_SHAPES for dtype in dtypes]
     return {"device": str(device), "triton": triton.__version__, "torch": torch.__version__,
-            "ok": all(c["ok"] for c in cases), "cases": cases}
+            "ok": all(c["ok"] for c in cases + prefill), "interpreter": INTERPRETED,
+            "cases": cases, "prefill": prefill}
+
+
+def _self_check_in_interpreter(dtypes, shapes) -> dict:
+    code = ("import json, sys, torch; from pdserve.engine.paged_attn_triton import self_check; "
+            "a = json.loads(sys.argv[1]); print(json.dumps(self_check('cpu', shapes=a[1], "
+            "dtypes=[getattr(torch, n) for n in a[0]])))")
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps([names, shapes])], env=env,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"paged attention Triton kernel: the interpreter check failed: "
+                           f"{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# (query tokens, keys) of a prefill chunk: a whole prompt, a chunk on a cached prefix.
+PREFILL_SHAPES = [(64, 64), (48, 300)]
+
+
+def _prefill_case(lq: int, lk: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The prefill SDPA call CUDA runs (bottom-right causal bias, kv heads repeated) against
+    the mask path CPU runs, on GQA heads of Llama-3-8B's shape."""
+    from pdserve.engine.attention import prefill_sdpa
+    gen = torch.Generator().manual_seed(lq + lk)
+    q, k, v = (torch.randn(1, h, n, 128, generator=gen).to(device=device, dtype=dtype)
+               for h, n in ((32, lq), (8, lk), (8, lk)))
+    mask = (torch.arange(lk).unsqueeze(0) <= torch.arange(lk - lq, lk).unsqueeze(1)).to(device)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
+        attn_mask=mask)
+    err = (prefill_sdpa(q, k, v, mask).float() - ref).abs().max().item()
+    # fp32 on CUDA may run TF32-free efficient attention; allow its accumulation order.
+    tol = max(TOLERANCE[dtype], 1e-4 if dtype == torch.float32 else 0.0)
+    return {"q_tokens": lq, "keys": lk, "dtype": str(dtype).removeprefix("torch."),
+            "max_abs_err": err, "tol": tol, "ok": err <= tol}

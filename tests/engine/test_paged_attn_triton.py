@@ -157,6 +157,17 @@ def test_self_check_reports_each_case():
     assert [c["dtype"] for c in report["cases"]] == ["float32", "bfloat16"]
     assert all(0 <= c["max_abs_err"] <= c["tol"] for c in report["cases"])
     assert ("kernel_ms" in report["cases"][0]) == CUDA
+    assert len(report["prefill"]) == 2 * len(pat.PREFILL_SHAPES)
+    assert all(c["ok"] and c["max_abs_err"] <= c["tol"] for c in report["prefill"])
+
+
+def test_self_check_on_cpu_without_the_interpreter_runs_it_in_a_child(monkeypatch):
+    """A caller that imported the kernels compiled (no TRITON_INTERPRET) still gets a CPU
+    check: the child process sets the variable."""
+    monkeypatch.setattr(pat, "INTERPRETED", False)
+    report = pat.self_check("cpu", dtypes=(torch.float32,), shapes=[(4, 2, 16, 16, [(3, 2)])])
+    assert report["ok"] and report["interpreter"] is True
+    assert [c["shape"]["spans"] for c in report["cases"]] == [[[3, 2]]]
 
 
 @pytest.mark.skipif(not CUDA, reason="without CUDA the cases above already ran in the interpreter")
