@@ -48,7 +48,7 @@ MAX_SPLITS = 64
 @triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, out_ptr, meta_ptr, part_ml_ptr, part_acc_ptr,
                   nseq, width, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
-                  split_len, scale_log2,
+                  scale_log2,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                   NSPLIT: tl.constexpr, F32: tl.constexpr):
@@ -73,6 +73,9 @@ def _decode_split(q_ptr, k_ptr, v_ptr, out_ptr, meta_ptr, part_ml_ptr, part_acc_
         q = q.to(tl.float32)
     last = ctx - qlen + slot_i  # the last key position each row sees
 
+    # Each sequence's context is cut into NSPLIT runs of whole tiles (the last may be short or
+    # empty), so the launch depends on no host-side length: a captured graph can replay it.
+    split_len = tl.cdiv(tl.cdiv(ctx, NSPLIT), BLOCK_N) * BLOCK_N
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, ctx)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -223,9 +226,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     block_d = max(16, triton.next_power_of_2(d))
     if splits is None:
         splits = choose_splits(sp.nseq, hkv, meta.max_ctx, _programs_wanted(q.device))
-    splits = max(1, min(splits, -(-meta.max_ctx // BLOCK_N)))
-    # Each split covers whole tiles so only the context's end is a partial tile.
-    split_len = -(-(-(-meta.max_ctx // splits)) // BLOCK_N) * BLOCK_N
+    splits = max(1, min(splits, MAX_SPLITS))
     if splits > 1:
         n_part = sp.nseq * hkv * splits * block_m
         part_ml = torch.empty(2 * n_part, dtype=torch.float32, device=q.device)
@@ -236,7 +237,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     _decode_split[(sp.nseq, hkv, splits)](
         q, k_cache, v_cache, out, meta.ints, part_ml, part_acc,
         sp.nseq, sp.width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), split_len, scale_log2,
+        k_cache.stride(0), k_cache.stride(1), scale_log2,
         G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BS=sp.block_size,
         NSPLIT=splits, F32=q.dtype == torch.float32 or INTERPRETED)
     if splits > 1:
