@@ -8,7 +8,7 @@ cost more than the attention itself. Decode attention on CPU (fp32/bf16) runs th
 `paged_attn_cpu` instead, and on CUDA the Triton kernel of `paged_attn_triton`; both read the
 blocks in place; `PDSERVE_PAGED_ATTN` picks (`attention_mode`, `decode_path`). Prefill chunks on
 CUDA go to SDPA's flash/efficient kernels with a bottom-right causal bias instead of a mask tensor
-(`_prefill_cuda`); on CPU they keep the path above. It must not decide which blocks a sequence
+(`attention_cuda`); on CPU they keep the path above. It must not decide which blocks a sequence
 owns: the block pool does that.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import paged_attn_cpu
+from pdserve.engine import attention_cuda, paged_attn_cpu
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,6 @@ def _reference_decode_meta(d: DecodeBatch) -> _ReferenceDecode:
 
 MODES = ("auto", "c", "torch", "triton")
 _warned = False
-_triton_error: Exception | None = None
 
 
 def attention_mode() -> str:
@@ -214,47 +213,9 @@ def use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return False
 
 
-def _load_triton():
-    """The Triton kernel's module; raises ImportError (remembered) when Triton is missing."""
-    global _triton_error
-    if _triton_error is not None:
-        raise _triton_error
-    try:
-        from pdserve.engine import paged_attn_triton
-    except ImportError as exc:
-        _triton_error = ImportError(f"paged attention Triton kernel: cannot import triton: {exc}")
-        raise _triton_error from exc
-    return paged_attn_triton
-
-
-def use_triton(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether decode attention on these tensors runs the Triton kernel: CUDA tensors of fp32,
-    bf16 or fp16 in "auto" and "triton" modes; CPU tensors only in "triton" mode under the
-    interpreter. "triton" mode raises when the kernel cannot run here."""
-    global _warned
-    mode = attention_mode()
-    if mode in ("torch", "c") or (mode == "auto" and q.device.type != "cuda"):
-        return False
-    try:
-        pat = _load_triton()
-    except ImportError as exc:
-        if mode == "triton":
-            raise
-        if not _warned:
-            _warned = True
-            log.warning("%s; decode attention uses the PyTorch reference", exc)
-        return False
-    ok = pat.supports(q, k_cache) and (q.device.type == "cuda" or pat.INTERPRETED)
-    if mode == "triton" and not ok:
-        raise ValueError(f"PDSERVE_PAGED_ATTN=triton: the Triton kernel takes fp32/bf16/fp16 "
-                         f"CUDA tensors (CPU ones only under TRITON_INTERPRET=1), got {q.dtype} "
-                         f"on {q.device.type}")
-    return ok
-
-
 def decode_path(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     """The decode attention these tensors get: "c", "triton" or "torch" (the reference)."""
-    if use_triton(q, k_cache):
+    if attention_cuda.use_triton(q, k_cache, attention_mode()):
         return "triton"
     return "c" if use_kernel(q, k_cache) else "torch"
 
@@ -268,14 +229,7 @@ def describe_decode_path(dtype: torch.dtype, device: torch.device) -> dict[str, 
     if mode == "torch":
         return {"mode": mode, "path": "torch", "reason": "PDSERVE_PAGED_ATTN=torch"}
     if device.type == "cuda" or mode == "triton":
-        try:
-            if use_triton(probe, probe):
-                import triton
-                return {"mode": mode, "path": "triton", "triton": triton.__version__}
-            return {"mode": mode, "path": "torch", "reason": f"the Triton kernel takes "
-                    f"fp32/bf16/fp16 on CUDA, not {dtype} on {device.type}"}
-        except (ImportError, ValueError) as exc:
-            return {"mode": mode, "path": "torch", "reason": str(exc)}
+        return attention_cuda.describe(dtype, device, mode)
     if not paged_attn_cpu.supports(probe, probe):
         return {"mode": mode, "path": "torch", "reason": f"the kernel takes fp32/bf16 on CPU, "
                                                          f"not {dtype} on {device.type}"}
@@ -334,7 +288,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         if cuda:
             src_k, src_v = (k_new, v_new) if p.gather is None else (k_cache, v_cache)
             rows = slice(p.q_start, p.q_start + p.q_len) if p.gather is None else p.gather
-            o = prefill_sdpa(qs, src_k[rows].transpose(0, 1).unsqueeze(0),
+            o = attention_cuda.prefill_sdpa(qs, src_k[rows].transpose(0, 1).unsqueeze(0),
                              src_v[rows].transpose(0, 1).unsqueeze(0), p.mask)
         elif p.gather is None:
             ks = k_new[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
@@ -352,30 +306,12 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         if d.path == "c":
             paged_attn_cpu.decode(q, k_cache, v_cache, out, d.spans())
         elif d.path == "triton":
-            _load_triton().decode(q, k_cache, v_cache, out, d.triton_meta())
+            if not attention_cuda.decode(q, k_cache, v_cache, out, d, attention_mode()):
+                d.path = "torch"  # the kernel failed to launch: the reference from now on
+                decode_reference(q, k_cache, v_cache, out, d)
         else:
             decode_reference(q, k_cache, v_cache, out, d)
     return out
-
-
-def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One prefill chunk on CUDA: q [1, H, Lq, D] over k/v [1, Hkv, Lk, D], causal with the last
-    Lq keys being the chunk's own -> [1, H, Lq, D]. A bool mask tensor keeps SDPA off its
-    flash/efficient kernels, so the offset causal mask is the bottom-right causal bias instead,
-    and the kv heads are repeated to the query heads (those kernels' GQA support varies across
-    torch versions). `mask` ([Lq, Lk] bool) is used only where torch lacks the bias."""
-    g = q.shape[1] // k.shape[1]
-    if g > 1:
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    lq, lk = q.shape[2], k.shape[2]
-    if lq == lk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    try:  # torch >= 2.3. Imported here: it imports triton, which CPU runs must not load early
-        from torch.nn.attention.bias import causal_lower_right
-    except ImportError:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk))
 
 
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

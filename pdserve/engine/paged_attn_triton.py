@@ -194,31 +194,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     """Attention of the spans' rows of q [T, H, D] over the paged cache [slots, Hkv, D] into the
     same rows of out [T, H, D]; other rows of out are left alone. `splits`: pieces each context
     is cut into (default: `choose_splits`)."""
-    if not supports(q, k_cache) or v_cache.dtype != q.dtype or out.dtype != q.dtype:
-        raise ValueError(f"paged attention Triton kernel: want fp32/bf16/fp16 tensors of one "
-                         f"dtype and device, got q {q.dtype}@{q.device}, k_cache {k_cache.dtype}"
-                         f"@{k_cache.device}, v_cache {v_cache.dtype}, out {out.dtype}")
-    t, h, d = q.shape
+    sp = meta.spans
+    sp.check(q, k_cache, v_cache, out, "paged attention Triton kernel", supports(q, k_cache),
+             "fp32/bf16/fp16 (one device)")
+    _, h, d = q.shape
     hkv = k_cache.shape[1]
     if h % hkv:
         raise ValueError(f"paged attention Triton kernel: {h} query heads over {hkv} kv heads")
-    for name, x in (("q", q), ("out", out)):
-        if x.stride(2) != 1:
-            raise ValueError(f"paged attention Triton kernel: {name} needs a contiguous head "
-                             f"dim, got strides {x.stride()}")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not x.is_contiguous() or x.shape[1:] != (hkv, d):
-            raise ValueError(f"paged attention Triton kernel: {name} must be a contiguous "
-                             f"[slots, {hkv}, {d}] tensor, got {tuple(x.shape)}")
-    sp = meta.spans
-    if out.shape != q.shape:
-        raise ValueError(f"paged attention Triton kernel: out is {tuple(out.shape)}, want {tuple(q.shape)}")
-    if sp.rows_end > t or sp.min_value < 0:
-        raise ValueError(f"paged attention Triton kernel: spans reach row {sp.rows_end} of {t} "
-                         f"or hold a negative value")
-    if (sp.max_block + 1) * sp.block_size > k_cache.shape[0]:
-        raise ValueError(f"paged attention Triton kernel: block {sp.max_block} is past the "
-                         f"cache's {k_cache.shape[0] // sp.block_size} blocks")
     if sp.nseq == 0:
         return
     g = h // hkv
@@ -365,7 +347,7 @@ PREFILL_SHAPES = [(64, 64), (48, 300)]
 def _prefill_case(lq: int, lk: int, dtype: torch.dtype, device: torch.device) -> dict:
     """The prefill SDPA call CUDA runs (bottom-right causal bias, kv heads repeated) against
     the mask path CPU runs, on GQA heads of Llama-3-8B's shape."""
-    from pdserve.engine.attention import prefill_sdpa
+    from pdserve.engine.attention_cuda import prefill_sdpa
     gen = torch.Generator().manual_seed(lq + lk)
     q, k, v = (torch.randn(1, h, n, 128, generator=gen).to(device=device, dtype=dtype)
                for h, n in ((32, lq), (8, lk), (8, lk)))

@@ -13,6 +13,7 @@ the interpreter cases run once more in a subprocess with CUDA hidden.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import subprocess
 import sys
@@ -26,7 +27,7 @@ if not CUDA:
 pytest.importorskip("triton")
 if "pdserve.engine.paged_attn_triton" in sys.modules:  # decorated earlier, maybe without it
     importlib.reload(sys.modules["pdserve.engine.paged_attn_triton"])
-from pdserve.engine import attention  # noqa: E402
+from pdserve.engine import attention, attention_cuda  # noqa: E402
 from pdserve.engine import paged_attn_triton as pat  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -122,6 +123,35 @@ def test_the_engine_decodes_through_the_kernel_in_triton_mode(monkeypatch):
     assert report["path"] == "triton" and report["triton"]
 
 
+def test_a_kernel_that_fails_to_launch_falls_back_in_auto_mode(monkeypatch, caplog):
+    """A GPU Triton cannot compile for: in "auto" mode the step still gets the reference's
+    output, with one warning, and later steps go straight to the reference; "triton" mode
+    raises instead."""
+    monkeypatch.setattr(attention_cuda, "_error", None)  # restored after the test
+
+    def broken(*_a, **_k):
+        raise RuntimeError("PTX was compiled with an unsupported toolchain")
+
+    monkeypatch.setattr(pat, "decode", broken)
+    meta, q, k_new, v_new, kc, vc = pat.random_case(SPANS, 4, 2, 16, 8, torch.float32, DEVICE)
+    monkeypatch.setenv("PDSERVE_PAGED_ATTN", "torch")
+    ref = attention.paged_attention(q, k_new, v_new, kc, vc, meta)
+    monkeypatch.setenv("PDSERVE_PAGED_ATTN", "triton")
+    meta.decode.path = "triton"
+    with pytest.raises(RuntimeError, match="unsupported toolchain"):
+        attention.paged_attention(q, k_new, v_new, kc, vc, meta)
+    monkeypatch.setenv("PDSERVE_PAGED_ATTN", "auto")
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.attention_cuda"):
+        out = attention.paged_attention(q, k_new, v_new, kc, vc, meta)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert meta.decode.path == "torch"
+    assert [r for r in caplog.records if "unsupported toolchain" in r.getMessage()]
+    probe = torch.zeros(1, 4, 16, device=DEVICE)
+    with pytest.raises(attention_cuda.TritonUnavailable, match="unsupported toolchain"):
+        attention_cuda.use_triton(probe, probe, "triton")  # remembered: never launched again
+    assert "unsupported toolchain" in attention_cuda.describe(torch.float32, DEVICE, "auto")["reason"]
+
+
 def test_triton_mode_says_why_it_cannot_run(monkeypatch):
     monkeypatch.setenv("PDSERVE_PAGED_ATTN", "triton")
     q = torch.zeros(1, 4, 16, dtype=torch.float64, device=DEVICE)
@@ -145,7 +175,7 @@ def test_cuda_prefill_sdpa_equals_the_mask_path(lq, lk, h, hkv):
     mask = (torch.arange(lk).unsqueeze(0) <= torch.arange(lk - lq, lk).unsqueeze(1)).to(DEVICE)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                            enable_gqa=True)
-    out = attention.prefill_sdpa(q, k, v, mask)
+    out = attention_cuda.prefill_sdpa(q, k, v, mask)
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
 
 
