@@ -39,8 +39,9 @@ def enabled() -> bool:
 
 def capture_sizes(max_batch: int) -> tuple[int, ...]:
     """The buckets for batches up to `max_batch`: 1, 2, 4, 8, then every multiple of 8 up to the
-    first that holds `max_batch` (below 8: the powers of two up to the one that holds it). Small batches get tight buckets (little padding where a step
-    is cheapest); large ones pad at most 7 rows."""
+    first that holds `max_batch` (below 8: the powers of two up to the one that holds it). Small
+    batches get tight buckets (little padding where a step is cheapest); large ones pad at most
+    7 rows."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be at least 1, got {max_batch}")
     sizes = [s for s in (1, 2, 4) if s < max_batch]

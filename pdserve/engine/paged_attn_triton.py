@@ -12,7 +12,8 @@ once for all of them (GQA); query slot i of a span of Q sees keys 0 .. ctx_len -
 visited in tiles of BLOCK_N positions, each position's slot found through the block table, so any
 block size works; softmax is online (running max, sum, rescaled accumulator) in fp32. With few
 sequences (batch 1 at a long context) one program per sequence would leave most of the GPU idle,
-so the context is cut into splits whose partials (max, sum, accumulator) a second kernel merges.
+so the context is cut into splits whose partials (max, sum, accumulator) a second kernel merges;
+the split count is a run-time argument, so a step whose count differs compiles nothing new.
 fp32 products use IEEE precision (not TF32): greedy fp32 tokens must equal the reference's;
 bf16/fp16 tiles multiply natively with fp32 accumulation, the probabilities rounded to the cache
 dtype for the second product, as flash attention does.
@@ -48,10 +49,10 @@ MAX_SPLITS = 64
 @triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, out_ptr, meta_ptr, part_ml_ptr, part_acc_ptr,
                   nseq, width, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh,
-                  scale_log2,
+                  scale_log2, nsplit,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-                  NSPLIT: tl.constexpr, F32: tl.constexpr):
+                  SPLIT: tl.constexpr, F32: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -73,9 +74,9 @@ def _decode_split(q_ptr, k_ptr, v_ptr, out_ptr, meta_ptr, part_ml_ptr, part_acc_
         q = q.to(tl.float32)
     last = ctx - qlen + slot_i  # the last key position each row sees
 
-    # Each sequence's context is cut into NSPLIT runs of whole tiles (the last may be short or
+    # Each sequence's context is cut into nsplit runs of whole tiles (the last may be short or
     # empty), so the launch depends on no host-side length: a captured graph can replay it.
-    split_len = tl.cdiv(tl.cdiv(ctx, NSPLIT), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(ctx, nsplit), BLOCK_N) * BLOCK_N
     lo = sp * split_len
     hi = tl.minimum(lo + split_len, ctx)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -110,12 +111,12 @@ def _decode_split(q_ptr, k_ptr, v_ptr, out_ptr, meta_ptr, part_ml_ptr, part_acc_
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if NSPLIT == 1:
+    if not SPLIT:
         o = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d_idx[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        part = ((b.to(tl.int64) * tl.num_programs(1) + kvh) * NSPLIT + sp) * BLOCK_M
+        part = ((b.to(tl.int64) * tl.num_programs(1) + kvh) * nsplit + sp) * BLOCK_M
         tl.store(part_ml_ptr + 2 * part + m_idx, m_i)
         tl.store(part_ml_ptr + 2 * part + BLOCK_M + m_idx, l_i)
         tl.store(part_acc_ptr + (part + m_idx[:, None]) * BLOCK_D + d_idx[None, :], acc)
@@ -123,8 +124,8 @@ def _decode_split(q_ptr, k_ptr, v_ptr, out_ptr, meta_ptr, part_ml_ptr, part_acc_
 
 @triton.jit
 def _merge_splits(out_ptr, meta_ptr, part_ml_ptr, part_acc_ptr, nseq, stride_ot, stride_oh,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, NSPLIT: tl.constexpr):
+                  nsplit, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     row0 = tl.load(meta_ptr + b)
@@ -135,14 +136,14 @@ def _merge_splits(out_ptr, meta_ptr, part_ml_ptr, part_acc_ptr, nseq, stride_ot,
     row_ok = slot_i < qlen
     d_idx = tl.arange(0, BLOCK_D)
     d_ok = d_idx < D
-    base = (b.to(tl.int64) * tl.num_programs(1) + kvh) * NSPLIT
+    base = (b.to(tl.int64) * tl.num_programs(1) + kvh) * nsplit
     big = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for sp in range(NSPLIT):
+    for sp in range(nsplit):
         big = tl.maximum(big, tl.load(part_ml_ptr + 2 * (base + sp) * BLOCK_M + m_idx))
     big = tl.where(big == float("-inf"), 0.0, big)  # padding rows only: every real row sees key 0
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for sp in range(NSPLIT):
+    for sp in range(nsplit):
         part = (base + sp) * BLOCK_M
         w = tl.exp2(tl.load(part_ml_ptr + 2 * part + m_idx) - big)
         l_sum += w * tl.load(part_ml_ptr + 2 * part + BLOCK_M + m_idx)
@@ -219,13 +220,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     _decode_split[(sp.nseq, hkv, splits)](
         q, k_cache, v_cache, out, meta.ints, part_ml, part_acc,
         sp.nseq, sp.width, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), scale_log2,
+        k_cache.stride(0), k_cache.stride(1), scale_log2, splits,
         G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BS=sp.block_size,
-        NSPLIT=splits, F32=q.dtype == torch.float32 or INTERPRETED)
+        SPLIT=splits > 1, F32=q.dtype == torch.float32 or INTERPRETED)
     if splits > 1:
         _merge_splits[(sp.nseq, hkv)](
-            out, meta.ints, part_ml, part_acc, sp.nseq, out.stride(0), out.stride(1),
-            G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, NSPLIT=splits)
+            out, meta.ints, part_ml, part_acc, sp.nseq, out.stride(0), out.stride(1), splits,
+            G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m)
 
 
 # Tolerances of `self_check` against the reference, by dtype: the reference rounds through the
