@@ -206,3 +206,26 @@ def test_the_interpreter_cases_pass_with_cuda_hidden():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         __file__], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_greedy_tokens_equal_transformers_through_the_kernel(tiny_llama_dir, monkeypatch):
+    """The engine in "triton" mode (chunked prefill next to running decodes, so decode rows and
+    prefill rows share steps): greedy tokens equal transformers' and every decode ran the kernel.
+    On CPU the engine's tensors are CPU ones, which the interpreter runs."""
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.tokenizer import Tokenizer
+    from tests.engine.test_model_parity import PROMPTS, hf_greedy, hf_model, make_engine
+    if CUDA:
+        pytest.skip("the engine here runs on CPU; the device check runs parity on CUDA")
+    calls = []
+    real = pat.decode
+    monkeypatch.setattr(pat, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("PDSERVE_PAGED_ATTN", "triton")
+    tok = Tokenizer.from_path(tiny_llama_dir)
+    prompts = [tok.encode(p) for p in PROMPTS[:2]] + [list(range(100, 140))]
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=13)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    ref = hf_model(tiny_llama_dir)
+    for p, o in zip(prompts, outs):
+        assert o == hf_greedy(ref, p, 8)
+    assert calls
