@@ -38,7 +38,14 @@ def _nonneg_float(text: str) -> float:
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the embedded cluster in the foreground")
     s.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                   help="where the workers compute (auto: one GPU per worker when GPUs are "
+                        "visible, else the CPU; cuda: one distinct GPU per worker; cuda:N: "
+                        "every worker on GPU N, counted within CUDA_VISIBLE_DEVICES)")
+    s.add_argument("--share-gpus", action="store_true",
+                   help="allow more workers than visible GPUs (workers go round-robin over them)")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 on a GPU, float32 on the CPU")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051, help="router gRPC port")
     s.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP API host")
@@ -169,6 +176,21 @@ def input_problem(args: argparse.Namespace) -> str | None:
             return f"--api-keys-file: {e}"
     if args.admin_keys_file is not None and not os.path.isfile(args.admin_keys_file):
         return f"--admin-keys-file {args.admin_keys_file}: no such file"
+    if args.backend == "local":
+        return device_problem(args)
+    return None
+
+
+def device_problem(args: argparse.Namespace) -> str | None:
+    """Whether this host's GPUs (listed without torch) can hold the workers `--device` asks
+    for; the message names the flag."""
+    from pdserve.engine.device import DeviceError, plan_worker_devices, visible_gpus
+
+    try:
+        plan_worker_devices(args.device, args.prefill_workers + args.decode_workers,
+                            visible_gpus(), share=args.share_gpus)
+    except DeviceError as e:
+        return str(e)
     return None
 
 
@@ -219,7 +241,8 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
 
     console = Console(stderr=True)
     logctx.configure(logging.INFO)  # supervision's restarts and give-ups go to stderr
-    spec = ClusterSpec(model_path=model, dtype=args.dtype, host=args.host,
+    spec = ClusterSpec(model_path=model, dtype=args.dtype, device=args.device,
+                       share_gpus=args.share_gpus, host=args.host,
                        router_port=args.port, store_port=args.store_port,
                        http_host=args.http_host, http_port=None if args.no_http else args.http_port,
                        worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,

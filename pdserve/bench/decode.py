@@ -1,11 +1,14 @@
 """`pdserve bench decode`: engine decode and prefill speed vs `transformers` and the bandwidth bound.
 
-Owns one benchmark run, all on this machine in one process: engine decode tokens/s per batch size
-(with `--attention-baseline` also with the PyTorch reference decode attention instead of the C
-kernel, alternating which goes first), Hugging Face `generate` on the same weights and the same
-prompt token ids, the memory-bandwidth bound (a large tensor copy), and one long prefill on both
-sides; then the ratios, a table, a JSON document and a plot. Decode time on the `transformers` side is `generate(N + 1) - generate(1)`
-(both include the same prefill), so both sides time exactly `N` decode steps per sequence.
+Owns one benchmark run, all on this machine in one process and on one device (`--device`):
+engine decode tokens/s per batch size (with `--attention-baseline` also with the PyTorch
+reference decode attention instead of the C kernel, alternating which goes first), Hugging Face
+`generate` on the same weights and the same prompt token ids, the memory-bandwidth bound (a
+large tensor copy in that device's memory; on a GPU also the data sheet's HBM bandwidth over
+weight + KV bytes per step), and one long prefill on both sides; then the ratios, a table, a
+JSON document and a plot. Decode time on the `transformers` side is `generate(N + 1) -
+generate(1)` (both include the same prefill), so both sides time exactly `N` decode steps per
+sequence. On a GPU every timer read follows a device synchronize.
 It drives `LLMEngine` through its public API only, and reports the aims; it must not assert them.
 """
 
@@ -27,6 +30,8 @@ from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: 
 from pdserve.bench.common import emit, number_list
 from pdserve.engine.attention import describe_decode_path
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.device import (DeviceError, device_name, resolve_device, resolve_dtype,
+                                   stated_bandwidth, synchronize)
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams
 
@@ -49,6 +54,7 @@ class DecodeBenchSettings:
     prefill_tokens: int = 2048
     dtype: str = "float32"
     repeats: int = 3
+    device: str = "cpu"  # resolved ("cpu" or "cuda:N"): engine, transformers and copy all run there
     copy_bytes: int = 512 << 20
     # Also time the engine with the PyTorch reference decode attention (PDSERVE_PAGED_ATTN=torch)
     # right after each engine run: the C kernel's gain, measured in the same run.
@@ -114,15 +120,18 @@ def _random_prompts(lengths: list[int], vocab_size: int) -> list[list[int]]:
 
 
 # ---- the three systems --------------------------------------------------------------------------
-def copy_times_s(nbytes: int, tries: int = 5) -> list[float]:
-    """Seconds of `dst.copy_(src)` over `nbytes`; the first copy (page faults) is not timed."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
+def copy_times_s(nbytes: int, tries: int = 5, device: str = "cpu") -> list[float]:
+    """Seconds of `dst.copy_(src)` over `nbytes` in `device` memory; the first copy (page
+    faults) is not timed."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
     for _ in range(tries):
+        synchronize(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -133,10 +142,16 @@ def make_engine(model_path: str, s: DecodeBenchSettings) -> LLMEngine:
     per_seq = -(-(s.prompt_tokens + s.new_tokens + 1) // BLOCK_SIZE_TOKENS)
     num_blocks = max(max_b * per_seq, -(-(s.prefill_tokens + 1) // BLOCK_SIZE_TOKENS)) + max_b
     return LLMEngine(EngineConfig(
-        model_path, dtype=s.dtype,
+        model_path, dtype=s.dtype, device=s.device,
         cache=CacheConfig(block_size_tokens=BLOCK_SIZE_TOKENS, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max(
             max_b * s.prompt_tokens, s.prefill_tokens))))
+
+
+def kv_bytes_per_token(engine: LLMEngine) -> int:
+    """KV bytes one token holds over every layer (K and V)."""
+    k = engine.kv.k
+    return 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
 
 
 def engine_decode_s(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, salt: str) -> float:
@@ -167,7 +182,7 @@ def engine_prefill_s(engine: LLMEngine, prompt: list[int], salt: str) -> tuple[f
     return time.perf_counter() - t0, steps
 
 
-def load_hf(model_path: str, dtype: str) -> Any:
+def load_hf(model_path: str, dtype: str, device: str = "cpu") -> Any:
     import transformers
     from packaging.version import Version
     from transformers import AutoModelForCausalLM
@@ -180,7 +195,7 @@ def load_hf(model_path: str, dtype: str) -> Any:
             os.path.dirname(model_path), gguf_file=os.path.basename(model_path), **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,10 +210,14 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 def hf_generate_s(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, pad_id: int) -> float:
     """Seconds of a greedy `generate` making exactly `n` tokens per row (prefill included)."""
+    dev = str(model.device)
+    ids, mask = ids.to(dev), mask.to(dev)
     with torch.inference_mode():
+        synchronize(dev)
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1,
                              max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id)
+        synchronize(dev)
         dt = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + n, (tuple(out.shape), ids.shape, n)
     return dt
@@ -207,10 +226,13 @@ def hf_generate_s(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int, pad
 def hf_prefill_s(model: Any, prompt: list[int]) -> float:
     """Seconds of one forward over the prompt with the cache on and only the last row's logits,
     which is the work `generate` does for its first token and the engine does in its step."""
-    ids = torch.tensor([prompt], dtype=torch.long)
+    dev = str(model.device)
+    ids = torch.tensor([prompt], dtype=torch.long, device=dev)
     with torch.inference_mode():
+        synchronize(dev)
         t0 = time.perf_counter()
         model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+        synchronize(dev)
         return time.perf_counter() - t0
 
 
@@ -241,15 +263,15 @@ def _with_torch_attention(fn: Any, *args: Any) -> Any:
 def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
                      prompt_tokens: int = 128, new_tokens: int = 64, prefill_tokens: int = 2048,
                      dtype: str = "float32", repeats: int = 3, progress: bool = True,
-                     copy_bytes: int = 512 << 20, attention_baseline: bool = False
-                     ) -> dict[str, Any]:
+                     copy_bytes: int = 512 << 20, attention_baseline: bool = False,
+                     device: str = "cpu") -> dict[str, Any]:
     """Measure everything once and return the result document (see `summarize`).
 
     Per batch size, each repeat runs engine, `generate(N + 1)`, `generate(1)` back to back, so a
     burst of other work on the machine lands on both sides; repeat 0 is the warm-up and dropped.
     """
     s = DecodeBenchSettings(tuple(batch_sizes), prompt_tokens, new_tokens, prefill_tokens, dtype,
-                            repeats, copy_bytes, attention_baseline)
+                            repeats, device, copy_bytes, attention_baseline)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -266,14 +288,14 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
 
         engine = make_engine(model_path, s)
         tick("loading transformers")
-        hf = load_hf(model_path, dtype)
+        hf = load_hf(model_path, dtype, s.device)
         tick("copy bandwidth")
         pad_id = _pad_id(hf)
         max_b = max(s.batch_sizes)
         prompts, source = make_prompts(model_path, [prompt_tokens] * max_b + [prefill_tokens],
                                        engine.model_config.vocab_size)
         long_prompt, prompts = prompts[-1], prompts[:-1]
-        copies = copy_times_s(s.copy_bytes)
+        copies = copy_times_s(s.copy_bytes, device=s.device)
         tick("decode")
         salt = iter(range(1 << 30))
         decode = []
@@ -315,7 +337,8 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
                 pre["engine_s"].append(e)
                 pre["transformers_s"].append(h)
                 steps.append(n)
-        copies += copy_times_s(s.copy_bytes)  # again at the end: the best of both phases counts
+        # Again at the end: the best of both phases counts.
+        copies += copy_times_s(s.copy_bytes, device=s.device)
         bar.update(task, advance=1, description="done")
     setup = {
         "model_path": model_path, "prompt_source": source,
@@ -327,6 +350,7 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
         "transformers_version": sys.modules["transformers"].__version__,
         "decode_attention": describe_decode_path(engine.kv.k.dtype, engine.kv.k.device),
         "wall_s": time.perf_counter() - started,
+        "device_name": device_name(s.device), "kv_bytes_per_token": kv_bytes_per_token(engine),
     }
     return summarize(s, setup, copies, decode, pre)
 
@@ -339,6 +363,8 @@ def summarize(s: DecodeBenchSettings, setup: dict[str, Any], copy_s: list[float]
     # below is then an upper bound on what a step that only reads its weights can reach.
     bandwidth = 2 * s.copy_bytes / min(copy_s)
     weight_bytes = setup["weight_bytes"]
+    kv_bpt = setup.get("kv_bytes_per_token", 0)
+    stated = stated_bandwidth(setup.get("device_name", "cpu"))  # a GPU's data-sheet HBM bytes/s
     rows = []
     for b, raw in decode:
         hf_decode = [f - o for f, o in zip(raw["generate_s"], raw["generate_one_s"])]
@@ -348,6 +374,8 @@ def summarize(s: DecodeBenchSettings, setup: dict[str, Any], copy_s: list[float]
                              "is larger than the decode; raise --new-tokens or --repeats")
         eng, hf = b * s.new_tokens / eng_s, b * s.new_tokens / hf_s
         bound = b * bandwidth / weight_bytes
+        # A step also reads every sequence's KV (mean context over the timed steps).
+        step_bytes = weight_bytes + b * (s.prompt_tokens + s.new_tokens / 2) * kv_bpt
         rows.append({
             "batch_size": b,
             "engine": {"decode_s": raw["engine_s"], "median_s": eng_s, "tokens_per_s": eng},
@@ -356,6 +384,10 @@ def summarize(s: DecodeBenchSettings, setup: dict[str, Any], copy_s: list[float]
             "ratio": eng / hf,
             "bound_tokens_per_s": bound,
             "engine_fraction_of_bound": eng / bound,
+            "bound_with_kv_tokens_per_s": b * bandwidth / step_bytes,
+            **({"stated_bound_tokens_per_s": b * stated / step_bytes,
+                "engine_fraction_of_stated_bound": eng / (b * stated / step_bytes)}
+               if stated else {}),
         })
         if "engine_torch_attention_s" in raw:
             ref_s = statistics.median(raw["engine_torch_attention_s"])
@@ -387,7 +419,8 @@ def summarize(s: DecodeBenchSettings, setup: dict[str, Any], copy_s: list[float]
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "platform": platform.platform(), "processor": platform.processor() or None,
             "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": setup["transformers_version"], "device": "cpu",
+            "transformers": setup["transformers_version"], "device": s.device,
+            "device_name": setup.get("device_name", "cpu"),
             # Other work on the box shows at the start (the end counts this run's own threads);
             # with it, torch's threads stall each other and the times spread widely.
             "loadavg_1m_start": setup["loadavg_1m_start"],
@@ -403,7 +436,8 @@ def summarize(s: DecodeBenchSettings, setup: dict[str, Any], copy_s: list[float]
                      "num_blocks": setup["num_blocks"],
                      "block_size_tokens": setup["block_size_tokens"]},
         "bandwidth": {"copy_bytes": s.copy_bytes, "copy_s": copy_s, "bytes_per_s": bandwidth,
-                      "convention": "read + write bytes of the copy (STREAM)"},
+                      "convention": "read + write bytes of the copy (STREAM)",
+                      "stated_bytes_per_s": stated},
         "decode": rows,
         "prefill": prefill_doc,
         "aims": aims,
@@ -489,7 +523,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
     parser.add_argument("--new-tokens", type=int, default=d.new_tokens)
     parser.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
+    parser.add_argument("--device", default="cpu", metavar="auto|cpu|cuda|cuda:N",
+                        help="where the engine, transformers and the copy run (default cpu)")
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                        help="auto: bfloat16 on a GPU, float32 on the CPU")
     parser.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per figure")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("--out", metavar="DIR", help="also write DIR/decode.json and DIR/decode.png")
@@ -521,9 +558,11 @@ def run(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_sizes, prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens, prefill_tokens=args.prefill_tokens, repeats=args.repeats)
     try:
-        result = run_decode_bench(args.model, dtype=args.dtype, progress=not args.no_progress,
+        device = resolve_device(args.device)
+        result = run_decode_bench(args.model, dtype=resolve_dtype(args.dtype, device),
+                                  device=device, progress=not args.no_progress,
                                   attention_baseline=args.attention_baseline, **sizes)
-    except BenchConfigError as e:
+    except (BenchConfigError, DeviceError) as e:
         print(f"pdserve bench decode: {e}", file=sys.stderr)
         return 2
     finally:

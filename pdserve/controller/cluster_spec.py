@@ -2,7 +2,8 @@
 
 Owns the spec's fields and their checks (errors name the field), fixing a spec before start
 (`resolved()`: every internal port unset becomes a free port, the cluster id a random one, so a
-restarted child comes back at the same address), and the port helpers: free ports, and a clear
+restarted child comes back at the same address; each worker's device is planned from the GPUs
+visible without torch), and the port helpers: free ports, and a clear
 error when a port the user asked for is taken. Must not start anything: `launcher.py` does.
 """
 
@@ -18,12 +19,19 @@ from dataclasses import dataclass
 
 from pdserve.controller.supervisor import RestartPolicy
 from pdserve.core.errors import ConfigError
+from pdserve.engine.device import parse_device, plan_worker_devices, visible_gpus
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
     model_path: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: each worker's device's default (bfloat16 on a GPU)
+    # Where the workers compute (pdserve.engine.device): auto, cpu, cuda or cuda:N. The
+    # launcher gives each worker its own visible GPU (`worker_devices`, fixed by `resolved()`);
+    # more workers than GPUs needs share_gpus.
+    device: str = "auto"
+    share_gpus: bool = False
+    worker_devices: tuple[str, ...] | None = None  # prefill first; None: planned at start
     host: str = "127.0.0.1"
     router_port: int = 50051
     # The router's OpenAI-compatible HTTP API: None turns it off, 0 picks a free port
@@ -85,6 +93,9 @@ class ClusterSpec:
             raise ConfigError(f"worker_ports: need {n} ports, got {len(self.worker_ports)}")
         if not re.fullmatch(r"[A-Za-z0-9_-]{0,32}", self.cluster_id):
             raise ConfigError(f"cluster_id: at most 32 of [A-Za-z0-9_-], got {self.cluster_id!r}")
+        if self.worker_devices is not None and len(self.worker_devices) != n:
+            raise ConfigError(f"worker_devices: need {n} devices, got {len(self.worker_devices)}")
+        parse_device(self.device)  # a bad value raises, naming --device
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
@@ -105,8 +116,10 @@ class ClusterSpec:
         workers = self.worker_ports or (
             tuple(self.worker_base_port + i for i in range(n)) if self.worker_base_port
             else tuple(next(ports) for _ in range(n)))
+        devices = self.worker_devices or tuple(plan_worker_devices(
+            self.device, n, visible_gpus(), share=self.share_gpus))
         return dataclasses.replace(
-            self, store_port=pick(self.store_port), worker_ports=workers,
+            self, store_port=pick(self.store_port), worker_ports=workers, worker_devices=devices,
             controller_port=pick(self.controller_port),
             http_port=None if self.http_port is None else pick(self.http_port),
             cluster_id=self.cluster_id or uuid.uuid4().hex[:12])

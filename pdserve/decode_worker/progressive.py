@@ -95,21 +95,22 @@ class StreamReader:
         m = e.model_config
         dtype = e.model.dtype
         bs = e.block_size
+        dev = e.kv.k.device  # on a GPU the planes are joined there (the codec's Triton kernels)
         buf = torch.zeros(h.num_layers, 2, n_prompt - h.start, m.num_key_value_heads,
-                          m.head_dim, dtype=dtype)
+                          m.head_dim, dtype=dtype, device=dev)
         for (s, li), anchor in planes.items():
             shape = layer_shape(s[1] - s[0], m.num_key_value_heads, m.head_dim)
             if residuals is None:
-                kv = kvcodec.dequantize_anchor(anchor, dtype, shape)
+                kv = kvcodec.dequantize_anchor(anchor.to(dev), dtype, shape)
             else:
-                kv = kvcodec.join(anchor, residuals[(s, li)], dtype, shape)
+                kv = kvcodec.join(anchor.to(dev), residuals[(s, li)].to(dev), dtype, shape)
             buf[li, :, s[0] - h.start:s[1] - h.start] = kv
         first = h.start // bs
         out = []
         for i in range(first, len(hashes)):
             a = i * bs - h.start
             n = min(bs, n_prompt - i * bs)
-            block = torch.zeros(e.kv.block_shape(), dtype=dtype)
+            block = torch.zeros(e.kv.block_shape(), dtype=dtype, device=dev)
             block[:, :, :n] = buf[:, :, a:a + n]
             out.append((hashes[i], block))
         return out

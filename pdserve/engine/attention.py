@@ -5,8 +5,11 @@ the attention metadata of a step, and the attention math on them. The PyTorch pa
 reference every kernel is checked against, so it favours clarity; it still batches all decode
 tokens into one SDPA call over block-gathered KV because at batch 32 a per-sequence loop would
 cost more than the attention itself. Decode attention on CPU (fp32/bf16) runs the C kernel of
-`paged_attn_cpu` instead, which reads the blocks in place; `PDSERVE_PAGED_ATTN` picks
-(`attention_mode`). It must not decide which blocks a sequence owns: the block pool does that.
+`paged_attn_cpu` instead, and on CUDA the Triton kernel of `paged_attn_triton`; both read the
+blocks in place; `PDSERVE_PAGED_ATTN` picks (`attention_mode`, `decode_path`). Prefill chunks on
+CUDA go to SDPA's flash/efficient kernels with a bottom-right causal bias instead of a mask tensor
+(`attention_cuda`); on CPU they keep the path above. It must not decide which blocks a sequence
+owns: the block pool does that.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import paged_attn_cpu
+from pdserve.engine import attention_cuda, paged_attn_cpu
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +53,22 @@ class DecodeBatch:
     device: torch.device
     _spans: paged_attn_cpu.DecodeSpans | None = field(default=None, repr=False)
     _ref: _ReferenceDecode | None = field(default=None, repr=False)
-    # Whether this step's decodes run the C kernel: decided at the first layer (every layer has
-    # the same dtype and device), so the others skip the check.
-    kernel: bool | None = None
+    _triton: object | None = field(default=None, repr=False)  # paged_attn_triton.DecodeMeta
+    # Which decode attention this step runs ("c", "triton", "torch"): decided at the first layer
+    # (every layer has the same dtype and device), so the others skip the check.
+    path: str | None = None
 
     def spans(self) -> paged_attn_cpu.DecodeSpans:
         if self._spans is None:
             self._spans = paged_attn_cpu.DecodeSpans(self.rows, self.q_lens, self.ctx_lens,
                                                      self.tables, self.block_size)
         return self._spans
+
+    def triton_meta(self):
+        if self._triton is None:
+            from pdserve.engine import paged_attn_triton
+            self._triton = paged_attn_triton.DecodeMeta(self.spans(), self.device)
+        return self._triton
 
     def reference(self) -> _ReferenceDecode:
         if self._ref is None:
@@ -168,13 +178,15 @@ def _reference_decode_meta(d: DecodeBatch) -> _ReferenceDecode:
                             keep.to(device), rows.flatten()[keep].to(device))
 
 
-MODES = ("auto", "c", "torch")
+MODES = ("auto", "c", "torch", "triton")
 _warned = False
 
 
 def attention_mode() -> str:
-    """`PDSERVE_PAGED_ATTN`: "auto" (the C kernel where it builds and applies, else the
-    reference), "c" (the kernel, an error if it cannot be built), "torch" (the reference)."""
+    """`PDSERVE_PAGED_ATTN`: "auto" (the C kernel on CPU and the Triton kernel on CUDA where they
+    build and apply, else the reference), "c" (the C kernel on CPU, an error if it cannot be
+    built), "triton" (the Triton kernel, an error if Triton is missing; on CPU only under
+    TRITON_INTERPRET=1), "torch" (the reference)."""
     mode = os.environ.get("PDSERVE_PAGED_ATTN", "").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"PDSERVE_PAGED_ATTN must be one of {', '.join(MODES)}, got {mode!r}")
@@ -185,7 +197,7 @@ def use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether decode attention on these tensors runs the C kernel (fp32/bf16 on CPU)."""
     global _warned
     mode = attention_mode()
-    if mode == "torch" or not paged_attn_cpu.supports(q, k_cache):
+    if mode in ("torch", "triton") or not paged_attn_cpu.supports(q, k_cache):
         return False
     if mode == "c":
         paged_attn_cpu.load()  # raises KernelUnavailable, saying why
@@ -201,13 +213,23 @@ def use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return False
 
 
+def decode_path(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """The decode attention these tensors get: "c", "triton" or "torch" (the reference)."""
+    if attention_cuda.use_triton(q, k_cache, attention_mode()):
+        return "triton"
+    return "c" if use_kernel(q, k_cache) else "torch"
+
+
 def describe_decode_path(dtype: torch.dtype, device: torch.device) -> dict[str, object]:
     """Which decode attention a cache of this dtype and device gets, for reports:
-    {"mode", "path": "c" | "torch", and the kernel's "isa" and "openmp", or "reason"}."""
+    {"mode", "path": "c" | "triton" | "torch", and the C kernel's "isa" and "openmp", the Triton
+    kernel's "triton" version, or "reason"}."""
     mode = attention_mode()
     probe = torch.empty(0, dtype=dtype, device=device)
     if mode == "torch":
         return {"mode": mode, "path": "torch", "reason": "PDSERVE_PAGED_ATTN=torch"}
+    if device.type == "cuda" or mode == "triton":
+        return attention_cuda.describe(dtype, device, mode)
     if not paged_attn_cpu.supports(probe, probe):
         return {"mode": mode, "path": "torch", "reason": f"the kernel takes fp32/bf16 on CPU, "
                                                          f"not {dtype} on {device.type}"}
@@ -260,9 +282,15 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     out = torch.empty_like(q)
     # SDPA takes its fused (flash) CPU path only for 4-D inputs; 3-D ones fall back to the math
     # path, which materialises every score and is several times slower on long prompts.
+    cuda = q.device.type == "cuda"
     for p in meta.prefills:
         qs = q[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
-        if p.gather is None:
+        if cuda:
+            src_k, src_v = (k_new, v_new) if p.gather is None else (k_cache, v_cache)
+            rows = slice(p.q_start, p.q_start + p.q_len) if p.gather is None else p.gather
+            o = attention_cuda.prefill_sdpa(qs, src_k[rows].transpose(0, 1).unsqueeze(0),
+                             src_v[rows].transpose(0, 1).unsqueeze(0), p.mask)
+        elif p.gather is None:
             ks = k_new[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
             vs = v_new[p.q_start: p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
@@ -273,13 +301,24 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         out[p.q_start: p.q_start + p.q_len] = o[0].transpose(0, 1)
     d = meta.decode
     if d is not None:
-        if d.kernel is None:
-            d.kernel = use_kernel(q, k_cache)
-        if d.kernel:
+        if d.path is None:
+            d.path = decode_path(q, k_cache)
+        if d.path == "c":
             paged_attn_cpu.decode(q, k_cache, v_cache, out, d.spans())
+        elif d.path == "triton":
+            if not attention_cuda.decode(q, k_cache, v_cache, out, d, attention_mode()):
+                d.path = "torch"  # the kernel failed to launch: the reference from now on
+                decode_reference(q, k_cache, v_cache, out, d)
         else:
-            _reference_decode(q, k_cache, v_cache, out, d.reference(), meta.block_size)
+            decode_reference(q, k_cache, v_cache, out, d)
     return out
+
+
+def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor, d: DecodeBatch) -> None:
+    """The reference decode attention of `d`'s rows of q into the same rows of out; the kernels'
+    yardstick."""
+    _reference_decode(q, k_cache, v_cache, out, d.reference(), d.block_size)
 
 
 class PagedKVCache:
@@ -295,8 +334,8 @@ class PagedKVCache:
         # Build the decode kernel now (a second or two, once per machine) rather than in the
         # first step; `use_kernel` reports a failure.
         q = torch.empty(0, dtype=dtype, device=device)
-        if attention_mode() != "torch" and paged_attn_cpu.supports(q, self.k):
-            use_kernel(q, self.k)
+        if attention_mode() != "torch":
+            decode_path(q, self.k)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]

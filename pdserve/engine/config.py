@@ -149,7 +149,10 @@ class SpecConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
-    dtype: str = "float32"  # "float32" or "bfloat16"
+    # "auto": the device's default (bfloat16 on a GPU, float32 on the CPU; engine.device).
+    dtype: str = "float32"
+    # "cpu", "cuda", "cuda:N" (within CUDA_VISIBLE_DEVICES) or "auto" (a GPU when there is one);
+    # the engine resolves it once and keeps the resolved value in its own cfg.
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -157,5 +160,9 @@ class EngineConfig:
     spec: SpecConfig | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got "
+                              f"{self.dtype!r}")
+        from pdserve.engine.device import parse_device
+
+        parse_device(self.device)  # a bad value raises here, naming --device

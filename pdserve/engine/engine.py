@@ -2,9 +2,10 @@
 
 Owns a step: schedule, build the flat batch, run the model, sample, and hand the tokens back to
 the scheduler (`Scheduler.update_from_output`), which applies them and the stop rules; the engine
-reports what it returns. It is single-threaded on purpose; a worker process drives it from one loop thread. It also owns
-moving a request's KV in and out as whole blocks (`take_parked_kv`, `add_prefilled_request`), which
-is how the prefill and decode roles hand a request over without the engine knowing about a store.
+reports what it returns. It is single-threaded on purpose; a worker process drives it from one
+loop thread. It also owns moving a request's KV in and out as whole blocks (`take_parked_kv`,
+`add_prefilled_request`), which is how the prefill and decode roles hand a request over without
+the engine knowing about a store.
 A request another engine was decoding when it died is resumed by recomputing what it emitted
 (`add_request(resume_token_ids=...)`): the same tokens follow, since sampling is seeded per
 output position.
@@ -13,13 +14,14 @@ With `EngineConfig.spec` set, each step first asks the drafter for draft tokens 
 request in decode; the drafts run after the request's last token in the same forward, the
 token the target draws at every position (argmax, or a sample from that position's seeded
 generator) decides how many are accepted (`spec.verify_greedy`; see `_verify` for why this is
-the lossless rejection rule), and the scheduler gives back the slots of rejected drafts. Drafters that
-read the target's hidden states get each request's last rows (`_keep_hidden`). With `spec`
-None a step is exactly the plain one.
+the lossless rejection rule), and the scheduler gives back the slots of rejected drafts.
+Drafters that read the target's hidden states get each request's last rows (`_keep_hidden`).
+With `spec` None a step is exactly the plain one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -34,6 +36,7 @@ from pdserve.core.block_hash import hash_block
 from pdserve.engine.attention import SHORT_SPAN, PagedKVCache, build_attention_metadata
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.loader import load_checkpoint
 from pdserve.engine.model import LlamaModel, StepInput
 from pdserve.engine.request_check import check_request, check_resume
@@ -62,7 +65,9 @@ class ParkedKV:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, *, model_config: ModelConfig | None = None,
                  weights: dict[str, torch.Tensor] | None = None, tokenizer=None) -> None:
-        self.cfg = cfg
+        device = resolve_device(cfg.device)
+        self.cfg = cfg = dataclasses.replace(cfg, device=device,
+                                             dtype=resolve_dtype(cfg.dtype, device))
         dtype = DTYPES[cfg.dtype]
         if weights is None:
             model_config, weights = load_checkpoint(cfg.model_path, dtype)

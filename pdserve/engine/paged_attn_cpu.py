@@ -179,6 +179,35 @@ class DecodeSpans:
         self._batch: _Batch | None = None
         self._key: tuple[int, ...] = ()
 
+    def check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              out: torch.Tensor, what: str, supported: bool, want: str) -> None:
+        """Raise ValueError (naming `what` and the tensor) unless the tensors are `supported`
+        (else: "want {want}") and of one dtype, q and out have contiguous head dims, the caches
+        are contiguous [slots, Hkv, D], out is shaped as q, and every row and block id of the
+        spans lies inside q and the cache: the kernels trust them."""
+        if not supported or v_cache.dtype != q.dtype or out.dtype != q.dtype:
+            raise ValueError(f"{what}: want {want} tensors of one dtype, got q {q.dtype}@"
+                             f"{q.device}, k_cache {k_cache.dtype}@{k_cache.device}, v_cache "
+                             f"{v_cache.dtype}, out {out.dtype}")
+        for name, x in (("q", q), ("out", out)):
+            if x.stride(2) != 1:
+                raise ValueError(f"{what}: {name} needs a contiguous head dim, got strides "
+                                 f"{x.stride()}")
+        t, _, d = q.shape
+        hkv = k_cache.shape[1]
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not x.is_contiguous() or x.shape[1:] != (hkv, d):
+                raise ValueError(f"{what}: {name} must be a contiguous [slots, {hkv}, {d}] "
+                                 f"tensor, got {tuple(x.shape)}")
+        if out.shape != q.shape:
+            raise ValueError(f"{what}: out is {tuple(out.shape)}, want {tuple(q.shape)}")
+        if self.rows_end > t or self.min_value < 0:
+            raise ValueError(f"{what}: spans reach row {self.rows_end} of {t} or hold a "
+                             f"negative value")
+        if (self.max_block + 1) * self.block_size > k_cache.shape[0]:
+            raise ValueError(f"{what}: block {self.max_block} is past the cache's "
+                             f"{k_cache.shape[0] // self.block_size} blocks")
+
     def batch(self, n_heads: int, n_kv_heads: int, head_dim: int, threads: int,
               split: int = 0, min_parallel_work: int = MIN_PARALLEL_WORK,
               max_isa: int = max(ISA_NAMES)) -> _Batch:
@@ -202,28 +231,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     torch.get_num_threads(); `split` (chunks per sequence, 0: the kernel picks),
     `min_parallel_work` and `max_isa` (the widest build to use, of ISA_NAMES) are for tests."""
     lib = _load()
-    if not supports(q, k_cache) or v_cache.dtype != q.dtype or out.dtype != q.dtype:
-        raise ValueError(f"paged attention C kernel: want CPU fp32/bf16 tensors of one dtype, got "
-                         f"q {q.dtype}@{q.device}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}, "
-                         f"out {out.dtype}")
-    t, h, d = q.shape
+    spans.check(q, k_cache, v_cache, out, _WHAT, supports(q, k_cache), "CPU fp32/bf16")
+    _, h, d = q.shape
     hkv = k_cache.shape[1]
     for name, x in (("q", q), ("out", out)):
-        if x.stride(2) != 1 or x.stride(1) != d:
-            raise ValueError(f"paged attention C kernel: {name} must have contiguous heads, "
-                             f"got strides {x.stride()}")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not x.is_contiguous() or x.shape[1:] != (hkv, d):
-            raise ValueError(f"paged attention C kernel: {name} must be a contiguous "
-                             f"[slots, {hkv}, {d}] tensor, got {tuple(x.shape)}")
-    if out.shape != q.shape:
-        raise ValueError(f"paged attention C kernel: out is {tuple(out.shape)}, want {tuple(q.shape)}")
-    if spans.rows_end > t or spans.min_value < 0:
-        raise ValueError(f"paged attention C kernel: spans reach row {spans.rows_end} of {t} "
-                         f"or hold a negative value")
-    if (spans.max_block + 1) * spans.block_size > k_cache.shape[0]:
-        raise ValueError(f"paged attention C kernel: block {spans.max_block} is past the cache's "
-                         f"{k_cache.shape[0] // spans.block_size} blocks")
+        if x.stride(1) != d:  # the kernel steps from head to head by d
+            raise ValueError(f"{_WHAT}: {name} must have contiguous heads, got strides "
+                             f"{x.stride()}")
     if threads is None:
         threads = torch.get_num_threads()
     bt = spans.batch(h, hkv, d, threads, split, min_parallel_work, max_isa)

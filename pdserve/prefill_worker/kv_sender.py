@@ -7,6 +7,8 @@ the RESIDUAL object later: layers waiting to be split (whose anchors go next) al
 queued residuals, so every anchor known to the sender is in the store before any residual still
 queued. Never blocks the engine thread: past `max_queue_bytes` a request stops streaming and is
 marked fallen back (the prefill role then puts it as whole blocks, the plain transfer).
+On a GPU the split runs there (the codec's Triton kernels) and each plane reaches the store
+through host staging (`kv_staging`: a pinned buffer, an asynchronous copy, an event waited).
 A failed put is logged and counted; the decode side then times out waiting for that object and
 recomputes the prompt's missing KV (slower, never wrong). Must not decide routing.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.worker.kv_staging import HostStaging, default_staging
 from pdserve.worker.kv_stream import plane_meta, split_layer, stream_key
 
 log = logging.getLogger(__name__)
@@ -52,9 +55,11 @@ class _Layer:
 
 
 class KvStreamSender:
-    def __init__(self, engine, store, max_queue_bytes: int = 256 << 20) -> None:
+    def __init__(self, engine, store, max_queue_bytes: int = 256 << 20,
+                 staging: HostStaging | None = None) -> None:
         self.engine = engine
         self.store = store
+        self.staging = staging or default_staging()
         self.max_queue_bytes = max_queue_bytes
         self._streams: dict[str, _Stream] = {}  # touched on the engine thread and the role's
         self._layers: deque[_Layer] = deque()
@@ -164,7 +169,8 @@ class KvStreamSender:
         if self.put_order is not None:
             self.put_order.append(key)
         try:
-            self.store.batch_put_from([(key, memoryview(plane.numpy()), plane_meta(plane))])
+            with self.staging.host_views([plane]) as (view,):  # a device plane: staged
+                self.store.batch_put_from([(key, view, plane_meta(plane))])
         except Exception as e:  # any store error: the reader times out and recomputes
             log.warning("kv stream put %s failed: %s", key, e)
             with self._cond:

@@ -37,7 +37,8 @@ from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.worker.guarded_store import StoreFailure
-from pdserve.worker.kv_blocks import block_key, block_to_buffer, fetch_run
+from pdserve.worker.kv_blocks import block_key, blocks_as_buffers, fetch_run
+from pdserve.worker.kv_staging import StagingError
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.05
@@ -179,11 +180,12 @@ class PrefillRole:
             return 0
         try:
             present = self.store.exists(keys)
-            todo = [(k, *block_to_buffer(b)) for k, b, p in zip(keys, blocks, present) if not p]
-            if todo:
-                self.store.batch_put_from(todo)
+            todo = [(k, b) for k, b, p in zip(keys, blocks, present) if not p]
+            if todo:  # device blocks go through host staging; CPU blocks are put zero-copy
+                with blocks_as_buffers([b for _, b in todo]) as bufs:
+                    self.store.batch_put_from([(k, *buf) for (k, _), buf in zip(todo, bufs)])
             return len(todo)
-        except StoreFailure as e:
+        except (StoreFailure, StagingError) as e:
             log.warning("%s: KV not stored, the decode side will recompute it: %s",
                         request_id, e)
             return -1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.config import SPEC_METHODS, ConfigError
+from pdserve.engine.device import DTYPE_CHOICES, parse_device
 from pdserve.kvstore import config as store_config
 from pdserve.kvstore.channel import check_cluster_id
 
@@ -22,7 +23,10 @@ class WorkerConfig:
     # This machine's identity for the store: equal to a storage node's host_id means shared
     # memory, different means the network (default: the hostname).
     host_id: str | None = None
-    dtype: str = "float32"
+    # The compute device: auto (a GPU when torch sees one), cpu, cuda or cuda:N (N counts
+    # within CUDA_VISIBLE_DEVICES; the launcher gives each worker of a host its own GPU).
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU
     block_size_tokens: int = 16
     num_blocks: int = 1024
     max_num_seqs: int = 64
@@ -72,6 +76,10 @@ class WorkerConfig:
             raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if ":" not in self.address:
             raise ConfigError(f"address must be host:port, got {self.address!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got "
+                              f"{self.dtype!r}")
+        parse_device(self.device)  # a bad value raises, naming --device
         if self.store_kind not in ("distributed", "simple"):
             raise ConfigError(f"store_kind must be 'distributed' or 'simple', got {self.store_kind!r}")
         if self.store_replicas < 1:

@@ -1,18 +1,25 @@
 """Engine KV blocks <-> store objects: the key of a block and its bytes.
 
 Owns the mapping between an engine block tensor [layers, 2, block_size, kv_heads, head_dim] and a
-store object (one object per block covering every layer, plane FULL). Progressive transfer
-streams (span, layer) anchor/residual planes under its own keys instead (`kv_stream`).
+store object (one object per block covering every layer, plane FULL). Blocks may live in device
+memory: they leave and enter it through the process's host staging pool (`kv_staging`: pinned
+buffers, asynchronous copies); CPU blocks are handed to the store zero-copy. Progressive
+transfer streams (span, layer) anchor/residual planes under its own keys instead (`kv_stream`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
+import numpy as np
 import torch
 
 from pdserve.kvstore.client import BlockKey, Plane, StoreError, format_key
 from pdserve.kvstore.dist_client import DistStoreError
 from pdserve.kvstore.store import ObjectMeta
 from pdserve.worker.guarded_store import StoreFailure
+from pdserve.worker.kv_staging import HostStaging, default_staging
 
 # Whatever keeps a block from being read: the caller recomputes it.
 _MISSING = (StoreError, DistStoreError, StoreFailure, KeyError, OSError)
@@ -24,33 +31,46 @@ def block_key(model_id: str, salt: str, block_hash: bytes, num_layers: int) -> s
     return format_key(BlockKey(model_id, salt, block_hash, 0, num_layers, Plane.FULL))
 
 
-def block_to_buffer(block: torch.Tensor) -> tuple[memoryview, ObjectMeta]:
-    """A byte view of a contiguous block (no copy) and its meta."""
-    flat = block.contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()), ObjectMeta(_DTYPE_NAMES[block.dtype], tuple(block.shape))
+def block_meta(block: torch.Tensor) -> ObjectMeta:
+    return ObjectMeta(_DTYPE_NAMES[block.dtype], tuple(block.shape))
 
 
-def fetch_block(store, key: str, engine) -> torch.Tensor | None:
-    """Read one block from the store straight into a fresh block tensor; None if unavailable.
+@contextlib.contextmanager
+def blocks_as_buffers(blocks: list[torch.Tensor], staging: HostStaging | None = None
+                      ) -> Iterator[list[tuple[memoryview, ObjectMeta]]]:
+    """(bytes, meta) of each block for a store put, valid inside the `with` block: CPU blocks'
+    own bytes, device blocks' bytes copied to host staging first."""
+    with (staging or default_staging()).host_views(blocks) as views:
+        yield [(v, block_meta(b)) for v, b in zip(views, blocks)]
+
+
+def _reader(store, key: str) -> Callable[[np.ndarray], int]:
+    def read(buf: np.ndarray) -> int:
+        try:
+            return store.get_into(key, buf)
+        except _MISSING:  # missing, evicted, node lost, corrupt, the store down: recompute
+            return -1
+    return read
+
+
+def fetch_block(store, key: str, engine, staging: HostStaging | None = None
+                ) -> torch.Tensor | None:
+    """Read one block from the store into a fresh block tensor on the engine's device; None if
+    unavailable.
 
     Works with either store client (both have `get_into`); any store error means "not there":
     the caller recomputes what it cannot fetch.
     """
-    block = torch.empty(engine.kv.block_shape(), dtype=engine.model.dtype)
-    try:
-        n = store.get_into(key, block.view(-1).view(torch.uint8).numpy())
-    except _MISSING:  # missing, evicted, node lost, corrupt, the store down: recompute
-        return None
-    return block if n == block.numel() * block.element_size() else None
+    got = (staging or default_staging()).fetch_many(
+        engine.kv.block_shape(), engine.model.dtype, engine.kv.k.device, [_reader(store, key)])
+    return got[0] if got else None
 
 
-def fetch_run(store, engine, hashes: list[bytes], keys: list[str]
-              ) -> list[tuple[bytes, torch.Tensor]]:
-    """Fetch blocks in order until the first one the store cannot give; the rest is recomputed."""
-    out = []
-    for h, key in zip(hashes, keys):
-        data = fetch_block(store, key, engine)
-        if data is None:
-            break
-        out.append((h, data))
-    return out
+def fetch_run(store, engine, hashes: list[bytes], keys: list[str],
+              staging: HostStaging | None = None) -> list[tuple[bytes, torch.Tensor]]:
+    """Fetch blocks in order until the first one the store cannot give; the rest is recomputed.
+    On a GPU a block's copy to the device overlaps the next block's read."""
+    got = (staging or default_staging()).fetch_many(
+        engine.kv.block_shape(), engine.model.dtype, engine.kv.k.device,
+        [_reader(store, k) for k in keys])
+    return list(zip(hashes, got))

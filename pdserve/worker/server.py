@@ -11,6 +11,7 @@ to the operating system: about 450 MB of the default model's worker."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ import torch
 from pdserve import rpc
 from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from pdserve.engine.device import DeviceError, resolve_device
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.dist_client import ClusterRefused, DistStoreClient, DistStoreError
@@ -45,7 +47,7 @@ def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
 
 def build_engine(cfg: WorkerConfig) -> LLMEngine:
     engine = LLMEngine(EngineConfig(
-        model_path=cfg.model_path, dtype=cfg.dtype,
+        model_path=cfg.model_path, dtype=cfg.dtype, device=cfg.device,
         cache=CacheConfig(block_size_tokens=cfg.block_size_tokens, num_blocks=cfg.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -93,6 +95,11 @@ def store_refusal(store) -> str | None:
 
 def run(cfg: WorkerConfig) -> int:
     rpc.catch_stop_signals()  # a SIGTERM while the weights load still shuts down cleanly
+    try:  # before anything starts: `--device cuda` on a host without CUDA is a one-line error
+        cfg = dataclasses.replace(cfg, device=resolve_device(cfg.device))
+    except DeviceError as e:
+        print(f"pdserve.worker: {e}", file=sys.stderr, flush=True)
+        return 2
     raw_store = connect_store(cfg)
     refusal = store_refusal(raw_store)
     if refusal is not None:
@@ -105,7 +112,8 @@ def run(cfg: WorkerConfig) -> int:
         torch.set_num_threads(cfg.threads)
     engine = build_engine(cfg)
     loop = EngineLoop(engine).start()
-    model_id = model_id_for(cfg.model_path, cfg.dtype, cfg.model_name)
+    # The dtype the engine resolved (auto: by device): KV of different dtypes never mixes.
+    model_id = model_id_for(cfg.model_path, engine.cfg.dtype, cfg.model_name)
     role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
     sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
               if cfg.progressive_kv else None)
@@ -131,6 +139,7 @@ def run(cfg: WorkerConfig) -> int:
     code = rpc.run_until_signal(
         server, health, cfg.address,
         lambda where: f"pdserve.worker ready on {where} role={cfg.role} model={model_id}"
+                      f" device={engine.cfg.device}"
                       f"{metrics_note}")
     if registrar is not None:
         registrar.stop()
