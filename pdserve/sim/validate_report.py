@@ -38,15 +38,13 @@ def print_table(doc: dict[str, Any], console=None) -> None:
         real = run["real"]
         t = Table(title=(f"sim validate {run['config']}: real cluster vs simulator (ms); "
                          f"{scale_text(doc)}; load avg {real['loadavg_1m_start']:.2f}"))
-        t.add_column("metric")
-        for k in STATS:
-            t.add_column(f"{k} real", justify="right")
-            t.add_column(f"{k} sim", justify="right")
-            t.add_column(f"{k} err", justify="right")
+        for col in ("metric", "stat", "real ms", "sim ms", "error"):
+            t.add_column(col, justify="left" if col in ("metric", "stat") else "right")
         for m in METRICS:
             c = run["compare"][m]
-            t.add_row(LABELS[m], *[v for k in STATS for v in (
-                _f(c[k]["real"]), _f(c[k]["sim"]), _f(c[k]["error"], pct=True))])
+            for k in STATS:
+                t.add_row(LABELS[m] if k == "mean" else "", k, _f(c[k]["real"]),
+                          _f(c[k]["sim"]), _f(c[k]["error"], pct=True))
         con.print(t)
     con.print(f"profile: {doc['profile_origin']}")
 
