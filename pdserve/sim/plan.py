@@ -204,7 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="simulated time: the trace is tiled to this (default one hour)")
     p.add_argument("--workers-per-copy", type=int, default=8,
                    help="one copy of the trace's arrivals per this many workers (default 8)")
-    p.add_argument("--rate", type=float, default=2.0,  # H100 roofline: ~60% prefill, then ~70% decode
+    # 2/s per worker: on the H100 roofline about 60% prefill, then about 70% decode workers busy
+    p.add_argument("--rate", type=float, default=2.0,
                    help="'phase' trace: arrivals per second per worker (default %(default)s)")
     p.add_argument("--transport", default="ucx", help="KV transport of the profile (default ucx)")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-policy sweep")
@@ -238,27 +239,30 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "seed": a.seed}
 
 
-def run(args: argparse.Namespace) -> int:
-    from pdserve.sim.plan_report import print_table, write_outputs
+def run_command(args: argparse.Namespace, tag: str, settings, work, errors: tuple,
+                write_outputs, print_table) -> int:
+    """A `pdserve sim` command: settings (a bad one: its message and exit 2), the work with
+    progress lines on stderr, then files and a table or JSON (`bench.common.emit`)."""
+    from pdserve.bench.common import emit
 
     try:
-        s = settings_from_args(args)
-    except (PlanError, ValueError) as e:
+        s = settings(args)
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
 
     def say(line: str) -> None:
-        print(f"[plan {time.monotonic() - t0:7.1f}s] {line}", file=sys.stderr, flush=True)
-    doc = plan(s, say)
-    paths = write_outputs(doc, args.out)
-    if args.json:
-        import json
-        print(json.dumps(doc, indent=1, sort_keys=True))
-    else:
-        print_table(doc)
-        print("wrote " + ", ".join(paths))
-    return 0
+        print(f"[{tag} {time.monotonic() - t0:7.1f}s] {line}", file=sys.stderr, flush=True)
+    return emit(work(s, say), json_out=args.json, out_dir=args.out,
+                write_outputs=write_outputs, print_tables=print_table)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.sim.plan_report import print_table, write_outputs
+
+    return run_command(args, "plan", settings_from_args, plan, (PlanError, ValueError),
+                       write_outputs, print_table)
 
 
 def main(argv: list[str] | None = None) -> int:

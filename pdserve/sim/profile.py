@@ -63,7 +63,7 @@ class StepProfile:
     flip_s: float = 0.0
     startup_s: float = 0.0
     kv_capacity_tokens: int = 0
-    fit: dict = dataclasses.field(default_factory=dict)  # how it was made: points, errors, constants
+    fit: dict = dataclasses.field(default_factory=dict)  # how it was made: points, errors
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -94,7 +94,7 @@ class StepProfile:
         return fixed + max(compute, memory)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """One prefill chunk of `new_tokens` uncached tokens on top of `cached_tokens` of context."""
+        """A prefill chunk of `new_tokens` uncached tokens on top of `cached_tokens` of context"""
         _check_counts(new_tokens=new_tokens, cached_tokens=cached_tokens)
         if new_tokens == 0:
             return 0.0

@@ -235,25 +235,11 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.sim.plan import run_command
     from pdserve.sim.validate_report import print_table, write_outputs
 
-    try:
-        s = settings_from_args(args)
-    except ValidateError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    t0 = time.monotonic()
-
-    def say(line: str) -> None:
-        print(f"[validate {time.monotonic() - t0:6.1f}s] {line}", file=sys.stderr, flush=True)
-    doc = validate(s, say)
-    paths = write_outputs(doc, args.out)
-    if args.json:
-        print(json.dumps(doc, indent=1, sort_keys=True))
-    else:
-        print_table(doc)
-        print("wrote " + ", ".join(paths))
-    return 0
+    return run_command(args, "validate", settings_from_args, validate, (ValidateError,),
+                       write_outputs, print_table)
 
 
 def main(argv: list[str] | None = None) -> int:
