@@ -56,8 +56,8 @@ class Cluster:
         shared = Link("shared")
         self.links = {a: shared if cfg.link == "shared" else Link(a) for a in self.workers}
         self.slo = Slo(cfg.slo_ttft_ms / 1000.0, cfg.slo_itl_ms / 1000.0)
-        self.ctl = (SimController(cfg.policy, self.slo, cfg.window_s, cfg.pressure_window_s)
-                    if cfg.controller else None)
+        self.ctl = (SimController(self.router, cfg.policy, self.slo, cfg.window_s,
+                                  cfg.pressure_window_s) if cfg.controller else None)
         self.bpt = cfg.block_size * profile.kv_bytes_per_token  # bytes per KV block
         self.report = SimReport(
             config={}, profile=getattr(profile, "origin", type(profile).__name__),
@@ -111,6 +111,8 @@ class Cluster:
         c = self.counts
         c["events"] = q.popped
         c["steps"] = sum(w.steps for w in self.workers.values())
+        c["prompt_tokens_computed"] = sum(w.engine.prompt_tokens_computed
+                                          for w in self.workers.values())
         c["store_evicted_blocks"] = self.store.evicted
         c["controller_ticks"] = self.ctl.ticks if self.ctl else 0
         c["sim_end_s"] = q.now
@@ -135,6 +137,8 @@ class Cluster:
         except Overloaded as e:
             self._reject(i, e.reason)
             return
+        if self.ctl is not None:
+            self.ctl.started()
         prompt = self.prompt[i] = prompt_tokens_of(r.block_hashes, r.prompt_tokens, i + 1)
         any_engine = next(iter(self.workers.values())).engine
         hashes = self.hashes[i] = any_engine.prompt_hashes(prompt)
@@ -235,9 +239,8 @@ class Cluster:
         self.router.admission.release("")
         self._prefilled(i)
         if self.ctl is not None:
-            ttft = rep.ttft_s[i]
-            tpot = (now - r.arrival_s - ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0
-            self.ctl.samples.add(now, ttft, tpot, r.prompt_tokens, r.output_tokens)
+            self.ctl.finished(now, now - r.arrival_s, rep.ttft_s[i], r.prompt_tokens,
+                              r.output_tokens, rep.prefill_worker[i] == rep.decode_worker[i])
         self.prompt.pop(i, None)
         self.hashes.pop(i, None)
         self.unresolved -= 1
@@ -327,7 +330,7 @@ class Cluster:
         now = self.q.now
         switching = {a: w.to_role for a, w in self.workers.items()
                      if w.state in (W_DRAINING, SWITCHING) and w.to_role}
-        d = self.ctl.tick(self.router.membership.members(), now, switching, self.last_flip_s)
+        d = self.ctl.tick(now, switching, self.last_flip_s)
         self.router.set_budgets({b.address: (b.max_tokens, b.chunk_tokens) for b in d.budgets})
         for f in d.flips:
             w = self.workers[f.address]

@@ -25,23 +25,6 @@ MODEL_ID = "sim"
 STORE = store_source(MODEL_ID)
 
 
-@dataclasses.dataclass
-class Stats:
-    """What a worker answers a stats poll with (the `WorkerStats` fields the router reads)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    draining: bool = False
-    prompt_tokens_computed: int = 0
-    busy_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_step_seconds: float = 0.0
-    requests_finished: int = 0
-    role_switches: int = 0
-
-
 class SimRouter:
     def __init__(self, cfg: SimConfig, addresses: dict[str, str], now: float = 0.0) -> None:
         self.cfg = cfg
@@ -70,6 +53,10 @@ class SimRouter:
             free_blocks=None if s is None else s.num_free_blocks,
             running=0 if s is None else s.num_running, waiting=0 if s is None else s.num_waiting)
 
+    def members(self) -> list:
+        """Every member, by address (what the router's control API lists)."""
+        return [dataclasses.replace(m) for m in self.membership.members()]
+
     def pool(self, role: str) -> list[str]:
         """ACTIVE members of `role`, by address (`Membership.pool`, cached until a change)."""
         p = self._pools.get(role)
@@ -83,7 +70,8 @@ class SimRouter:
         self._pools.clear()
         self._touch(address)
 
-    def report(self, address: str, role: str, stats: Stats, now: float) -> None:
+    def report(self, address: str, role: str, stats, now: float) -> None:
+        """A stats poll's answer (a `WorkerStats` message) from `address`."""
         before = self.membership.get(address)
         was = (before.state, before.role)
         m = self.membership.report(address, role, now, stats, now)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from pdserve.sim.engine_model import EngineModel, PlannedStep
-from pdserve.sim.router import Stats
+from pdserve.proto import worker_pb2 as wpb
 
 STARTING, SERVING, DRAINING, SWITCHING = "starting", "serving", "draining", "switching"
 MAX_RUN_STEPS = 1 << 20
@@ -137,11 +137,16 @@ class SimWorker:
             self.decode_step_s += dur
         return self.engine.complete(step), dur
 
-    def stats(self) -> Stats:
+    def stats(self) -> wpb.WorkerStats:
+        """What the worker answers a stats poll with (during a run: as of the run's start)."""
         e = self.engine
-        return Stats(e.running, e.waiting, e.free_blocks, e.total_blocks,
-                     self.state in (DRAINING, SWITCHING), e.prompt_tokens_computed, self.busy_s,
-                     self.decode_steps, self.decode_step_s, self.finished, self.switches)
+        return wpb.WorkerStats(
+            role=wpb.ROLE_PREFILL if self.role == "prefill" else wpb.ROLE_DECODE,
+            num_running=e.running, num_waiting=e.waiting, num_free_blocks=e.free_blocks,
+            num_total_blocks=e.total_blocks, draining=self.state in (DRAINING, SWITCHING),
+            prompt_tokens_computed=e.prompt_tokens_computed, busy_seconds=self.busy_s,
+            decode_steps=self.decode_steps, decode_step_seconds=self.decode_step_s,
+            requests_finished=self.finished, role_switches=self.switches)
 
     def drained(self) -> bool:
         return self.inbound == 0 and not self.joins and not self.busy and self.engine.idle()
