@@ -107,8 +107,8 @@ def test_transfers_on_one_link_share_its_bandwidth_fairly():
     link.add(1.0, "c", 0.25)  # a and b have 0.5 left; now three share
     assert link.next_done_s(1.0) == pytest.approx(1.75)
     assert link.complete(1.75) == ["c"]
-    assert link.next_done_s(1.75) == pytest.approx(2.5)
-    assert link.complete(2.5) == ["a", "b"]
+    assert link.next_done_s(1.75) == pytest.approx(2.25)  # 0.25 left each, two share
+    assert link.complete(2.25) == ["a", "b"]
 
 
 def test_the_store_evicts_the_least_recently_used():
