@@ -186,12 +186,12 @@ class Cluster:
         local, in_store = self.store_hits.pop(i, (0, 0))
         hashes, prompt = self.hashes[i], self.prompt[i]
 
-        def join() -> None:
+        def enter() -> None:
             if in_store > local:
                 w.engine.import_cached(hashes[local:in_store])
             w.engine.add(str(i), prompt, 1, prefill_only=True)
 
-        self._join(w, join)
+        self._join(w, enter)
 
     def _prefilled(self, i: int) -> None:
         own = self.own.pop(i, None)
@@ -284,8 +284,8 @@ class Cluster:
             if end is not None:
                 self.q.push(end, "step", (w.address, w.token))
         elif not w.busy:
-            for join in w.joins:
-                join()
+            for enter in w.joins:
+                enter()
             w.joins.clear()
             end = w.start(self.q.now, self.profile)
             if end is not None:
