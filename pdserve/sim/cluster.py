@@ -44,13 +44,13 @@ class Cluster:
         width = max(4, len(str(len(roles))))
         self.kv_blocks = cfg.kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
         self.router = SimRouter(cfg, {f"w{i:0{width}d}": r for i, r in enumerate(roles)})
-        feed = 1 << 15 if self.router.kv_aware else 1
+        feed = self.router.kv_aware  # the KV index follows the workers' prefix caches
         self.workers: dict[str, SimWorker] = {}
         for i, role in enumerate(roles):
             a = f"w{i:0{width}d}"
             engine = EngineModel(self.kv_blocks, cfg.block_size, cfg.max_num_seqs,
                                  cfg.max_num_batched_tokens, cfg.max_waiting,
-                                 cfg.prefix_caching, max_events=feed)
+                                 cfg.prefix_caching, record_events=feed)
             self.workers[a] = SimWorker(a, role, engine, STARTING if cfg.cold_start else SERVING)
         self.store = KvStore(cfg.store_capacity_blocks)
         shared = Link("shared")
@@ -310,9 +310,9 @@ class Cluster:
                 w.finished += 1
                 self._finish(i)
         if self.router.kv_aware:
-            events, lost, w.events_seen = w.engine.block_events(w.events_seen)
-            if events or lost:
-                self.router.worker_events(address, events, lost, w.engine.cached_hashes())
+            events = w.engine.block_events()
+            if events:
+                self.router.worker_events(address, events)
         self._wake(w)
 
     # ---- polls, the controller and flips -------------------------------------------------------

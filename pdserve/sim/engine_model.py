@@ -42,6 +42,62 @@ def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
     return out
 
 
+class _Recorder:
+    """Stands in for the block pool's `BlockEventLog` (`append(kind, hash)`): keeps the events
+    for the router's KV index, or (`keep` False) drops them."""
+
+    __slots__ = ("events", "keep")
+
+    def __init__(self, keep: bool) -> None:
+        self.events: list[tuple[str, bytes]] = []
+        self.keep = keep
+
+    def append(self, kind: str, block_hash: bytes) -> None:
+        if self.keep:
+            self.events.append((kind, block_hash))
+
+
+class LazyHashes:
+    """A prompt's chained block hashes (as `prompt_block_hashes` gives them), computed only as
+    far as someone reads: an index lookup stops at the first block it lacks."""
+
+    __slots__ = ("_tokens", "_bs", "_n", "_hash", "_done")
+
+    def __init__(self, tokens: list[int], block_size: int, hash_block) -> None:
+        self._tokens, self._bs, self._hash = tokens, block_size, hash_block
+        self._n = len(tokens) // block_size
+        self._done: list[bytes] = []
+
+    def _upto(self, n: int) -> None:
+        done, bs, t = self._done, self._bs, self._tokens
+        parent = done[-1] if done else None
+        for i in range(len(done), min(n, self._n)):
+            parent = self._hash(parent, t[i * bs:(i + 1) * bs], "")
+            done.append(parent)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        i = 0
+        while i < self._n:
+            if i >= len(self._done):
+                self._upto(i + 1)
+            yield self._done[i]
+            i += 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            stop = self._n if index.stop is None else min(index.stop, self._n)
+            self._upto(stop)
+            return self._done[index]
+        self._upto(index + 1 if index >= 0 else self._n)
+        return self._done[index]
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+
 class PlannedStep:
     """One scheduled step: the scheduler's batch and the sizes the step-time model needs."""
 
@@ -59,13 +115,16 @@ class PlannedStep:
 class EngineModel:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_waiting: int,
-                 enable_prefix_caching: bool = True, max_events: int = 1) -> None:
+                 enable_prefix_caching: bool = True, record_events: bool = False) -> None:
         from pdserve.engine import block_pool, scheduler
         from pdserve.engine.config import SchedulerConfig
 
         self._Sequence = scheduler.Sequence
-        self._prompt_hashes = block_pool.prompt_block_hashes
-        self.pool = block_pool.BlockPool(num_blocks, max_events=max_events)
+        self._hash_block = block_pool.hash_block
+        self.pool = block_pool.BlockPool(num_blocks, max_events=1)
+        # The pool's event log serves RPC readers on other threads (a lock and a condition per
+        # event); one thread reads it here, so a plain recorder takes its place: same events.
+        self.pool.events = self.recorder = _Recorder(keep=record_events)
         self.block_size = block_size
         self.sched = scheduler.Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_waiting), self.pool,
@@ -84,21 +143,15 @@ class EngineModel:
         self.target[rid] = 1 if prefill_only else output_tokens
         self.outputs[rid] = 0
 
-    def prompt_hashes(self, prompt: list[int]) -> list[bytes]:
+    def prompt_hashes(self, prompt: list[int]) -> LazyHashes:
         """The chained hashes of the prompt's reusable full blocks (all tokens but the last),
-        as the router and the prefill role compute them."""
-        return self._prompt_hashes(prompt[:-1], self.block_size)
+        as the router and the prefill role compute them (lazily)."""
+        return LazyHashes(prompt[:-1], self.block_size, self._hash_block)
 
-    def block_events(self, seen: int):
-        """(events after `seen`, lost, last seq) of the pool's prefix-cache log."""
-        log = self.pool.events
-        if log.last_seq == seen:
-            return [], False, seen
-        events, lost = log.since(seen)
-        return events, lost, log.last_seq
-
-    def cached_hashes(self) -> list[bytes]:
-        return self.pool.cached_hashes()
+    def block_events(self) -> list[tuple[str, bytes]]:
+        """The prefix cache's changes since the last call: (\"stored\" | \"removed\", hash)."""
+        events, self.recorder.events = self.recorder.events, []
+        return events
 
     def cached_blocks(self, hashes) -> int:
         n = 0

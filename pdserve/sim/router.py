@@ -92,20 +92,15 @@ class SimRouter:
         if hashes or kind == CLEARED:
             self.index.apply(KvEvent(source, kind, tuple(hashes)))
 
-    def worker_events(self, address: str, events, lost: bool, cached) -> None:
-        """A worker's prefix-cache changes (its `BlockEventLog`), or a resync when some were
-        lost."""
-        if lost:
-            self.kv_event(address, CLEARED, ())
-            self.kv_event(address, STORED, cached)
-            return
+    def worker_events(self, address: str, events) -> None:
+        """A worker's prefix-cache changes, in order: [(STORED | REMOVED, hash)]."""
         run_kind, run = None, []
-        for e in events:
-            if e.kind != run_kind and run:
+        for kind, h in events:
+            if kind != run_kind and run:
                 self.kv_event(address, run_kind, run)
                 run = []
-            run_kind = e.kind
-            run.append(e.block_hash)
+            run_kind = kind
+            run.append(h)
         if run:
             self.kv_event(address, run_kind, run)
 

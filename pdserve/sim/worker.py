@@ -75,7 +75,6 @@ class SimWorker:
         self.step_end_s = 0.0
         self.inbound = 0  # requests on their way here (a store fetch or a KV transfer)
         self.joins: list = []  # requests arrived during a step: they join at its end
-        self.events_seen = 0  # the engine's block event log, read up to here
         self.busy_s = 0.0
         self.decode_steps = 0
         self.decode_step_s = 0.0
