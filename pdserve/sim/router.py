@@ -40,6 +40,7 @@ class SimRouter:
         self._loads: dict[str, WorkerLoad] = {}
         self._pools: dict[str, list[str]] = {}
         self.last_decision: RouteDecision | None = None
+        self._budgets = False  # whether any offload budget stands
         for address, role in sorted(addresses.items()):
             self.membership.join(address, role, now)
             self._touch(address)
@@ -147,6 +148,8 @@ class SimRouter:
 
     def offload(self, prompt_tokens: int) -> tuple[str, int] | None:
         """A decode worker to prefill the prompt itself within its budget (address, chunk)."""
+        if not self._budgets:  # no budget stands: no candidate (saves a pass over members)
+            return None
         candidates = self.membership.offload_candidates()
         i = choose_offload(candidates, prompt_tokens) if candidates else None
         if i is None:
@@ -162,6 +165,7 @@ class SimRouter:
 
     def set_budgets(self, budgets: dict[str, tuple[int, int]]) -> None:
         self.membership.set_offload_budgets(budgets)
+        self._budgets = any(max_tokens > 0 for max_tokens, _ in budgets.values())
 
     def active(self, address: str) -> bool:
         return self.membership.get(address).state == ACTIVE

@@ -5,6 +5,7 @@ workers never slow decoding; more load never speeds up the first token)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,22 @@ def test_same_seed_gives_a_byte_identical_report():
     a, b = run(cfg, reqs), run(cfg, reqs)
     assert a.to_json() == b.to_json()
     assert "wall" not in a.to_json()
+
+
+def test_the_report_is_the_same_across_processes_and_hash_seeds():
+    code = ("import sys\n"
+            "from pdserve.sim.config import SimConfig\n"
+            "from pdserve.sim.profile import load_profile\n"
+            "from pdserve.sim.run import simulate\n"
+            "from pdserve.sim.trace import load_trace\n"
+            f"r = simulate(SimConfig(prefill_workers=2, decode_workers=2, controller=True, "
+            f"block_size=512), load_trace({MOONCAKE!r}), load_profile('h100-llama3-8b'))\n"
+            "sys.stdout.write(r.to_json())\n")
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONHASHSEED": seed})
+            for seed in ("1", "2")]
+    assert all(o.returncode == 0 for o in outs), outs[0].stderr
+    assert outs[0].stdout == outs[1].stdout and len(outs[0].stdout) > 1000
 
 
 def test_a_mooncake_trace_runs_through_a_2p2d_cluster():
