@@ -20,6 +20,7 @@ allocated from the same free list, same blocks registered); `run_decode(k)` appl
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from pdserve.sim.trace import HASH_BLOCK_TOKENS
@@ -40,6 +41,11 @@ def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
     if len(out) < prompt_tokens:
         out += [-unique] * (prompt_tokens - len(out))
     return out
+
+
+def leading_run(items, holds) -> int:
+    """How many of the first `items` satisfy `holds`, up to the first that does not."""
+    return sum(1 for _ in itertools.takewhile(holds, items))
 
 
 class _Recorder:
@@ -154,12 +160,8 @@ class EngineModel:
         return events
 
     def cached_blocks(self, hashes) -> int:
-        n = 0
-        for h in hashes:
-            if self.pool.lookup(h) is None:
-                break
-            n += 1
-        return n
+        """Leading blocks of the chain the local prefix cache holds."""
+        return leading_run(hashes, lambda h: self.pool.lookup(h) is not None)
 
     def import_cached(self, hashes) -> int:
         """Full blocks fetched from the store into the local prefix cache (unheld, evictable)."""
