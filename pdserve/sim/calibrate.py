@@ -1,0 +1,336 @@
+"""`pdserve sim calibrate`: a `StepProfile` fitted to the real engine, store and cluster here.
+
+Owns the measurement plan (prefill steps vs uncached tokens on cached context, decode steps vs
+batch size and context, mixed steps; store put+get per transport; a worker's start-up and an idle
+role flip through the controller's own `Flipper`), the fit (least squares on relative error,
+coefficients kept non-negative) and its error report. The engine, the store and the cluster are
+imported only inside the measuring functions, so the fit and the CLI's help stay torch-free.
+Must not simulate anything or decide what a measurement should have been.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from datetime import date
+from typing import Any, Callable
+
+import numpy as np
+
+from pdserve.sim.profile import StepProfile, TransportLink, attn_pairs
+
+FEATURES = ("overhead_s", "prefill_fixed_s", "decode_fixed_s", "prefill_token_s",
+            "prefill_attn_s", "decode_seq_s", "decode_ctx_s")
+
+
+@dataclass(frozen=True)
+class Plan:
+    prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    cached_tokens: tuple[int, ...] = (0, 512, 2048)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    decode_prompt_tokens: tuple[int, ...] = (64, 256)
+    decode_steps: int = 6
+    mixed: tuple[tuple[int, int], ...] = ((64, 4), (256, 4), (256, 16), (1024, 8))
+    repeats: int = 3
+    transfer_sizes: tuple[int, ...] = (1 << 18, 1 << 22, 1 << 24)
+    cluster: bool = True  # start a 1P1D cluster: start-up and flip time
+
+
+FULL = Plan()
+QUICK = Plan(prefill_tokens=(16, 64, 256), cached_tokens=(0, 256), decode_batches=(1, 4),
+             decode_prompt_tokens=(32, 256), decode_steps=3, mixed=((64, 4),), repeats=1,
+             transfer_sizes=(1 << 16, 1 << 20))
+
+
+@dataclass(frozen=True)
+class Point:
+    kind: str  # "prefill", "decode", "mixed"
+    prefill_tokens: int
+    cached_tokens: int
+    decode_batch: int
+    decode_ctx: int
+    seconds: float
+
+    def row(self) -> list[float]:
+        p, b = self.prefill_tokens, self.decode_batch
+        return [1.0, float(p > 0), float(b > 0), p,
+                attn_pairs(p, self.cached_tokens) if p else 0.0, b, self.decode_ctx]
+
+
+# ---- the fit (pure) ---------------------------------------------------------------------------
+def fit_steps(points: list[Point]) -> tuple[dict[str, float], dict[str, Any]]:
+    """Coefficients (named as StepProfile fields) minimising relative error, all >= 0: a column
+    that comes out negative is dropped and the rest refitted. Also the error per kind."""
+    if len(points) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} points to fit, got {len(points)}")
+    x = np.array([p.row() for p in points], dtype=float)
+    y = np.array([p.seconds for p in points], dtype=float)
+    w = 1.0 / y
+    active = [i for i in range(len(FEATURES)) if np.any(x[:, i] != 0)]
+    coef = np.zeros(len(FEATURES))
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            break
+        active = [i for i, c in zip(active, sol) if c >= 0 and c != sol.min()]
+    pred = x @ coef
+    rel = (pred - y) / y
+    errors = {}
+    for kind in ("prefill", "decode", "mixed"):
+        sel = np.array([p.kind == kind for p in points])
+        if sel.any():
+            errors[kind] = {"points": int(sel.sum()),
+                            "mean_abs_rel_error": float(np.mean(np.abs(rel[sel]))),
+                            "max_abs_rel_error": float(np.max(np.abs(rel[sel])))}
+    return dict(zip(FEATURES, map(float, coef))), errors
+
+
+def fit_transfer(rows: list[tuple[int, float]]) -> TransportLink:
+    """latency + bytes / bandwidth through (size, seconds) rows (least squares, latency >= 0)."""
+    sizes = np.array([r[0] for r in rows], dtype=float)
+    secs = np.array([r[1] for r in rows], dtype=float)
+    if len(set(sizes)) < 2:
+        raise ValueError("a transfer fit needs at least two sizes")
+    slope, icpt = np.polyfit(sizes, secs, 1)
+    if slope <= 0:  # noise beat the size difference: bandwidth from the largest size alone
+        i = int(np.argmax(sizes))
+        return TransportLink(0.0, float(sizes[i] / secs[i]))
+    if icpt < 0:
+        slope, icpt = float(np.sum(sizes * secs) / np.sum(sizes * sizes)), 0.0
+    return TransportLink(float(icpt), float(1.0 / slope))
+
+
+def build_profile(points: list[Point], transfers: dict[str, list[tuple[int, float]]],
+                  meta: dict[str, Any]) -> StepProfile:
+    coef, errors = fit_steps(points)
+    links = {name: fit_transfer(rows) for name, rows in transfers.items()}
+    return StepProfile(
+        origin=meta["origin"], model=meta["model"], **coef, transports=links,
+        kv_bytes_per_token=meta["kv_bytes_per_token"], flip_s=meta.get("flip_s", 0.0),
+        startup_s=meta.get("startup_s", 0.0), kv_capacity_tokens=meta["kv_capacity_tokens"],
+        fit={"method": "least squares on relative error", "errors": errors,
+             "points": [p.__dict__ for p in points],
+             "transfers": {k: [list(r) for r in v] for k, v in transfers.items()},
+             **{k: v for k, v in meta.items() if k not in ("origin", "model")}})
+
+
+# ---- measuring (imports the engine, the store, the cluster) -----------------------------------
+def _step_times(engine, plan: Plan, salt: Callable[[], str], say) -> list[Point]:
+    import random
+
+    from pdserve.engine.sampling import SamplingParams
+
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    def timed_step() -> float:
+        t0 = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - t0
+
+    def drain() -> None:
+        while engine.has_work():
+            engine.step()
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    points = []
+    for cached in plan.cached_tokens:
+        for n in plan.prefill_tokens:
+            best = []
+            for _ in range(plan.repeats + 1):  # the first is a warm-up
+                s, ctx = salt(), prompt(cached)
+                if cached:
+                    engine.add_request(None, ctx, one, salt=s)
+                    drain()
+                engine.add_request(None, ctx + prompt(n), one, salt=s)
+                best.append(timed_step())
+                drain()
+            points.append(Point("prefill", n, cached, 0, 0, min(best[1:])))
+            say(f"prefill {n} tokens on {cached} cached: {points[-1].seconds * 1e3:.1f} ms")
+    for length in plan.decode_prompt_tokens:
+        for b in plan.decode_batches:
+            points += _decode_points(engine, prompt, b, length, plan, salt(), None)
+            say(f"decode batch {b} x {length}: {points[-1].seconds * 1e3:.1f} ms")
+    for p, b in plan.mixed:
+        points += _decode_points(engine, prompt, b, 64, plan, salt(), p)
+        say(f"mixed {p} prefill + {b} decodes: {points[-1].seconds * 1e3:.1f} ms")
+    return points
+
+
+def _decode_points(engine, prompt, b: int, length: int, plan: Plan, salt: str,
+                   mixed_prefill: int | None) -> list[Point]:
+    from pdserve.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=plan.decode_steps + 3, ignore_eos=True)
+    ids = [engine.add_request(None, prompt(length), params, salt=salt) for _ in range(b)]
+    made = dict.fromkeys(ids, 0)
+    while min(made.values()) < 1:
+        for out in engine.step():
+            made[out.request_id] += len(out.new_token_ids)
+    points = []
+    for i in range(1 if mixed_prefill else plan.decode_steps):
+        ctx = sum(length + made[r] for r in ids)
+        p = mixed_prefill or 0
+        if p:
+            engine.add_request(None, prompt(p), SamplingParams(max_tokens=1, ignore_eos=True),
+                               salt=salt + "-mixed")
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        for out in outs:
+            if out.request_id in made:
+                made[out.request_id] += len(out.new_token_ids)
+        points.append(Point("mixed" if p else "decode", p, 0, b, ctx, dt))
+    while engine.has_work():
+        engine.step()
+    if not mixed_prefill:  # the median step: one slow step on a shared machine is not the engine
+        med = sorted(points, key=lambda q: q.seconds)[len(points) // 2]
+        points = [med]
+    return points
+
+
+def _transfers(plan: Plan, say) -> dict[str, list[tuple[int, float]]]:
+    from contextlib import ExitStack
+
+    from pdserve.bench import kvstore_measure as m
+    from pdserve.bench.kvstore import REMOTE_SUFFIX
+    from pdserve.bench.kvstore_procs import PdserveStore
+    from pdserve.kvstore.dist_client import DistStoreClient
+    from pdserve.kvstore.transport.ucx import ucx_available
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    with ExitStack() as stack:
+        ucx = ucx_available()
+        store = stack.enter_context(PdserveStore(4 * max(plan.transfer_sizes) + (64 << 20),
+                                                 ucx=ucx))
+        clients = {"shm": DistStoreClient(store.master_address, store.host_id),
+                   "tcp": DistStoreClient(store.master_address, store.host_id + REMOTE_SUFFIX,
+                                          ucx=False)}
+        if ucx:
+            clients["ucx"] = DistStoreClient(store.master_address, store.host_id + REMOTE_SUFFIX,
+                                             ucx=True)
+        for c in clients.values():
+            stack.enter_context(c)
+        store.wait_registered(clients["shm"])
+        for size in plan.transfer_sizes:
+            src, dst = m.payload(size), np.empty(size, dtype=np.uint8)
+            for name, client in clients.items():
+                r = m.client_rounds(client, src, dst, plan.repeats + 1, name)
+                out.setdefault(name, []).append((size, min(r["put_s"]) + min(r["get_s"])))
+                say(f"transfer {name} {size >> 10} KiB put+get: {out[name][-1][1] * 1e3:.2f} ms")
+    return out
+
+
+def _cluster_times(model: str, say) -> dict[str, float]:
+    """A 1P1D cluster's start-up (to every worker serving) and one idle worker's flip there and
+    back through the controller's Flipper (drain of nothing + switch + verify + re-admit)."""
+    from pdserve import rpc
+    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.controller.flip import Flipper
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.proto import router_pb2_grpc
+
+    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=None,
+                       controller=False, ready_timeout_s=600)
+    t0 = time.monotonic()
+    with LocalCluster(spec) as cluster:
+        startup = time.monotonic() - t0
+        say(f"cluster start-up: {startup:.1f} s")
+        flipper = Flipper(router_pb2_grpc.RouterControlStub(
+            rpc.make_channel(cluster.router_address)))
+        addr = cluster.worker_addresses("decode")[0]
+        flips = [flipper.flip(addr, role, drain_timeout_s=60.0, reason="calibration")
+                 for role in ("prefill", "decode")]
+        bad = [f.error for f in flips if not f.ok]
+        if bad:
+            raise RuntimeError(f"a calibration flip failed: {bad[0]}")
+        flip = min(f.seconds for f in flips)
+        say(f"idle flip: {flip:.2f} s")
+    return {"startup_s": startup, "flip_s": flip}
+
+
+def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
+              say: Callable[[str], None] = lambda s: None) -> StepProfile:
+    import torch
+
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.model_files import default_model_path
+    from pdserve.worker.config import WorkerConfig
+
+    model = model or default_model_path()
+    torch.set_num_threads(threads)
+    wc = WorkerConfig.__dataclass_fields__
+    block, blocks = wc["block_size_tokens"].default, wc["num_blocks"].default
+    budget = max(max(plan.prefill_tokens) + max(plan.cached_tokens),
+                 max(p + b for p, b in plan.mixed))
+    engine = LLMEngine(EngineConfig(model, dtype="float32", cache=CacheConfig(
+        block_size_tokens=block, num_blocks=blocks), scheduler=SchedulerConfig(
+        max_num_seqs=max(plan.decode_batches) + 1, max_num_batched_tokens=budget)))
+    counter = iter(range(1 << 30))
+    say(f"engine loaded: {model} fp32, {threads} thread(s)")
+    points = _step_times(engine, plan, lambda: f"calib-{next(counter)}", say)
+    mc = engine.model_config
+    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4
+    del engine
+    transfers = _transfers(plan, say)
+    times = _cluster_times(model, say) if plan.cluster else {}
+    name = model.rsplit("/", 1)[-1]
+    origin = (f"measured: {_cores()}-core {platform.machine()} CPU, {name} fp32, "
+              f"{threads} thread(s), {date.today().isoformat()}")
+    return build_profile(points, transfers, {
+        "origin": origin, "model": name, "kv_bytes_per_token": kv_bytes,
+        "kv_capacity_tokens": block * blocks, "threads": threads,
+        "plan": "quick" if plan == QUICK else "full", **times})
+
+
+def _cores() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--out", required=True, help="where to write the profile JSON")
+    p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M GGUF)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="compute threads (default 1: a worker's share when two share 2 cores)")
+    p.add_argument("--quick", action="store_true", help="few points, for tests (minutes)")
+    p.add_argument("--no-cluster", action="store_true",
+                   help="skip the cluster start-up and flip measurement (flip_s, startup_s = 0)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        print("error: --threads must be >= 1", file=sys.stderr)
+        return 2
+    plan = QUICK if args.quick else FULL
+    if args.no_cluster:
+        plan = Plan(**{**plan.__dict__, "cluster": False})
+    t0 = time.monotonic()
+
+    def say(line: str) -> None:
+        print(f"[calibrate {time.monotonic() - t0:6.1f}s] {line}", file=sys.stderr, flush=True)
+    prof = calibrate(args.model, plan, args.threads, say)
+    prof.save(args.out)
+    print(json.dumps({"out": args.out, "origin": prof.origin, "fit_errors": prof.fit["errors"],
+                      "transports": sorted(prof.transports), "flip_s": prof.flip_s,
+                      "startup_s": prof.startup_s}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(add_arguments(argparse.ArgumentParser(prog="pdserve sim calibrate"))
+               .parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Step-time profiles: how long one engine step, one KV transfer, one role flip takes.
+
+Owns `StepProfile` (a frozen record of fitted or derived constants, with its origin), its JSON
+form, and the shipped profiles under `profiles/` (`load_profile("h100-llama3-8b")`).
+
+One step's time is a roofline with a fixed cost:
+
+    step_s = overhead_s + [prefill_fixed_s if prefill] + [decode_fixed_s if decode]
+             + max(compute_s, memory_s)
+    compute_s = prefill_token_s * uncached tokens + prefill_attn_s * attended (query, key) pairs
+                + decode_seq_s * decode sequences + decode_ctx_s * decode context tokens
+    memory_s  = weights_read_s (once per step) + kv_read_token_s * context tokens read
+
+A profile measured on a CPU fits the compute terms (memory terms zero: there the step is linear
+in its work); a GPU profile from `roofline.py` sets both from FLOPs and bytes. Transfers are
+`latency + bytes / bandwidth` per transport, uncontended (the simulator shares links).
+
+Must not import torch or the engine, or model contention between transfers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+SHIPPED = ("cpu-smollm2-135m", "h100-llama3-8b", "h200-llama3-8b", "a100-llama2-7b",
+           "h100-llama2-7b")
+
+
+class ProfileError(ValueError):
+    """A profile field is missing or invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TransportLink:
+    """One transport's uncontended cost: a fixed latency per transfer and a bandwidth."""
+
+    latency_s: float
+    bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Constants of one (hardware, model) pair; see the module docstring for the step formula."""
+
+    origin: str
+    model: str
+    overhead_s: float = 0.0
+    prefill_fixed_s: float = 0.0
+    decode_fixed_s: float = 0.0
+    prefill_token_s: float = 0.0
+    prefill_attn_s: float = 0.0
+    decode_seq_s: float = 0.0
+    decode_ctx_s: float = 0.0
+    weights_read_s: float = 0.0
+    kv_read_token_s: float = 0.0
+    transports: dict[str, TransportLink] = dataclasses.field(default_factory=dict)
+    kv_bytes_per_token: int = 0
+    flip_s: float = 0.0
+    startup_s: float = 0.0
+    kv_capacity_tokens: int = 0
+    fit: dict = dataclasses.field(default_factory=dict)  # how it was made: points, errors
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", "int"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ProfileError(f"{f.name} must be a number, got {value!r}")
+                if not math.isfinite(value) or value < 0:
+                    raise ProfileError(f"{f.name} must be finite and >= 0, got {value!r}")
+        if not self.origin:
+            raise ProfileError("origin must say where the profile comes from")
+        for name, link in self.transports.items():
+            if link.bytes_per_s <= 0 or link.latency_s < 0:
+                raise ProfileError(f"transports.{name} needs bytes_per_s > 0 and latency_s >= 0")
+
+    # -- step times -----------------------------------------------------------------------
+    def step_s(self, *, prefill_tokens: int = 0, attn_pairs: float = 0.0, decode_batch: int = 0,
+               decode_ctx: int = 0, kv_read_tokens: int = 0) -> float:
+        """One step carrying this work (the general form behind the three shortcuts)."""
+        compute = (self.prefill_token_s * prefill_tokens + self.prefill_attn_s * attn_pairs
+                   + self.decode_seq_s * decode_batch + self.decode_ctx_s * decode_ctx)
+        memory = self.weights_read_s + self.kv_read_token_s * kv_read_tokens
+        fixed = self.overhead_s
+        if prefill_tokens > 0:
+            fixed += self.prefill_fixed_s
+        if decode_batch > 0:
+            fixed += self.decode_fixed_s
+        return fixed + max(compute, memory)
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """A prefill chunk of `new_tokens` uncached tokens on top of `cached_tokens` of context"""
+        _check_counts(new_tokens=new_tokens, cached_tokens=cached_tokens)
+        if new_tokens == 0:
+            return 0.0
+        return self.step_s(prefill_tokens=new_tokens,
+                           attn_pairs=attn_pairs(new_tokens, cached_tokens),
+                           kv_read_tokens=cached_tokens + new_tokens)
+
+    def decode_s(self, batch: int, context_tokens: int) -> float:
+        """One decode step of `batch` sequences holding `context_tokens` tokens in total."""
+        _check_counts(batch=batch, context_tokens=context_tokens)
+        if batch == 0:
+            return 0.0
+        return self.step_s(decode_batch=batch, decode_ctx=context_tokens,
+                           kv_read_tokens=context_tokens)
+
+    def mixed_s(self, prefill_tokens: int, decode_batch: int, context_tokens: int,
+                prefill_cached_tokens: int = 0) -> float:
+        """One step carrying a prefill chunk and a decode batch (`context_tokens`: the decodes')."""
+        _check_counts(prefill_tokens=prefill_tokens, decode_batch=decode_batch,
+                      context_tokens=context_tokens, prefill_cached_tokens=prefill_cached_tokens)
+        if prefill_tokens == 0 and decode_batch == 0:
+            return 0.0
+        return self.step_s(prefill_tokens=prefill_tokens,
+                           attn_pairs=attn_pairs(prefill_tokens, prefill_cached_tokens),
+                           decode_batch=decode_batch, decode_ctx=context_tokens,
+                           kv_read_tokens=context_tokens + prefill_cached_tokens + prefill_tokens)
+
+    def transfer_s(self, nbytes: int, transport: str) -> float:
+        """Uncontended time to move `nbytes` over `transport` (one of `self.transports`)."""
+        _check_counts(nbytes=nbytes)
+        link = self.transports.get(transport)
+        if link is None:
+            raise ProfileError(f"transport {transport!r} is not in this profile "
+                               f"(it has: {', '.join(sorted(self.transports)) or 'none'})")
+        return link.latency_s + nbytes / link.bytes_per_s
+
+    # -- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["transports"] = {k: dataclasses.asdict(v) for k, v in sorted(self.transports.items())}
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepProfile:
+        if not isinstance(d, dict):
+            raise ProfileError(f"a profile is a JSON object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ProfileError(f"unknown profile field(s): {', '.join(unknown)}")
+        for required in ("origin", "model"):
+            if required not in d:
+                raise ProfileError(f"{required} is missing")
+        kw = dict(d)
+        links = kw.get("transports", {})
+        if not isinstance(links, dict):
+            raise ProfileError("transports must be an object of name -> {latency_s, bytes_per_s}")
+        try:
+            kw["transports"] = {name: TransportLink(float(v["latency_s"]), float(v["bytes_per_s"]))
+                                for name, v in links.items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"transports: each needs latency_s and bytes_per_s ({e})") from e
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> StepProfile:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"a profile must be JSON: {e}") from e
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+def attn_pairs(new_tokens: int, cached_tokens: int) -> float:
+    """(query, key) pairs a causal prefill of `new_tokens` on `cached_tokens` attends over."""
+    return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+
+
+def _check_counts(**counts: int) -> None:
+    for name, n in counts.items():
+        if n < 0:
+            raise ProfileError(f"{name} must be >= 0, got {n}")
+
+
+def shipped_path(name: str):
+    return importlib.resources.files("pdserve.sim") / "profiles" / f"{name}.json"
+
+
+def load_profile(path_or_name: str | Path) -> StepProfile:
+    """A shipped profile by name (see `SHIPPED`) or a profile JSON file by path."""
+    key = str(path_or_name)
+    if key in SHIPPED:
+        return StepProfile.from_json(shipped_path(key).read_text())
+    path = Path(key)
+    if not path.is_file():
+        raise ProfileError(f"profile {key!r} is neither a file nor a shipped profile "
+                           f"({', '.join(SHIPPED)})")
+    return StepProfile.from_json(path.read_text())

@@ -1,0 +1,251 @@
+"""`pdserve sim validate`: the same trace on a real CPU cluster and in the simulator, and how far
+the simulator's latencies are from the measured ones.
+
+Owns the comparison: one trace scaled for this machine (prompt lengths divided by one factor,
+arrivals at a stated rate, outputs capped; all stated next to every figure), replayed open loop
+on a fresh `pdserve serve`-style cluster per configuration (1P1D, 2P2D: the cluster start and
+the streaming client of `pdserve bench serve`), then simulated with the CPU calibration on the
+same requests (the same prompt sharing), and the relative error of mean/p50/p90/p99 TTFT, ITL
+(per request, as AIPerf defines it) and end-to-end latency. Tables, JSON and a PNG of both
+distributions. Must not tune the simulator to the measurement or assert an error bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from pdserve.core.stats import percentile
+
+METRICS = ("ttft_s", "itl_s", "e2e_s")
+STATS = ("mean", "p50", "p90", "p99")
+DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
+SIM_BLOCK_TOKENS = 512  # the simulator's prefix granularity (trace.HASH_BLOCK_TOKENS)
+
+
+class ValidateError(ValueError):
+    """A validation setting that cannot work; the message names the flag."""
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        p, _, d = part.strip().lower().partition("p")
+        if not d.endswith("d") or not p.isdigit() or not d[:-1].isdigit():
+            raise ValidateError(f"--configs: {part!r} is not like 1p1d")
+        out.append((int(p), int(d[:-1])))
+    if any(p < 1 or d < 1 for p, d in out):
+        raise ValidateError("--configs: every configuration needs a prefill and a decode worker")
+    return out
+
+
+# ---- the workload: one list of requests for both sides --------------------------------------
+def sim_blocks(prompts: list[list[int]]) -> list[tuple[int, ...]]:
+    """Prefix ids per `SIM_BLOCK_TOKENS` tokens, equal exactly when the tokens up to the end of
+    that block are equal (a chained digest), numbered in order of first appearance."""
+    ids: dict[bytes, int] = {}
+    out = []
+    for toks in prompts:
+        h = hashlib.blake2b(digest_size=16)
+        row = []
+        for start in range(0, len(toks), SIM_BLOCK_TOKENS):
+            h.update(json.dumps(toks[start:start + SIM_BLOCK_TOKENS]).encode())
+            row.append(ids.setdefault(h.copy().digest(), len(ids)))
+        out.append(tuple(row))
+    return out
+
+
+def shared_fraction(prompts: list[list[int]], block: int) -> float:
+    """Share of prompt tokens in whole `block`-token blocks an earlier prompt already had."""
+    seen: set[bytes] = set()
+    hit = total = 0
+    for toks in prompts:
+        h = hashlib.blake2b(digest_size=16)
+        total += len(toks)
+        for start in range(0, len(toks) - block + 1, block):
+            h.update(json.dumps(toks[start:start + block]).encode())
+            d = h.copy().digest()
+            hit += block if d in seen else 0
+            seen.add(d)
+    return hit / total if total else 0.0
+
+
+def workload(s: dict[str, Any], model: str):
+    from pdserve.bench import serve_workload as wl
+    from pdserve.engine.checkpoint_config import load_model_config
+    from pdserve.sim.trace import SimRequest
+
+    rows = wl.read_trace(s["trace"], s["requests"])
+    span = rows[-1].arrival_s - rows[0].arrival_s
+    trace_rate = (len(rows) - 1) / span if span > 0 else float(len(rows))
+    speedup = s["rate"] / trace_rate
+    vocab = load_model_config(model).vocab_size
+    reqs = wl.trace_requests(s["trace"], s["requests"], s["max_tokens"],
+                             token_scale=s["token_scale"], speedup=speedup,
+                             vocab=(min(1000, vocab // 4), vocab),
+                             max_prompt_tokens=s["max_prompt_tokens"], seed=s["seed"])
+    prompts = [list(r.body["prompt"]) for r in reqs]
+    sims = [SimRequest(f"r{i}", r.arrival_s or 0.0, len(p), r.max_tokens, b)
+            for i, (r, p, b) in enumerate(zip(reqs, prompts, sim_blocks(prompts)))]
+    scale = {"token_scale": s["token_scale"], "arrival_speedup": speedup,
+             "rate_rps": s["rate"], "max_tokens": s["max_tokens"],
+             "max_prompt_tokens": s["max_prompt_tokens"], "requests": len(reqs),
+             "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+             "shared_tokens_16": shared_fraction(prompts, 16),
+             "shared_tokens_512": shared_fraction(prompts, SIM_BLOCK_TOKENS)}
+    return reqs, sims, scale
+
+
+# ---- the two sides --------------------------------------------------------------------------
+def _per_request(ttft: list[float], e2e: list[float], tokens: list[int]) -> dict[str, list]:
+    itl = [(e - t) / (n - 1) for t, e, n in zip(ttft, e2e, tokens) if n > 1]
+    return {"ttft_s": ttft, "itl_s": itl, "e2e_s": e2e}
+
+
+def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[str, Any]:
+    from pdserve.bench import serve_client as client
+    from pdserve.bench.serve import _model_name
+    from pdserve.bench.serve_summary import completed
+    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+
+    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
+                       prefill_workers=p, decode_workers=d, controller=False,
+                       routing=s["routing"], ready_timeout_s=600)
+    say(f"{p}P{d}D: starting the cluster")
+    with LocalCluster(spec) as cluster:
+        name = _model_name(cluster.http_address)
+        done = [0]
+
+        def tick() -> None:
+            done[0] += 1
+            if done[0] % max(1, len(reqs) // 10) == 0:
+                say(f"{p}P{d}D real: {done[0]}/{len(reqs)} requests done")
+        load = os.getloadavg()[0]
+        rows, wall = client.run_open(cluster.http_address, name, reqs, s["timeout_s"], tick)
+        threads = spec.worker_threads()
+    ok = [r for r in rows if completed(r)]
+    if not ok:
+        raise RuntimeError(f"{p}P{d}D: no request completed: {rows[0]['error']}")
+    return {"ok": len(ok), "failed": len(rows) - len(ok), "wall_s": wall,
+            "loadavg_1m_start": load, "loadavg_1m_end": os.getloadavg()[0],
+            "threads_per_worker": threads,
+            **_per_request([r["ttft_s"] for r in ok], [r["e2e_s"] for r in ok],
+                           [r["output_tokens"] for r in ok])}
+
+
+def sim_side(sims, p: int, d: int, profile, s: dict[str, Any]) -> dict[str, Any]:
+    from pdserve.sim.config import SimConfig
+    from pdserve.sim.run import simulate
+
+    cfg = SimConfig(prefill_workers=p, decode_workers=d, prefill_policy=s["routing_policy"],
+                    max_num_batched_tokens=s["max_num_batched_tokens"], max_num_seqs=64,
+                    transport="shm", seed=s["seed"])
+    t0 = time.monotonic()
+    rep = simulate(cfg, sims, profile)
+    ok = [i for i, st in enumerate(rep.status) if st == "ok"]
+    return {"ok": len(ok), "failed": len(rep.status) - len(ok), "wall_s": time.monotonic() - t0,
+            **_per_request([rep.ttft_s[i] for i in ok],
+                           [rep.end_s[i] - rep.arrival_s[i] for i in ok],
+                           [rep.output_tokens[i] for i in ok])}
+
+
+# ---- the comparison (pure) ------------------------------------------------------------------
+def stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return dict.fromkeys(STATS)
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
+def compare(real: dict[str, list], sim: dict[str, list]) -> dict[str, dict[str, Any]]:
+    """Per metric and statistic: real, simulated and (sim - real) / real."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in METRICS:
+        r, s = stats(real[m]), stats(sim[m])
+        out[m] = {k: {"real": r[k], "sim": s[k],
+                      "error": None if not r[k] or s[k] is None else (s[k] - r[k]) / r[k]}
+                  for k in STATS}
+    return out
+
+
+def validate(s: dict[str, Any], say=lambda line: None) -> dict[str, Any]:
+    from pdserve.engine.model_files import default_model_path
+    from pdserve.sim.profile import load_profile
+
+    model = s["model"] or default_model_path()
+    profile = load_profile(s["profile"])
+    reqs, sims, scale = workload(s, model)
+    say(f"{len(reqs)} requests, prompts / {scale['token_scale']} "
+        f"(mean {scale['mean_prompt_tokens']:.0f} tokens), {s['rate']} req/s, "
+        f"outputs <= {s['max_tokens']}")
+    runs = []
+    for p, d in s["configs"]:
+        real = real_side(reqs, p, d, model, s, say)
+        sim = sim_side(sims, p, d, profile, s)
+        cmp = compare(real, sim)
+        say(f"{p}P{d}D: TTFT mean real {cmp['ttft_s']['mean']['real']:.2f} s, sim "
+            f"{cmp['ttft_s']['mean']['sim']:.2f} s")
+        runs.append({"config": f"{p}P{d}D", "real": real, "sim": sim, "compare": cmp})
+    return {"settings": {k: v for k, v in s.items() if k != "configs"},
+            "configs": [f"{p}P{d}D" for p, d in s["configs"]], "scale": scale,
+            "profile_origin": profile.origin, "runs": runs}
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake .jsonl or Azure .csv")
+    p.add_argument("--scale", type=int, default=32, dest="token_scale",
+                   help="prompt lengths divided by this (a divisor of 512; default 32)")
+    p.add_argument("--requests", type=int, default=24, help="the trace's first N (default 24)")
+    p.add_argument("--rate", type=float, default=0.2,
+                   help="arrivals per second after scaling (default 0.2)")
+    p.add_argument("--max-tokens", type=int, default=32, help="output cap (default 32)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--configs", default="1p1d,2p2d", help="clusters to run (default 1p1d,2p2d)")
+    p.add_argument("--profile", default="cpu-smollm2-135m",
+                   help="the simulator's profile (default: the shipped CPU calibration)")
+    p.add_argument("--model", default=None, help="model path (default SmolLM2-135M GGUF)")
+    p.add_argument("--routing", default="kv_aware", help="prefill routing on both sides")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="validate_out", help="folder for validate.json/.png")
+    p.add_argument("--json", action="store_true", help="print the JSON document")
+    return p
+
+
+def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
+    for name in ("requests", "max_tokens", "max_prompt_tokens", "token_scale"):
+        if getattr(a, name) < 1:
+            raise ValidateError(f"--{name.replace('_', '-')} must be >= 1")
+    if 512 % a.token_scale:
+        raise ValidateError(f"--scale must divide 512, got {a.token_scale}")
+    if not a.rate > 0:
+        raise ValidateError("--rate must be > 0")
+    return {"trace": a.trace, "token_scale": a.token_scale, "requests": a.requests,
+            "rate": a.rate, "max_tokens": a.max_tokens, "max_prompt_tokens": a.max_prompt_tokens,
+            "configs": parse_configs(a.configs), "profile": a.profile, "model": a.model,
+            "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,
+            "seed": a.seed, "max_num_batched_tokens": 2048}
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.sim.plan import run_command
+    from pdserve.sim.validate_report import print_table, write_outputs
+
+    return run_command(args, "validate", settings_from_args, validate, (ValidateError,),
+                       write_outputs, print_table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(add_arguments(argparse.ArgumentParser(prog="pdserve sim validate"))
+               .parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""What `pdserve sim validate` shows: the error table, validate.json and validate.png.
+
+Owns the presentation: per configuration and metric (TTFT, ITL per request, e2e), real and
+simulated mean/p50/p90/p99 and the relative error, with the scale factors in the title; the
+plot draws both distributions (CDFs) per configuration and metric. Must not measure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from pdserve.sim.validate import METRICS, STATS
+
+LABELS = {"ttft_s": "TTFT", "itl_s": "ITL (per request)", "e2e_s": "e2e latency"}
+
+
+def scale_text(doc: dict[str, Any]) -> str:
+    sc = doc["scale"]
+    return (f"scale: prompts / {sc['token_scale']} (mean {sc['mean_prompt_tokens']:.0f} tokens), "
+            f"arrivals x{sc['arrival_speedup']:.3g} ({sc['rate_rps']} req/s), outputs <= "
+            f"{sc['max_tokens']}, {sc['requests']} requests")
+
+
+def _f(x: float | None, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:+.0f}%" if pct else f"{x * 1e3:.0f}"
+
+
+def print_table(doc: dict[str, Any], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console()
+    for run in doc["runs"]:
+        real = run["real"]
+        t = Table(title=(f"sim validate {run['config']}: real cluster vs simulator (ms); "
+                         f"{scale_text(doc)}; load avg {real['loadavg_1m_start']:.2f}"))
+        for col in ("metric", "stat", "real ms", "sim ms", "error"):
+            t.add_column(col, justify="left" if col in ("metric", "stat") else "right")
+        for m in METRICS:
+            c = run["compare"][m]
+            for k in STATS:
+                t.add_row(LABELS[m] if k == "mean" else "", k, _f(c[k]["real"]),
+                          _f(c[k]["sim"]), _f(c[k]["error"], pct=True))
+        con.print(t)
+    con.print(f"profile: {doc['profile_origin']}")
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = doc["runs"]
+    fig, axes = plt.subplots(len(runs), len(METRICS), figsize=(4.2 * len(METRICS),
+                                                                 3.2 * len(runs)), squeeze=False)
+    for row, run in zip(axes, runs):
+        for ax, m in zip(row, METRICS):
+            for side, style in (("real", "-"), ("sim", "--")):
+                xs = sorted(run[side][m])
+                if xs:
+                    ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, where="post",
+                            label=side)
+            err = run["compare"][m]["mean"]["error"]
+            ax.set_title(f"{run['config']} {LABELS[m]}: mean error "
+                         f"{_f(err, pct=True)}", fontsize=9)
+            ax.set_xlabel("seconds")
+            ax.set_ylabel("CDF")
+            ax.legend(fontsize=8)
+    fig.suptitle(scale_text(doc), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(doc: dict[str, Any], out_dir: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    jpath, ppath = (os.path.join(out_dir, "validate.json"),
+                    os.path.join(out_dir, "validate.png"))
+    with open(jpath, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+    plot(doc, ppath)
+    return [jpath, ppath]

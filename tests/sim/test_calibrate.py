@@ -1,0 +1,82 @@
+"""Calibration: the fit recovers known step and transfer constants, and a quick calibration of the
+real engine and store on this machine writes a profile that loads and predicts more time for
+more work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.sim.calibrate import Point, build_profile, fit_steps, fit_transfer
+from pdserve.sim.profile import StepProfile, TransportLink, load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+TRUE = StepProfile(origin="truth", model="m", overhead_s=0.004, prefill_fixed_s=0.01,
+                   decode_fixed_s=0.02, prefill_token_s=2e-3, prefill_attn_s=1e-6,
+                   decode_seq_s=1e-3, decode_ctx_s=3e-5)
+
+
+def synthetic_points() -> list[Point]:
+    pts = [Point("prefill", n, c, 0, 0, TRUE.prefill_s(n, c))
+           for n in (16, 64, 256, 1024) for c in (0, 512)]
+    pts += [Point("decode", 0, 0, b, ctx, TRUE.decode_s(b, ctx))
+            for b in (1, 4, 16) for ctx in (100 * b, 900 * b)]
+    pts += [Point("mixed", p, 0, b, 300 * b, TRUE.mixed_s(p, b, 300 * b))
+            for p, b in ((64, 4), (256, 8))]
+    return pts
+
+
+def test_fit_recovers_known_constants():
+    coef, errors = fit_steps(synthetic_points())
+    for name, value in coef.items():
+        assert value == pytest.approx(getattr(TRUE, name), rel=1e-6, abs=1e-12), name
+    assert all(e["max_abs_rel_error"] < 1e-9 for e in errors.values())
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # Decode steps that get faster with a bigger batch (noise on a shared machine) must not
+    # produce a negative per-sequence cost: that would predict less time for more work.
+    pts = synthetic_points() + [Point("decode", 0, 0, 32, 100, 0.01)] * 5
+    coef, _ = fit_steps(pts)
+    assert all(v >= 0 for v in coef.values()), coef
+
+
+def test_fit_transfer():
+    link = fit_transfer([(s, 0.002 + s / 5e8) for s in (1 << 16, 1 << 20, 1 << 24)])
+    assert link.latency_s == pytest.approx(0.002)
+    assert link.bytes_per_s == pytest.approx(5e8)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_transfer([(100, 1.0)])
+
+
+def test_build_profile_records_its_fit():
+    prof = build_profile(synthetic_points(), {"tcp": [(1000, 0.002), (2000, 0.003)]},
+                         {"origin": "measured: test", "model": "m", "kv_bytes_per_token": 10,
+                          "kv_capacity_tokens": 100, "flip_s": 0.1})
+    assert prof.transports["tcp"] == TransportLink(pytest.approx(0.001), pytest.approx(1e6))
+    assert set(prof.fit["errors"]) == {"prefill", "decode", "mixed"}
+    assert StepProfile.from_json(prof.to_json()) == prof
+
+
+def test_quick_calibration_of_the_real_engine(tmp_path):
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.sim.calibrate", "--out", str(out), "--quick",
+         "--no-cluster"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[calibrate" in proc.stderr  # progress lines
+    assert json.loads(proc.stdout)["out"] == str(out)
+    prof = load_profile(out)
+    assert prof.origin.startswith("measured: ")
+    assert {"shm", "tcp"} <= set(prof.transports)
+    assert prof.kv_bytes_per_token > 0 and prof.kv_capacity_tokens > 0
+    for a, b in ((16, 64), (64, 256), (256, 1024)):
+        assert prof.prefill_s(a, 0) < prof.prefill_s(b, 0)
+        assert prof.prefill_s(a, 0) <= prof.prefill_s(a, 256)
+    for b in (1, 2, 4, 8):
+        assert prof.decode_s(b, 100 * b) <= prof.decode_s(2 * b, 200 * b)
+    assert prof.transfer_s(1 << 16, "shm") < prof.transfer_s(1 << 24, "shm")

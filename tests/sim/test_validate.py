@@ -1,0 +1,68 @@
+"""Validation: the simulator sees the same prompt sharing as the real cluster, errors are computed
+against the measured side, bad flags are named, and a tiny replay runs on a real 1P1D cluster
+and in the simulator and writes its table, JSON and plot (the error is reported, not asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.sim.validate import (ValidateError, compare, parse_configs, shared_fraction,
+                                  sim_blocks)
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace_head300.jsonl"
+
+
+def test_sim_blocks_are_equal_exactly_when_the_prefix_is():
+    a = list(range(1200))
+    b = a[:1024] + [7] * 100  # shares two whole 512-token blocks with a
+    c = [9] + a[1:1200]  # differs in the first token: shares nothing
+    ids = sim_blocks([a, b, c])
+    assert ids[0][:2] == ids[1][:2] and ids[0][2] != ids[1][2]
+    assert not set(ids[2]) & set(ids[0])
+    assert [len(x) for x in ids] == [3, 3, 3]
+
+
+def test_shared_fraction():
+    a = list(range(64))
+    assert shared_fraction([a, a], 16) == pytest.approx(0.5)
+    assert shared_fraction([a, [1] + a[1:]], 16) == 0.0
+
+
+def test_compare_is_relative_to_the_real_side():
+    real = {"ttft_s": [1.0, 1.0], "itl_s": [0.1, 0.1], "e2e_s": [2.0, 2.0]}
+    sim = {"ttft_s": [1.2, 1.2], "itl_s": [0.09, 0.09], "e2e_s": [2.0, 2.0]}
+    c = compare(real, sim)
+    assert c["ttft_s"]["mean"]["error"] == pytest.approx(0.2)
+    assert c["itl_s"]["p90"]["error"] == pytest.approx(-0.1)
+    assert c["e2e_s"]["p99"]["error"] == 0.0
+    assert compare(real, {**sim, "itl_s": []})["itl_s"]["mean"]["error"] is None
+
+
+@pytest.mark.parametrize("text", ["1p", "pd", "0p1d", "1p1d,x"])
+def test_bad_configs_are_named(text):
+    with pytest.raises(ValidateError, match="--configs"):
+        parse_configs(text)
+
+
+def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
+    pytest.importorskip("pdserve.sim.run")
+    out = tmp_path / "v"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.sim.validate", "--trace", str(TRACE), "--requests", "4",
+         "--scale", "64", "--max-tokens", "4", "--rate", "1", "--configs", "1p1d",
+         "--out", str(out), "--json"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    run = doc["runs"][0]
+    assert run["config"] == "1P1D" and run["real"]["ok"] == 4 and run["sim"]["ok"] == 4
+    for m in ("ttft_s", "itl_s", "e2e_s"):
+        for k in ("mean", "p50", "p90", "p99"):
+            assert run["compare"][m][k]["real"] > 0 and run["compare"][m][k]["sim"] > 0
+    assert doc["scale"]["token_scale"] == 64
+    assert (out / "validate.png").stat().st_size > 10_000
