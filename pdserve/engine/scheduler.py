@@ -210,6 +210,27 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.free(seq)
+        self._reset_to_recompute(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _release_waiting(self, head: Sequence, want_free: int) -> bool:
+        """Nothing runs and the head of the queue cannot get its blocks because sequences
+        queued behind it hold them (KV placed when they were handed over): those give their
+        blocks back, newest first, and will recompute (their full blocks stay in the prefix
+        cache, so mostly they find them again). Without this the queue would wait forever.
+        Returns whether the head fits now."""
+        for seq in reversed(self.waiting):
+            if self.pool.num_free >= want_free:
+                break
+            if seq is head or not seq.block_table:
+                continue
+            self.free(seq)
+            self._reset_to_recompute(seq)
+        return self.pool.num_free >= want_free
+
+    @staticmethod
+    def _reset_to_recompute(seq: Sequence) -> None:
         seq.num_computed = 0
         seq.spec_token_ids = []
         if seq.anchor_from:  # recomputing makes the KV exact: drafts made on the anchor go
@@ -217,8 +238,6 @@ class Scheduler:
             seq.anchor_from = 0
             seq.paused = False
         seq.forced_drafts = []
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
@@ -276,7 +295,9 @@ class Scheduler:
             need = max(0, -(-(start + n) // self.block_size) - len(seq.block_table) - len(hits))
             # Cached hits with no holder sit in the free list; taking them uses that room.
             idle_hits = sum(1 for b in hits if self.pool.ref[b] == 0)
-            if need > self.pool.num_free - idle_hits:
+            if need > self.pool.num_free - idle_hits and not (
+                    not self.running and not out.seqs
+                    and self._release_waiting(seq, need + idle_hits)):
                 break
             self.waiting.popleft()
             if not seq.block_table:

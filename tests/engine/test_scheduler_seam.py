@@ -279,3 +279,27 @@ def test_a_request_joined_on_approximate_kv_drafts_without_sharing_its_blocks():
             break
         assert sched.update_from_output(batch, simulated_output(batch, token_id=4)) == []
     assert seq.paused and seq.token_ids[seq.anchor_from:] == [4, 4]
+
+
+def test_hand_overs_that_fill_the_pool_while_nothing_runs_still_all_finish():
+    """Three hand-overs take every block of the pool before any of them runs, and the first
+    needs one more block for its next token: those queued behind it give theirs back and
+    recompute, so every request still ends with all its tokens instead of waiting forever."""
+    sched = make_scheduler(num_blocks=6, budget=64)
+    seqs = []
+    for i in range(3):
+        prompt = list(range(100 * (i + 1), 100 * (i + 1) + 2 * BS))  # two full blocks each
+        seq = make_seq(f"h{i}", prompt, max_tokens=4)
+        seq.token_ids.append(7)
+        sched.add_prefilled(seq, prompt_block_hashes(prompt, BS), [True, True])
+        seqs.append(seq)
+    assert sched.pool.num_free == 0
+    for _ in range(40):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        assert not batch.empty, "the queue stalled with blocks held by waiting requests"
+        sched.update_from_output(batch, simulated_output(batch, token_id=5))
+        check_pool(sched)
+    assert all(s.status is SeqStatus.FINISHED and len(s.output_ids) == 4 for s in seqs)
+    assert sched.pool.num_free == 6 - sum(len(s.block_table) for s in seqs)
