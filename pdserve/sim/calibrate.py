@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -279,6 +280,7 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     from pdserve.worker.config import WorkerConfig
 
     model = model or default_model_path()
+    load_start = os.getloadavg()[0]
     torch.set_num_threads(threads)
     wc = WorkerConfig.__dataclass_fields__
     block, blocks = wc["block_size_tokens"].default, wc["num_blocks"].default
@@ -301,11 +303,11 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     return build_profile(points, transfers, {
         "origin": origin, "model": name, "kv_bytes_per_token": kv_bytes,
         "kv_capacity_tokens": block * blocks, "threads": threads,
+        "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
         "plan": "quick" if plan == QUICK else "full", **times})
 
 
 def _cores() -> int:
-    import os
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 

@@ -204,8 +204,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="simulated time: the trace is tiled to this (default one hour)")
     p.add_argument("--workers-per-copy", type=int, default=8,
                    help="one copy of the trace's arrivals per this many workers (default 8)")
-    # 2/s per worker: on the H100 roofline about 60% prefill, then about 70% decode workers busy
-    p.add_argument("--rate", type=float, default=2.0,
+    # 1.5/s per worker: on the H100 roofline the first half keeps about 45% of the workers
+    # busy prefilling, the second about 70% decoding; no static split serves both.
+    p.add_argument("--rate", type=float, default=1.5,
                    help="'phase' trace: arrivals per second per worker (default %(default)s)")
     p.add_argument("--transport", default="ucx", help="KV transport of the profile (default ucx)")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-policy sweep")
