@@ -1,10 +1,11 @@
 """The `pdserve` command: serve the embedded cluster (here, or on Ray), generate through it,
-run benchmarks.
+run benchmarks, simulate a cluster.
 
 Owns argument parsing and what a person sees; the work is in the packages it calls. Must not
 import torch, Ray or a benchmark module before a command that needs one runs: `pdserve --help`,
-`generate`, `ctl` and a bad `serve` answer in well under a second. Benchmarks and `train-draft`
-are registered by module name (`BENCHES`, `COMMANDS`) and imported only when they run.
+`generate`, `ctl` and a bad `serve` answer in well under a second. Benchmarks, `train-draft`
+and the simulator's commands are registered by module name (`BENCHES`, `COMMANDS`, `SIM`) and
+imported only when they run.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ BENCHES: dict[str, Lazy] = {
                                          "requests lost or changed, time to heal"),
     "serve": Lazy("pdserve.bench.serve", "the serving path vs the engine's own decode rate and "
                                          "vLLM: tokens/s, TTFT, ITL per concurrency"),
+    "sim": Lazy("pdserve.bench.sim", "the cluster simulator's speed: events/s and wall time "
+                                     "for a 100k-request trace and 1,000 workers for an hour"),
+}
+SIM: dict[str, Lazy] = {
+    "run": Lazy("pdserve.sim.cli_run", "simulate one cluster on a trace (real routing, "
+                                       "scheduler and controller cores, modelled step times)"),
+    "calibrate": Lazy("pdserve.sim.calibrate", "fit a step-time profile on this machine's engine"),
+    "validate": Lazy("pdserve.sim.validate", "replay a trace on a real cluster and in the "
+                                             "simulator; report the error"),
+    "plan": Lazy("pdserve.sim.plan", "sweep prefill:decode ratios, policies and controller "
+                                     "settings for a cluster size and SLO"),
 }
 COMMANDS: dict[str, Lazy] = {
     "train-draft": Lazy("pdserve.engine.spec.train", "train an EAGLE/DFlash/DSpark drafter for a "
@@ -146,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, entry in BENCHES.items():  # dispatched in main(); a bare name runs it too
         bsub.add_parser(name, help=entry.help, add_help=False).set_defaults(
             func=lambda args, name=name: run_lazy("pdserve bench", name, BENCHES[name], []))
+    sim = sub.add_parser("sim", help="the cluster simulator: run, calibrate, validate, plan",
+                         description="the cluster simulator; `pdserve sim NAME --help` for a "
+                                     "subcommand's flags")
+    ssub = sim.add_subparsers(dest="sim", required=True)
+    for name, entry in SIM.items():  # dispatched in main()
+        ssub.add_parser(name, help=entry.help, add_help=False).set_defaults(
+            func=lambda args, name=name: run_lazy("pdserve sim", name, SIM[name], []))
     ctl.add_parser(sub)
     ray_cli.add_ray_parser(sub)
     for name, entry in COMMANDS.items():
@@ -166,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_lazy("pdserve", argv[0], COMMANDS[argv[0]], argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHES:
         return run_lazy("pdserve bench", argv[1], BENCHES[argv[1]], argv[2:])
+    if argv[:1] == ["sim"] and argv[1:2] and argv[1] in SIM:
+        return run_lazy("pdserve sim", argv[1], SIM[argv[1]], argv[2:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,180 @@
+"""`pdserve bench sim`: how fast the cluster simulator runs on this machine.
+
+Owns one measurement of the simulator (not of a cluster): for each case, the wall and CPU
+seconds of `simulate`, events processed and events per second, engine steps modelled (a decode
+run of k steps is one event), requests per second of wall time. Cases:
+- `100k`: a 100,000-request synthetic Poisson trace (prompt 512, output 128 tokens on average)
+  on 8 prefill + 8 decode workers with KV-aware routing;
+- `1000w`: 1,000 workers (750 prefill, 250 decode) on the Mooncake conversation trace at its
+  arrival rate scaled to that cluster (`trace.for_cluster`: one copy of the trace per
+  `workers_per_copy` workers, tiled to `duration_s`; 3,600 s is the hour, `--quick` takes 60 s),
+  512-token KV blocks (the trace's own prefix granularity).
+With `--projected`, a case cut short by `duration_s` also reports the wall time its full hour
+would take at the measured rate (labelled as a projection). Must not assert speed: it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pdserve.bench.common import emit
+
+HOUR_S = 3600.0
+
+
+@dataclass(frozen=True)
+class SimBenchSettings:
+    profile: str = "h100-llama3-8b"
+    cases: tuple[str, ...] = ("100k", "1000w")
+    requests: int = 100_000  # the 100k case
+    rate: float = 100.0  # its arrivals per second
+    workers: int = 1000  # the 1000w case
+    prefill_share: float = 0.75
+    workers_per_copy: int = 8
+    duration_s: float = HOUR_S
+    policy: str = "kv_aware"
+    mooncake: str = ""  # "" -> ../shared/traces/mooncake_conversation_trace.jsonl
+    seed: int = 0
+
+
+def _mooncake(path: str) -> str:
+    if path:
+        return path
+    from pdserve.bench.route_trace import default_trace_path
+    return str(default_trace_path())
+
+
+def measure(name: str, cfg, requests, profile, progress=None) -> dict[str, Any]:
+    from pdserve.sim.run import simulate
+
+    cpu0 = time.process_time()
+    report = simulate(cfg, requests, profile, progress=progress)
+    cpu = time.process_time() - cpu0
+    s = report.summary()
+    return {"case": name, "requests": len(requests), "workers": s["workers"],
+            "simulated_s": s["sim_end_s"], "wall_s": report.wall_s, "cpu_s": cpu,
+            "events": s["events"], "steps": s["steps"],
+            "events_per_s": s["events"] / max(report.wall_s, 1e-9),
+            "events_per_cpu_s": s["events"] / max(cpu, 1e-9),
+            "requests_per_s": len(requests) / max(report.wall_s, 1e-9),
+            "finished": s["finished"], "slo_attainment": s["slo_attainment"],
+            "ttft_mean_s": s["ttft_s"]["mean"], "itl_mean_s": s["itl_s"]["mean"]}
+
+
+def run_bench(s: SimBenchSettings, progress=None) -> dict[str, Any]:
+    import pdserve.engine.scheduler  # noqa: F401 - loaded before timing starts
+    from pdserve.sim.config import SimConfig
+    from pdserve.sim.profile import load_profile
+    from pdserve.sim.trace import for_cluster, load_trace
+
+    profile = load_profile(s.profile)
+    rows = []
+    if "100k" in s.cases:
+        reqs = load_trace(f"synthetic:poisson:rate={s.rate},n={s.requests},in=512,out=128",
+                          seed=s.seed)
+        cfg = SimConfig(prefill_workers=8, decode_workers=8, prefill_policy=s.policy,
+                        seed=s.seed)
+        rows.append(measure("100k", cfg, reqs, profile, progress))
+    if "1000w" in s.cases:
+        base = load_trace(_mooncake(s.mooncake), seed=s.seed)
+        reqs = for_cluster(base, workers=s.workers, workers_per_copy=s.workers_per_copy,
+                           duration_s=s.duration_s, seed=s.seed)
+        prefill = max(1, round(s.workers * s.prefill_share))
+        cfg = SimConfig(prefill_workers=prefill, decode_workers=s.workers - prefill,
+                        prefill_policy=s.policy, block_size=512, seed=s.seed)
+        row = measure("1000w", cfg, reqs, profile, progress)
+        row["duration_s"] = s.duration_s
+        row["copies"] = max(1, round(s.workers / s.workers_per_copy))
+        if s.duration_s < HOUR_S:
+            row["projected_hour_wall_s"] = row["wall_s"] * HOUR_S / s.duration_s
+        rows.append(row)
+    return {"bench": "sim", "settings": asdict(s), "profile": profile.origin,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version()},
+            "rows": rows}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = SimBenchSettings()
+    p.add_argument("--profile", default=d.profile)
+    p.add_argument("--cases", default=",".join(d.cases), help="100k, 1000w or both")
+    p.add_argument("--requests", type=int, default=d.requests, help="size of the 100k case")
+    p.add_argument("--workers", type=int, default=d.workers)
+    p.add_argument("--workers-per-copy", type=int, default=d.workers_per_copy,
+                   help="workers one copy of the Mooncake trace's arrival rate loads")
+    p.add_argument("--duration-s", type=float, default=d.duration_s,
+                   help="simulated seconds of the 1000w case (the hour: 3600)")
+    p.add_argument("--policy", default=d.policy)
+    p.add_argument("--quick", action="store_true",
+                   help="CI size: 10,000 requests and 60 simulated seconds")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None, help="write sim_bench.json here")
+    return p
+
+
+def settings_of(args) -> SimBenchSettings:
+    cases = tuple(c for c in args.cases.split(",") if c)
+    for c in cases:
+        if c not in ("100k", "1000w"):
+            raise ValueError(f"--cases: unknown case {c!r} (100k, 1000w)")
+    if args.requests < 1 or args.workers < 2 or args.workers_per_copy < 1:
+        raise ValueError("--requests, --workers (>= 2) and --workers-per-copy must be positive")
+    if not args.duration_s > 0:
+        raise ValueError(f"--duration-s must be > 0, got {args.duration_s}")
+    return SimBenchSettings(
+        profile=args.profile, cases=cases,
+        requests=min(args.requests, 10_000) if args.quick else args.requests,
+        workers=args.workers, workers_per_copy=args.workers_per_copy,
+        duration_s=min(args.duration_s, 60.0) if args.quick else args.duration_s,
+        policy=args.policy, seed=args.seed)
+
+
+def _progress(now_s: float, done: int, total: int) -> None:
+    print(f"\rsim {now_s:9.1f} s simulated | {done}/{total} requests", end="",
+          file=sys.stderr, flush=True)
+
+
+def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
+    import json
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "sim_bench.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return [path]
+
+
+def print_tables(result: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"pdserve bench sim ({result['profile']}, "
+                    f"{result['machine']['cpus']} CPUs)")
+    for col in ("case", "requests", "workers", "simulated s", "wall s", "CPU s", "events",
+                "steps", "events/s", "requests/s", "hour wall s (projected)"):
+        t.add_column(col, justify="right")
+    for r in result["rows"]:
+        proj = r.get("projected_hour_wall_s")
+        t.add_row(r["case"], f"{r['requests']:,}", str(r["workers"]),
+                  f"{r['simulated_s']:.0f}", f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}",
+                  f"{r['events']:,}", f"{r['steps']:,}", f"{r['events_per_s']:,.0f}",
+                  f"{r['requests_per_s']:,.0f}", "-" if proj is None else f"{proj:,.0f}")
+    console.print(t)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        s = settings_of(args)
+    except ValueError as e:
+        print(f"pdserve bench sim: {e}", file=sys.stderr)
+        return 2
+    result = run_bench(s, progress=_progress)
+    print(file=sys.stderr)
+    return emit(result, json_out=args.json, out_dir=args.out, write_outputs=write_outputs,
+                print_tables=print_tables)

@@ -1,0 +1,381 @@
+"""The simulated cluster: requests, workers, links, the store, the router and the controller
+joined on one event queue.
+
+Owns what happens at each event: an arrival (admission, the prefill choice or an offload, the
+store fetch), a worker's step ending (first tokens, the KV put into the store and its hand-off
+to a decode worker, ends), a transfer landing, a stats poll, a controller tick and the flips it
+orders (drain, then the profile's switch time), and the per-request records. Must not score,
+admit, schedule or decide itself: the real cores do (through `router.SimRouter`,
+`engine_model.EngineModel` and `control.SimController`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdserve.controller.signals import Slo
+from pdserve.router.admission import Overloaded
+from pdserve.router.membership import ACTIVE, DECODE, DRAINING, PREFILL
+from pdserve.router.policy import NoWorkerError
+from pdserve.sim.config import SimConfig
+from pdserve.sim.control import SimController
+from pdserve.sim.engine_model import EngineModel, prompt_tokens_of
+from pdserve.sim.events import EventQueue
+from pdserve.sim.network import KvStore, Link
+from pdserve.sim.report import OK, SimReport
+from pdserve.sim.router import SimRouter
+from pdserve.sim.trace import SimRequest
+from pdserve.sim.worker import DRAINING as W_DRAINING
+from pdserve.sim.worker import SERVING, STARTING, SWITCHING, SimWorker
+
+
+# With every request arrived and nothing stepping or moving for this long, the run is stuck:
+# it ends, and the requests left are reported unfinished.
+STALL_S = 600.0
+
+
+class Cluster:
+    def __init__(self, cfg: SimConfig, requests: list[SimRequest], profile,
+                 progress: Callable[[float, int, int], None] | None = None) -> None:
+        self.cfg, self.reqs, self.profile, self.progress = cfg, requests, profile, progress
+        self.q = EventQueue()
+        n = len(requests)
+        roles = [PREFILL] * cfg.prefill_workers + [DECODE] * cfg.decode_workers
+        width = max(4, len(str(len(roles))))
+        self.kv_blocks = cfg.kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
+        self.router = SimRouter(cfg, {f"w{i:0{width}d}": r for i, r in enumerate(roles)})
+        feed = self.router.kv_aware  # the KV index follows the workers' prefix caches
+        self.workers: dict[str, SimWorker] = {}
+        for i, role in enumerate(roles):
+            a = f"w{i:0{width}d}"
+            engine = EngineModel(self.kv_blocks, cfg.block_size, cfg.max_num_seqs,
+                                 cfg.max_num_batched_tokens, cfg.max_waiting,
+                                 cfg.prefix_caching, record_events=feed)
+            self.workers[a] = SimWorker(a, role, engine, STARTING if cfg.cold_start else SERVING)
+        self.store = KvStore(cfg.store_capacity_blocks)
+        shared = Link("shared")
+        self.links = {a: shared if cfg.link == "shared" else Link(a) for a in self.workers}
+        self.slo = Slo(cfg.slo_ttft_ms / 1000.0, cfg.slo_itl_ms / 1000.0)
+        self.ctl = (SimController(self.router, cfg.policy, self.slo, cfg.window_s,
+                                  cfg.pressure_window_s) if cfg.controller else None)
+        self.bpt = cfg.block_size * profile.kv_bytes_per_token  # bytes per KV block
+        self.report = SimReport(
+            config={}, profile=getattr(profile, "origin", type(profile).__name__),
+            request_ids=[r.request_id for r in requests],
+            arrival_s=[r.arrival_s for r in requests],
+            prompt_tokens=[r.prompt_tokens for r in requests],
+            output_tokens=[r.output_tokens for r in requests],
+            ttft_s=[None] * n, end_s=[None] * n, status=["unfinished"] * n,
+            prefill_worker=[""] * n, decode_worker=[""] * n,
+            slo_ttft_s=self.slo.ttft_s, slo_itl_s=self.slo.itl_s, workers=len(roles))
+        self.prompt: dict[int, list[int]] = {}
+        self.hashes: dict[int, list[bytes]] = {}
+        self.held: dict[int, tuple[str, float, int]] = {}  # router's in-flight count to release
+        self.own: dict[int, int] = {}  # prefill work queued in admission
+        self.store_hits: dict[int, tuple[int, int]] = {}
+        self.unresolved = n
+        self.arrived = 0
+        self.last_work_s = 0.0
+        self.stalled = False  # no step, transfer or arrival for STALL_S with requests left
+        self.last_flip_s: dict[str, float] = {}
+        self.counts = {"flips": 0, "drain_s": 0.0, "switch_s": 0.0, "offloaded": 0,
+                       "kv_transfers": 0, "kv_bytes": 0, "store_fetch_blocks": 0}
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self) -> SimReport:
+        q = self.q
+        if self.reqs:
+            q.push(self.reqs[0].arrival_s, "arrive", 0)
+        q.push(0.0, "poll")
+        if self.ctl is not None:
+            q.push(self.cfg.tick_s, "tick")
+        if self.cfg.cold_start:
+            for a in self.workers:
+                self.router.set_state(a, DRAINING, None, "starting", 0.0)
+                q.push(self.profile.startup_s, "ready", a)
+        self._roles()
+        handlers = {"arrive": self._arrive, "step": self._step, "link": self._link,
+                    "poll": self._poll, "tick": self._tick, "switched": self._switched,
+                    "ready": self._ready}
+        every = 1 << 16
+        periodic = ("poll", "tick")
+        while q and self.unresolved > 0 and not self.stalled:
+            _, kind, payload = q.pop()
+            handlers[kind](payload)
+            if kind not in periodic:
+                self.last_work_s = q.now
+            if self.progress is not None and q.popped % every == 0:
+                self.progress(q.now, len(self.reqs) - self.unresolved, len(self.reqs))
+        if self.progress is not None:
+            self.progress(q.now, len(self.reqs) - self.unresolved, len(self.reqs))
+        c = self.counts
+        c["events"] = q.popped
+        c["steps"] = sum(w.steps for w in self.workers.values())
+        c["prompt_tokens_computed"] = sum(w.engine.prompt_tokens_computed
+                                          for w in self.workers.values())
+        c["store_evicted_blocks"] = self.store.evicted
+        c["controller_ticks"] = self.ctl.ticks if self.ctl else 0
+        c["sim_end_s"] = q.now
+        c["stalled_requests"] = self.unresolved if self.stalled else 0
+        self.report.counts = c
+        return self.report
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _reject(self, i: int, reason: str) -> None:
+        self.report.status[i] = f"rejected: {reason}"
+        self.unresolved -= 1
+        self.prompt.pop(i, None)
+        self.hashes.pop(i, None)
+
+    def _arrive(self, i: int) -> None:
+        now, r, router = self.q.now, self.reqs[i], self.router
+        self.arrived = i + 1
+        if i + 1 < len(self.reqs):
+            self.q.push(max(now, self.reqs[i + 1].arrival_s), "arrive", i + 1)
+        try:
+            router.admission.admit("", now)
+        except Overloaded as e:
+            self._reject(i, e.reason)
+            return
+        if self.ctl is not None:
+            self.ctl.started()
+        prompt = self.prompt[i] = prompt_tokens_of(r.block_hashes, r.prompt_tokens, i + 1)
+        any_engine = next(iter(self.workers.values())).engine
+        hashes = self.hashes[i] = any_engine.prompt_hashes(prompt)
+        if self.cfg.admission.max_predicted_ttft_s > 0:
+            local, store = router.prefix(router.pool(PREFILL), hashes)
+            own = max(1, r.prompt_tokens - max([store, *local]) * self.cfg.block_size)
+            try:
+                router.admission.admit_prefill(own, router.prefill_rate())
+            except Overloaded as e:
+                router.admission.release("")
+                self._reject(i, e.reason)
+                return
+            self.own[i] = own
+        chosen = router.offload(r.prompt_tokens)
+        if chosen is not None:
+            address, chunk = chosen
+            w = self.workers[address]
+            self.held[i] = (address, 0.0, r.prompt_tokens)
+            self.report.prefill_worker[i] = self.report.decode_worker[i] = address
+            self.counts["offloaded"] += 1
+            self._join(w, lambda: w.engine.add(str(i), prompt, r.output_tokens,
+                                               max_chunk_tokens=chunk))
+            return
+        try:
+            address, tokens = router.pick(PREFILL, r.prompt_tokens, 0, hashes)
+        except NoWorkerError:
+            router.admission.release("")
+            self._prefilled(i)
+            self._reject(i, "no prefill worker")
+            return
+        self.held[i] = (address, tokens, 0)
+        self.report.prefill_worker[i] = address
+        w = self.workers[address]
+        local = w.engine.cached_blocks(hashes)
+        in_store = self.store.leading(hashes) if self.store.capacity else 0
+        self.store_hits[i] = (local, in_store)
+        if in_store > local:
+            w.inbound += 1
+            self.counts["store_fetch_blocks"] += in_store - local
+            self._send(self.links[address], ("fetch", i, address), (in_store - local) * self.bpt)
+        else:
+            self._to_prefill(w, i)
+
+    def _to_prefill(self, w: SimWorker, i: int) -> None:
+        local, in_store = self.store_hits.pop(i, (0, 0))
+        hashes, prompt = self.hashes[i], self.prompt[i]
+
+        def enter() -> None:
+            if in_store > local:
+                w.engine.import_cached(hashes[local:in_store])
+            w.engine.add(str(i), prompt, 1, prefill_only=True)
+
+        self._join(w, enter)
+
+    def _prefilled(self, i: int) -> None:
+        own = self.own.pop(i, None)
+        if own is not None:
+            self.router.admission.prefilled(own)
+
+    def _first_token(self, i: int, w: SimWorker) -> None:
+        now, r = self.q.now, self.reqs[i]
+        self.report.ttft_s[i] = now - r.arrival_s
+        self._prefilled(i)
+        full = w.engine.take_parked(str(i))
+        w.finished += 1
+        stored, evicted = self.store.put(full)
+        self.router.store_events(stored, evicted)
+        address, tokens, _ = self.held.pop(i)
+        self.router.release(address, tokens)
+        if r.output_tokens <= 1:
+            self._finish(i)
+            return
+        try:
+            d_addr, d_tokens = self.router.pick(DECODE, r.prompt_tokens, r.output_tokens)
+        except NoWorkerError:
+            self.router.admission.release("")
+            self.report.status[i] = "failed: no decode worker"
+            self.unresolved -= 1
+            return
+        self.held[i] = (d_addr, d_tokens, 0)
+        self.report.decode_worker[i] = d_addr
+        d = self.workers[d_addr]
+        self.hashes[i] = full
+        missing = -(-r.prompt_tokens // self.cfg.block_size) - d.engine.cached_blocks(full)
+        d.inbound += 1
+        self.counts["kv_transfers"] += 1
+        self.counts["kv_bytes"] += missing * self.bpt
+        self._send(self.links[d_addr], ("kv", i, d_addr), missing * self.bpt)
+
+    def _finish(self, i: int) -> None:
+        now, r = self.q.now, self.reqs[i]
+        rep = self.report
+        rep.end_s[i] = now
+        rep.status[i] = OK
+        held = self.held.pop(i, None)
+        if held is not None:
+            self.router.release(*held)
+        self.router.admission.release("")
+        self._prefilled(i)
+        if self.ctl is not None:
+            self.ctl.finished(now, now - r.arrival_s, rep.ttft_s[i], r.prompt_tokens,
+                              r.output_tokens, rep.prefill_worker[i] == rep.decode_worker[i])
+        self.prompt.pop(i, None)
+        self.hashes.pop(i, None)
+        self.unresolved -= 1
+
+    # ---- transfers -----------------------------------------------------------------------------
+    def _send(self, link: Link, key, nbytes: int) -> None:
+        work = self.profile.transfer_s(int(nbytes), self.cfg.transport) if nbytes > 0 else 0.0
+        link.add(self.q.now, key, work)
+        self._arm(link)
+
+    def _arm(self, link: Link) -> None:
+        at = link.next_done_s(self.q.now)
+        if at is not None:
+            self.q.push(at, "link", (link, link.version))
+
+    def _link(self, payload) -> None:
+        link, version = payload
+        if version != link.version:
+            return
+        for kind, i, address in link.complete(self.q.now):
+            w = self.workers[address]
+            w.inbound -= 1
+            if kind == "fetch":
+                self._to_prefill(w, i)
+            else:
+                self._join(w, lambda w=w, i=i: w.engine.add_prefilled(
+                    str(i), self.prompt[i], self.hashes[i], self.reqs[i].output_tokens))
+        self._arm(link)
+
+    # ---- workers -------------------------------------------------------------------------------
+    def _join(self, w: SimWorker, join) -> None:
+        """A request reaches a worker's engine between two steps (a run is cut short)."""
+        w.joins.append(join)
+        self._wake(w)
+
+    def _wake(self, w: SimWorker) -> None:
+        if w.state in (STARTING, SWITCHING):
+            return
+        if w.run is not None:
+            end = w.cut_run(self.q.now)
+            if end is not None:
+                self.q.push(end, "step", (w.address, w.token))
+        elif not w.busy:
+            for enter in w.joins:
+                enter()
+            w.joins.clear()
+            end = w.start(self.q.now, self.profile)
+            if end is not None:
+                self.q.push(end, "step", (w.address, w.token))
+            elif w.state == W_DRAINING and w.drained():
+                self._switch(w)
+
+    def _step(self, payload) -> None:
+        address, token = payload
+        w = self.workers[address]
+        if token != w.token:
+            return
+        events, _ = w.finish_step()
+        for rid, kind in events:
+            i = int(rid)
+            if kind == "parked":
+                self._first_token(i, w)
+            elif kind == "first":
+                self.report.ttft_s[i] = self.q.now - self.reqs[i].arrival_s
+                self._prefilled(i)
+            else:
+                w.finished += 1
+                self._finish(i)
+        if self.router.kv_aware:
+            events = w.engine.block_events()
+            if events:
+                self.router.worker_events(address, events)
+        self._wake(w)
+
+    # ---- polls, the controller and flips -------------------------------------------------------
+    def _poll(self, _=None) -> None:
+        now = self.q.now
+        for a, w in self.workers.items():
+            if w.state != STARTING:
+                self.router.report(a, w.role, w.stats(), now)
+        if (self.arrived == len(self.reqs) and now - self.last_work_s > STALL_S
+                and not any(w.busy for w in self.workers.values())):
+            self.stalled = True  # e.g. a worker whose waiting requests hold the blocks it needs
+        self.q.push(now + self.cfg.stats_interval_s, "poll")
+
+    def _tick(self, _=None) -> None:
+        now = self.q.now
+        switching = {a: w.to_role for a, w in self.workers.items()
+                     if w.state in (W_DRAINING, SWITCHING) and w.to_role}
+        d = self.ctl.tick(now, switching, self.last_flip_s)
+        self.router.set_budgets({b.address: (b.max_tokens, b.chunk_tokens) for b in d.budgets})
+        for f in d.flips:
+            w = self.workers[f.address]
+            if w.state != SERVING or w.role != f.from_role:
+                continue
+            w.state, w.to_role, w.drain_started_s = W_DRAINING, f.to_role, now
+            self.router.set_state(w.address, DRAINING, None, f"switching to {f.to_role}", now)
+            self._roles()
+            self._wake(w)
+        self.q.push(now + self.cfg.tick_s, "tick")
+
+    def _switch(self, w: SimWorker) -> None:
+        now = self.q.now
+        w.state = SWITCHING
+        self.counts["drain_s"] += now - w.drain_started_s
+        self.counts["switch_s"] += self.profile.flip_s
+        self.q.push(now + self.profile.flip_s, "switched", w.address)
+
+    def _switched(self, address: str) -> None:
+        w, now = self.workers[address], self.q.now
+        w.role, w.state, w.to_role = w.to_role, SERVING, None
+        w.switches += 1
+        self.counts["flips"] += 1
+        self.last_flip_s[address] = now
+        self.router.set_state(address, ACTIVE, w.role, f"switched to {w.role}", now)
+        self._roles()
+        self._wake(w)
+
+    def _ready(self, address: str) -> None:
+        w = self.workers[address]
+        w.state = SERVING
+        self.router.set_state(address, ACTIVE, w.role, "started", self.q.now)
+        self._roles()
+        self._wake(w)
+
+    def _roles(self) -> None:
+        p = d = moving = 0
+        for w in self.workers.values():
+            if w.state == SERVING:
+                p += w.role == PREFILL
+                d += w.role == DECODE
+            elif w.state in (W_DRAINING, SWITCHING):
+                moving += 1
+        entry = (self.q.now, p, d, moving)
+        if self.report.roles and self.report.roles[-1][0] == self.q.now:
+            self.report.roles[-1] = entry
+        else:
+            self.report.roles.append(entry)

@@ -1,0 +1,75 @@
+"""What a simulated cluster is: pool sizes, routing policies, admission, the controller, the
+engine's scheduler limits, the KV store and the network.
+
+Owns `SimConfig` and its validation (a bad value raises `SimConfigError` naming the field).
+Must not run anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.controller.policy import PolicyConfig
+from pdserve.router.admission import AdmissionConfig
+from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
+
+LINKS = ("per_worker", "shared")
+
+
+class SimConfigError(ValueError):
+    """A simulator setting that cannot work; the message starts with the field."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    prefill_policy: str = "kv_aware"
+    decode_policy: str = "free_kv"
+    # The router's admission (the live router's defaults bound one router at 256 requests in
+    # flight; a simulated cluster of many workers is given room by default).
+    admission: AdmissionConfig = field(
+        default_factory=lambda: AdmissionConfig(max_in_flight=10_000_000))
+    controller: bool = False
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tick_s: float = 1.0  # controller decision period
+    window_s: float = 30.0  # finished requests the controller's status window holds
+    pressure_window_s: float = 5.0
+    stats_interval_s: float = 1.0  # the router polls every worker's stats this often
+    # The engine: token budget per step, batch size, KV block size (tokens) and blocks per
+    # worker (None: the profile's kv_capacity_tokens / block_size).
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    max_waiting: int = 1_000_000
+    kv_blocks: int | None = None
+    prefix_caching: bool = True
+    store_capacity_blocks: int = 10_000_000  # the shared KV store (0: no store)
+    transport: str = "tcp"
+    link: str = "per_worker"  # KV transfers share each decode worker's link, or one for all
+    cold_start: bool = False  # workers pay the profile's startup_s before serving
+    slo_ttft_ms: float = 2000.0
+    slo_itl_ms: float = 200.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise SimConfigError(f"{name}: {what}, got {getattr(self, name)!r}")
+
+        need(self.prefill_workers >= 0, "prefill_workers", "must be >= 0")
+        need(self.decode_workers >= 1, "decode_workers", "must be >= 1")
+        need(self.prefill_policy in PREFILL_POLICIES, "prefill_policy",
+             f"must be one of {', '.join(PREFILL_POLICIES)}")
+        need(self.decode_policy in DECODE_POLICIES, "decode_policy",
+             f"must be one of {', '.join(DECODE_POLICIES)}")
+        for name in ("tick_s", "window_s", "pressure_window_s", "stats_interval_s",
+                     "slo_ttft_ms", "slo_itl_ms"):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            need(getattr(self, name) >= 1, name, "must be >= 1")
+        need(self.kv_blocks is None or self.kv_blocks >= 1, "kv_blocks", "must be >= 1")
+        need(self.store_capacity_blocks >= 0, "store_capacity_blocks", "must be >= 0")
+        need(self.link in LINKS, "link", f"must be one of {', '.join(LINKS)}")
+        need(self.prefill_workers + self.decode_workers >= 1, "prefill_workers",
+             "the cluster needs a worker")

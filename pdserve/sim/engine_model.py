@@ -1,0 +1,335 @@
+"""The one place the simulator touches the engine's scheduler and block pool.
+
+Owns the adapter between simulated workers and the REAL `pdserve.engine.scheduler.Scheduler`
+and `BlockPool`: queueing a prompt, placing KV blocks computed elsewhere (a store fetch, a
+transfer from a prefill worker), planning a step (`plan`, the scheduler's own `schedule()`),
+taking a step's result (`complete`: what the engine's step does after the model ran: advance the
+scheduler, append a sampled token, park or finish), and the bulk form of pure decode steps
+(`decode_run` / `run_decode`). Token ids are synthesized from a request's prefix ids, so equal
+prefixes hash to equal blocks and the real prefix cache hits where the trace says it should.
+
+Must not model time (the worker does, from the profile) and must not import the engine at
+module import: the scheduler module is loaded on first use, so `import pdserve.sim` stays light.
+When the scheduler gains `update_from_output`, `complete` calls it and nothing else changes.
+
+Bulk decode: when every running sequence is one token behind (a pure decode step), nothing is
+waiting and no sequence finishes or needs a block the pool lacks within the next k steps, those
+k steps change the scheduler exactly as k single steps would (same tokens, same blocks
+allocated from the same free list, same blocks registered); `run_decode(k)` applies them at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.sim.trace import HASH_BLOCK_TOKENS
+
+SAMPLED_TOKEN = 1  # the simulator's sampled token: only its count and position matter
+
+
+def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
+                     unique: int) -> list[int]:
+    """Token ids of a prompt whose `HASH_BLOCK_TOKENS`-token blocks carry `block_hashes`
+    (token value: the block's id + 2; blocks past the ids get `-unique`, never shared)."""
+    out: list[int] = []
+    for i, h in enumerate(block_hashes):
+        n = min(HASH_BLOCK_TOKENS, prompt_tokens - len(out))
+        if n <= 0:
+            break
+        out += [h + 2] * n
+    if len(out) < prompt_tokens:
+        out += [-unique] * (prompt_tokens - len(out))
+    return out
+
+
+class _Recorder:
+    """Stands in for the block pool's `BlockEventLog` (`append(kind, hash)`): keeps the events
+    for the router's KV index, or (`keep` False) drops them."""
+
+    __slots__ = ("events", "keep")
+
+    def __init__(self, keep: bool) -> None:
+        self.events: list[tuple[str, bytes]] = []
+        self.keep = keep
+
+    def append(self, kind: str, block_hash: bytes) -> None:
+        if self.keep:
+            self.events.append((kind, block_hash))
+
+
+class LazyHashes:
+    """A prompt's chained block hashes (as `prompt_block_hashes` gives them), computed only as
+    far as someone reads: an index lookup stops at the first block it lacks."""
+
+    __slots__ = ("_tokens", "_bs", "_n", "_hash", "_done")
+
+    def __init__(self, tokens: list[int], block_size: int, hash_block) -> None:
+        self._tokens, self._bs, self._hash = tokens, block_size, hash_block
+        self._n = len(tokens) // block_size
+        self._done: list[bytes] = []
+
+    def _upto(self, n: int) -> None:
+        done, bs, t = self._done, self._bs, self._tokens
+        parent = done[-1] if done else None
+        for i in range(len(done), min(n, self._n)):
+            parent = self._hash(parent, t[i * bs:(i + 1) * bs], "")
+            done.append(parent)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        i = 0
+        while i < self._n:
+            if i >= len(self._done):
+                self._upto(i + 1)
+            yield self._done[i]
+            i += 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            stop = self._n if index.stop is None else min(index.stop, self._n)
+            self._upto(stop)
+            return self._done[index]
+        self._upto(index + 1 if index >= 0 else self._n)
+        return self._done[index]
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+
+class PlannedStep:
+    """One scheduled step: the scheduler's batch and the sizes the step-time model needs."""
+
+    __slots__ = ("batch", "prefill_tokens", "decode_batch", "context_tokens", "cached_tokens")
+
+    def __init__(self, batch: Any, prefill_tokens: int, decode_batch: int, context_tokens: int,
+                 cached_tokens: int) -> None:
+        self.batch = batch
+        self.prefill_tokens = prefill_tokens
+        self.decode_batch = decode_batch
+        self.context_tokens = context_tokens
+        self.cached_tokens = cached_tokens
+
+
+class EngineModel:
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_waiting: int,
+                 enable_prefix_caching: bool = True, record_events: bool = False) -> None:
+        from pdserve.engine import block_pool, scheduler
+        from pdserve.engine.config import SchedulerConfig
+
+        self._Sequence = scheduler.Sequence
+        self._hash_block = block_pool.hash_block
+        self.pool = block_pool.BlockPool(num_blocks, max_events=1)
+        # The pool's event log serves RPC readers on other threads (a lock and a condition per
+        # event); one thread reads it here, so a plain recorder takes its place: same events.
+        self.pool.events = self.recorder = _Recorder(keep=record_events)
+        self.block_size = block_size
+        self.sched = scheduler.Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_waiting), self.pool,
+            block_size, enable_prefix_caching)
+        self.caching = enable_prefix_caching
+        self.target: dict[str, int] = {}  # output tokens each sequence ends at
+        self.outputs: dict[str, int] = {}  # output tokens so far
+        self.parked: dict[str, Any] = {}  # prefill-only sequences done, KV held for export
+
+    # ---- requests in ---------------------------------------------------------------------------
+    def add(self, rid: str, prompt: list[int], output_tokens: int, *, prefill_only: bool = False,
+            max_chunk_tokens: int = 0) -> None:
+        seq = self._Sequence(rid, prompt, None, prefill_only=prefill_only,
+                             max_chunk_tokens=max_chunk_tokens)
+        self.sched.add(seq)
+        self.target[rid] = 1 if prefill_only else output_tokens
+        self.outputs[rid] = 0
+
+    def prompt_hashes(self, prompt: list[int]) -> LazyHashes:
+        """The chained hashes of the prompt's reusable full blocks (all tokens but the last),
+        as the router and the prefill role compute them (lazily)."""
+        return LazyHashes(prompt[:-1], self.block_size, self._hash_block)
+
+    def block_events(self) -> list[tuple[str, bytes]]:
+        """The prefix cache's changes since the last call: (\"stored\" | \"removed\", hash)."""
+        events, self.recorder.events = self.recorder.events, []
+        return events
+
+    def cached_blocks(self, hashes) -> int:
+        n = 0
+        for h in hashes:
+            if self.pool.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    def import_cached(self, hashes) -> int:
+        """Full blocks fetched from the store into the local prefix cache (unheld, evictable)."""
+        placed = 0
+        for h in hashes:
+            if self.pool.lookup(h) is not None:
+                continue
+            if self.pool.num_free == 0:
+                break
+            bid = self.pool.allocate(1)[0]
+            self.pool.register(bid, h)
+            self.pool.release([bid])
+            placed += 1
+        return placed
+
+    def add_prefilled(self, rid: str, prompt: list[int], hashes, output_tokens: int) -> bool:
+        """Join a request prefilled elsewhere (its first token made there); its full blocks'
+        `hashes` name the KV that arrived. False if the first token already ended it."""
+        if output_tokens <= 1:
+            return False
+        seq = self._Sequence(rid, prompt, None)
+        seq.token_ids.append(SAMPLED_TOKEN)
+        full = len(prompt) // self.block_size
+        n_blocks = -(-len(prompt) // self.block_size)
+        for i in range(n_blocks):
+            bid = self.pool.lookup(hashes[i]) if i < full and i < len(hashes) else None
+            if bid is not None:
+                self.pool.take_cached(bid)
+            elif self.pool.num_free > 0:
+                bid = self.pool.allocate(1)[0]
+                if i < full and i < len(hashes) and self.caching:
+                    self.pool.register(bid, hashes[i])
+            else:
+                break
+            seq.block_table.append(bid)
+            if i < full and i < len(hashes):
+                seq.block_hashes.append(hashes[i])
+        seq.num_computed = min(len(seq.block_table) * self.block_size, len(prompt))
+        seq.num_cached_tokens = seq.num_computed
+        self.sched.add(seq)
+        self.target[rid] = output_tokens
+        self.outputs[rid] = 1
+        return True
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def plan(self) -> PlannedStep | None:
+        batch = self.sched.schedule()
+        if batch.empty:
+            return None
+        prefill = decode = ctx = cached = 0
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.num_computed + n >= seq.num_tokens and n == 1 and seq.num_computed >= len(
+                    seq.prompt_ids):
+                decode += 1
+                ctx += seq.num_computed
+            else:
+                prefill += n
+                cached += seq.num_computed
+        return PlannedStep(batch, prefill, decode, ctx, cached)
+
+    def complete(self, step: PlannedStep) -> list[tuple[str, str]]:
+        """The step ran: [(request id, "first" | "done" | "parked")] for sequences that made
+        their first token, ended, or (prefill-only) finished their prompt."""
+        events = []
+        sched = self.sched
+        for seq, n in zip(step.batch.seqs, step.batch.num_new):
+            if seq.status.value != "running":
+                continue
+            sched.advance(seq, n)
+            if seq.num_computed < seq.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            rid = seq.request_id
+            seq.token_ids.append(SAMPLED_TOKEN)
+            made = self.outputs[rid] = self.outputs[rid] + 1
+            if seq.prefill_only:
+                sched.finish(seq, "length")
+                self.parked[rid] = seq
+                events.append((rid, "parked"))
+                continue
+            if made == 1:
+                events.append((rid, "first"))
+            if made >= self.target[rid]:
+                self._end(seq)
+                events.append((rid, "done"))
+        return events
+
+    def _end(self, seq) -> None:
+        self.sched.finish(seq, "length")
+        self.sched.free(seq)
+        self.target.pop(seq.request_id, None)
+        self.outputs.pop(seq.request_id, None)
+
+    def take_parked(self, rid: str) -> list[bytes]:
+        """Free a parked prefill's KV (it went to the store); its full blocks' hashes."""
+        seq = self.parked.pop(rid)
+        self.sched.free(seq)
+        self.target.pop(rid, None)
+        self.outputs.pop(rid, None)
+        return list(seq.block_hashes[:len(seq.prompt_ids) // self.block_size])
+
+    def decode_run(self, limit: int) -> tuple[int, int, int]:
+        """(k, batch, context tokens): how many pure decode steps can run as one, up to
+        `limit` (k < 2: take a normal step)."""
+        sched = self.sched
+        if sched.waiting or not sched.running:
+            return 0, 0, 0
+        bs = self.block_size
+        k = limit
+        ctx = 0
+        for seq in sched.running:
+            if seq.paused or seq.num_computed != seq.num_tokens - 1 or seq.spec_token_ids:
+                return 0, 0, 0
+            k = min(k, self.target[seq.request_id] - self.outputs[seq.request_id])
+            ctx += seq.num_computed
+        if k < 2 or len(sched.running) > sched.cfg.max_num_batched_tokens:
+            return 0, 0, 0
+        free = self.pool.num_free
+
+        def blocks(steps: int) -> int:
+            return sum(max(0, -(-(s.num_computed + steps) // bs) - len(s.block_table))
+                       for s in sched.running)
+
+        if blocks(k) > free:
+            lo, hi = 0, k  # blocks(lo) fits, blocks(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if blocks(mid) <= free else (lo, mid)
+            k = lo
+        return (k, len(sched.running), ctx) if k >= 2 else (0, 0, 0)
+
+    def run_decode(self, k: int) -> list[str]:
+        """Apply k pure decode steps (see `decode_run`); the request ids that ended."""
+        sched, bs = self.sched, self.block_size
+        done = []
+        for seq in list(sched.running):
+            need = -(-(seq.num_computed + k) // bs) - len(seq.block_table)
+            if need > 0:
+                seq.block_table.extend(self.pool.allocate(need))
+            seq.token_ids.extend([SAMPLED_TOKEN] * k)
+            sched.advance(seq, k)
+            rid = seq.request_id
+            self.outputs[rid] += k
+            if self.outputs[rid] >= self.target[rid]:
+                self._end(seq)
+                done.append(rid)
+        return done
+
+    # ---- stats ---------------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.sched.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.sched.waiting)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def prompt_tokens_computed(self) -> int:
+        return self.sched.prompt_tokens_computed
+
+    def has_work(self) -> bool:
+        return self.sched.has_work()
+
+    def idle(self) -> bool:
+        return not self.sched.running and not self.sched.waiting and not self.parked

@@ -1,0 +1,93 @@
+"""What a simulation produced: per-request times, roles over time, counts, and the summary a
+capacity planner reads.
+
+Owns `SimReport`: per-request records (arrival, time to first token, end, tokens, workers,
+status), the role timeline, counts (flips, seconds spent draining and switching, events,
+steps, rejections), `summary()` (mean/p50/p90/p99 of TTFT, ITL per request as AIPerf defines
+it: (e2e - ttft) / (output tokens - 1), and e2e; SLO attainment; goodput; worker-hours) and
+`to_json()`, byte-identical for the same inputs (wall time is kept apart, in `wall_s`, and never
+written by `to_json`). Must not simulate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pdserve.core.stats import percentile
+
+OK = "ok"
+
+
+def _dist(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
+    return {"n": len(values), "mean": sum(values) / len(values),
+            "p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99)}
+
+
+@dataclass
+class SimReport:
+    config: dict
+    profile: str
+    request_ids: list[str] = field(default_factory=list)
+    arrival_s: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    ttft_s: list[float | None] = field(default_factory=list)  # None: no first token
+    end_s: list[float | None] = field(default_factory=list)  # None: did not finish
+    status: list[str] = field(default_factory=list)  # "ok", "rejected: <reason>", "unfinished"
+    prefill_worker: list[str] = field(default_factory=list)  # "" when none
+    decode_worker: list[str] = field(default_factory=list)
+    roles: list[tuple[float, int, int, int]] = field(default_factory=list)  # t, P, D, flipping
+    counts: dict = field(default_factory=dict)
+    slo_ttft_s: float = 2.0
+    slo_itl_s: float = 0.2
+    workers: int = 0
+    wall_s: float = 0.0  # not part of to_json: it differs run to run
+
+    def itl_s(self, i: int) -> float | None:
+        """AIPerf's inter-token latency of request i: (e2e - ttft) / (output tokens - 1)."""
+        ttft, end, out = self.ttft_s[i], self.end_s[i], self.output_tokens[i]
+        if ttft is None or end is None or out < 2:
+            return None
+        return (end - self.arrival_s[i] - ttft) / (out - 1)
+
+    def summary(self) -> dict:
+        done = [i for i, s in enumerate(self.status) if s == OK]
+        ttft = [self.ttft_s[i] for i in done]
+        e2e = [self.end_s[i] - self.arrival_s[i] for i in done]
+        itls = [self.itl_s(i) for i in done]
+        itl = [x for x in itls if x is not None]
+        met = sum(1 for i, x in zip(done, itls) if self.ttft_s[i] <= self.slo_ttft_s
+                  and (x is None or x <= self.slo_itl_s))
+        n = len(self.status)
+        first = min(self.arrival_s, default=0.0)
+        last = max([e for e in self.end_s if e is not None] or [first])
+        span = max(1e-9, last - first)
+        return {
+            "requests": n, "finished": len(done),
+            "rejected": sum(1 for s in self.status if s.startswith("rejected")),
+            "ttft_s": _dist(ttft), "itl_s": _dist(itl), "e2e_s": _dist(e2e),
+            "slo": {"ttft_s": self.slo_ttft_s, "itl_s": self.slo_itl_s},
+            "slo_attainment": met / n if n else None,
+            "goodput_rps": met / span, "throughput_rps": len(done) / span,
+            "duration_s": span, "workers": self.workers,
+            "worker_hours": self.workers * span / 3600.0,
+            **{k: self.counts[k] for k in sorted(self.counts)},
+        }
+
+    def to_dict(self, requests: bool = True) -> dict:
+        out = {"config": self.config, "profile": self.profile, "summary": self.summary(),
+               "roles": [list(r) for r in self.roles]}
+        if requests:
+            out["requests"] = {
+                "id": self.request_ids, "arrival_s": self.arrival_s,
+                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "ttft_s": self.ttft_s, "end_s": self.end_s, "status": self.status,
+                "prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker}
+        return out
+
+    def to_json(self, requests: bool = True) -> str:
+        return json.dumps(self.to_dict(requests), sort_keys=True, separators=(",", ":"))

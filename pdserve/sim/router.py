@@ -1,0 +1,171 @@
+"""The router as the simulator runs it: the real membership, routing, admission and KV index
+cores, fed the way the router's worker set (`router/pool.py`) feeds them.
+
+Owns the simulated router's state: the `Membership` table, one policy per role (`make_policy`),
+`Admission`, the `KvIndex` (sources: each worker's prefix cache and the store), the prefill
+rate meter, and a cache of each member's `WorkerLoad` rebuilt only when that member changes
+(acquire, release, a stats report), so a choice among a thousand workers costs the policy's
+own work and little more. Must not score or choose itself: `pick` builds the `RouteInput`
+(field by field as `WorkerSet._input` does) and the policy decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve.core.rates import RateMeter
+from pdserve.router.admission import Admission
+from pdserve.router.kv_index import CLEARED, REMOVED, STORED, KvEvent, KvIndex, store_source
+from pdserve.router.membership import (ACTIVE, DECODE, PREFILL, Membership, reports_draining)
+from pdserve.router.policy import (KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad,
+                                   choose_offload, make_policy)
+from pdserve.sim.config import SimConfig
+
+MODEL_ID = "sim"
+STORE = store_source(MODEL_ID)
+
+
+class SimRouter:
+    def __init__(self, cfg: SimConfig, addresses: dict[str, str], now: float = 0.0) -> None:
+        self.cfg = cfg
+        self.membership = Membership()
+        self.policies = {PREFILL: make_policy(cfg.prefill_policy, seed=cfg.seed),
+                         DECODE: make_policy(cfg.decode_policy, seed=cfg.seed + 1)}
+        self.kv_aware = isinstance(self.policies[PREFILL], KvAware)
+        self.admission = Admission(cfg.admission)
+        self.index = KvIndex(max_blocks_per_source=10_000_000,
+                             max_sources=len(addresses) + 1)
+        self.rates = RateMeter()
+        self.block_size = cfg.block_size
+        self._loads: dict[str, WorkerLoad] = {}
+        self._pools: dict[str, list[str]] = {}
+        self.last_decision: RouteDecision | None = None
+        self._budgets = False  # whether any offload budget stands
+        for address, role in sorted(addresses.items()):
+            self.membership.join(address, role, now)
+            self._touch(address)
+
+    # ---- membership ----------------------------------------------------------------------------
+    def _touch(self, address: str) -> None:
+        m = self.membership.get(address)
+        s = m.stats
+        self._loads[address] = WorkerLoad(
+            m.address, m.in_flight, True, m.in_flight_tokens, 0,
+            free_blocks=None if s is None else s.num_free_blocks,
+            running=0 if s is None else s.num_running, waiting=0 if s is None else s.num_waiting)
+
+    def members(self) -> list:
+        """Every member, by address (what the router's control API lists)."""
+        return [dataclasses.replace(m) for m in self.membership.members()]
+
+    def pool(self, role: str) -> list[str]:
+        """ACTIVE members of `role`, by address (`Membership.pool`, cached until a change)."""
+        p = self._pools.get(role)
+        if p is None:
+            p = self._pools[role] = [m.address for m in self.membership.pool(role)]
+        return p
+
+    def set_state(self, address: str, state: str, role: str | None, reason: str,
+                  now: float) -> None:
+        self.membership.set_state(address, state, role, reason, now=now)
+        self._pools.clear()
+        self._touch(address)
+
+    def report(self, address: str, role: str, stats, now: float) -> None:
+        """A stats poll's answer (a `WorkerStats` message) from `address`."""
+        before = self.membership.get(address)
+        was = (before.state, before.role)
+        m = self.membership.report(address, role, now, stats, now)
+        if m is not None and role == PREFILL:
+            self.rates.observe(address, stats.prompt_tokens_computed, stats.busy_seconds)
+        else:
+            self.rates.forget(address)
+        if m is not None and (m.state, m.role) != was:
+            self._pools.clear()
+        self._touch(address)
+
+    def prefill_rate(self) -> float | None:
+        return self.rates.pool_rate((a for a in self.pool(PREFILL)
+                                     if not reports_draining(self.membership.get(a))), peak=True)
+
+    # ---- the KV index --------------------------------------------------------------------------
+    def kv_event(self, source: str, kind: str, hashes) -> None:
+        if hashes or kind == CLEARED:
+            self.index.apply(KvEvent(source, kind, tuple(hashes)))
+
+    def worker_events(self, address: str, events) -> None:
+        """A worker's prefix-cache changes, in order: [(STORED | REMOVED, hash)]."""
+        run_kind, run = None, []
+        for kind, h in events:
+            if kind != run_kind and run:
+                self.kv_event(address, run_kind, run)
+                run = []
+            run_kind = kind
+            run.append(h)
+        if run:
+            self.kv_event(address, run_kind, run)
+
+    def store_events(self, stored, evicted) -> None:
+        self.kv_event(STORE, STORED, stored)
+        self.kv_event(STORE, REMOVED, evicted)
+
+    # ---- choices -------------------------------------------------------------------------------
+    def prefix(self, addresses: list[str], hashes) -> tuple[list[int], int]:
+        """(leading blocks cached per worker, leading blocks in the store), as the router's
+        block index knows them; zeros unless the prefill policy is KV-aware."""
+        if not self.kv_aware or not hashes:
+            return [0] * len(addresses), 0
+        return self.index.overlaps(addresses, hashes), self.index.overlap(STORE, hashes)
+
+    def route_input(self, role: str, prompt_tokens: int, extra_tokens: int,
+                    hashes=()) -> tuple[list[str], RouteInput]:
+        addresses = self.pool(role)
+        if not addresses:
+            raise NoWorkerError(f"no active {role} worker")
+        loads = self._loads
+        if role == PREFILL:
+            local, store = self.prefix(addresses, hashes)
+            workers = tuple(loads[a] if c == 0 else dataclasses.replace(loads[a], cached_blocks=c)
+                            for a, c in zip(addresses, local))
+        else:
+            store = 0
+            workers = tuple(loads[a] for a in addresses)
+        need = -(-(prompt_tokens + extra_tokens) // self.block_size)
+        return addresses, RouteInput(workers, prompt_tokens, self.block_size, store, need)
+
+    def pick(self, role: str, prompt_tokens: int, extra_tokens: int = 0, hashes=()
+             ) -> tuple[str, float]:
+        """The chosen member and the tokens counted in flight on it (release them at the end).
+        Raises NoWorkerError."""
+        addresses, inp = self.route_input(role, prompt_tokens, extra_tokens, hashes)
+        d = self.policies[role].decide(inp)
+        self.last_decision = d
+        address = addresses[d.index]
+        tokens = d.work_tokens if d.work_tokens is not None else inp.prompt_tokens
+        self.membership.acquire(address, tokens)
+        self._touch(address)
+        return address, tokens
+
+    def offload(self, prompt_tokens: int) -> tuple[str, int] | None:
+        """A decode worker to prefill the prompt itself within its budget (address, chunk)."""
+        if not self._budgets:  # no budget stands: no candidate (saves a pass over members)
+            return None
+        candidates = self.membership.offload_candidates()
+        i = choose_offload(candidates, prompt_tokens) if candidates else None
+        if i is None:
+            return None
+        m = candidates[i]
+        self.membership.acquire(m.address, 0.0, prompt_tokens)
+        self._touch(m.address)
+        return m.address, m.offload_chunk
+
+    def release(self, address: str, tokens: float = 0.0, offload_tokens: int = 0) -> None:
+        self.membership.release(address, tokens, offload_tokens)
+        self._touch(address)
+
+    def set_budgets(self, budgets: dict[str, tuple[int, int]]) -> None:
+        self.membership.set_offload_budgets(budgets)
+        self._budgets = any(max_tokens > 0 for max_tokens, _ in budgets.values())
+
+    def active(self, address: str) -> bool:
+        return self.membership.get(address).state == ACTIVE

@@ -1,0 +1,145 @@
+"""The simulator end to end: deterministic reports, a real trace through a 2P2D cluster, the
+bulk decode runs equal to single steps, and the laws a capacity planner relies on (more decode
+workers never slow decoding; more load never speeds up the first token)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.sim import worker as sim_worker
+from pdserve.sim.config import SimConfig, SimConfigError
+from pdserve.sim.profile import load_profile
+from pdserve.sim.run import simulate
+from pdserve.sim.trace import load_trace
+
+DATA = Path(__file__).parent / "data"
+MOONCAKE = str(DATA / "mooncake_head60.jsonl")
+H100 = load_profile("h100-llama3-8b")
+
+
+def run(cfg: SimConfig, requests, profile=H100):
+    return simulate(cfg, requests, profile)
+
+
+def test_same_seed_gives_a_byte_identical_report():
+    reqs = load_trace(MOONCAKE)
+    cfg = SimConfig(prefill_workers=2, decode_workers=2, prefill_policy="power_of_two",
+                    decode_policy="power_of_two", controller=True, block_size=512, seed=7)
+    a, b = run(cfg, reqs), run(cfg, reqs)
+    assert a.to_json() == b.to_json()
+    assert "wall" not in a.to_json()
+
+
+def test_the_report_is_the_same_across_processes_and_hash_seeds():
+    code = ("import sys\n"
+            "from pdserve.sim.config import SimConfig\n"
+            "from pdserve.sim.profile import load_profile\n"
+            "from pdserve.sim.run import simulate\n"
+            "from pdserve.sim.trace import load_trace\n"
+            f"r = simulate(SimConfig(prefill_workers=2, decode_workers=2, controller=True, "
+            f"block_size=512), load_trace({MOONCAKE!r}), load_profile('h100-llama3-8b'))\n"
+            "sys.stdout.write(r.to_json())\n")
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONHASHSEED": seed})
+            for seed in ("1", "2")]
+    assert all(o.returncode == 0 for o in outs), outs[0].stderr
+    assert outs[0].stdout == outs[1].stdout and len(outs[0].stdout) > 1000
+
+
+def test_a_mooncake_trace_runs_through_a_2p2d_cluster():
+    reqs = load_trace(MOONCAKE)
+    r = run(SimConfig(prefill_workers=2, decode_workers=2, block_size=512), reqs)
+    s = r.summary()
+    assert s["finished"] == len(reqs) == 60 and s["rejected"] == 0
+    for i, req in enumerate(reqs):
+        assert r.status[i] == "ok"
+        assert 0 < r.ttft_s[i] <= r.end_s[i] - req.arrival_s
+        if req.output_tokens > 1:
+            itl = (r.end_s[i] - req.arrival_s - r.ttft_s[i]) / (req.output_tokens - 1)
+            assert r.itl_s(i) == pytest.approx(itl)
+            assert r.decode_worker[i] in ("w0002", "w0003")
+        assert r.prefill_worker[i] in ("w0000", "w0001")
+    assert s["kv_transfers"] == sum(1 for q in reqs if q.output_tokens > 1)
+    # The trace's shared prefixes are reused: fewer prompt tokens computed than sent.
+    assert s["prompt_tokens_computed"] < sum(q.prompt_tokens for q in reqs)
+    assert s["events"] < s["steps"]  # decode runs: one event for many steps
+    assert s["ttft_s"]["p50"] <= s["ttft_s"]["p90"] <= s["ttft_s"]["p99"]
+
+
+def test_decode_runs_give_the_times_single_steps_give(monkeypatch):
+    reqs = load_trace("synthetic:poisson:rate=8,n=80,in=600,out=90", seed=3)
+    cfg = SimConfig(prefill_workers=1, decode_workers=2, block_size=16)
+    bulk = run(cfg, reqs)
+    monkeypatch.setattr(sim_worker, "MAX_RUN_STEPS", 1)
+    single = run(cfg, reqs)
+    assert single.summary()["steps"] == bulk.summary()["steps"]
+    assert bulk.summary()["events"] < single.summary()["events"] / 3
+    assert bulk.ttft_s == pytest.approx(single.ttft_s, rel=1e-6)
+    assert bulk.end_s == pytest.approx(single.end_s, rel=1e-3)
+
+
+def test_more_decode_workers_never_raise_mean_itl():
+    reqs = load_trace("synthetic:poisson:rate=40,n=300,in=256,out=300", seed=1)
+    itl = [run(SimConfig(prefill_workers=2, decode_workers=d, block_size=16, kv_blocks=4096),
+               reqs).summary()["itl_s"]["mean"] for d in (1, 2, 4)]
+    assert itl[0] >= itl[1] >= itl[2]
+    assert itl[0] > itl[2]
+
+
+def test_ttft_grows_with_load():
+    base = load_trace("synthetic:poisson:rate=2,n=150,in=4000,out=20", seed=2)
+    from pdserve.sim.trace import scale
+    ttft = [run(SimConfig(prefill_workers=1, decode_workers=1, block_size=16),
+                scale(base, rate=k)).summary()["ttft_s"]["mean"] for k in (1, 4, 16)]
+    assert ttft[0] < ttft[1] < ttft[2]
+
+
+def test_the_controller_flips_a_worker_to_the_pressured_role_and_pays_the_switch():
+    reqs = load_trace("synthetic:poisson:rate=12,n=400,in=6000,out=8", seed=4)
+    r = run(SimConfig(prefill_workers=1, decode_workers=3, controller=True, block_size=64),
+            reqs)
+    s = r.summary()
+    assert s["flips"] >= 1
+    assert s["switch_s"] == pytest.approx(s["flips"] * H100.flip_s)
+    assert max(p for _, p, _, _ in r.roles) > 1  # prefill grew from its one worker
+    off = run(SimConfig(prefill_workers=1, decode_workers=3, block_size=64), reqs).summary()
+    assert off["flips"] == 0
+    assert s["ttft_s"]["mean"] < off["ttft_s"]["mean"]
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(SimConfigError, match="decode_workers"):
+        SimConfig(decode_workers=0)
+    with pytest.raises(SimConfigError, match="prefill_policy"):
+        SimConfig(prefill_policy="nearest")
+    with pytest.raises(SimConfigError, match="link"):
+        SimConfig(link="bus")
+
+
+def test_cli_runs_a_trace_and_writes_the_report(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "sim", "run", "--trace", MOONCAKE,
+         "--prefill", "1", "--decode", "1", "--block-size", "512", "--json",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)["summary"]
+    assert summary["finished"] == 60
+    assert "requests" in out.stderr  # progress on stderr
+    for name in ("report.json", "summary.json", "roles.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["requests"]["ttft_s"]) == 60
+
+
+def test_cli_refuses_a_bad_trace_naming_it():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "sim", "run", "--trace",
+                          "synthetic:poisson:rate=x"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert "rate" in out.stderr

@@ -1,0 +1,209 @@
+"""The simulator runs the project's cores, not copies of them: it imports them without torch,
+defines nothing named like them, and, given the same inputs, makes the decisions the live
+router's worker set and the live controller's tick make."""
+
+from __future__ import annotations
+
+import ast
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pdserve.sim
+from pdserve.controller import policy as controller_policy
+from pdserve.controller import view as controller_view
+from pdserve.controller.config import ControllerConfig
+from pdserve.controller.policy import PolicyConfig
+from pdserve.controller.service import Controller
+from pdserve.controller.signals import Slo
+from pdserve.proto import router_pb2 as rpb
+from pdserve.proto import worker_pb2 as wpb
+from pdserve.router import admission, kv_index, membership
+from pdserve.router import policy as router_policy
+from pdserve.router.control import RequestSignals, RouterControlServicer, Sample
+from pdserve.router.policy import PREFILL_POLICIES, make_policy
+from pdserve.router.pool import WorkerSet
+from pdserve.sim import cluster, control, router as sim_router
+from pdserve.sim.config import SimConfig
+from pdserve.sim.control import SimController
+from pdserve.sim.router import SimRouter
+
+SIM_DIR = Path(pdserve.sim.__file__).parent
+MODULES = ("events", "trace", "config", "engine_model", "router", "control", "worker", "cluster",
+           "run", "report", "cli_run")
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_simulator_imports_without_torch():
+    mods = ", ".join(f"pdserve.sim.{m}" for m in MODULES)
+    out = _fresh(f"import sys, {mods}\nassert 'torch' not in sys.modules, 'torch imported'")
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_simulation_runs_without_torch():
+    """The scheduler is reached through `engine_model` only; with the engine's scheduler
+    torch-free, a whole run never loads torch."""
+    out = _fresh("import sys\n"
+                 "from pdserve.sim.config import SimConfig\n"
+                 "from pdserve.sim.profile import load_profile\n"
+                 "from pdserve.sim.run import simulate\n"
+                 "from pdserve.sim.trace import load_trace\n"
+                 "r = simulate(SimConfig(), load_trace('synthetic:poisson:n=5'), "
+                 "load_profile('h100-llama3-8b'))\n"
+                 "assert r.summary()['finished'] == 5\n"
+                 "assert 'torch' not in sys.modules, 'torch imported'")
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_simulator_calls_the_cores_themselves():
+    assert sim_router.make_policy is router_policy.make_policy
+    assert sim_router.choose_offload is router_policy.choose_offload
+    assert sim_router.Admission is admission.Admission
+    assert sim_router.KvIndex is kv_index.KvIndex
+    assert sim_router.Membership is membership.Membership
+    assert control.decide is controller_policy.decide
+    assert control.cluster_view is controller_view.cluster_view
+    r = SimRouter(SimConfig(prefill_workers=1, decode_workers=1, prefill_policy="kv_aware"),
+                  {"a": "prefill", "b": "decode"})
+    assert type(r.policies["prefill"]) is router_policy.KvAware
+    assert type(r.policies["decode"]) is router_policy.DecodeChooser
+    assert cluster.SimRouter is SimRouter
+
+
+def _defined_names(path: Path, top_level: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level else ast.walk(tree)
+    return {n.name for n in nodes
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def test_no_policy_code_is_copied_into_the_simulator():
+    """No function or class under sim/ is named like a routing, admission, index, membership
+    or controller core (their module-level names, and the policies' deciding methods)."""
+    cores = (router_policy, admission, kv_index, membership, controller_policy)
+    core_names = {"decide", "score", "choose"}
+    for mod in cores:
+        core_names |= {n for n in _defined_names(Path(mod.__file__), top_level=True)
+                       if not n.startswith("_")}
+    assert {"KvAware", "decide", "Membership", "Admission", "KvIndex"} <= core_names
+    for path in sorted(SIM_DIR.glob("*.py")):
+        clash = _defined_names(path) & core_names
+        assert not clash, f"{path.name} defines {sorted(clash)}, named like the cores'"
+
+
+def _stats(rng: random.Random, role: str) -> wpb.WorkerStats:
+    return wpb.WorkerStats(role=wpb.ROLE_PREFILL if role == "prefill" else wpb.ROLE_DECODE,
+                           num_running=rng.randrange(8), num_waiting=rng.randrange(3),
+                           num_free_blocks=rng.randrange(200), num_total_blocks=200,
+                           prompt_tokens_computed=rng.randrange(10_000), busy_seconds=1.0)
+
+
+@pytest.mark.parametrize("prefill_policy", PREFILL_POLICIES)
+@pytest.mark.parametrize("decode_policy", ["free_kv", "power_of_two", "least_loaded"])
+def test_routing_decisions_match_the_live_worker_set(prefill_policy, decode_policy):
+    roles = {"p0": "prefill", "p1": "prefill", "p2": "prefill", "d0": "decode", "d1": "decode",
+             "d2": "decode"}
+    now = [0.0]
+    live = WorkerSet(["p0", "p1", "p2"], ["d0", "d1", "d2"],
+                     prefill_policy=make_policy(prefill_policy, seed=5),
+                     decode_policy=make_policy(decode_policy, seed=6), block_size_tokens=16,
+                     stats_interval_s=0, clock=lambda: now[0])
+    sim = SimRouter(SimConfig(prefill_workers=3, decode_workers=3, prefill_policy=prefill_policy,
+                              decode_policy=decode_policy, seed=5), roles)
+    rng = random.Random(1)
+    held = []  # (live context, sim address, sim tokens)
+    picks = 0
+    try:
+        for step in range(200):
+            now[0] = step * 0.1
+            kind = rng.choice(("prefill", "decode", "release", "report"))
+            if kind == "report":
+                a = rng.choice(sorted(roles))
+                stats = _stats(rng, roles[a])
+                live.report(a, stats, now=now[0], asked_s=now[0])
+                sim.report(a, roles[a], stats, now[0])
+            elif kind == "release" and held:
+                ctx, address, tokens = held.pop(rng.randrange(len(held)))
+                ctx.__exit__(None, None, None)
+                sim.release(address, tokens)
+            elif kind in ("prefill", "decode"):
+                n, extra = rng.randrange(1, 3000), rng.randrange(0, 500) * (kind == "decode")
+                ctx = live.pick(kind, list(range(n)), extra_tokens=extra)
+                live_address, _ = ctx.__enter__()
+                address, tokens = sim.pick(kind, n, extra)
+                assert address == live_address, f"step {step}: {kind} pick differs"
+                held.append((ctx, address, tokens))
+                picks += 1
+        live_members = {m.address: (m.in_flight, m.in_flight_tokens) for m in live.members()}
+        sim_members = {m.address: (m.in_flight, m.in_flight_tokens) for m in sim.members()}
+        assert live_members == sim_members
+        assert picks > 80
+    finally:
+        live.close()
+
+
+class _RouterAdapter:
+    """The controller's router stub, answered by the router's real control servicer."""
+
+    def __init__(self, servicer: RouterControlServicer) -> None:
+        self.servicer = servicer
+
+    def GetSignals(self, request, timeout=None):  # noqa: N802 - the stub's name
+        return self.servicer.GetSignals(request, None)
+
+    def SetOffloadBudgets(self, request, timeout=None):  # noqa: N802
+        return rpb.SetOffloadBudgetsResponse()
+
+
+def test_controller_decisions_match_the_live_controller_tick():
+    roles = {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "decode", "w4": "decode"}
+    now = [0.0]
+    live_ws = WorkerSet([a for a, r in roles.items() if r == "prefill"],
+                        [a for a, r in roles.items() if r == "decode"],
+                        prefill_policy=make_policy("least_loaded"),
+                        decode_policy=make_policy("free_kv"), stats_interval_s=0,
+                        clock=lambda: now[0])
+    live_signals = RequestSignals()
+    live = Controller(ControllerConfig(router_address="sim", mode="advisory"),
+                      _RouterAdapter(RouterControlServicer(live_ws, live_signals,
+                                                           clock=lambda: now[0])),
+                      clock=lambda: now[0])
+    sim = SimRouter(SimConfig(prefill_workers=2, decode_workers=3), roles)
+    sim_ctl = SimController(sim, PolicyConfig(), Slo(2.0, 0.2), 30.0, 5.0)
+    rng = random.Random(2)
+    actions = []
+    try:
+        for tick in range(1, 40):
+            now[0] = float(tick)
+            for a, role in roles.items():
+                stats = _stats(rng, role)
+                stats.busy_seconds = float(tick)
+                stats.prompt_tokens_computed = tick * rng.randrange(500, 1500)
+                stats.decode_steps = tick * 20
+                stats.decode_step_seconds = tick * 0.5
+                live_ws.report(a, stats, now=now[0], asked_s=now[0])
+                sim.report(a, role, stats, now[0])
+            for _ in range(rng.randrange(4)):
+                # First tokens slow in the middle third: prefill pressure builds, then ends.
+                ttft = 6.0 if 12 <= tick < 26 else 0.3
+                e2e, out = ttft + rng.uniform(0.5, 3.0), rng.randrange(2, 64)
+                live_signals.started()
+                live_signals.finished(Sample(now[0], ttft, (e2e - ttft) / (out - 1), 900, out,
+                                             False, 0, "length"))
+                sim_ctl.started()
+                sim_ctl.finished(now[0], e2e, ttft, 900, out, False)
+            d_live = live.tick()
+            d_sim = sim_ctl.tick(now[0], {}, {})
+            assert (d_sim.action, d_sim.flips, d_sim.budgets, d_sim.reason) == (
+                d_live.action, d_live.flips, d_live.budgets, d_live.reason), f"tick {tick}"
+            actions.append(d_sim.action)
+    finally:
+        live_ws.close()
+    assert any("flip" in a for a in actions)  # the scenario reaches a flip, not only holds

@@ -1,0 +1,121 @@
+"""The simulator's parts: trace readers and transforms, the event queue, shared links and the
+KV store."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from pdserve.sim.events import EventQueue
+from pdserve.sim.network import KvStore, Link
+from pdserve.sim.trace import (HASH_BLOCK_TOKENS, TraceError, for_cluster, load_trace, scale,
+                               tile)
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_mooncake_lines_become_requests():
+    reqs = load_trace(DATA / "mooncake_head60.jsonl")
+    assert len(reqs) == 60
+    assert (reqs[0].arrival_s, reqs[0].prompt_tokens, reqs[0].output_tokens) == (0.0, 6758, 500)
+    assert reqs[0].block_hashes[:2] == (0, 1)
+    assert all(len(r.block_hashes) == -(-r.prompt_tokens // HASH_BLOCK_TOKENS) for r in reqs)
+
+
+def test_azure_rows_become_requests_timed_from_the_first():
+    reqs = load_trace(DATA / "azure_code_head40.csv")
+    with open(DATA / "azure_code_head40.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(reqs) == len(rows) == 40
+    assert reqs[0].arrival_s == 0.0
+    assert reqs[1].arrival_s == pytest.approx(0.052)  # 18:17:04.0319600 - 18:17:03.9799600
+    assert [r.prompt_tokens for r in reqs] == [int(x["ContextTokens"]) for x in rows]
+    ids = [h for r in reqs for h in r.block_hashes]
+    assert len(ids) == len(set(ids))  # no shared prefixes
+
+
+def test_synthetic_arrivals_follow_the_rate_and_burstiness():
+    poisson = load_trace("synthetic:poisson:rate=50,n=4000,in=100,out=10", seed=1)
+    assert len(poisson) == 4000
+    assert poisson[-1].arrival_s == pytest.approx(4000 / 50, rel=0.1)
+    assert sum(r.prompt_tokens for r in poisson) / 4000 == pytest.approx(100, rel=0.1)
+
+    def cv(reqs):
+        gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
+        mean = sum(gaps) / len(gaps)
+        return (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+
+    bursty = load_trace("synthetic:gamma:cv=3,rate=50,n=4000", seed=1)
+    assert cv(poisson) == pytest.approx(1.0, abs=0.15)
+    assert cv(bursty) > 2
+    fixed = load_trace("synthetic:poisson:n=5,in=64,out=8,fixed=1")
+    assert {(r.prompt_tokens, r.output_tokens) for r in fixed} == {(64, 8)}
+
+
+@pytest.mark.parametrize("spec,field", [("synthetic:poisson:rate=0", "rate"),
+                                        ("synthetic:poisson:speed=3", "speed"),
+                                        ("synthetic:uniform:n=3", "synthetic:poisson"),
+                                        ("trace.parquet", ".jsonl")])
+def test_bad_specs_name_the_field(spec, field):
+    with pytest.raises(TraceError, match=field):
+        load_trace(spec)
+
+
+def test_scaling_compresses_time_and_lengths():
+    reqs = load_trace(DATA / "mooncake_head60.jsonl")
+    fast = scale(reqs, rate=4, lengths=0.5)
+    assert [r.arrival_s for r in fast] == [r.arrival_s / 4 for r in reqs]
+    assert fast[0].prompt_tokens == 3379 and fast[0].output_tokens == 250
+    assert len(fast[0].block_hashes) == -(-3379 // HASH_BLOCK_TOKENS)
+
+
+def test_tiling_fills_the_duration_and_copies_get_their_own_prefixes():
+    reqs = load_trace(DATA / "mooncake_head60.jsonl")  # 15 s of arrivals
+    long = tile(reqs, duration_s=100)
+    assert long[-1].arrival_s < 100 and long[-1].arrival_s > 80
+    assert len(long) > 5 * len(reqs)
+    three = tile(reqs, copies=3, seed=1)
+    assert len(three) == 3 * len(reqs)
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(three, three[1:]))
+    firsts = {r.block_hashes[0] for r in three}
+    assert len(firsts) == 3  # the shared system prompt, once per copy
+    cluster = for_cluster(reqs, workers=100, workers_per_copy=10, duration_s=15, seed=0)
+    one = tile(reqs, duration_s=15)
+    assert len(one) == sum(1 for r in reqs if r.arrival_s < 15)  # the end is exclusive
+    assert len(cluster) == 10 * len(one)
+
+
+def test_events_pop_in_time_order_and_ties_in_the_order_pushed():
+    q = EventQueue()
+    q.push(2.0, "b")
+    q.push(1.0, "a", 1)
+    q.push(2.0, "c")
+    assert [q.pop()[1] for _ in range(3)] == ["a", "b", "c"]
+    assert q.now == 2.0
+    with pytest.raises(ValueError, match="before now"):
+        q.push(1.0, "late")
+
+
+def test_transfers_on_one_link_share_its_bandwidth_fairly():
+    link = Link("l")
+    link.add(0.0, "a", 1.0)
+    link.add(0.0, "b", 1.0)
+    assert link.next_done_s(0.0) == pytest.approx(2.0)  # each at half speed
+    assert link.complete(1.0) == []
+    link.add(1.0, "c", 0.25)  # a and b have 0.5 left; now three share
+    assert link.next_done_s(1.0) == pytest.approx(1.75)
+    assert link.complete(1.75) == ["c"]
+    assert link.next_done_s(1.75) == pytest.approx(2.25)  # 0.25 left each, two share
+    assert link.complete(2.25) == ["a", "b"]
+
+
+def test_the_store_evicts_the_least_recently_used():
+    store = KvStore(3)
+    assert store.put([b"a", b"b", b"c"]) == ([b"a", b"b", b"c"], [])
+    assert store.leading([b"a"]) == 1  # a is now the most recently used
+    new, gone = store.put([b"d"])
+    assert (new, gone) == ([b"d"], [b"b"])
+    assert store.leading([b"a", b"b", b"c"]) == 1
+    assert KvStore(0).put([b"a"]) == ([], [])
