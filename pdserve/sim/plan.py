@@ -46,7 +46,7 @@ class Candidate:
 
 # ---- the phase-shifting trace ---------------------------------------------------------------
 def phase_shift_trace(*, duration_s: float, rate: float, heavy_prefill: tuple[int, int] = (
-        8192, 32), heavy_decode: tuple[int, int] = (512, 3072), seed: int = 0) -> list:
+        8192, 32), heavy_decode: tuple[int, int] = (256, 6144), seed: int = 0) -> list:
     """Poisson arrivals at `rate`/s for `duration_s`: the first half asks for long prompts and
     short answers (`heavy_prefill` = mean prompt, mean output tokens), the second half for short
     prompts and long answers. Each request's prompt has its own prefix ids (no sharing), so the
@@ -204,8 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="simulated time: the trace is tiled to this (default one hour)")
     p.add_argument("--workers-per-copy", type=int, default=8,
                    help="one copy of the trace's arrivals per this many workers (default 8)")
-    # 1.5/s per worker: on the H100 roofline the first half keeps about 45% of the workers
-    # busy prefilling, the second about 70% decoding; no static split serves both.
+    # 1.5/s per worker: on the H100 roofline the first half needs about 5 of 8 workers
+    # prefilling, the second about 6 of 8 decoding; no static split serves both halves.
     p.add_argument("--rate", type=float, default=1.5,
                    help="'phase' trace: arrivals per second per worker (default %(default)s)")
     p.add_argument("--transport", default="ucx", help="KV transport of the profile (default ucx)")

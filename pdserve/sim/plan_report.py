@@ -90,7 +90,7 @@ def print_table(doc: dict[str, Any], console=None) -> None:
                   _pct(r["attainment_second_half"]), f"{r['goodput_rps']:.2f}",
                   f"{r['worker_hours']:.1f}", str(r["flips"]), f"{r['drain_s']:.0f}",
                   _ms(r["ttft_p90_s"]), _ms(r["itl_p90_s"]), f"{r['sim_wall_s']:.1f}")
-    (console or Console()).print(t)
+    (console or Console(width=160)).print(t)
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
