@@ -126,6 +126,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
         best = max(static, key=lambda r: (r["attainment"], r["name"]))
         a2.axhline(best["prefill_workers"], color="C0", ls=":",
                    label=f"best static ({best['prefill_workers']} prefill)")
+    a2.axvline(doc["trace_span_s"] / 2, color="grey", ls="--", lw=1, label="trace half way")
     a2.set_xlabel("simulated time (s)")
     a2.set_ylabel("prefill workers")
     a2.set_title("controller: prefill workers over time", fontsize=9)
