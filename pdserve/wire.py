@@ -6,15 +6,16 @@ Owns only the mapping (and the proto defaults' meaning); validation stays in
 
 from __future__ import annotations
 
+from pdserve.core import finish
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.proto import common_pb2
 
 DEFAULT_MAX_TOKENS = 16  # as vLLM's completions API when the client sets none
 
 _FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
+    finish.STOP: common_pb2.FINISH_REASON_STOP,
+    finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    finish.ABORT: common_pb2.FINISH_REASON_ABORT,
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
 }
 _FINISH_BACK = {v: k for k, v in _FINISH.items()}

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
 from pdserve.bench.common import emit, number_list
 from pdserve.engine.attention import describe_decode_path
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -32,10 +33,6 @@ from pdserve.engine.sampling import SamplingParams
 AIMS = {"aim_ratio_b1": (1, 1.5), "aim_ratio_b32": (32, 2.0)}  # name: (batch size, engine/HF)
 BLOCK_SIZE_TOKENS = 16
 PROMPT_SEED = 0
-
-
-class BenchConfigError(ValueError):
-    """A benchmark setting is invalid; the message names the setting."""
 
 
 class BenchError(RuntimeError):

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
 from pdserve.bench.common import emit, number_list
 from pdserve.bench import kvstore_measure as m
 from pdserve.bench.kvstore_procs import (
@@ -49,10 +50,6 @@ from pdserve.bench.kvstore_trace import (
 
 MiB = 1 << 20
 REMOTE_SUFFIX = "-bench-remote"  # a client host_id that differs from the node's: TCP
-
-
-class BenchConfigError(ValueError):
-    """A benchmark setting is invalid; the message names the setting."""
 
 
 @dataclass(frozen=True)

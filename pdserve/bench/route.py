@@ -33,6 +33,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
 from pdserve.bench.common import emit
 from pdserve.bench.route_replay import Replay, cpu_s, percentile, worker_stats
 from pdserve.bench.route_trace import (
@@ -42,10 +43,6 @@ from pdserve.bench.route_trace import (
 from pdserve.router.policy import PREFILL_POLICIES
 
 MiB = 1 << 20
-
-
-class BenchConfigError(ValueError):
-    """A benchmark setting is invalid; the message names the setting."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pdserve.bench.kvstore_trace import (  # noqa: F401 (TraceError, default_trace_path re-exported)
     TraceError, default_trace_path, read_records,
 )
-from pdserve.engine.block_pool import prompt_block_hashes
+from pdserve.core.block_hash import prompt_block_hashes
 
 TRACE_BLOCK_TOKENS = 512
 # Token ids drawn for synthetic blocks: clear of the low ids where tokenizers keep specials.

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
 from pdserve.bench.common import emit, number_list
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
@@ -36,10 +37,6 @@ from pdserve.engine.sampling import SamplingParams
 METHODS = ("none", "ngram", "eagle", "dflash", "dspark")
 MODEL_DRAFTERS = ("eagle", "dflash", "dspark")
 BLOCK_SIZE_TOKENS = 16
-
-
-class BenchConfigError(ValueError):
-    """A benchmark setting is invalid; the message names the setting."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
 from pdserve.bench.common import emit, number_list
 from pdserve.bench.transfer_proc import VARIANTS
 
@@ -36,10 +37,6 @@ AIMS = {"progressive_vs_layerwise_max": 0.7, "progressive_vs_after_max": 0.5,
         "progressive_vs_int8_max": 1.2}  # t_10th ratios at the nine-decode-steps link rate
 NINE = 9
 RESIDUAL_FRACTION_FP32 = 0.75  # residual bytes / fp32 bytes (docs/kvcodec.md)
-
-
-class BenchConfigError(ValueError):
-    """A benchmark setting is invalid; the message names the setting."""
 
 
 @dataclass(frozen=True)

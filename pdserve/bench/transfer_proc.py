@@ -340,7 +340,7 @@ class Assembly:
 
 
 def decode_job(engine, recv: Receiver, send: Sender, job: dict[str, Any]) -> dict[str, Any]:
-    from pdserve.engine.block_pool import prompt_block_hashes
+    from pdserve.core.block_hash import prompt_block_hashes
     from pdserve.engine.sampling import SamplingParams
 
     rid, prompt, variant = job["rid"], job["prompt"], job["variant"]

@@ -9,7 +9,7 @@ import sys
 from pdserve import logctx
 from pdserve.flags import add_config_flags
 from pdserve.controller.config import ControllerConfig
-from pdserve.engine.config import ConfigError
+from pdserve.core.errors import ConfigError
 from pdserve.lifecycle import die_with_parent_if_asked
 
 

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from pdserve.controller.supervisor import RestartPolicy
+from pdserve.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -75,17 +76,17 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if self.controller_mode not in ("active", "advisory", "off"):
-            raise ValueError(f"controller_mode must be active, advisory or off, got "
-                             f"{self.controller_mode!r}")
+            raise ConfigError(f"controller_mode must be active, advisory or off, got "
+                              f"{self.controller_mode!r}")
         if self.prefill_workers < 1 or self.decode_workers < 1:
-            raise ValueError("prefill_workers and decode_workers must be >= 1")
+            raise ConfigError("prefill_workers and decode_workers must be >= 1")
         n = self.prefill_workers + self.decode_workers
         if self.worker_ports is not None and len(self.worker_ports) != n:
-            raise ValueError(f"worker_ports: need {n} ports, got {len(self.worker_ports)}")
+            raise ConfigError(f"worker_ports: need {n} ports, got {len(self.worker_ports)}")
         if not re.fullmatch(r"[A-Za-z0-9_-]{0,32}", self.cluster_id):
-            raise ValueError(f"cluster_id: at most 32 of [A-Za-z0-9_-], got {self.cluster_id!r}")
+            raise ConfigError(f"cluster_id: at most 32 of [A-Za-z0-9_-], got {self.cluster_id!r}")
         if not self.shutdown_grace_s >= 0:
-            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
     def worker_threads(self) -> int:
         if self.threads_per_worker is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.config import ConfigError
+from pdserve.core.errors import ConfigError
 
 MODES = ("active", "advisory", "off")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.controller.policy import (DECODE, DRAINING, FAILED, GONE, PREFILL, SERVING,
                                        SWITCHING, WorkerView)
+from pdserve.core.finish import COMPLETED
 from pdserve.core.rates import RateMeter
 from pdserve.controller.signals import (DecodePressure, PrefillPressure, Slo,
                                         attainment, decode_pressure, percentile,
@@ -67,7 +68,7 @@ ITL_MIN_TOKENS = 8
 
 
 def window_of(samples, slo: Slo) -> Window:
-    good = [s.finish in ("stop", "length") for s in samples]
+    good = [s.finish in COMPLETED for s in samples]
     ok = [s for s, g in zip(samples, good) if g]
     # A request that failed met no SLO.
     pairs = [(s.ttft_s, s.tpot_s) if g else (math.inf, math.inf) for s, g in zip(samples, good)]

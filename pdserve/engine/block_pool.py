@@ -3,9 +3,9 @@
 Owns reference counts, the content-hash index (equal prefixes share blocks) and LRU eviction of
 cached blocks that nobody holds. It must not touch tensors: it hands out block ids.
 
-Hashes are chained: a block's hash covers its parent's hash, its tokens and a salt (the tenant),
-so two prompts share a block only if they share everything before it too, and one tenant never
-hits another's blocks (invariant 6).
+Blocks are named by their chained content hashes (`pdserve.core.block_hash`): a block's hash
+covers its parent's hash, its tokens and a salt (the tenant), so two prompts share a block only
+if they share everything before it too, and one tenant never hits another's blocks (invariant 6).
 
 The pool also reports its prefix cache's changes (`BlockEventLog`): a block registered under a
 hash is "stored", a cached block taken for other content is "removed". The log is bounded: past
@@ -15,31 +15,12 @@ from a snapshot of the cached hashes. The worker streams it to routers (KV-aware
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-
-def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str = "") -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or salt.encode())
-    h.update(b"|")
-    h.update(",".join(map(str, token_ids)).encode())
-    return h.digest()
-
-
-def prompt_block_hashes(token_ids: list[int], block_size: int, salt: str = "",
-                        include_partial: bool = False) -> list[bytes]:
-    """Chained hashes of the full blocks of `token_ids` (and of the trailing partial one if asked)."""
-    hashes: list[bytes] = []
-    parent: bytes | None = None
-    n_full = len(token_ids) // block_size
-    end = len(token_ids) if include_partial else n_full * block_size
-    for start in range(0, end, block_size):
-        parent = hash_block(parent, token_ids[start: start + block_size], salt)
-        hashes.append(parent)
-    return hashes
+# Block naming is shared with the router and the simulator; re-exported for the engine's callers.
+from pdserve.core.block_hash import hash_block, prompt_block_hashes  # noqa: F401
 
 
 STORED = "stored"

@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+from pdserve.core.errors import ConfigError  # noqa: F401 (re-exported: the workers' import path)
 
 
 @dataclass(frozen=True)

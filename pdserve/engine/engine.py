@@ -1,7 +1,8 @@
 """The in-process engine: one model, one paged cache, one scheduler, stepped by its owner.
 
-Owns a step: schedule, build the flat batch, run the model, sample, apply stop rules, report.
-It is single-threaded on purpose; a worker process drives it from one loop thread. It also owns
+Owns a step: schedule, build the flat batch, run the model, sample, and hand the tokens back to
+the scheduler (`Scheduler.update_from_output`), which applies them and the stop rules; the engine
+reports what it returns. It is single-threaded on purpose; a worker process drives it from one loop thread. It also owns
 moving a request's KV in and out as whole blocks (`take_parked_kv`, `add_prefilled_request`), which
 is how the prefill and decode roles hand a request over without the engine knowing about a store.
 A request another engine was decoding when it died is resumed by recomputing what it emitted
@@ -12,13 +13,14 @@ With `EngineConfig.spec` set, each step first asks the drafter for draft tokens 
 request in decode; the drafts run after the request's last token in the same forward, the
 token the target draws at every position (argmax, or a sample from that position's seeded
 generator) decides how many are accepted (`spec.verify_greedy`; see `_verify` for why this is
-the lossless rejection rule), and the slots of rejected drafts are given back. Drafters that
+the lossless rejection rule), and the scheduler gives back the slots of rejected drafts. Drafters that
 read the target's hidden states get each request's last rows (`_keep_hidden`). With `spec`
 None a step is exactly the plain one.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable
@@ -27,15 +29,17 @@ from typing import Callable
 
 import torch
 
+from pdserve.core import finish
+from pdserve.core.block_hash import hash_block
 from pdserve.engine.attention import SHORT_SPAN, PagedKVCache, build_attention_metadata
-from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.loader import load_checkpoint
 from pdserve.engine.model import LlamaModel, StepInput
 from pdserve.engine.request_check import check_request, check_resume
-from pdserve.engine.sampling import (InvalidArgumentError, SamplingParams, TokenLogprobs, sample,
-                                     token_logprobs)
-from pdserve.engine.scheduler import Scheduler, Sequence
+from pdserve.engine.sampling import InvalidArgumentError, SamplingParams, sample, token_logprobs
+from pdserve.engine.scheduler import (  # noqa: F401 (StepOutput re-exported for the workers)
+    ModelRunnerOutput, ScheduledBatch, Scheduler, Sequence, StepOutput, StopRules, check_stop)
 from pdserve.engine.spec import DraftRequest, SpecStats, make_drafter, verify_greedy
 from pdserve.engine.spec.schedule import (AcceptanceEstimator, StepCostTable, plan_draft_lengths,
                                           profile_step_costs)
@@ -44,19 +48,6 @@ from pdserve.engine.spec.schedule import (AcceptanceEstimator, StepCostTable, pl
 _FORGET_WHEN_IDLE = 0.99
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort"; None while running
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    prefill_done: bool = False  # prefill-only request: first token sampled, KV parked for export
-    # Parallel to new_token_ids when the request asked for logprobs, else None.
-    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -119,6 +110,11 @@ class LLMEngine:
         self._draft_s_per_req = 0.0
 
     # ---- requests in -------------------------------------------------------------------
+    @functools.cached_property
+    def stop_rules(self) -> StopRules:
+        """The model's stop rules, which every sequence of this engine carries."""
+        return StopRules(frozenset(self.eos_ids), self.max_model_len, self.max_anchor_drafts)
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_ids, params, vocab_size=self.model_config.vocab_size,
                       max_model_len=self.max_model_len, block_size=self.block_size,
@@ -145,7 +141,7 @@ class LLMEngine:
         if rid in self.seqs or rid in self.parked:
             raise InvalidArgumentError("request_id", f"{rid!r} is already in flight")
         seq = Sequence(rid, list(prompt_ids), params.with_seed(), salt=salt,
-                       prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens,
+                       stop_rules=self.stop_rules, prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens,
                        token_ids=list(prompt_ids) + resume)
         self.scheduler.add(seq)
         self.seqs[rid] = seq
@@ -195,31 +191,16 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         if request_id in self.seqs:
             raise InvalidArgumentError("request_id", f"{request_id!r} is already in flight")
-        seq = Sequence(request_id, list(prompt_ids), params.with_seed(), salt=salt)
+        seq = Sequence(request_id, list(prompt_ids), params.with_seed(), salt=salt,
+                       stop_rules=self.stop_rules)
         seq.token_ids.append(first_token)
-        full = len(prompt_ids) // self.block_size
-        for i, (h, data) in enumerate(blocks):
-            is_full = i < full
-            bid = self.pool.lookup(h) if is_full else None
-            if bid is not None:
-                self.pool.take_cached(bid)
-            elif data is not None and self.pool.num_free > 0:
-                bid = self.pool.allocate(1)[0]
-                self.kv.write_block(bid, data)
-                if is_full and self.cfg.cache.enable_prefix_caching and not approximate:
-                    self.pool.register(bid, h)
-            else:
-                break
-            seq.block_table.append(bid)
-            if is_full:
-                seq.block_hashes.append(h)
-        seq.num_computed = min(len(seq.block_table) * self.block_size, len(prompt_ids))
-        seq.num_cached_tokens = seq.num_computed
-        # A trailing partial block is only valid up to the prompt's end; the scheduler never
-        # treats it as cached (it has no hash registered).
-        self.scheduler.add(seq)
+        writes = self.scheduler.add_prefilled(seq, [h for h, _ in blocks],
+                                              [d is not None for _, d in blocks],
+                                              approximate=approximate)
+        for i, bid in writes:
+            self.kv.write_block(bid, blocks[i][1])
         self.seqs[request_id] = seq
-        if self._check_stop(seq, first_token):
+        if check_stop(seq, first_token):
             self._finish(seq, seq.finish_reason)
         elif approximate:
             seq.anchor_from = seq.num_tokens
@@ -252,7 +233,7 @@ class LLMEngine:
                 if self.pool.lookup(h) is None:
                     self.pool.register(bid, h)
         self.scheduler.trim_blocks(seq, seq.num_tokens)
-        room = min(len(drafts), seq.params.max_tokens - len(seq.output_ids) - 1,
+        room = min(len(drafts), seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens)
         seq.forced_drafts = drafts[:max(0, room)]
         return len(seq.forced_drafts)
@@ -261,9 +242,7 @@ class LLMEngine:
         seq = self.seqs.get(request_id) or self.parked.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
-        self.scheduler.free(seq)
-        self.seqs.pop(request_id, None)
+        self._finish(seq, finish.ABORT)
         return True
 
     # ---- one step ----------------------------------------------------------------------
@@ -271,6 +250,8 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        """One step: plan (scheduler), run the model and sample (`_execute`), then hand the
+        tokens back to the scheduler, which applies them and the stop rules."""
         if self.drafter is not None:
             self._propose_drafts()
         for seq in self.scheduler.running:
@@ -281,16 +262,28 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         # Whether this step decodes (some sequence is past its prompt): its owner times those.
         self.last_step_decoded = any(s.num_computed >= len(s.prompt_ids) for s in batch.seqs)
-        outputs: list[StepOutput] = []
         if batch.empty:
-            return outputs
+            return []
+        result = self._execute(batch)
+        self.steps += 1
+        outputs = self.scheduler.update_from_output(batch, result)
+        for out in outputs:
+            if out.prefill_done:  # its KV waits for export
+                self.parked[out.request_id] = self.seqs.pop(out.request_id)
+            elif out.finished:
+                self.seqs.pop(out.request_id, None)
+        return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Run the batch through the model and draw each sampling sequence's tokens; with
+        drafts, verify them here (the accepted ones and the target's next token are sampled)."""
         ids: list[int] = []
         pos: list[int] = []
         meta_in = []
         logit_rows: list[int] = []
-        samplers: list[Sequence] = []
+        samplers: list[int] = []  # batch entries that draw tokens
         row = 0
-        for seq, n in zip(batch.seqs, batch.num_new):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
             start = seq.num_computed
             n_spec = len(seq.spec_token_ids)  # drafts run after the sequence's own tokens
             ids.extend(seq.token_ids[start:start + n - n_spec])
@@ -298,9 +291,9 @@ class LLMEngine:
             pos.extend(range(start, start + n))
             meta_in.append((start, n, seq.block_table))
             row += n
-            if start + n - n_spec == seq.num_tokens:
+            if batch.samples(i):
                 logit_rows.extend(range(row - 1 - n_spec, row))
-                samplers.append(seq)
+                samplers.append(i)
         dev = self.model.device
         step = StepInput(torch.tensor(ids, dtype=torch.long, device=dev),
                          torch.tensor(pos, dtype=torch.long, device=dev),
@@ -314,55 +307,41 @@ class LLMEngine:
                     self.on_prefill_layer(li, spans)
         hidden = self.model.forward(step, self.kv, on_layer)
         keep_hidden = self.drafter is not None and self.drafter.needs_hidden
-        row = 0
-        for seq, n in zip(batch.seqs, batch.num_new):
-            n_own = n - len(seq.spec_token_ids)
-            if keep_hidden:  # drafts' rows are added once verified (in _verify)
-                self._keep_hidden(seq, hidden[row:row + n_own], seq.num_computed)
-            self.scheduler.advance(seq, n_own)  # drafts count once accepted
-            row += n
-        self.steps += 1
-        if samplers:
-            rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
-            sel = hidden[rows]
-            logits = self.model.compute_logits(sel)
-            # One row per sampler, plus one per draft token of a speculating one.
-            params = [s.params for s in samplers for _ in range(1 + len(s.spec_token_ids))]
-            index = [len(s.output_ids) + j for s in samplers
-                     for j in range(1 + len(s.spec_token_ids))]
-            # Each row is sampled with its own output position's seeded generator, so a
-            # draft is accepted exactly when the target draws the same token (see _verify).
-            tokens = sample(logits, params, index)
-            lps = token_logprobs(logits, tokens, [p.logprobs for p in params])
-            r = 0
-            for seq in samplers:
-                n_rows = 1 + len(seq.spec_token_ids)
-                if seq.anchor_from:
-                    self._draft_on_anchor(seq, tokens[r])
-                    r += n_rows
-                    continue
-                if n_rows == 1:
-                    out = self._append(seq, tokens[r])
-                    if lps[r] is not None:
-                        out.logprobs = [lps[r]]
-                else:
-                    out = self._verify(seq, tokens[r:r + n_rows], lps[r:r + n_rows],
-                                       sel[r + 1:r + n_rows] if keep_hidden else None)
-                outputs.append(out)
-                r += n_rows
-        return outputs
-
-    def _draft_on_anchor(self, seq: Sequence, tok: int) -> None:
-        """A token decoded on anchor-precision KV: kept as a draft, not emitted. Drafting
-        pauses at a stop token or once the verification could not take more."""
-        seq.token_ids.append(tok)
-        p = seq.params
-        n = seq.num_tokens - seq.anchor_from
-        if (n >= self.max_anchor_drafts or (tok in self.eos_ids and not p.ignore_eos)
-                or tok in p.stop_token_ids
-                or len(seq.output_ids) >= p.max_tokens
-                or seq.num_tokens >= self.max_model_len):
-            seq.paused = True
+        if keep_hidden:  # drafts' rows are added once verified (below)
+            row = 0
+            for seq, n in zip(batch.seqs, batch.num_new):
+                self._keep_hidden(seq, hidden[row:row + n - len(seq.spec_token_ids)],
+                                  seq.num_computed)
+                row += n
+        result = ModelRunnerOutput([[] for _ in batch.seqs],
+                                   [None for _ in batch.seqs])
+        if not samplers:
+            return result
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
+        sel = hidden[rows]
+        logits = self.model.compute_logits(sel)
+        seqs = [batch.seqs[i] for i in samplers]
+        # One row per sampler, plus one per draft token of a speculating one.
+        params = [s.params for s in seqs for _ in range(1 + len(s.spec_token_ids))]
+        index = [s.num_output_tokens + j for s in seqs for j in range(1 + len(s.spec_token_ids))]
+        # Each row is sampled with its own output position's seeded generator, so a
+        # draft is accepted exactly when the target draws the same token (see _verify).
+        tokens = sample(logits, params, index)
+        lps = token_logprobs(logits, tokens, [p.logprobs for p in params])
+        r = 0
+        for i, seq in zip(samplers, seqs):
+            n_rows = 1 + len(seq.spec_token_ids)
+            emit = tokens[r:r + 1]
+            if n_rows > 1:
+                emit = self._verify(seq, tokens[r:r + n_rows])
+                if keep_hidden:
+                    n_own = batch.num_new[i] - len(seq.spec_token_ids)
+                    self._keep_hidden(seq, sel[r + 1:r + len(emit)], seq.num_computed + n_own)
+            result.sampled_token_ids[i] = emit
+            if seq.params.logprobs is not None:
+                result.logprobs[i] = lps[r:r + len(emit)]
+            r += n_rows
+        return result
 
     def _keep_hidden(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
         """Append the target's hidden states at positions start.. to the request's window
@@ -402,7 +381,7 @@ class LLMEngine:
                     or seq.num_computed != seq.num_tokens - 1):
                 continue
             # Never draft past max_tokens (the bonus token comes on top) or the context length.
-            room = min(k, seq.params.max_tokens - len(seq.output_ids) - 1,
+            room = min(k, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens)
             blocks_for = self.scheduler.blocks_needed
             own = blocks_for(seq, seq.num_tokens)
@@ -454,10 +433,10 @@ class LLMEngine:
         return plan_draft_lengths(probs, base, self.step_costs,
                                   draft_cost_s=self._draft_s_per_req * drafting)
 
-    def _verify(self, seq: Sequence, target: list[int], lps: list,
-                draft_hidden: torch.Tensor | None) -> StepOutput:
-        """Accept the drafts the target agrees with, emit them plus the target's next token
-        (cut at a stop rule), and give back the slots of the rest.
+    def _verify(self, seq: Sequence, target: list[int]) -> list[int]:
+        """The tokens a speculating sequence emits: the drafts the target agrees with, then the
+        target's next token (the scheduler cuts them at a stop rule and gives back the slots of
+        the rest). Records the acceptance.
 
         `target[j]` is the token the target draws at draft position j with that output
         position's own seeded generator (the argmax when greedy). Accepting a draft exactly when
@@ -467,7 +446,6 @@ class LLMEngine:
         token is distributed as p without x, renormalised, which is the residual. It also
         makes a seeded request's output identical with and without speculation."""
         draft = seq.spec_token_ids
-        seq.spec_token_ids = []
         accepted, emit = verify_greedy(draft, target)
         if seq.verifying_anchor:
             seq.verifying_anchor = False
@@ -477,45 +455,7 @@ class LLMEngine:
             self.spec_stats.record(len(draft), accepted)
             if self.spec_estimator is not None:
                 self.spec_estimator.update(len(draft), accepted)
-        new: list[int] = []
-        for tok in emit:
-            seq.token_ids.append(tok)
-            new.append(tok)
-            if self._check_stop(seq, tok):
-                break
-        out_lps = lps[:len(new)] if seq.params.logprobs is not None else None
-        if seq.finish_reason is not None:
-            self._finish(seq, seq.finish_reason)
-        else:
-            if draft_hidden is not None:
-                self._keep_hidden(seq, draft_hidden[:accepted], seq.num_computed)
-            seq.num_computed += accepted  # accepted drafts' KV was computed on the true prefix
-            self.scheduler.register_full_blocks(seq)
-            self.scheduler.trim_blocks(seq, seq.num_computed)
-        return StepOutput(seq.request_id, new, seq.finish_reason is not None, seq.finish_reason,
-                          len(seq.prompt_ids), seq.num_cached_tokens, logprobs=out_lps)
-
-    def _check_stop(self, seq: Sequence, tok: int) -> bool:
-        p = seq.params
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
-
-    def _append(self, seq: Sequence, tok: int) -> StepOutput:
-        seq.token_ids.append(tok)
-        done = self._check_stop(seq, tok)
-        if seq.prefill_only:
-            self.scheduler.finish(seq, seq.finish_reason)
-            self.seqs.pop(seq.request_id, None)
-            self.parked[seq.request_id] = seq
-            return StepOutput(seq.request_id, [tok], done, seq.finish_reason,
-                              len(seq.prompt_ids), seq.num_cached_tokens, prefill_done=True)
-        if done:
-            self._finish(seq, seq.finish_reason)
-        return StepOutput(seq.request_id, [tok], done, seq.finish_reason,
-                          len(seq.prompt_ids), seq.num_cached_tokens)
+        return emit
 
     def _finish(self, seq: Sequence, reason: str | None) -> None:
         self.scheduler.finish(seq, reason)

@@ -4,7 +4,14 @@ Owns the waiting and running queues and, each step, which sequences run how many
 sequences first (a decode is one token, an unfinished prefill its next chunk), then new ones while
 budget, sequence slots and KV blocks last. Prefill chunks and decode tokens share one batch, so a
 decode worker can take a prefill chunk too. When blocks run out the newest running sequence is
-preempted and later recomputed. It must not run the model or sample.
+preempted and later recomputed. It must not run the model or sample, and never imports torch.
+
+A step crosses one seam: `schedule()` plans a `ScheduledBatch`, something runs it (the engine's
+model and sampler, or a simulator that only models the step's time), and
+`update_from_output(batch, ModelRunnerOutput)` takes the tokens drawn: it advances what has KV,
+indexes completed blocks, appends tokens, applies the stop rules (EOS, stop token ids,
+max_tokens, context length), finishes and frees, and returns one `StepOutput` per sequence that
+produced tokens. `simulated_output` makes the runner's side without a model.
 
 Speculative decoding: a running sequence may carry draft tokens (`spec_token_ids`, set by the
 engine before `schedule`); they run after its last token in the same step, so they take budget
@@ -19,9 +26,13 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.core import finish
+from pdserve.core.block_hash import iter_block_hashes
+from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.sampling import SamplingParams
+# The seam's types; importable from here, where the seam is.
+from pdserve.engine.outputs import ModelRunnerOutput, StepOutput, StopRules  # noqa: F401
 
 
 class QueueFullError(RuntimeError):
@@ -40,6 +51,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     salt: str = ""
+    stop_rules: StopRules = StopRules()
     prefill_only: bool = False  # prefill role: stop after the first token, keep the KV for export
     max_chunk_tokens: int = 0  # most of its own tokens per step (0: only the step budget bounds it)
     token_ids: list[int] = field(default_factory=list)
@@ -75,16 +87,48 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids):]
 
+    @property
+    def num_output_tokens(self) -> int:  # without copying them: checked after every token
+        return len(self.token_ids) - len(self.prompt_ids)
+
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    num_new: list[int]  # tokens each sequence runs this step
+    num_new: list[int]  # tokens each sequence runs this step (its drafts included)
     preempted: list[Sequence]
 
     @property
     def empty(self) -> bool:
         return not self.seqs
+
+    def samples(self, i: int) -> bool:
+        """Whether entry i computes its sequence's last token this step, so that a token is
+        drawn for it (a prefill chunk that is not the last draws none). Valid until
+        `update_from_output`."""
+        seq, n = self.seqs[i], self.num_new[i]
+        return seq.num_computed + n - len(seq.spec_token_ids) == seq.num_tokens
+
+
+def check_stop(seq: Sequence, tok: int) -> bool:
+    """Whether `tok`, just appended, ends `seq`; sets its finish reason if so."""
+    p, rules = seq.params, seq.stop_rules
+    if (tok in rules.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        seq.finish_reason = finish.STOP
+    elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= rules.max_model_len:
+        seq.finish_reason = finish.LENGTH
+    return seq.finish_reason is not None
+
+
+def simulated_output(batch: ScheduledBatch, token_id: int = 0,
+                     accepted_drafts: int = 0) -> ModelRunnerOutput:
+    """A runner's output without a model: every entry that samples emits `token_id`, after
+    its first `accepted_drafts` drafts (a speculating sequence). For a simulator, which models
+    a step's time and needs only the token accounting to be the real scheduler's."""
+    out: list[list[int]] = []
+    for i, seq in enumerate(batch.seqs):
+        out.append(seq.spec_token_ids[:accepted_drafts] + [token_id] if batch.samples(i) else [])
+    return ModelRunnerOutput(out)
 
 
 class Scheduler:
@@ -101,9 +145,46 @@ class Scheduler:
         self.prompt_tokens_computed = 0  # run through the model, not served from a cache
 
     def add(self, seq: Sequence) -> None:
+        self._check_room()
+        self.waiting.append(seq)
+
+    def _check_room(self) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+
+    def add_prefilled(self, seq: Sequence, block_hashes: list[bytes],
+                      has_data: list[bool], *, approximate: bool = False) -> list[tuple[int, int]]:
+        """Queue a sequence whose prompt was prefilled elsewhere (its first token appended),
+        holding the leading run of its prompt's blocks that can be placed here: a full block
+        the pool already caches by its hash, else one with data (`has_data[i]`) while blocks
+        are free. Whatever is not placed is recomputed, so a lost block costs time, never a
+        wrong token. Returns (index in `block_hashes`, block id) of the blocks whose data the
+        caller writes. `approximate` (anchor-precision data) keeps them out of the prefix
+        cache."""
+        self._check_room()  # before taking blocks, so that a refusal holds none
+        full = len(seq.prompt_ids) // self.block_size
+        writes: list[tuple[int, int]] = []
+        for i, (h, data) in enumerate(zip(block_hashes, has_data)):
+            is_full = i < full
+            bid = self.pool.lookup(h) if is_full else None
+            if bid is not None:
+                self.pool.take_cached(bid)
+            elif data and self.pool.num_free > 0:
+                bid = self.pool.allocate(1)[0]
+                writes.append((i, bid))
+                if is_full and self.enable_prefix_caching and not approximate:
+                    self.pool.register(bid, h)
+            else:
+                break
+            seq.block_table.append(bid)
+            if is_full:
+                seq.block_hashes.append(h)
+        # A trailing partial block is only valid up to the prompt's end; it is never treated
+        # as cached (no hash is registered for it).
+        seq.num_computed = min(len(seq.block_table) * self.block_size, len(seq.prompt_ids))
+        seq.num_cached_tokens = seq.num_computed
         self.waiting.append(seq)
+        return writes
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(not s.paused for s in self.running)
@@ -141,12 +222,9 @@ class Scheduler:
         hits: list[int] = []
         if not self.enable_prefix_caching:
             return hits
-        parent: bytes | None = None
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        for i in range(max_blocks):
-            parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
-                                seq.salt)
-            bid = self.pool.lookup(parent)
+        for h in iter_block_hashes(seq.token_ids, self.block_size, seq.salt, end_block=max_blocks):
+            bid = self.pool.lookup(h)
             if bid is None:
                 break
             hits.append(bid)
@@ -212,15 +290,11 @@ class Scheduler:
         self.prefix_queries_tokens += prompt_len
         hit_tokens = min(n_hit_blocks * self.block_size, prompt_len)
         self.prefix_hits_tokens += hit_tokens
-        if not seq.output_ids:  # a recompute after preemption is not a user-visible cache hit
+        if not seq.num_output_tokens:  # a recompute after preemption is not a user-visible cache hit
             seq.num_cached_tokens = hit_tokens
         # The hit blocks' hashes are the first entries of the chain.
-        parent: bytes | None = None
-        seq.block_hashes = []
-        for i in range(n_hit_blocks):
-            parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
-                                seq.salt)
-            seq.block_hashes.append(parent)
+        seq.block_hashes = list(iter_block_hashes(seq.token_ids, self.block_size, seq.salt,
+                                                  end_block=n_hit_blocks))
 
     def trim_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Release the blocks past those holding positions [0, num_tokens): after verification,
@@ -242,14 +316,17 @@ class Scheduler:
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: index every newly completed block so later prompts can share it."""
         n_full = seq.num_computed // self.block_size
+        first = len(seq.block_hashes)
+        if n_full <= first:  # most decode steps complete no block
+            return
         parent = seq.block_hashes[-1] if seq.block_hashes else None
-        for i in range(len(seq.block_hashes), n_full):
-            parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
-                                seq.salt)
+        for i, h in enumerate(iter_block_hashes(seq.token_ids, self.block_size, seq.salt,
+                                                first=first, parent=parent, end_block=n_full),
+                              start=first):
             # Hashes are kept even with caching off: exporting KV names blocks by them.
-            seq.block_hashes.append(parent)
+            seq.block_hashes.append(h)
             if self.enable_prefix_caching and not seq.anchor_from:  # approximate KV: no
-                self.pool.register(seq.block_table[i], parent)
+                self.pool.register(seq.block_table[i], h)
 
     def finish(self, seq: Sequence, reason: str | None) -> None:
         if seq in self.running:
@@ -259,3 +336,75 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.spec_token_ids = []
+
+    # ---- the result of a step ----------------------------------------------------------
+    def update_from_output(self, batch: ScheduledBatch,
+                           output: ModelRunnerOutput) -> list[StepOutput]:
+        """Take what running `batch` produced: every entry's own tokens now have KV (drafts
+        count once accepted), and the tokens drawn are appended under the stop rules. Returns
+        one StepOutput per sequence that emitted tokens; a sequence decoding drafts on anchor
+        KV emits nothing. Finished sequences leave the queues and free their blocks, except a
+        prefill-only one, whose blocks stay held for export (`prefill_done`)."""
+        sampled = output.sampled_token_ids
+        if len(sampled) != len(batch.seqs):
+            raise ValueError(f"sampled_token_ids: {len(sampled)} entries for a batch of "
+                             f"{len(batch.seqs)} sequences")
+        if output.logprobs is not None and len(output.logprobs) != len(sampled):
+            raise ValueError(f"logprobs: {len(output.logprobs)} entries for a batch of "
+                             f"{len(sampled)} sequences")
+        # A sequence that left (aborted) between the plan and its result is skipped.
+        live = [seq.status is SeqStatus.RUNNING for seq in batch.seqs]
+        for seq, n, ok in zip(batch.seqs, batch.num_new, live):
+            if ok:
+                self.advance(seq, n - len(seq.spec_token_ids))
+        outputs: list[StepOutput] = []
+        for i, (seq, toks, ok) in enumerate(zip(batch.seqs, sampled, live)):
+            if not ok or not toks:
+                continue
+            if seq.anchor_from:
+                self._draft_on_anchor(seq, toks[0])
+                continue
+            lps = output.logprobs[i] if output.logprobs is not None else None
+            outputs.append(self._emit(seq, list(toks), lps))
+        return outputs
+
+    def _emit(self, seq: Sequence, toks: list[int],
+              lps: list[TokenLogprobs] | None) -> StepOutput:
+        drafts = len(seq.spec_token_ids)
+        if not 1 <= len(toks) <= drafts + 1:
+            raise ValueError(f"sampled_token_ids: {len(toks)} tokens for {seq.request_id!r}, "
+                             f"which ran {drafts} drafts")
+        seq.spec_token_ids = []
+        new: list[int] = []
+        for tok in toks:
+            seq.token_ids.append(tok)
+            new.append(tok)
+            if check_stop(seq, tok):
+                break
+        done = seq.finish_reason is not None
+        out = StepOutput(seq.request_id, new, done, seq.finish_reason, len(seq.prompt_ids),
+                         seq.num_cached_tokens, prefill_done=seq.prefill_only,
+                         logprobs=list(lps[:len(new)]) if lps is not None else None)
+        if seq.prefill_only:
+            self.finish(seq, seq.finish_reason)  # its blocks stay held: the KV waits for export
+        elif done:
+            self.finish(seq, seq.finish_reason)
+            self.free(seq)
+        elif drafts:
+            seq.num_computed += len(toks) - 1  # accepted drafts' KV was computed on the true prefix
+            self.register_full_blocks(seq)
+            self.trim_blocks(seq, seq.num_computed)
+        return out
+
+    @staticmethod
+    def _draft_on_anchor(seq: Sequence, tok: int) -> None:
+        """A token decoded on anchor-precision KV: kept as a draft, not emitted. Drafting
+        pauses at a stop token or once the verification could not take more."""
+        seq.token_ids.append(tok)
+        p, rules = seq.params, seq.stop_rules
+        n = seq.num_tokens - seq.anchor_from
+        if (n >= rules.max_anchor_drafts or (tok in rules.eos_ids and not p.ignore_eos)
+                or tok in p.stop_token_ids
+                or seq.num_output_tokens >= p.max_tokens
+                or seq.num_tokens >= rules.max_model_len):
+            seq.paused = True

@@ -9,7 +9,8 @@ import argparse
 import sys
 
 from pdserve.lifecycle import die_with_parent_if_asked
-from pdserve.kvstore.config import ConfigError, StoreConfig
+from pdserve.core.errors import ConfigError
+from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.service import ServeError, serve
 
 

@@ -17,7 +17,7 @@ import re
 import grpc
 
 from pdserve import rpc
-from pdserve.kvstore.config import ConfigError
+from pdserve.core.errors import ConfigError
 
 CLUSTER_ID_METADATA = "pdserve-cluster-id"
 MISMATCH_METADATA = "pdserve-cluster-mismatch"

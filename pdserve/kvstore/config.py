@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-class ConfigError(ValueError):
-    """A store configuration value is invalid; the message names the field."""
+from pdserve.core.errors import ConfigError
 
 
 def parse_address(address: str) -> tuple[str, int]:

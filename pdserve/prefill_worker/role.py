@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.engine.block_pool import prompt_block_hashes
+from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.prefill_worker.kv_sender import KvStreamSender

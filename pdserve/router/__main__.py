@@ -8,7 +8,7 @@ import sys
 
 from pdserve import logctx
 from pdserve.lifecycle import die_with_parent_if_asked
-from pdserve.engine.config import ConfigError
+from pdserve.core.errors import ConfigError
 from pdserve.router.config import ROUTING_CHOICES, RouterConfig
 from pdserve.router.policy import DECODE_POLICIES
 

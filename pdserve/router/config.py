@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.config import ConfigError
+from pdserve.core.errors import ConfigError
 from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
 
 ROUTING_CHOICES = ("auto", *PREFILL_POLICIES)

@@ -2,7 +2,7 @@
 
 A source is a worker's own prefix cache (named by the worker's address, fed by its
 `WatchKvEvents` stream) or the shared store (`store_source(model_id)`, fed by the master's
-`WatchEvents`). Hashes are the engine's chained block hashes (`prompt_block_hashes`), so the
+`WatchEvents`). Hashes are the chained block hashes of `pdserve.core.block_hash`, so the
 overlap of a prompt with a source is the number of leading hashes the source holds.
 
 Owns the map and its bounds. Pure: events in, overlaps out; no I/O, no clock, no threads (the

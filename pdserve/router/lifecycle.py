@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.core import finish as fin
 from pdserve.metrics import RouterMetrics
 from pdserve.proto import common_pb2
 from pdserve.router.admission import Admission, Overloaded
@@ -201,14 +202,14 @@ class Door:
         m = self.metrics
         (m.waiting if trip.waiting else m.running).dec()
         if trip.finish is None:
-            m.finished("abort")
+            m.finished(fin.ABORT)
         end = self.clock()
         ttft = 0.0 if trip.first_s is None else trip.first_s - trip.arrival
         if trip.offloaded:
             self.signals.offloaded(trip.prompt_tokens)
         self.signals.finished(Sample(
             end, ttft, tpot_of(end - trip.arrival, ttft, trip.sent), trip.prompt_tokens,
-            trip.sent, trip.offloaded, trip.retries, trip.finish or trip.error or "abort"))
+            trip.sent, trip.offloaded, trip.retries, trip.finish or trip.error or fin.ABORT))
         self._prefilled(trip)  # a request that ended before its first token
         self.admission.release(trip.tenant)
 

@@ -12,11 +12,12 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pdserve.core import finish as fin
 from pdserve.proto import api_pb2, common_pb2
 from pdserve.router.openai_schema import ApiRequest
 
-FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-          common_pb2.FINISH_REASON_ABORT: "abort"}
+FINISH = {common_pb2.FINISH_REASON_STOP: fin.STOP, common_pb2.FINISH_REASON_LENGTH: fin.LENGTH,
+          common_pb2.FINISH_REASON_ABORT: fin.ABORT}
 # JSON has no -inf; vLLM reports an impossible token's logprob as -9999.0 too.
 MIN_LOGPROB = -9999.0
 
@@ -105,7 +106,7 @@ class Renderer:
                 choice = {"index": 0, "text": r.text, "logprobs": lps, "finish_reason": None}
             out.append(self._chunk([choice]))
         if r.finish_reason:
-            finish = FINISH.get(r.finish_reason, "stop")
+            finish = FINISH.get(r.finish_reason, fin.STOP)
             if self.chat:
                 choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
             else:
@@ -120,7 +121,7 @@ class Renderer:
         text = "".join(r.text for r in responses)
         last = responses[-1]
         lps = self.logprobs(lp for r in responses for lp in r.logprobs)
-        finish = FINISH.get(last.finish_reason, "stop")
+        finish = FINISH.get(last.finish_reason, fin.STOP)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": lps, "finish_reason": finish}

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import grpc
 
 from pdserve import rpc
-from pdserve.engine.block_pool import prompt_block_hashes
+from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from pdserve.core.rates import RateMeter

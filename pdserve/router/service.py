@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.core import finish as fin
 from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.logctx import request_context
 from pdserve.metrics import RouterMetrics
@@ -196,7 +197,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         first = pre.first_token_id
         first_lps = [pre.first_logprobs] if pre.HasField("first_logprobs") else []
         delta = text.push([first])
-        finish = "stop" if text.stopped else finish_from_proto(pre.finish_reason)
+        finish = fin.STOP if text.stopped else finish_from_proto(pre.finish_reason)
         if finish is not None:
             yield self._final(rid, delta + text.finish(), [first], finish, usage, first_lps)
             return
@@ -326,7 +327,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 finish = None
                 if text.stopped:
                     call.cancel()
-                    finish = "stop"
+                    finish = fin.STOP
                 elif chunk.finish_reason != _UNSET:
                     finish = finish_from_proto(chunk.finish_reason)
                 if finish is not None:

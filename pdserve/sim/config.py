@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.controller.policy import PolicyConfig
+from pdserve.core.errors import ConfigError
 from pdserve.router.admission import AdmissionConfig
 from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
 
 LINKS = ("per_worker", "shared")
 
 
-class SimConfigError(ValueError):
+class SimConfigError(ConfigError):
     """A simulator setting that cannot work; the message starts with the field."""
 
 

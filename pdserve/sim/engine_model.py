@@ -1,25 +1,29 @@
 """The one place the simulator touches the engine's scheduler and block pool.
 
 Owns the adapter between simulated workers and the REAL `pdserve.engine.scheduler.Scheduler`
-and `BlockPool`: queueing a prompt, placing KV blocks computed elsewhere (a store fetch, a
-transfer from a prefill worker), planning a step (`plan`, the scheduler's own `schedule()`),
-taking a step's result (`complete`: what the engine's step does after the model ran: advance the
-scheduler, append a sampled token, park or finish), and the bulk form of pure decode steps
-(`decode_run` / `run_decode`). Token ids are synthesized from a request's prefix ids, so equal
-prefixes hash to equal blocks and the real prefix cache hits where the trace says it should.
+and `BlockPool`, driven through the engine's own step seam: `plan` is the scheduler's
+`schedule()`, `complete` hands the batch back through `update_from_output` with
+`simulated_output` (the runner's side without a model), so token accounting, stop rules,
+finishing, freeing and parking a prefill-only request's KV are the scheduler's. Also: queueing a
+prompt, placing KV blocks computed elsewhere (a store fetch; a hand-over through the scheduler's
+`add_prefilled`), and the bulk form of pure decode steps (`decode_run` / `run_decode`). Token
+ids are synthesized from a request's prefix ids, so equal prefixes hash to equal blocks and the
+real prefix cache hits where the trace says it should.
 
 Must not model time (the worker does, from the profile) and must not import the engine at
-module import: the scheduler module is loaded on first use, so `import pdserve.sim` stays light.
-When the scheduler gains `update_from_output`, `complete` calls it and nothing else changes.
+module import: the scheduler module is loaded on first use.
 
 Bulk decode: when every running sequence is one token behind (a pure decode step), nothing is
 waiting and no sequence finishes or needs a block the pool lacks within the next k steps, those
 k steps change the scheduler exactly as k single steps would (same tokens, same blocks
-allocated from the same free list, same blocks registered); `run_decode(k)` applies them at once.
+allocated from the same free list, same blocks registered); `run_decode(k)` applies them at once
+(the scheduler has no bulk form: it allocates, appends and `advance`s each sequence by k, and
+finishes and frees those that reach max_tokens, as `update_from_output` would).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from pdserve.sim.profile import attn_pairs
@@ -41,6 +45,11 @@ def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
     if len(out) < prompt_tokens:
         out += [-unique] * (prompt_tokens - len(out))
     return out
+
+
+def leading_run(items, holds) -> int:
+    """How many of the first `items` satisfy `holds`, up to the first that does not."""
+    return sum(1 for _ in itertools.takewhile(holds, items))
 
 
 class _Recorder:
@@ -119,11 +128,17 @@ class EngineModel:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_waiting: int,
                  enable_prefix_caching: bool = True, record_events: bool = False) -> None:
+        from pdserve.core import finish
+        from pdserve.core.block_hash import hash_block
+        from pdserve.core.sampling_params import SamplingParams
         from pdserve.engine import block_pool, scheduler
         from pdserve.engine.config import SchedulerConfig
 
         self._Sequence = scheduler.Sequence
-        self._hash_block = block_pool.hash_block
+        self._Params = SamplingParams
+        self._simulated_output = scheduler.simulated_output
+        self._length = finish.LENGTH
+        self._hash_block = hash_block
         self.pool = block_pool.BlockPool(num_blocks, max_events=1)
         # The pool's event log serves RPC readers on other threads (a lock and a condition per
         # event); one thread reads it here, so a plain recorder takes its place: same events.
@@ -132,19 +147,20 @@ class EngineModel:
         self.sched = scheduler.Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_waiting), self.pool,
             block_size, enable_prefix_caching)
-        self.caching = enable_prefix_caching
-        self.target: dict[str, int] = {}  # output tokens each sequence ends at
-        self.outputs: dict[str, int] = {}  # output tokens so far
+        self.seqs: dict[str, Any] = {}  # by request id, until they end (or leave parked)
         self.parked: dict[str, Any] = {}  # prefill-only sequences done, KV held for export
 
     # ---- requests in ---------------------------------------------------------------------------
+    def _seq(self, rid: str, prompt: list[int], output_tokens: int, **kw):
+        seq = self._Sequence(rid, prompt, self._Params(max_tokens=output_tokens,
+                                                       ignore_eos=True), **kw)
+        self.seqs[rid] = seq
+        return seq
+
     def add(self, rid: str, prompt: list[int], output_tokens: int, *, prefill_only: bool = False,
             max_chunk_tokens: int = 0) -> None:
-        seq = self._Sequence(rid, prompt, None, prefill_only=prefill_only,
-                             max_chunk_tokens=max_chunk_tokens)
-        self.sched.add(seq)
-        self.target[rid] = 1 if prefill_only else output_tokens
-        self.outputs[rid] = 0
+        self.sched.add(self._seq(rid, prompt, 1 if prefill_only else output_tokens,
+                                 prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens))
 
     def prompt_hashes(self, prompt: list[int]) -> LazyHashes:
         """The chained hashes of the prompt's reusable full blocks (all tokens but the last),
@@ -157,12 +173,8 @@ class EngineModel:
         return events
 
     def cached_blocks(self, hashes) -> int:
-        n = 0
-        for h in hashes:
-            if self.pool.lookup(h) is None:
-                break
-            n += 1
-        return n
+        """Leading blocks of the chain the local prefix cache holds."""
+        return leading_run(hashes, lambda h: self.pool.lookup(h) is not None)
 
     def import_cached(self, hashes) -> int:
         """Full blocks fetched from the store into the local prefix cache (unheld, evictable)."""
@@ -179,32 +191,16 @@ class EngineModel:
         return placed
 
     def add_prefilled(self, rid: str, prompt: list[int], hashes, output_tokens: int) -> bool:
-        """Join a request prefilled elsewhere (its first token made there); its full blocks'
-        `hashes` name the KV that arrived. False if the first token already ended it."""
+        """Join a request prefilled elsewhere (its first token made there) through the
+        scheduler's `add_prefilled`; its full blocks' `hashes` name the KV that arrived (all of
+        it). False if the first token already ended it (nothing is queued)."""
         if output_tokens <= 1:
             return False
-        seq = self._Sequence(rid, prompt, None)
+        seq = self._seq(rid, prompt, output_tokens)
         seq.token_ids.append(SAMPLED_TOKEN)
-        full = len(prompt) // self.block_size
         n_blocks = -(-len(prompt) // self.block_size)
-        for i in range(n_blocks):
-            bid = self.pool.lookup(hashes[i]) if i < full and i < len(hashes) else None
-            if bid is not None:
-                self.pool.take_cached(bid)
-            elif self.pool.num_free > 0:
-                bid = self.pool.allocate(1)[0]
-                if i < full and i < len(hashes) and self.caching:
-                    self.pool.register(bid, hashes[i])
-            else:
-                break
-            seq.block_table.append(bid)
-            if i < full and i < len(hashes):
-                seq.block_hashes.append(hashes[i])
-        seq.num_computed = min(len(seq.block_table) * self.block_size, len(prompt))
-        seq.num_cached_tokens = seq.num_computed
-        self.sched.add(seq)
-        self.target[rid] = output_tokens
-        self.outputs[rid] = 1
+        names = list(hashes[:n_blocks]) + [b""] * (n_blocks - min(n_blocks, len(hashes)))
+        self.sched.add_prefilled(seq, names, [True] * n_blocks)
         return True
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -228,42 +224,29 @@ class EngineModel:
     def complete(self, step: PlannedStep) -> list[tuple[str, str]]:
         """The step ran: [(request id, "first" | "done" | "parked")] for sequences that made
         their first token, ended, or (prefill-only) finished their prompt."""
+        batch = step.batch
         events = []
-        sched = self.sched
-        for seq, n in zip(step.batch.seqs, step.batch.num_new):
-            if seq.status.value != "running":
-                continue
-            sched.advance(seq, n)
-            if seq.num_computed < seq.num_tokens:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            rid = seq.request_id
-            seq.token_ids.append(SAMPLED_TOKEN)
-            made = self.outputs[rid] = self.outputs[rid] + 1
-            if seq.prefill_only:
-                sched.finish(seq, "length")
-                self.parked[rid] = seq
+        for out in self.sched.update_from_output(
+                batch, self._simulated_output(batch, SAMPLED_TOKEN)):
+            rid = out.request_id
+            seq = self.seqs[rid]
+            if out.prefill_done:
+                self.parked[rid] = self.seqs.pop(rid)
                 events.append((rid, "parked"))
                 continue
-            if made == 1:
+            if seq.num_output_tokens == len(out.new_token_ids):
                 events.append((rid, "first"))
-            if made >= self.target[rid]:
-                self._end(seq)
+            if out.finished:
+                del self.seqs[rid]
                 events.append((rid, "done"))
         return events
-
-    def _end(self, seq) -> None:
-        self.sched.finish(seq, "length")
-        self.sched.free(seq)
-        self.target.pop(seq.request_id, None)
-        self.outputs.pop(seq.request_id, None)
 
     def take_parked(self, rid: str) -> list[bytes]:
         """Free a parked prefill's KV (it went to the store); its full blocks' hashes."""
         seq = self.parked.pop(rid)
-        self.sched.free(seq)
-        self.target.pop(rid, None)
-        self.outputs.pop(rid, None)
-        return list(seq.block_hashes[:len(seq.prompt_ids) // self.block_size])
+        hashes = seq.block_hashes[:len(seq.prompt_ids) // self.block_size]
+        self.sched.free(seq)  # clears seq.block_hashes
+        return hashes
 
     def decode_run(self, limit: int) -> tuple[int, int, int]:
         """(k, batch, context tokens): how many pure decode steps can run as one, up to
@@ -277,7 +260,7 @@ class EngineModel:
         for seq in sched.running:
             if seq.paused or seq.num_computed != seq.num_tokens - 1 or seq.spec_token_ids:
                 return 0, 0, 0
-            k = min(k, self.target[seq.request_id] - self.outputs[seq.request_id])
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens)
             ctx += seq.num_computed
         if k < 2 or len(sched.running) > sched.cfg.max_num_batched_tokens:
             return 0, 0, 0
@@ -305,11 +288,11 @@ class EngineModel:
                 seq.block_table.extend(self.pool.allocate(need))
             seq.token_ids.extend([SAMPLED_TOKEN] * k)
             sched.advance(seq, k)
-            rid = seq.request_id
-            self.outputs[rid] += k
-            if self.outputs[rid] >= self.target[rid]:
-                self._end(seq)
-                done.append(rid)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq, self._length)
+                sched.free(seq)
+                del self.seqs[seq.request_id]
+                done.append(seq.request_id)
         return done
 
     # ---- stats ---------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from pdserve.sim.engine_model import leading_run
+
 _DONE_S = 1e-12
 
 
@@ -69,12 +71,9 @@ class KvStore:
 
     def leading(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of the chain the store holds (touched: recently used)."""
-        n = 0
-        for h in hashes:
-            if h not in self.blocks:
-                break
+        n = leading_run(hashes, self.blocks.__contains__)
+        for h in hashes[:n]:
             self.blocks.move_to_end(h)
-            n += 1
         return n
 
     def put(self, hashes: Iterable[bytes]) -> tuple[list[bytes], list[bytes]]:

@@ -21,10 +21,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
+from pdserve.core.errors import ConfigError
+
 HASH_BLOCK_TOKENS = 512
 
 
-class TraceError(ValueError):
+class TraceError(ConfigError):
     """A trace or trace spec that cannot be read; the message names the field or line."""
 
 

@@ -13,10 +13,17 @@ import pytest
 
 @pytest.mark.parametrize("module", ["pdserve.core.rates", "pdserve.core.sampling_params",
                                     "pdserve.engine.checkpoint_config", "pdserve.core.stats",
+                                    "pdserve.core.block_hash", "pdserve.core.finish",
+                                    "pdserve.core.errors",
+                                    "pdserve.engine.scheduler", "pdserve.engine.block_pool",
+                                    "pdserve.engine.outputs",
+                                    "pdserve.router.policy", "pdserve.router.admission",
+                                    "pdserve.router.kv_index", "pdserve.router.membership",
+                                    "pdserve.controller.policy",
                                     "pdserve.router.server",
                                     "pdserve.router.__main__", "pdserve.controller.server"])
 def test_imports_without_torch(module):
     code = (f"import sys, {module}; "
-            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pdserve import rpc
-from pdserve.engine.block_pool import prompt_block_hashes
+from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.proto import common_pb2
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError, hash_block, prompt_block_hashes
+from pdserve.core.block_hash import hash_block, prompt_block_hashes
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 
 
 def make_pool(num_blocks: int = 8) -> BlockPool:

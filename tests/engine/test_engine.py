@@ -14,7 +14,7 @@ from dataclasses import fields, replace
 import pytest
 import torch
 
-from pdserve.engine.block_pool import prompt_block_hashes
+from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine, StepOutput
 from pdserve.engine.loader import load_checkpoint

@@ -1,9 +1,8 @@
 """Scheduler: continuous batching and chunked prefill under a token budget, prefix hits, preemption.
 
-No model: `engine_step` applies a batch the way `LLMEngine.step` does (`Scheduler.advance`: count
-the prompt tokens computed, advance `num_computed`, index completed blocks; then append a token
-for each sequence whose last token was computed) with synthetic tokens, so every policy decision
-is checked on plain data.
+No model: `engine_step` hands a batch's result back through the seam `LLMEngine.step` uses
+(`Scheduler.update_from_output`) with synthetic tokens, so every policy decision is checked on
+plain data.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import (
+    ModelRunnerOutput,
     QueueFullError,
     ScheduledBatch,
     Scheduler,
@@ -50,20 +50,15 @@ def make_seq(prompt: int | list[int] = 8, *, max_tokens: int = 4, salt: str = ""
 
 def engine_step(sched: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
     """Apply a scheduled batch as the engine does; returns the sequences that finished."""
-    done = []
     for seq, n in zip(batch.seqs, batch.num_new):
         assert n >= 1
         # The block table always covers what runs this step.
         assert len(seq.block_table) * sched.block_size >= seq.num_computed + n
-        sched.advance(seq, n)
-    for seq in batch.seqs:
-        if seq.num_computed == seq.num_tokens:
-            seq.token_ids.append(7 + len(seq.output_ids))  # a synthetic "sampled" token
-            if len(seq.output_ids) >= seq.params.max_tokens:
-                sched.finish(seq, "length")
-                sched.free(seq)
-                done.append(seq)
-    return done
+    # A synthetic "sampled" token for each sequence whose last token is computed.
+    sampled = [[7 + len(seq.output_ids)] if batch.samples(i) else []
+               for i, seq in enumerate(batch.seqs)]
+    sched.update_from_output(batch, ModelRunnerOutput(sampled))
+    return [seq for seq in batch.seqs if seq.status is SeqStatus.FINISHED]
 
 
 def check_pool(sched: Scheduler) -> None:

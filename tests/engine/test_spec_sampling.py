@@ -356,7 +356,7 @@ def install_fresh_redraw(monkeypatch: pytest.MonkeyPatch) -> None:
         last.update(logits=logits, params=params)
         return real_sample(logits, params, index)
 
-    def redraw(self, seq, target, lps, draft_hidden):
+    def redraw(self, seq, target):
         rows = [i for i, p in enumerate(last["params"]) if p is seq.params]
         assert len(rows) == len(target) == len(seq.spec_token_ids) + 1
         target = list(target)
@@ -365,7 +365,7 @@ def install_fresh_redraw(monkeypatch: pytest.MonkeyPatch) -> None:
                 probs = probs_from_logits(last["logits"][rows[j]], seq.params)
                 target[j] = int(torch.multinomial(probs, 1, generator=gen))
                 break
-        return real_verify(self, seq, target, lps, draft_hidden)
+        return real_verify(self, seq, target)
 
     monkeypatch.setattr(engine_mod, "sample", spy_sample)
     monkeypatch.setattr(LLMEngine, "_verify", redraw)

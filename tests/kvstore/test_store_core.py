@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.kvstore.client import BlockKey, Plane, format_key, parse_key
-from pdserve.kvstore.config import ConfigError, StoreConfig
+from pdserve.core.errors import ConfigError
+from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.store import ChecksumMismatch, MemoryStore, ObjectMeta, StoreFullError
 from pdserve.proto import kvstore_pb2
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.config import ConfigError
+from pdserve.core.errors import ConfigError
 from pdserve.core.rates import RateMeter
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.router.admission import (

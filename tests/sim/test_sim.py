@@ -16,7 +16,7 @@ from pdserve.sim import worker as sim_worker
 from pdserve.sim.config import SimConfig, SimConfigError
 from pdserve.sim.profile import load_profile
 from pdserve.sim.run import simulate
-from pdserve.sim.trace import load_trace
+from pdserve.sim.trace import SimRequest, load_trace
 
 DATA = Path(__file__).parent / "data"
 MOONCAKE = str(DATA / "mooncake_head60.jsonl")
@@ -41,7 +41,7 @@ def test_the_report_is_the_same_across_processes_and_hash_seeds():
             "from pdserve.sim.config import SimConfig\n"
             "from pdserve.sim.profile import load_profile\n"
             "from pdserve.sim.run import simulate\n"
-            "from pdserve.sim.trace import load_trace\n"
+            "from pdserve.sim.trace import SimRequest, load_trace\n"
             f"r = simulate(SimConfig(prefill_workers=2, decode_workers=2, controller=True, "
             f"block_size=512), load_trace({MOONCAKE!r}), load_profile('h100-llama3-8b'))\n"
             "sys.stdout.write(r.to_json())\n")
@@ -70,6 +70,17 @@ def test_a_mooncake_trace_runs_through_a_2p2d_cluster():
     assert s["prompt_tokens_computed"] < sum(q.prompt_tokens for q in reqs)
     assert s["events"] < s["steps"]  # decode runs: one event for many steps
     assert s["ttft_s"]["p50"] <= s["ttft_s"]["p90"] <= s["ttft_s"]["p99"]
+
+
+def test_prefixes_cached_by_another_worker_come_from_the_store():
+    # The second turn of a conversation goes to the other prefill worker (round robin).
+    reqs = [SimRequest("turn1", 0.0, 1600, 20, (100, 101, 102, 103)),
+            SimRequest("turn2", 10.0, 2400, 20, (100, 101, 102, 103, 104))]
+    kw = dict(prefill_workers=2, decode_workers=1, prefill_policy="round_robin", block_size=512)
+    with_store = run(SimConfig(**kw), reqs).summary()
+    without = run(SimConfig(store_capacity_blocks=0, **kw), reqs).summary()
+    assert with_store["store_fetch_blocks"] == 3 and without["store_fetch_blocks"] == 0
+    assert with_store["prompt_tokens_computed"] < without["prompt_tokens_computed"]
 
 
 def test_decode_runs_give_the_times_single_steps_give(monkeypatch):

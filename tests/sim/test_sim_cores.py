@@ -207,3 +207,52 @@ def test_controller_decisions_match_the_live_controller_tick():
     finally:
         live_ws.close()
     assert any("flip" in a for a in actions)  # the scenario reaches a flip, not only holds
+
+
+def test_kv_aware_choices_match_the_live_worker_set_with_cached_prefixes():
+    """The block index holds prefixes on some workers and in the store; KV-aware routing
+    weighs them the same way live and in the simulator."""
+    from pdserve.core.block_hash import prompt_block_hashes
+    from pdserve.router.kv_feed import KvFeeds
+    from pdserve.router.kv_index import STORED, KvEvent
+    from pdserve.sim.router import MODEL_ID, STORE
+
+    prefill = ["p0", "p1", "p2", "p3"]
+    roles = {**{a: "prefill" for a in prefill}, "d0": "decode"}
+    feeds = KvFeeds()  # never started: the test feeds its index, as the streams would
+    live = WorkerSet(prefill, ["d0"], prefill_policy=make_policy("kv_aware", seed=5),
+                     decode_policy=make_policy("free_kv", seed=6), block_size_tokens=16,
+                     feeds=feeds, stats_interval_s=0)
+    for a in roles:
+        feeds.block_sizes[a] = 16
+        feeds.model_ids[a] = MODEL_ID
+    sim = SimRouter(SimConfig(prefill_workers=4, decode_workers=1, prefill_policy="kv_aware",
+                              seed=5), roles)
+    rng = random.Random(3)
+    systems = [[s] * 160 + list(range(s * 1000, s * 1000 + 200)) for s in range(1, 5)]
+    held, chosen, reused = [], set(), 0
+    try:
+        for step in range(120):
+            prompt = rng.choice(systems)[:rng.randrange(40, 360)] + [rng.randrange(10**6)] * 20
+            hashes = prompt_block_hashes(prompt[:-1], 16)
+            if rng.random() < 0.4:  # some worker, or the store, caches a prefix of it
+                source = rng.choice(prefill + [STORE])
+                event = KvEvent(source, STORED, tuple(hashes[:rng.randrange(len(hashes) + 1)]))
+                feeds.index.apply(event)
+                sim.index.apply(event)
+            ctx = live.pick("prefill", prompt)
+            live_address, _ = ctx.__enter__()
+            address, tokens = sim.pick("prefill", len(prompt), 0, hashes)
+            assert address == live_address, f"step {step}"
+            assert sim.last_decision.scores == live.last_decision.scores
+            held.append((ctx, address, tokens))
+            chosen.add(address)
+            reused += any(x.local_blocks or x.fetch_blocks for x in sim.last_decision.scores)
+            if rng.random() < 0.5:
+                ctx, address, tokens = held.pop(rng.randrange(len(held)))
+                ctx.__exit__(None, None, None)
+                sim.release(address, tokens)
+        assert len(chosen) > 1
+        assert reused > 20  # the cached prefixes counted in many of the choices
+    finally:
+        live.close()

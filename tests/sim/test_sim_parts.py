@@ -119,3 +119,18 @@ def test_the_store_evicts_the_least_recently_used():
     assert (new, gone) == ([b"d"], [b"b"])
     assert store.leading([b"a", b"b", b"c"]) == 1
     assert KvStore(0).put([b"a"]) == ([], [])
+
+
+def test_lazy_prompt_hashes_are_the_routers_and_the_schedulers():
+    from pdserve.core.block_hash import prompt_block_hashes
+    from pdserve.sim.engine_model import EngineModel, prompt_tokens_of
+
+    prompt = prompt_tokens_of((3, 9, 4), 1300, unique=1)
+    engine = EngineModel(128, 16, 8, 2048, 16)
+    lazy = engine.prompt_hashes(prompt)
+    assert list(lazy) == prompt_block_hashes(prompt[:-1], 16)
+    assert lazy[2:5] == prompt_block_hashes(prompt[:-1], 16)[2:5]
+    engine.add("a", prompt, 1, prefill_only=True)
+    while not engine.parked:
+        engine.complete(engine.plan())
+    assert engine.take_parked("a") == prompt_block_hashes(prompt, 16)

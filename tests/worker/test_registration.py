@@ -17,7 +17,7 @@ import time
 import pytest
 
 from pdserve import rpc
-from pdserve.engine.config import ConfigError
+from pdserve.core.errors import ConfigError
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb

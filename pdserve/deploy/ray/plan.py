@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.controller.cluster_spec import ClusterSpec
+from pdserve.core.errors import ConfigError
 
 NAMESPACE = "pdserve"
 CONTROL_PG = "control"  # the placement group of the store master, the router, the controller
@@ -29,8 +30,8 @@ _MEMBER = re.compile(r"(master|router|controller|control|kvnode-[0-9a-f]{12}|(pr
 _RESOURCE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]{0,63}")
 
 
-class RaySpecError(ValueError):
-    pass
+class RaySpecError(ConfigError):
+    """A Ray deployment setting is invalid; the message names the setting."""
 
 
 @dataclass(frozen=True)

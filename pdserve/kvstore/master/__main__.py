@@ -18,7 +18,7 @@ from pdserve import logctx
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve import rpc
 from pdserve.kvstore.channel import check_cluster_id
-from pdserve.kvstore.config import ConfigError
+from pdserve.core.errors import ConfigError
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.master.model import ClusterIdConflict
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.kvstore.master.config import ConfigError
+from pdserve.core.errors import ConfigError
 
 # Acquire: SET NX PX, and on success bump the epoch, atomically.
 _ACQUIRE = """

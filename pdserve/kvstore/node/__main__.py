@@ -19,7 +19,8 @@ import sys
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.kvstore import config as store_config
 from pdserve.kvstore.channel import ClusterMismatch, check_cluster_id
-from pdserve.kvstore.node.config import ConfigError, NodeConfig
+from pdserve.core.errors import ConfigError
+from pdserve.kvstore.node.config import NodeConfig
 from pdserve.kvstore.node.service import NodeInfo, NodeStartError, serve
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pdserve.core.errors import ConfigError
+
 _NODE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
 
-class ConfigError(ValueError):
-    """A node configuration value is invalid; the message names the field."""
 
 
 @dataclass(frozen=True)

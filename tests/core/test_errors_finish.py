@@ -1,0 +1,35 @@
+"""One configuration error type across services, and finish reasons that cross the wire."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.core import finish
+from pdserve.core.errors import ConfigError
+
+
+def test_every_service_raises_the_one_config_error():
+    from pdserve.controller.cluster_spec import ClusterSpec
+    from pdserve.kvstore.config import StoreConfig
+    from pdserve.kvstore.node.config import NodeConfig
+    from pdserve.router.config import RouterConfig
+
+    with pytest.raises(ConfigError, match="prefill_workers"):
+        ClusterSpec(model_path="m", prefill_workers=0)
+    with pytest.raises(ConfigError, match="node_id"):
+        NodeConfig(node_id="bad id!", host_id="h", dram_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="address"):
+        StoreConfig(address="nohost")
+    with pytest.raises(ConfigError, match="block_size_tokens"):
+        RouterConfig(model_path="m", block_size_tokens=0)
+    assert issubclass(ConfigError, ValueError)  # callers that caught ValueError still do
+
+
+def test_finish_reasons_round_trip_through_the_wire():
+    from pdserve.wire import finish_from_proto, finish_to_proto
+
+    for reason in finish.FinishReason:
+        assert finish_from_proto(finish_to_proto(reason)) == reason
+        assert finish_to_proto(str(reason)) == finish_to_proto(reason)  # plain strings too
+    assert finish.STOP == "stop" and f"{finish.LENGTH}" == "length"
+    assert finish.ABORT not in finish.COMPLETED
