@@ -20,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdserve.core.errors import ConfigError
 from pdserve.sim.profile import load_profile
 
 DEFAULT_TTFT_SLO_MS = 2000.0  # a chat reply starts within 2 s
@@ -29,7 +30,7 @@ GPU_PROFILES = {"h100": "h100-llama3-8b", "h200": "h200-llama3-8b", "a100": "a10
 PREFILL_SHARES = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """A planning setting that cannot work; the message names the flag."""
 
 

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from pdserve.core.errors import ConfigError
 from pdserve.core.stats import percentile
 
 METRICS = ("ttft_s", "itl_s", "e2e_s")
@@ -28,7 +29,7 @@ DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
 SIM_BLOCK_TOKENS = 512  # the simulator's prefix granularity (trace.HASH_BLOCK_TOKENS)
 
 
-class ValidateError(ValueError):
+class ValidateError(ConfigError):
     """A validation setting that cannot work; the message names the flag."""
 
 
