@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -30,12 +31,12 @@ FEATURES = ("overhead_s", "prefill_fixed_s", "decode_fixed_s", "prefill_token_s"
 @dataclass(frozen=True)
 class Plan:
     prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
-    cached_tokens: tuple[int, ...] = (0, 512, 2048)
+    cached_tokens: tuple[int, ...] = (0, 512, 1536)
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     decode_prompt_tokens: tuple[int, ...] = (64, 256)
     decode_steps: int = 6
     mixed: tuple[tuple[int, int], ...] = ((64, 4), (256, 4), (256, 16), (1024, 8))
-    repeats: int = 3
+    repeats: int = 2
     transfer_sizes: tuple[int, ...] = (1 << 18, 1 << 22, 1 << 24)
     cluster: bool = True  # start a 1P1D cluster: start-up and flip time
 
@@ -141,19 +142,23 @@ def _step_times(engine, plan: Plan, salt: Callable[[], str], say) -> list[Point]
         while engine.has_work():
             engine.step()
     one = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request(None, prompt(64), one, salt=salt())  # warm-up, not timed
+    drain()
     points = []
     for cached in plan.cached_tokens:
+        # One prefix per context size, computed once (untimed) and then hit in the prefix
+        # cache by every timed prompt: each of those adds fresh tokens after it.
+        s, ctx = salt(), prompt(cached)
+        if cached:
+            engine.add_request(None, ctx, one, salt=s)
+            drain()
         for n in plan.prefill_tokens:
             best = []
-            for _ in range(plan.repeats + 1):  # the first is a warm-up
-                s, ctx = salt(), prompt(cached)
-                if cached:
-                    engine.add_request(None, ctx, one, salt=s)
-                    drain()
+            for _ in range(plan.repeats):
                 engine.add_request(None, ctx + prompt(n), one, salt=s)
                 best.append(timed_step())
                 drain()
-            points.append(Point("prefill", n, cached, 0, 0, min(best[1:])))
+            points.append(Point("prefill", n, cached, 0, 0, min(best)))
             say(f"prefill {n} tokens on {cached} cached: {points[-1].seconds * 1e3:.1f} ms")
     for length in plan.decode_prompt_tokens:
         for b in plan.decode_batches:
@@ -169,8 +174,16 @@ def _decode_points(engine, prompt, b: int, length: int, plan: Plan, salt: str,
                    mixed_prefill: int | None) -> list[Point]:
     from pdserve.engine.sampling import SamplingParams
 
+    # The sequences share all but their last 8 prompt tokens, computed once beforehand: the
+    # decode steps still attend over each sequence's whole context, and the set-up prefill
+    # stays short on a slow machine.
     params = SamplingParams(max_tokens=plan.decode_steps + 3, ignore_eos=True)
-    ids = [engine.add_request(None, prompt(length), params, salt=salt) for _ in range(b)]
+    shared = prompt(max(0, length - 8))
+    engine.add_request(None, shared, SamplingParams(max_tokens=1, ignore_eos=True), salt=salt)
+    while engine.has_work():
+        engine.step()
+    ids = [engine.add_request(None, shared + prompt(length - len(shared)), params, salt=salt)
+           for _ in range(b)]
     made = dict.fromkeys(ids, 0)
     while min(made.values()) < 1:
         for out in engine.step():
@@ -267,6 +280,7 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     from pdserve.worker.config import WorkerConfig
 
     model = model or default_model_path()
+    load_start = os.getloadavg()[0]
     torch.set_num_threads(threads)
     wc = WorkerConfig.__dataclass_fields__
     block, blocks = wc["block_size_tokens"].default, wc["num_blocks"].default
@@ -289,11 +303,11 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     return build_profile(points, transfers, {
         "origin": origin, "model": name, "kv_bytes_per_token": kv_bytes,
         "kv_capacity_tokens": block * blocks, "threads": threads,
+        "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
         "plan": "quick" if plan == QUICK else "full", **times})
 
 
 def _cores() -> int:
-    import os
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from pdserve.sim.profile import attn_pairs
 from pdserve.sim.trace import HASH_BLOCK_TOKENS
 
 SAMPLED_TOKEN = 1  # the simulator's sampled token: only its count and position matter
@@ -110,15 +111,17 @@ class LazyHashes:
 class PlannedStep:
     """One scheduled step: the scheduler's batch and the sizes the step-time model needs."""
 
-    __slots__ = ("batch", "prefill_tokens", "decode_batch", "context_tokens", "cached_tokens")
+    __slots__ = ("batch", "prefill_tokens", "decode_batch", "context_tokens", "cached_tokens",
+                 "attn_pairs")
 
     def __init__(self, batch: Any, prefill_tokens: int, decode_batch: int, context_tokens: int,
-                 cached_tokens: int) -> None:
+                 cached_tokens: int, attn_pairs: float = 0.0) -> None:
         self.batch = batch
         self.prefill_tokens = prefill_tokens
         self.decode_batch = decode_batch
         self.context_tokens = context_tokens
         self.cached_tokens = cached_tokens
+        self.attn_pairs = attn_pairs  # prefill (query, key) pairs, summed per sequence
 
 
 class EngineModel:
@@ -206,6 +209,7 @@ class EngineModel:
         if batch.empty:
             return None
         prefill = decode = ctx = cached = 0
+        pairs = 0.0
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.num_computed + n >= seq.num_tokens and n == 1 and seq.num_computed >= len(
                     seq.prompt_ids):
@@ -214,7 +218,8 @@ class EngineModel:
             else:
                 prefill += n
                 cached += seq.num_computed
-        return PlannedStep(batch, prefill, decode, ctx, cached)
+                pairs += attn_pairs(n, seq.num_computed)
+        return PlannedStep(batch, prefill, decode, ctx, cached, pairs)
 
     def complete(self, step: PlannedStep) -> list[tuple[str, str]]:
         """The step ran: [(request id, "first" | "done" | "parked")] for sequences that made

@@ -20,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdserve.core.errors import ConfigError
 from pdserve.sim.profile import load_profile
 
 DEFAULT_TTFT_SLO_MS = 2000.0  # a chat reply starts within 2 s
@@ -29,7 +30,7 @@ GPU_PROFILES = {"h100": "h100-llama3-8b", "h200": "h200-llama3-8b", "a100": "a10
 PREFILL_SHARES = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
 
 
-class PlanError(ValueError):
+class PlanError(ConfigError):
     """A planning setting that cannot work; the message names the flag."""
 
 
@@ -46,7 +47,7 @@ class Candidate:
 
 # ---- the phase-shifting trace ---------------------------------------------------------------
 def phase_shift_trace(*, duration_s: float, rate: float, heavy_prefill: tuple[int, int] = (
-        8192, 32), heavy_decode: tuple[int, int] = (512, 3072), seed: int = 0) -> list:
+        8192, 32), heavy_decode: tuple[int, int] = (256, 6144), seed: int = 0) -> list:
     """Poisson arrivals at `rate`/s for `duration_s`: the first half asks for long prompts and
     short answers (`heavy_prefill` = mean prompt, mean output tokens), the second half for short
     prompts and long answers. Each request's prompt has its own prefix ids (no sharing), so the
@@ -204,8 +205,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="simulated time: the trace is tiled to this (default one hour)")
     p.add_argument("--workers-per-copy", type=int, default=8,
                    help="one copy of the trace's arrivals per this many workers (default 8)")
-    # 2/s per worker: on the H100 roofline about 60% prefill, then about 70% decode workers busy
-    p.add_argument("--rate", type=float, default=2.0,
+    # 1.5/s per worker: on the H100 roofline the first half needs about 5 of 8 workers
+    # prefilling, the second about 6 of 8 decoding; no static split serves both halves.
+    p.add_argument("--rate", type=float, default=1.5,
                    help="'phase' trace: arrivals per second per worker (default %(default)s)")
     p.add_argument("--transport", default="ucx", help="KV transport of the profile (default ucx)")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-policy sweep")

@@ -90,7 +90,7 @@ def print_table(doc: dict[str, Any], console=None) -> None:
                   _pct(r["attainment_second_half"]), f"{r['goodput_rps']:.2f}",
                   f"{r['worker_hours']:.1f}", str(r["flips"]), f"{r['drain_s']:.0f}",
                   _ms(r["ttft_p90_s"]), _ms(r["itl_p90_s"]), f"{r['sim_wall_s']:.1f}")
-    (console or Console()).print(t)
+    (console or Console(width=160)).print(t)
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
@@ -126,6 +126,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
         best = max(static, key=lambda r: (r["attainment"], r["name"]))
         a2.axhline(best["prefill_workers"], color="C0", ls=":",
                    label=f"best static ({best['prefill_workers']} prefill)")
+    a2.axvline(doc["trace_span_s"] / 2, color="grey", ls="--", lw=1, label="trace half way")
     a2.set_xlabel("simulated time (s)")
     a2.set_ylabel("prefill workers")
     a2.set_title("controller: prefill workers over time", fontsize=9)

@@ -27,11 +27,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.core.errors import ConfigError
+
 SHIPPED = ("cpu-smollm2-135m", "h100-llama3-8b", "h200-llama3-8b", "a100-llama2-7b",
            "h100-llama2-7b")
 
 
-class ProfileError(ValueError):
+class ProfileError(ConfigError):
     """A profile field is missing or invalid; the message names the field."""
 
 

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from pdserve.core.errors import ConfigError
 from pdserve.core.stats import percentile
 
 METRICS = ("ttft_s", "itl_s", "e2e_s")
@@ -28,7 +29,7 @@ DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
 SIM_BLOCK_TOKENS = 512  # the simulator's prefix granularity (trace.HASH_BLOCK_TOKENS)
 
 
-class ValidateError(ValueError):
+class ValidateError(ConfigError):
     """A validation setting that cannot work; the message names the flag."""
 
 
@@ -184,9 +185,13 @@ def validate(s: dict[str, Any], say=lambda line: None) -> dict[str, Any]:
     say(f"{len(reqs)} requests, prompts / {scale['token_scale']} "
         f"(mean {scale['mean_prompt_tokens']:.0f} tokens), {s['rate']} req/s, "
         f"outputs <= {s['max_tokens']}")
+    recorded = {}
+    if s.get("real_from"):  # the measured side of an earlier run on the same requests
+        with open(s["real_from"]) as f:
+            recorded = {r["config"]: r["real"] for r in json.load(f)["runs"]}
     runs = []
     for p, d in s["configs"]:
-        real = real_side(reqs, p, d, model, s, say)
+        real = recorded.get(f"{p}P{d}D") or real_side(reqs, p, d, model, s, say)
         sim = sim_side(sims, p, d, profile, s)
         cmp = compare(real, sim)
         say(f"{p}P{d}D: TTFT mean real {cmp['ttft_s']['mean']['real']:.2f} s, sim "
@@ -215,6 +220,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="validate_out", help="folder for validate.json/.png")
+    p.add_argument("--real-from", default=None,
+                   help="validate.json of an earlier run with the same settings: reuse its "
+                        "measured side, simulate again (e.g. with a new profile)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     return p
 
@@ -231,7 +239,7 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "rate": a.rate, "max_tokens": a.max_tokens, "max_prompt_tokens": a.max_prompt_tokens,
             "configs": parse_configs(a.configs), "profile": a.profile, "model": a.model,
             "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,
-            "seed": a.seed, "max_num_batched_tokens": 2048}
+            "seed": a.seed, "max_num_batched_tokens": 2048, "real_from": a.real_from}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ def print_table(doc: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = console or Console()
+    con = console or Console(width=120)
     for run in doc["runs"]:
         real = run["real"]
         t = Table(title=(f"sim validate {run['config']}: real cluster vs simulator (ms); "

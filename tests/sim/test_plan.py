@@ -77,7 +77,6 @@ def test_defaults_are_stated():
 
 
 def test_small_plan_end_to_end(tmp_path):
-    pytest.importorskip("pdserve.sim.run")
     out = tmp_path / "plan"
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.sim.plan", "--trace", "phase", "--workers", "4",

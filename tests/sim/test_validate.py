@@ -51,7 +51,6 @@ def test_bad_configs_are_named(text):
 
 
 def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
-    pytest.importorskip("pdserve.sim.run")
     out = tmp_path / "v"
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.sim.validate", "--trace", str(TRACE), "--requests", "4",
