@@ -51,6 +51,8 @@ class KvIndex:
         self.max_blocks_per_source = max_blocks_per_source
         self.max_sources = max_sources
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        # The same pairs by hash: which sources hold a block (`holders` walks only those).
+        self._where: dict[bytes, set[str]] = {}
         self.applied = 0
         self.dropped = 0
         self.refused = 0
@@ -65,18 +67,35 @@ class KvIndex:
                 return
             blocks = self._blocks[event.source] = OrderedDict()
         self.applied += 1
+        source, where = event.source, self._where
         if event.kind == CLEARED:
+            for h in blocks:
+                self._forget(h, source)
             blocks.clear()
         elif event.kind == REMOVED:
             for h in event.hashes:
-                blocks.pop(h, None)
+                if blocks.pop(h, 0) is None:
+                    self._forget(h, source)
         else:
             for h in event.hashes:
-                blocks[h] = None
-                blocks.move_to_end(h)
+                if h in blocks:
+                    blocks.move_to_end(h)
+                else:
+                    blocks[h] = None
+                    holding = where.get(h)
+                    if holding is None:
+                        where[h] = {source}
+                    else:
+                        holding.add(source)
             while len(blocks) > self.max_blocks_per_source:
-                blocks.popitem(last=False)
+                self._forget(blocks.popitem(last=False)[0], source)
                 self.dropped += 1
+
+    def _forget(self, h: bytes, source: str) -> None:
+        holding = self._where[h]
+        holding.discard(source)
+        if not holding:
+            del self._where[h]
 
     def apply_all(self, events: Iterable[KvEvent]) -> None:
         for e in events:
@@ -96,6 +115,29 @@ class KvIndex:
 
     def overlaps(self, sources: Sequence[str], hashes: Sequence[bytes]) -> list[int]:
         return [self.overlap(s, hashes) for s in sources]
+
+    def holders(self, hashes: Iterable[bytes]) -> dict[str, int]:
+        """{source: overlap} for every source whose overlap with the chained `hashes` is at
+        least one (the others' is zero): the work is the holders of each leading block, not
+        the number of sources."""
+        out: dict[str, int] = {}
+        live: set[str] | None = None
+        n = 0
+        for h in hashes:
+            holding = self._where.get(h)
+            if not holding:
+                break
+            nxt = set(holding) if live is None else live & holding
+            if live is not None:
+                for s in live - nxt:
+                    out[s] = n
+            live = nxt
+            n += 1
+            if not live:
+                break
+        for s in live or ():
+            out[s] = n
+        return out
 
     def size(self, source: str) -> int:
         return len(self._blocks.get(source, ()))

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from bisect import bisect_right, insort
+from dataclasses import dataclass, field, replace
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
@@ -172,16 +173,45 @@ class KvAware:
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
 
+    def load_of(self, w: WorkerLoad) -> float:
+        """A worker's queue load in token units (the `LoadOrder` key's first part)."""
+        return w.in_flight_tokens + self.request_cost_tokens * w.in_flight
+
+    def _score_one(self, inp: RouteInput, i: int, w: WorkerLoad) -> WorkerScore:
+        local, fetch, compute = prefill_parts(inp, w)
+        load = self.load_of(w)
+        work = compute + self.fetch_weight * fetch * inp.block_size_tokens
+        return WorkerScore(i, local, fetch, compute, work, load,
+                           self.overlap_weight * work + load)
+
     def score(self, inp: RouteInput) -> tuple[WorkerScore, ...]:
-        out = []
-        for i in _live(inp.workers):
-            w = inp.workers[i]
-            local, fetch, compute = prefill_parts(inp, w)
-            load = w.in_flight_tokens + self.request_cost_tokens * w.in_flight
-            work = compute + self.fetch_weight * fetch * inp.block_size_tokens
-            out.append(WorkerScore(i, local, fetch, compute, work, load,
-                                   self.overlap_weight * work + load))
-        return tuple(out)
+        return tuple(self._score_one(inp, i, inp.workers[i]) for i in _live(inp.workers))
+
+    def decide_sparse(self, inp: RouteInput, cached: dict[int, int],
+                      order: LoadOrder) -> RouteDecision:
+        """The same choice as `decide` on `inp` with `cached_blocks` set from `cached`
+        (worker index -> its cached leading blocks; absent means none), without scoring every
+        worker: a worker caching nothing differs from the others caching nothing only in its
+        load, so only the cheapest of them by `order` (healthy workers keyed by `load_of` and
+        requests in flight, kept current by the caller) can win. Work: the holders plus a
+        search of the order. `scores` holds only the candidates: the holders and that one."""
+        if self.temperature > 0:  # sampling weighs every worker
+            workers = list(inp.workers)
+            for i, c in cached.items():
+                workers[i] = replace(workers[i], cached_blocks=c)
+            return self.decide(replace(inp, workers=tuple(workers)))
+        cands = [self._score_one(inp, i, replace(inp.workers[i], cached_blocks=c))
+                 for i, c in sorted(cached.items()) if c > 0 and inp.workers[i].healthy]
+        work0 = self._score_one(inp, -1, WorkerLoad("", 0)).work_tokens
+        skip = {s.index for s in cands}
+        other = order.cheapest(lambda load: self.overlap_weight * work0 + load, skip)
+        if other is not None:
+            cands.append(self._score_one(inp, other, inp.workers[other]))
+        if not cands:
+            raise NoWorkerError("no healthy worker")
+        best = min(cands, key=lambda s: (s.cost, inp.workers[s.index].in_flight, s.index))
+        return RouteDecision(best.index, tuple(sorted(cands, key=lambda s: s.index)),
+                             best.work_tokens)
 
     def decide(self, inp: RouteInput) -> RouteDecision:
         scores = self.score(inp)
@@ -196,6 +226,56 @@ class KvAware:
         low = min(s.cost for s in scores)
         weights = [math.exp(-(s.cost - low) / scale) for s in scores]
         return self.rng.choices(scores, weights=weights)[0]
+
+
+class LoadOrder:
+    """Worker indices kept sorted by (queue load, requests in flight, index), for
+    `KvAware.decide_sparse`. The caller sets a worker's key whenever its load changes and
+    discards a worker that stops being a healthy candidate."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[float, int, int]] = []
+        self._of: dict[int, tuple[float, int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def set(self, index: int, load: float, in_flight: int) -> None:
+        key = (load, in_flight, index)
+        old = self._of.get(index)
+        if old == key:
+            return
+        if old is not None:
+            self._remove(old)
+        self._of[index] = key
+        insort(self._keys, key)
+
+    def discard(self, index: int) -> None:
+        old = self._of.pop(index, None)
+        if old is not None:
+            self._remove(old)
+
+    def _remove(self, key: tuple[float, int, int]) -> None:
+        del self._keys[bisect_right(self._keys, key) - 1]
+
+    def cheapest(self, cost_of, skip: set[int]) -> int | None:
+        """The index with the least (cost_of(load), in flight, index), not in `skip`;
+        `cost_of` must not decrease as load grows. Within one load value the order's first is
+        that value's best; the next values are tried only while their cost can still tie
+        (rounding can make two loads cost the same)."""
+        keys, pos, best = self._keys, 0, None
+        while pos < len(keys):
+            load, in_flight, i = keys[pos]
+            if i in skip:
+                pos += 1
+                continue
+            c = cost_of(load)
+            if best is not None and c > best[0]:
+                break
+            if best is None or (c, in_flight, i) < best:
+                best = (c, in_flight, i)
+            pos = bisect_right(keys, (load, math.inf, math.inf), pos)
+        return None if best is None else best[2]
 
 
 class DecodeChooser:

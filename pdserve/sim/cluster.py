@@ -143,8 +143,8 @@ class Cluster:
         any_engine = next(iter(self.workers.values())).engine
         hashes = self.hashes[i] = any_engine.prompt_hashes(prompt)
         if self.cfg.admission.max_predicted_ttft_s > 0:
-            local, store = router.prefix(router.pool(PREFILL), hashes)
-            own = max(1, r.prompt_tokens - max([store, *local]) * self.cfg.block_size)
+            cached, store = router.prefix(hashes)
+            own = max(1, r.prompt_tokens - max([store, *cached.values()]) * self.cfg.block_size)
             try:
                 router.admission.admit_prefill(own, router.prefill_rate())
             except Overloaded as e:

@@ -17,8 +17,8 @@ from pdserve.core.rates import RateMeter
 from pdserve.router.admission import Admission
 from pdserve.router.kv_index import CLEARED, REMOVED, STORED, KvEvent, KvIndex, store_source
 from pdserve.router.membership import (ACTIVE, DECODE, PREFILL, Membership, reports_draining)
-from pdserve.router.policy import (KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad,
-                                   choose_offload, make_policy)
+from pdserve.router.policy import (KvAware, LoadOrder, NoWorkerError, RouteDecision, RouteInput,
+                                   WorkerLoad, choose_offload, make_policy)
 from pdserve.sim.config import SimConfig
 
 MODEL_ID = "sim"
@@ -39,6 +39,9 @@ class SimRouter:
         self.block_size = cfg.block_size
         self._loads: dict[str, WorkerLoad] = {}
         self._pools: dict[str, list[str]] = {}
+        # KV-aware only: the prefill pool's loads, aligned with `pool(PREFILL)` (index order),
+        # and the same workers ordered by load for `KvAware.decide_sparse`; None until built.
+        self._prefill: tuple[dict[str, int], list[WorkerLoad], LoadOrder] | None = None
         self.last_decision: RouteDecision | None = None
         self._budgets = False  # whether any offload budget stands
         for address, role in sorted(addresses.items()):
@@ -49,10 +52,31 @@ class SimRouter:
     def _touch(self, address: str) -> None:
         m = self.membership.get(address)
         s = m.stats
-        self._loads[address] = WorkerLoad(
+        w = self._loads[address] = WorkerLoad(
             m.address, m.in_flight, True, m.in_flight_tokens, 0,
             free_blocks=None if s is None else s.num_free_blocks,
             running=0 if s is None else s.num_running, waiting=0 if s is None else s.num_waiting)
+        if self._prefill is not None:
+            at, loads, order = self._prefill
+            i = at.get(address)
+            if i is not None:
+                loads[i] = w
+                order.set(i, self.policies[PREFILL].load_of(w), w.in_flight)
+
+    def _pools_changed(self) -> None:
+        self._pools.clear()
+        self._prefill = None
+
+    def _prefill_view(self) -> tuple[dict[str, int], list[WorkerLoad], LoadOrder]:
+        if self._prefill is None:
+            addresses = self.pool(PREFILL)
+            loads = [self._loads[a] for a in addresses]
+            order = LoadOrder()
+            policy = self.policies[PREFILL]
+            for i, w in enumerate(loads):
+                order.set(i, policy.load_of(w), w.in_flight)
+            self._prefill = ({a: i for i, a in enumerate(addresses)}, loads, order)
+        return self._prefill
 
     def members(self) -> list:
         """Every member, by address (what the router's control API lists)."""
@@ -68,7 +92,7 @@ class SimRouter:
     def set_state(self, address: str, state: str, role: str | None, reason: str,
                   now: float) -> None:
         self.membership.set_state(address, state, role, reason, now=now)
-        self._pools.clear()
+        self._pools_changed()
         self._touch(address)
 
     def report(self, address: str, role: str, stats, now: float) -> None:
@@ -81,7 +105,7 @@ class SimRouter:
         else:
             self.rates.forget(address)
         if m is not None and (m.state, m.role) != was:
-            self._pools.clear()
+            self._pools_changed()
         self._touch(address)
 
     def prefill_rate(self) -> float | None:
@@ -110,35 +134,42 @@ class SimRouter:
         self.kv_event(STORE, REMOVED, evicted)
 
     # ---- choices -------------------------------------------------------------------------------
-    def prefix(self, addresses: list[str], hashes) -> tuple[list[int], int]:
-        """(leading blocks cached per worker, leading blocks in the store), as the router's
-        block index knows them; zeros unless the prefill policy is KV-aware."""
+    def prefix(self, hashes) -> tuple[dict[int, int], int]:
+        """({index in the prefill pool: leading blocks it caches} for the workers caching
+        some, leading blocks in the store), as the router's block index knows them; empty
+        unless the prefill policy is KV-aware."""
         if not self.kv_aware or not hashes:
-            return [0] * len(addresses), 0
-        return self.index.overlaps(addresses, hashes), self.index.overlap(STORE, hashes)
+            return {}, 0
+        at = self._prefill_view()[0]
+        held = self.index.holders(hashes)
+        store = held.pop(STORE, 0)
+        return {at[a]: c for a, c in held.items() if a in at}, store
 
-    def route_input(self, role: str, prompt_tokens: int, extra_tokens: int,
-                    hashes=()) -> tuple[list[str], RouteInput]:
+    def route_input(self, role: str, prompt_tokens: int, extra_tokens: int
+                    ) -> tuple[list[str], RouteInput]:
         addresses = self.pool(role)
         if not addresses:
             raise NoWorkerError(f"no active {role} worker")
-        loads = self._loads
-        if role == PREFILL:
-            local, store = self.prefix(addresses, hashes)
-            workers = tuple(loads[a] if c == 0 else dataclasses.replace(loads[a], cached_blocks=c)
-                            for a, c in zip(addresses, local))
+        if role == PREFILL and self.kv_aware:
+            workers = self._prefill_view()[1]
         else:
-            store = 0
+            loads = self._loads
             workers = tuple(loads[a] for a in addresses)
         need = -(-(prompt_tokens + extra_tokens) // self.block_size)
-        return addresses, RouteInput(workers, prompt_tokens, self.block_size, store, need)
+        return addresses, RouteInput(workers, prompt_tokens, self.block_size, 0, need)
 
     def pick(self, role: str, prompt_tokens: int, extra_tokens: int = 0, hashes=()
              ) -> tuple[str, float]:
         """The chosen member and the tokens counted in flight on it (release them at the end).
         Raises NoWorkerError."""
-        addresses, inp = self.route_input(role, prompt_tokens, extra_tokens, hashes)
-        d = self.policies[role].decide(inp)
+        addresses, inp = self.route_input(role, prompt_tokens, extra_tokens)
+        policy = self.policies[role]
+        if role == PREFILL and self.kv_aware:
+            cached, store = self.prefix(hashes)
+            inp = dataclasses.replace(inp, store_cached_blocks=store)
+            d = policy.decide_sparse(inp, cached, self._prefill_view()[2])
+        else:
+            d = policy.decide(inp)
         self.last_decision = d
         address = addresses[d.index]
         tokens = d.work_tokens if d.work_tokens is not None else inp.prompt_tokens

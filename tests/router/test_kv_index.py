@@ -99,3 +99,20 @@ def test_resume_point_is_read_from_the_masters_events_lost_error():
     after = resume_after(f"EventsLost: {lost.value}")  # as the master's service words it
     assert after is not None and core.events_since(after)  # the retained events follow
     assert resume_after("UNAVAILABLE: not the leader") is None
+
+
+def test_holders_give_every_nonzero_overlap_as_events_change():
+    import random
+
+    rng = random.Random(4)
+    idx = KvIndex(max_blocks_per_source=9, max_sources=5)
+    sources = [f"w{i}" for i in range(6)]
+    for _ in range(400):
+        s = rng.choice(sources)
+        kind = rng.choice([STORED, STORED, REMOVED, CLEARED])
+        start = rng.randrange(len(HASHES))
+        idx.apply(KvEvent(s, kind, tuple(HASHES[start:start + rng.randrange(1, 4)])
+                          if kind != CLEARED else ()))
+        want = {src: n for src, n in zip(sources, idx.overlaps(sources, HASHES)) if n}
+        assert idx.holders(HASHES) == want
+        assert idx.holders(HASHES[:0]) == {}
