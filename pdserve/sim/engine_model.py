@@ -24,6 +24,7 @@ finishes and frees those that reach max_tokens, as `update_from_output` would).
 from __future__ import annotations
 
 import itertools
+from hashlib import blake2b
 from typing import Any
 
 from pdserve.sim.trace import HASH_BLOCK_TOKENS
@@ -43,6 +44,36 @@ def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
         out += [h + 2] * n
     if len(out) < prompt_tokens:
         out += [-unique] * (prompt_tokens - len(out))
+    return out
+
+
+def prompt_hashes_of(block_hashes: tuple[int, ...], prompt_tokens: int, unique: int,
+                     block_size: int) -> list[bytes]:
+    """The chained hashes of the full `block_size`-token blocks of the prompt that
+    `prompt_tokens_of` makes, derived from the trace's block ids without reading its tokens:
+    each block is named by its runs of equal tokens (value x count) and its parent's hash. Two
+    blocks get equal hashes exactly when their token ids and everything before them are equal,
+    as with `hash_block`, whose names these never equal (a different encoding), so the
+    scheduler can hash the blocks past them (decoded tokens) from token ids as usual."""
+    seg = HASH_BLOCK_TOKENS
+    n_ids = min(len(block_hashes), -(-prompt_tokens // seg))
+    out: list[bytes] = []
+    parent = b""
+    for k in range(prompt_tokens // block_size):
+        pos, hi = k * block_size, (k + 1) * block_size
+        runs: list[list[int]] = []
+        while pos < hi:
+            j = pos // seg
+            v, end = (block_hashes[j] + 2, min(hi, (j + 1) * seg)) if j < n_ids else (-unique, hi)
+            if runs and runs[-1][0] == v:
+                runs[-1][1] += end - pos
+            else:
+                runs.append([v, end - pos])
+            pos = end
+        h = blake2b(parent, digest_size=16)
+        h.update(b"|runs:" + ",".join(f"{v}x{c}" for v, c in runs).encode())
+        parent = h.digest()
+        out.append(parent)
     return out
 
 
@@ -155,9 +186,12 @@ class EngineModel:
         return seq
 
     def add(self, rid: str, prompt: list[int], output_tokens: int, *, prefill_only: bool = False,
-            max_chunk_tokens: int = 0) -> None:
+            max_chunk_tokens: int = 0, known_hashes=()) -> None:
+        """Queue a prompt; `known_hashes` (its full blocks' chained hashes, if the caller has
+        them) spare the scheduler hashing its token ids."""
         self.sched.add(self._seq(rid, prompt, 1 if prefill_only else output_tokens,
-                                 prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens))
+                                 prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens,
+                                 known_hashes=known_hashes))
 
     def prompt_hashes(self, prompt: list[int]) -> LazyHashes:
         """The chained hashes of the prompt's reusable full blocks (all tokens but the last),
@@ -193,7 +227,9 @@ class EngineModel:
         it). False if the first token already ended it (nothing is queued)."""
         if output_tokens <= 1:
             return False
-        seq = self._seq(rid, prompt, output_tokens)
+        full = len(prompt) // self.block_size
+        # Named as the prefill named them, also when a preemption makes it recompute here.
+        seq = self._seq(rid, prompt, output_tokens, known_hashes=list(hashes[:full]))
         seq.token_ids.append(SAMPLED_TOKEN)
         n_blocks = -(-len(prompt) // self.block_size)
         names = list(hashes[:n_blocks]) + [b""] * (n_blocks - min(n_blocks, len(hashes)))
