@@ -229,8 +229,9 @@ class KvAware:
 
 
 class LoadOrder:
-    """Worker indices kept sorted by (queue load, requests in flight, index), for
-    `KvAware.decide_sparse`. The caller sets a worker's key whenever its load changes and
+    """Worker indices kept sorted by a two-part key and the index: (queue load, requests in
+    flight) for `KvAware.decide_sparse`, `DecodeChooser.by_batch` / `by_free` for
+    `DecodeChooser.decide_sparse`. The caller sets a worker's key whenever it changes and
     discards a worker that stops being a healthy candidate."""
 
     def __init__(self) -> None:
@@ -240,7 +241,7 @@ class LoadOrder:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def set(self, index: int, load: float, in_flight: int) -> None:
+    def set(self, index: int, load: float, in_flight: float) -> None:
         key = (load, in_flight, index)
         old = self._of.get(index)
         if old == key:
@@ -257,6 +258,12 @@ class LoadOrder:
 
     def _remove(self, key: tuple[float, int, int]) -> None:
         del self._keys[bisect_right(self._keys, key) - 1]
+
+    def first(self) -> int | None:
+        return self._keys[0][2] if self._keys else None
+
+    def __iter__(self):
+        return (key[2] for key in self._keys)
 
     def cheapest(self, cost_of, skip: set[int]) -> int | None:
         """The index with the least (cost_of(load), in flight, index), not in `skip`;
@@ -305,6 +312,32 @@ class DecodeChooser:
         if fits:
             return RouteDecision(min(fits, key=lambda i: (batch(i), -free(i), i)), fits=True)
         return RouteDecision(min(live, key=lambda i: (-free(i), batch(i), i)), fits=False)
+
+    @staticmethod
+    def by_batch(w: WorkerLoad) -> tuple[int, int]:
+        """A worker's key in the batch order `decide_sparse` reads (then its index)."""
+        return max(w.running + w.waiting, w.in_flight), -(w.free_blocks or 0)
+
+    @staticmethod
+    def by_free(w: WorkerLoad) -> tuple[int, int]:
+        """A worker's key in the free-blocks order `decide_sparse` reads (then its index)."""
+        return -(w.free_blocks or 0), max(w.running + w.waiting, w.in_flight)
+
+    def decide_sparse(self, inp: RouteInput, batch_order: LoadOrder,
+                      free_order: LoadOrder) -> RouteDecision:
+        """The same choice as `decide`, from the healthy workers kept in two orders (by
+        `by_batch` and by `by_free`, index last) instead of a pass over all: if the worker with
+        the most free blocks cannot fit the request, none can and it is the choice; otherwise
+        the first in batch order that fits."""
+        top = free_order.first()
+        if top is None:
+            raise NoWorkerError("no healthy worker")
+        if (inp.workers[top].free_blocks or 0) >= inp.need_blocks:  # some worker may fit
+            for i in batch_order:
+                w = inp.workers[i]
+                if w.free_blocks is not None and w.free_blocks >= inp.need_blocks:
+                    return RouteDecision(i, fits=True)
+        return RouteDecision(top, fits=False)
 
 
 class OffloadSlot(Protocol):

@@ -17,8 +17,9 @@ from pdserve.core.rates import RateMeter
 from pdserve.router.admission import Admission
 from pdserve.router.kv_index import CLEARED, REMOVED, STORED, KvEvent, KvIndex, store_source
 from pdserve.router.membership import (ACTIVE, DECODE, PREFILL, Membership, reports_draining)
-from pdserve.router.policy import (KvAware, LoadOrder, NoWorkerError, RouteDecision, RouteInput,
-                                   WorkerLoad, choose_offload, make_policy)
+from pdserve.router.policy import (DecodeChooser, KvAware, LoadOrder, NoWorkerError,
+                                   RouteDecision, RouteInput, WorkerLoad, choose_offload,
+                                   make_policy)
 from pdserve.sim.config import SimConfig
 
 MODEL_ID = "sim"
@@ -39,9 +40,11 @@ class SimRouter:
         self.block_size = cfg.block_size
         self._loads: dict[str, WorkerLoad] = {}
         self._pools: dict[str, list[str]] = {}
-        # KV-aware only: the prefill pool's loads, aligned with `pool(PREFILL)` (index order),
-        # and the same workers ordered by load for `KvAware.decide_sparse`; None until built.
-        self._prefill: tuple[dict[str, int], list[WorkerLoad], LoadOrder] | None = None
+        # Per role whose policy decides from orders (KV-aware prefill, free-KV decode): the
+        # pool's loads (aligned with `pool(role)`) and the orders its `decide_sparse` reads,
+        # kept current by `_touch`; rebuilt after a membership change.
+        self._sparse = {role: self._order_keys(p) is not None for role, p in self.policies.items()}
+        self._views: dict[str, tuple[dict[str, int], list[WorkerLoad], list[LoadOrder]]] = {}
         self.last_decision: RouteDecision | None = None
         self._budgets = False  # whether any offload budget stands
         for address, role in sorted(addresses.items()):
@@ -56,27 +59,40 @@ class SimRouter:
             m.address, m.in_flight, True, m.in_flight_tokens, 0,
             free_blocks=None if s is None else s.num_free_blocks,
             running=0 if s is None else s.num_running, waiting=0 if s is None else s.num_waiting)
-        if self._prefill is not None:
-            at, loads, order = self._prefill
+        for role, (at, loads, orders) in self._views.items():
             i = at.get(address)
             if i is not None:
                 loads[i] = w
-                order.set(i, self.policies[PREFILL].load_of(w), w.in_flight)
+                for order, key in zip(orders, self._order_keys(self.policies[role], w)):
+                    order.set(i, *key)
+
+    @staticmethod
+    def _order_keys(policy, w: WorkerLoad | None = None):
+        """The keys of `w` in the orders the policy's `decide_sparse` reads; None if it has
+        no such form (with no `w`: whether it has)."""
+        if isinstance(policy, KvAware):
+            return [(policy.load_of(w), w.in_flight)] if w is not None else []
+        if isinstance(policy, DecodeChooser):
+            return [policy.by_batch(w), policy.by_free(w)] if w is not None else []
+        return None
 
     def _pools_changed(self) -> None:
         self._pools.clear()
-        self._prefill = None
+        self._views.clear()
 
-    def _prefill_view(self) -> tuple[dict[str, int], list[WorkerLoad], LoadOrder]:
-        if self._prefill is None:
-            addresses = self.pool(PREFILL)
+    def _view(self, role: str) -> tuple[dict[str, int], list[WorkerLoad], list[LoadOrder]]:
+        v = self._views.get(role)
+        if v is None:
+            addresses = self.pool(role)
             loads = [self._loads[a] for a in addresses]
-            order = LoadOrder()
-            policy = self.policies[PREFILL]
+            policy = self.policies[role]
+            orders = [LoadOrder() for _ in self._order_keys(policy, self._loads[addresses[0]])
+                      ] if addresses else []
             for i, w in enumerate(loads):
-                order.set(i, policy.load_of(w), w.in_flight)
-            self._prefill = ({a: i for i, a in enumerate(addresses)}, loads, order)
-        return self._prefill
+                for order, key in zip(orders, self._order_keys(policy, w)):
+                    order.set(i, *key)
+            v = self._views[role] = ({a: i for i, a in enumerate(addresses)}, loads, orders)
+        return v
 
     def members(self) -> list:
         """Every member, by address (what the router's control API lists)."""
@@ -140,7 +156,7 @@ class SimRouter:
         unless the prefill policy is KV-aware."""
         if not self.kv_aware or not hashes:
             return {}, 0
-        at = self._prefill_view()[0]
+        at = self._view(PREFILL)[0]
         held = self.index.holders(hashes)
         store = held.pop(STORE, 0)
         return {at[a]: c for a, c in held.items() if a in at}, store
@@ -150,8 +166,8 @@ class SimRouter:
         addresses = self.pool(role)
         if not addresses:
             raise NoWorkerError(f"no active {role} worker")
-        if role == PREFILL and self.kv_aware:
-            workers = self._prefill_view()[1]
+        if self._sparse[role]:
+            workers = self._view(role)[1]
         else:
             loads = self._loads
             workers = tuple(loads[a] for a in addresses)
@@ -167,7 +183,9 @@ class SimRouter:
         if role == PREFILL and self.kv_aware:
             cached, store = self.prefix(hashes)
             inp = dataclasses.replace(inp, store_cached_blocks=store)
-            d = policy.decide_sparse(inp, cached, self._prefill_view()[2])
+            d = policy.decide_sparse(inp, cached, *self._view(role)[2])
+        elif self._sparse[role]:
+            d = policy.decide_sparse(inp, *self._view(role)[2])
         else:
             d = policy.decide(inp)
         self.last_decision = d

@@ -224,3 +224,34 @@ def test_load_order_follows_updates_and_discards():
     order.discard(2)
     assert len(order) == 2 and order.cheapest(lambda load: load, set()) == 0
     assert order.cheapest(lambda load: load, {0, 3}) is None
+
+
+def test_sparse_decode_choice_equals_a_pass_over_every_worker():
+    from pdserve.router.policy import LoadOrder
+
+    rng = random.Random(9)
+    chooser = DecodeChooser()
+    fitted = unfitted = 0
+    for trial in range(3000):
+        n = rng.randrange(1, 10)
+        workers = [make_worker(i, in_flight=rng.randrange(3), running=rng.randrange(3),
+                               waiting=rng.randrange(2), healthy=rng.random() > 0.1,
+                               free_blocks=rng.choice([None, 0, 2, 5, 5, 9]))
+                   for i in range(n)]
+        batch_order, free_order = LoadOrder(), LoadOrder()
+        for i, w in enumerate(workers):
+            if w.healthy:
+                batch_order.set(i, *chooser.by_batch(w))
+                free_order.set(i, *chooser.by_free(w))
+        inp = make_input(*workers, need_blocks=rng.randrange(8))
+        try:
+            want = chooser.decide(inp)
+        except NoWorkerError:
+            with pytest.raises(NoWorkerError):
+                chooser.decide_sparse(inp, batch_order, free_order)
+            continue
+        got = chooser.decide_sparse(inp, batch_order, free_order)
+        assert (got.index, got.fits) == (want.index, want.fits), trial
+        fitted += want.fits
+        unfitted += not want.fits
+    assert fitted > 500 and unfitted > 500  # both branches are exercised
