@@ -91,6 +91,40 @@ class KvIndex:
                 self._forget(blocks.popitem(last=False)[0], source)
                 self.dropped += 1
 
+    def apply_changes(self, source: str, changes: Iterable[tuple[str, bytes]]) -> None:
+        """One source's block changes in order, [(STORED | REMOVED, hash)]: the same as
+        applying `KvEvent(source, kind, (hash,))` for each, without an event per block (a
+        worker's log interleaves the two kinds block by block as it evicts and stores)."""
+        blocks = self._blocks.get(source)
+        where, cap = self._where, self.max_blocks_per_source
+        for kind, h in changes:
+            if blocks is None:
+                if kind != STORED:
+                    continue
+                if len(self._blocks) >= self.max_sources:
+                    self.refused += 1
+                    continue
+                blocks = self._blocks[source] = OrderedDict()
+            self.applied += 1
+            if kind == REMOVED:
+                if blocks.pop(h, 0) is None:
+                    self._forget(h, source)
+            elif kind == STORED:
+                if h in blocks:
+                    blocks.move_to_end(h)
+                else:
+                    blocks[h] = None
+                    holding = where.get(h)
+                    if holding is None:
+                        where[h] = {source}
+                    else:
+                        holding.add(source)
+                    if len(blocks) > cap:
+                        self._forget(blocks.popitem(last=False)[0], source)
+                        self.dropped += 1
+            else:
+                raise ValueError(f"kind must be {STORED!r} or {REMOVED!r}, got {kind!r}")
+
     def _forget(self, h: bytes, source: str) -> None:
         holding = self._where[h]
         holding.discard(source)

@@ -135,15 +135,7 @@ class SimRouter:
 
     def worker_events(self, address: str, events) -> None:
         """A worker's prefix-cache changes, in order: [(STORED | REMOVED, hash)]."""
-        run_kind, run = None, []
-        for kind, h in events:
-            if kind != run_kind and run:
-                self.kv_event(address, run_kind, run)
-                run = []
-            run_kind = kind
-            run.append(h)
-        if run:
-            self.kv_event(address, run_kind, run)
+        self.index.apply_changes(address, events)
 
     def store_events(self, stored, evicted) -> None:
         self.kv_event(STORE, STORED, stored)

@@ -116,3 +116,25 @@ def test_holders_give_every_nonzero_overlap_as_events_change():
         want = {src: n for src, n in zip(sources, idx.overlaps(sources, HASHES)) if n}
         assert idx.holders(HASHES) == want
         assert idx.holders(HASHES[:0]) == {}
+
+
+def test_bulk_changes_equal_one_event_per_block():
+    import random
+
+    rng = random.Random(8)
+    one, bulk = KvIndex(max_blocks_per_source=7, max_sources=3), KvIndex(max_blocks_per_source=7,
+                                                                         max_sources=3)
+    for _ in range(300):
+        source = rng.choice(["w0", "w1", "w2", "w3"])
+        changes = [(rng.choice([STORED, STORED, REMOVED]), rng.choice(HASHES))
+                   for _ in range(rng.randrange(1, 12))]
+        for kind, h in changes:
+            one.apply(KvEvent(source, kind, (h,)))
+        bulk.apply_changes(source, changes)
+        for s in ["w0", "w1", "w2", "w3"]:
+            assert list(bulk._blocks.get(s, ())) == list(one._blocks.get(s, ()))
+        assert bulk.holders(HASHES) == one.holders(HASHES)
+        assert (bulk.applied, bulk.dropped, bulk.refused) == (one.applied, one.dropped,
+                                                              one.refused)
+    with pytest.raises(ValueError, match="kind"):
+        bulk.apply_changes("w0", [("moved", HASHES[0])])
