@@ -145,9 +145,13 @@ class PowerOfTwo:
 
 def prefill_parts(inp: RouteInput, w: WorkerLoad) -> tuple[int, int, int]:
     """(local blocks, fetched blocks, tokens to compute) of the prompt on worker `w`."""
+    return _parts(inp, w.cached_blocks)
+
+
+def _parts(inp: RouteInput, cached_blocks: int) -> tuple[int, int, int]:
     bs = inp.block_size_tokens
     reusable = max(0, inp.prompt_tokens - 1) // bs
-    local = min(w.cached_blocks, reusable)
+    local = min(cached_blocks, reusable)
     fetch = max(0, min(inp.store_cached_blocks, reusable) - local)
     return local, fetch, inp.prompt_tokens - (local + fetch) * bs
 
@@ -177,8 +181,10 @@ class KvAware:
         """A worker's queue load in token units (the `LoadOrder` key's first part)."""
         return w.in_flight_tokens + self.request_cost_tokens * w.in_flight
 
-    def _score_one(self, inp: RouteInput, i: int, w: WorkerLoad) -> WorkerScore:
-        local, fetch, compute = prefill_parts(inp, w)
+    def _score_one(self, inp: RouteInput, i: int, w: WorkerLoad,
+                   cached_blocks: int | None = None) -> WorkerScore:
+        local, fetch, compute = _parts(
+            inp, w.cached_blocks if cached_blocks is None else cached_blocks)
         load = self.load_of(w)
         work = compute + self.fetch_weight * fetch * inp.block_size_tokens
         return WorkerScore(i, local, fetch, compute, work, load,
@@ -200,13 +206,15 @@ class KvAware:
             for i, c in cached.items():
                 workers[i] = replace(workers[i], cached_blocks=c)
             return self.decide(replace(inp, workers=tuple(workers)))
-        cands = [self._score_one(inp, i, replace(inp.workers[i], cached_blocks=c))
+        cands = [self._score_one(inp, i, inp.workers[i], c)
                  for i, c in sorted(cached.items()) if c > 0 and inp.workers[i].healthy]
-        work0 = self._score_one(inp, -1, WorkerLoad("", 0)).work_tokens
+        _, fetch0, compute0 = _parts(inp, 0)
+        cost0 = self.overlap_weight * (compute0 + self.fetch_weight * fetch0
+                                       * inp.block_size_tokens)
         skip = {s.index for s in cands}
-        other = order.cheapest(lambda load: self.overlap_weight * work0 + load, skip)
+        other = order.cheapest(lambda load: cost0 + load, skip)
         if other is not None:
-            cands.append(self._score_one(inp, other, inp.workers[other]))
+            cands.append(self._score_one(inp, other, inp.workers[other], 0))
         if not cands:
             raise NoWorkerError("no healthy worker")
         best = min(cands, key=lambda s: (s.cost, inp.workers[s.index].in_flight, s.index))

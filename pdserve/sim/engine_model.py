@@ -61,6 +61,12 @@ def prompt_hashes_of(block_hashes: tuple[int, ...], prompt_tokens: int, unique: 
     parent = b""
     for k in range(prompt_tokens // block_size):
         pos, hi = k * block_size, (k + 1) * block_size
+        j = pos // seg
+        if j >= n_ids or hi <= (j + 1) * seg:  # one run: the common case
+            v = block_hashes[j] + 2 if j < n_ids else -unique
+            parent = blake2b(parent + b"|runs:%dx%d" % (v, block_size), digest_size=16).digest()
+            out.append(parent)
+            continue
         runs: list[list[int]] = []
         while pos < hi:
             j = pos // seg
@@ -70,9 +76,8 @@ def prompt_hashes_of(block_hashes: tuple[int, ...], prompt_tokens: int, unique: 
             else:
                 runs.append([v, end - pos])
             pos = end
-        h = blake2b(parent, digest_size=16)
-        h.update(b"|runs:" + ",".join(f"{v}x{c}" for v, c in runs).encode())
-        parent = h.digest()
+        parent = blake2b(parent + b"|runs:" + ",".join(f"{v}x{c}" for v, c in runs).encode(),
+                         digest_size=16).digest()
         out.append(parent)
     return out
 
