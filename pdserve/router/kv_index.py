@@ -51,8 +51,9 @@ class KvIndex:
         self.max_blocks_per_source = max_blocks_per_source
         self.max_sources = max_sources
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
-        # The same pairs by hash: which sources hold a block (`holders` walks only those).
-        self._where: dict[bytes, set[str]] = {}
+        # The same pairs by hash: which sources hold a block (`holders` walks only those); one
+        # holder is kept as its name, a set only for a shared block (fewer objects to keep).
+        self._where: dict[bytes, str | set[str]] = {}
         self.applied = 0
         self.dropped = 0
         self.refused = 0
@@ -67,7 +68,7 @@ class KvIndex:
                 return
             blocks = self._blocks[event.source] = OrderedDict()
         self.applied += 1
-        source, where = event.source, self._where
+        source = event.source
         if event.kind == CLEARED:
             for h in blocks:
                 self._forget(h, source)
@@ -78,15 +79,7 @@ class KvIndex:
                     self._forget(h, source)
         else:
             for h in event.hashes:
-                if h in blocks:
-                    blocks.move_to_end(h)
-                else:
-                    blocks[h] = None
-                    holding = where.get(h)
-                    if holding is None:
-                        where[h] = {source}
-                    else:
-                        holding.add(source)
+                self._store(blocks, source, h)
             while len(blocks) > self.max_blocks_per_source:
                 self._forget(blocks.popitem(last=False)[0], source)
                 self.dropped += 1
@@ -96,7 +89,7 @@ class KvIndex:
         applying `KvEvent(source, kind, (hash,))` for each, without an event per block (a
         worker's log interleaves the two kinds block by block as it evicts and stores)."""
         blocks = self._blocks.get(source)
-        where, cap = self._where, self.max_blocks_per_source
+        cap = self.max_blocks_per_source
         for kind, h in changes:
             if blocks is None:
                 if kind != STORED:
@@ -110,26 +103,37 @@ class KvIndex:
                 if blocks.pop(h, 0) is None:
                     self._forget(h, source)
             elif kind == STORED:
-                if h in blocks:
-                    blocks.move_to_end(h)
-                else:
-                    blocks[h] = None
-                    holding = where.get(h)
-                    if holding is None:
-                        where[h] = {source}
-                    else:
-                        holding.add(source)
-                    if len(blocks) > cap:
-                        self._forget(blocks.popitem(last=False)[0], source)
-                        self.dropped += 1
+                if self._store(blocks, source, h) and len(blocks) > cap:
+                    self._forget(blocks.popitem(last=False)[0], source)
+                    self.dropped += 1
             else:
                 raise ValueError(f"kind must be {STORED!r} or {REMOVED!r}, got {kind!r}")
 
+    def _store(self, blocks: OrderedDict, source: str, h: bytes) -> bool:
+        """Mark `h` stored (most recently) by `source`; whether it is new there."""
+        if h in blocks:
+            blocks.move_to_end(h)
+            return False
+        blocks[h] = None
+        where = self._where
+        holding = where.get(h)
+        if holding is None:
+            where[h] = source
+        elif type(holding) is str:
+            where[h] = {holding, source}
+        else:
+            holding.add(source)
+        return True
+
     def _forget(self, h: bytes, source: str) -> None:
-        holding = self._where[h]
+        where = self._where
+        holding = where[h]
+        if type(holding) is str:
+            del where[h]
+            return
         holding.discard(source)
-        if not holding:
-            del self._where[h]
+        if len(holding) == 1:
+            where[h] = next(iter(holding))
 
     def apply_all(self, events: Iterable[KvEvent]) -> None:
         for e in events:
@@ -159,8 +163,10 @@ class KvIndex:
         n = 0
         for h in hashes:
             holding = self._where.get(h)
-            if not holding:
+            if holding is None:
                 break
+            if type(holding) is str:
+                holding = {holding}
             nxt = set(holding) if live is None else live & holding
             if live is not None:
                 for s in live - nxt:

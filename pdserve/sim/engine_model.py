@@ -7,8 +7,9 @@ and `BlockPool`, driven through the engine's own step seam: `plan` is the schedu
 finishing, freeing and parking a prefill-only request's KV are the scheduler's. Also: queueing a
 prompt, placing KV blocks computed elsewhere (a store fetch; a hand-over through the scheduler's
 `add_prefilled`), and the bulk form of pure decode steps (`decode_run` / `run_decode`). Token
-ids are synthesized from a request's prefix ids, so equal prefixes hash to equal blocks and the
-real prefix cache hits where the trace says it should.
+ids are synthesized from a request's prefix ids, and the prompt's block hashes derived from
+those ids (`prompt_hashes_of`, handed to the scheduler as known), so equal prefixes name equal
+blocks and the real prefix cache hits where the trace says it should, with no token hashed.
 
 Must not model time (the worker does, from the profile) and must not import the engine at
 module import: the scheduler module is loaded on first use.
@@ -102,47 +103,6 @@ class _Recorder:
             self.events.append((kind, block_hash))
 
 
-class LazyHashes:
-    """A prompt's chained block hashes (as `prompt_block_hashes` gives them), computed only as
-    far as someone reads: an index lookup stops at the first block it lacks."""
-
-    __slots__ = ("_tokens", "_bs", "_n", "_hash", "_done")
-
-    def __init__(self, tokens: list[int], block_size: int, hash_block) -> None:
-        self._tokens, self._bs, self._hash = tokens, block_size, hash_block
-        self._n = len(tokens) // block_size
-        self._done: list[bytes] = []
-
-    def _upto(self, n: int) -> None:
-        done, bs, t = self._done, self._bs, self._tokens
-        parent = done[-1] if done else None
-        for i in range(len(done), min(n, self._n)):
-            parent = self._hash(parent, t[i * bs:(i + 1) * bs], "")
-            done.append(parent)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __iter__(self):
-        i = 0
-        while i < self._n:
-            if i >= len(self._done):
-                self._upto(i + 1)
-            yield self._done[i]
-            i += 1
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            stop = self._n if index.stop is None else min(index.stop, self._n)
-            self._upto(stop)
-            return self._done[index]
-        self._upto(index + 1 if index >= 0 else self._n)
-        return self._done[index]
-
-    def __bool__(self) -> bool:
-        return self._n > 0
-
-
 class PlannedStep:
     """One scheduled step: the scheduler's batch and the sizes the step-time model needs."""
 
@@ -162,7 +122,6 @@ class EngineModel:
                  max_num_batched_tokens: int, max_waiting: int,
                  enable_prefix_caching: bool = True, record_events: bool = False) -> None:
         from pdserve.core import finish
-        from pdserve.core.block_hash import hash_block
         from pdserve.core.sampling_params import SamplingParams
         from pdserve.engine import block_pool, scheduler
         from pdserve.engine.config import SchedulerConfig
@@ -171,7 +130,6 @@ class EngineModel:
         self._Params = SamplingParams
         self._simulated_output = scheduler.simulated_output
         self._length = finish.LENGTH
-        self._hash_block = hash_block
         self.pool = block_pool.BlockPool(num_blocks, max_events=1)
         # The pool's event log serves RPC readers on other threads (a lock and a condition per
         # event); one thread reads it here, so a plain recorder takes its place: same events.
@@ -197,11 +155,6 @@ class EngineModel:
         self.sched.add(self._seq(rid, prompt, 1 if prefill_only else output_tokens,
                                  prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens,
                                  known_hashes=known_hashes))
-
-    def prompt_hashes(self, prompt: list[int]) -> LazyHashes:
-        """The chained hashes of the prompt's reusable full blocks (all tokens but the last),
-        as the router and the prefill role compute them (lazily)."""
-        return LazyHashes(prompt[:-1], self.block_size, self._hash_block)
 
     def block_events(self) -> list[tuple[str, bytes]]:
         """The prefix cache's changes since the last call: (\"stored\" | \"removed\", hash)."""
