@@ -45,14 +45,17 @@ class KvEvent:
 
 
 class KvIndex:
-    def __init__(self, max_blocks_per_source: int = 200_000, max_sources: int = 256) -> None:
+    def __init__(self, max_blocks_per_source: int = 200_000, max_sources: int = 256,
+                 by_hash: bool = False) -> None:
         if max_blocks_per_source < 1 or max_sources < 1:
             raise ValueError("max_blocks_per_source and max_sources must be >= 1")
         self.max_blocks_per_source = max_blocks_per_source
         self.max_sources = max_sources
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
-        # The same pairs by hash: which sources hold a block (`holders` walks only those); one
-        # holder is kept as its name, a set only for a shared block (fewer objects to keep).
+        # With `by_hash`, the same pairs by hash: which sources hold a block, so `holders` walks
+        # only those instead of every source (worth its upkeep per block change with many
+        # sources). One holder is kept as its name, a set only for a shared block.
+        self.by_hash = by_hash
         self._where: dict[bytes, str | set[str]] = {}
         self.applied = 0
         self.dropped = 0
@@ -115,6 +118,8 @@ class KvIndex:
             blocks.move_to_end(h)
             return False
         blocks[h] = None
+        if not self.by_hash:
+            return True
         where = self._where
         holding = where.get(h)
         if holding is None:
@@ -126,6 +131,8 @@ class KvIndex:
         return True
 
     def _forget(self, h: bytes, source: str) -> None:
+        if not self.by_hash:
+            return
         where = self._where
         holding = where[h]
         if type(holding) is str:
@@ -157,7 +164,10 @@ class KvIndex:
     def holders(self, hashes: Iterable[bytes]) -> dict[str, int]:
         """{source: overlap} for every source whose overlap with the chained `hashes` is at
         least one (the others' is zero): the work is the holders of each leading block, not
-        the number of sources."""
+        the number of sources (with `by_hash`; else a pass over the sources)."""
+        if not self.by_hash:
+            hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
+            return {s: n for s in self._blocks if (n := self.overlap(s, hashes))}
         out: dict[str, int] = {}
         live: set[str] | None = None
         n = 0

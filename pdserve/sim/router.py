@@ -34,8 +34,10 @@ class SimRouter:
                          DECODE: make_policy(cfg.decode_policy, seed=cfg.seed + 1)}
         self.kv_aware = isinstance(self.policies[PREFILL], KvAware)
         self.admission = Admission(cfg.admission)
+        # Past a few dozen workers, finding a prompt's holders by hash beats asking every
+        # worker, though the by-hash map costs upkeep on every block change.
         self.index = KvIndex(max_blocks_per_source=10_000_000,
-                             max_sources=len(addresses) + 1)
+                             max_sources=len(addresses) + 1, by_hash=len(addresses) > 64)
         self.rates = RateMeter()
         self.block_size = cfg.block_size
         self._loads: dict[str, WorkerLoad] = {}
