@@ -21,6 +21,10 @@ Policies:
   with the smallest running batch; if none fits, the one with the most free blocks.
 - `choose_offload`: which decode worker, if any, prefills a prompt itself within the offload
   budget the controller gave it (FluidPD's prefill offload).
+
+`KvAware.decide_sparse` and `DecodeChooser.decide_sparse` make the same choice as `decide`
+from workers kept in `LoadOrder`s by the caller (plus, for KV-aware, the workers caching part
+of the prompt), so a choice among a thousand workers does not score them all.
 """
 
 from __future__ import annotations
