@@ -58,6 +58,10 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks registered so far
+    # The chained hashes of the prompt's leading full blocks, when the caller already has them
+    # (the router and the prefill role compute them; a simulator derives them from its trace):
+    # the scheduler hashes token ids only past them. Empty: it hashes every block itself.
+    known_hashes: tuple[bytes, ...] | list[bytes] = ()
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or an import
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
@@ -145,8 +149,26 @@ class Scheduler:
         self.prompt_tokens_computed = 0  # run through the model, not served from a cache
 
     def add(self, seq: Sequence) -> None:
+        if len(seq.known_hashes) > len(seq.prompt_ids) // self.block_size:
+            raise ValueError(f"known_hashes: {len(seq.known_hashes)} hashes for a prompt of "
+                             f"{len(seq.prompt_ids) // self.block_size} full blocks")
         self._check_room()
         self.waiting.append(seq)
+
+    def _hashes(self, seq: Sequence, end_block: int, first: int = 0,
+                parent: bytes | None = None):
+        """The chained hashes of seq's full blocks `first` .. `end_block` - 1 (`parent`: the
+        hash of block `first` - 1): the caller's `known_hashes` where they reach, then hashed
+        from the token ids. Lazy, so a prefix lookup stops at its first miss."""
+        known = seq.known_hashes
+        k = min(end_block, len(known))
+        for i in range(first, k):
+            yield known[i]
+        if end_block > max(first, k):
+            if k > first:
+                first, parent = k, known[k - 1]
+            yield from iter_block_hashes(seq.token_ids, self.block_size, seq.salt, first=first,
+                                         parent=parent, end_block=end_block)
 
     def _check_room(self) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
@@ -250,7 +272,7 @@ class Scheduler:
         if not self.enable_prefix_caching:
             return hits
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        for h in iter_block_hashes(seq.token_ids, self.block_size, seq.salt, end_block=max_blocks):
+        for h in self._hashes(seq, max_blocks):
             bid = self.pool.lookup(h)
             if bid is None:
                 break
@@ -322,8 +344,7 @@ class Scheduler:
         if not seq.num_output_tokens:  # a recompute after preemption is not a user-visible cache hit
             seq.num_cached_tokens = hit_tokens
         # The hit blocks' hashes are the first entries of the chain.
-        seq.block_hashes = list(iter_block_hashes(seq.token_ids, self.block_size, seq.salt,
-                                                  end_block=n_hit_blocks))
+        seq.block_hashes = list(self._hashes(seq, n_hit_blocks))
 
     def trim_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Release the blocks past those holding positions [0, num_tokens): after verification,
@@ -349,9 +370,7 @@ class Scheduler:
         if n_full <= first:  # most decode steps complete no block
             return
         parent = seq.block_hashes[-1] if seq.block_hashes else None
-        for i, h in enumerate(iter_block_hashes(seq.token_ids, self.block_size, seq.salt,
-                                                first=first, parent=parent, end_block=n_full),
-                              start=first):
+        for i, h in enumerate(self._hashes(seq, n_full, first, parent), start=first):
             # Hashes are kept even with caching off: exporting KV names blocks by them.
             seq.block_hashes.append(h)
             if self.enable_prefix_caching and not seq.anchor_from:  # approximate KV: no

@@ -45,12 +45,18 @@ class KvEvent:
 
 
 class KvIndex:
-    def __init__(self, max_blocks_per_source: int = 200_000, max_sources: int = 256) -> None:
+    def __init__(self, max_blocks_per_source: int = 200_000, max_sources: int = 256,
+                 by_hash: bool = False) -> None:
         if max_blocks_per_source < 1 or max_sources < 1:
             raise ValueError("max_blocks_per_source and max_sources must be >= 1")
         self.max_blocks_per_source = max_blocks_per_source
         self.max_sources = max_sources
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+        # With `by_hash`, the same pairs by hash: which sources hold a block, so `holders` walks
+        # only those instead of every source (worth its upkeep per block change with many
+        # sources). One holder is kept as its name, a set only for a shared block.
+        self.by_hash = by_hash
+        self._where: dict[bytes, str | set[str]] = {}
         self.applied = 0
         self.dropped = 0
         self.refused = 0
@@ -65,18 +71,76 @@ class KvIndex:
                 return
             blocks = self._blocks[event.source] = OrderedDict()
         self.applied += 1
+        source = event.source
         if event.kind == CLEARED:
+            for h in blocks:
+                self._forget(h, source)
             blocks.clear()
         elif event.kind == REMOVED:
             for h in event.hashes:
-                blocks.pop(h, None)
+                if blocks.pop(h, 0) is None:
+                    self._forget(h, source)
         else:
             for h in event.hashes:
-                blocks[h] = None
-                blocks.move_to_end(h)
+                self._store(blocks, source, h)
             while len(blocks) > self.max_blocks_per_source:
-                blocks.popitem(last=False)
+                self._forget(blocks.popitem(last=False)[0], source)
                 self.dropped += 1
+
+    def apply_changes(self, source: str, changes: Iterable[tuple[str, bytes]]) -> None:
+        """One source's block changes in order, [(STORED | REMOVED, hash)]: the same as
+        applying `KvEvent(source, kind, (hash,))` for each, without an event per block (a
+        worker's log interleaves the two kinds block by block as it evicts and stores)."""
+        blocks = self._blocks.get(source)
+        cap = self.max_blocks_per_source
+        for kind, h in changes:
+            if blocks is None:
+                if kind != STORED:
+                    continue
+                if len(self._blocks) >= self.max_sources:
+                    self.refused += 1
+                    continue
+                blocks = self._blocks[source] = OrderedDict()
+            self.applied += 1
+            if kind == REMOVED:
+                if blocks.pop(h, 0) is None:
+                    self._forget(h, source)
+            elif kind == STORED:
+                if self._store(blocks, source, h) and len(blocks) > cap:
+                    self._forget(blocks.popitem(last=False)[0], source)
+                    self.dropped += 1
+            else:
+                raise ValueError(f"kind must be {STORED!r} or {REMOVED!r}, got {kind!r}")
+
+    def _store(self, blocks: OrderedDict, source: str, h: bytes) -> bool:
+        """Mark `h` stored (most recently) by `source`; whether it is new there."""
+        if h in blocks:
+            blocks.move_to_end(h)
+            return False
+        blocks[h] = None
+        if not self.by_hash:
+            return True
+        where = self._where
+        holding = where.get(h)
+        if holding is None:
+            where[h] = source
+        elif type(holding) is str:
+            where[h] = {holding, source}
+        else:
+            holding.add(source)
+        return True
+
+    def _forget(self, h: bytes, source: str) -> None:
+        if not self.by_hash:
+            return
+        where = self._where
+        holding = where[h]
+        if type(holding) is str:
+            del where[h]
+            return
+        holding.discard(source)
+        if len(holding) == 1:
+            where[h] = next(iter(holding))
 
     def apply_all(self, events: Iterable[KvEvent]) -> None:
         for e in events:
@@ -96,6 +160,34 @@ class KvIndex:
 
     def overlaps(self, sources: Sequence[str], hashes: Sequence[bytes]) -> list[int]:
         return [self.overlap(s, hashes) for s in sources]
+
+    def holders(self, hashes: Iterable[bytes]) -> dict[str, int]:
+        """{source: overlap} for every source whose overlap with the chained `hashes` is at
+        least one (the others' is zero): the work is the holders of each leading block, not
+        the number of sources (with `by_hash`; else a pass over the sources)."""
+        if not self.by_hash:
+            hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
+            return {s: n for s in self._blocks if (n := self.overlap(s, hashes))}
+        out: dict[str, int] = {}
+        live: set[str] | None = None
+        n = 0
+        for h in hashes:
+            holding = self._where.get(h)
+            if holding is None:
+                break
+            if type(holding) is str:
+                holding = {holding}
+            nxt = set(holding) if live is None else live & holding
+            if live is not None:
+                for s in live - nxt:
+                    out[s] = n
+            live = nxt
+            n += 1
+            if not live:
+                break
+        for s in live or ():
+            out[s] = n
+        return out
 
     def size(self, source: str) -> int:
         return len(self._blocks.get(source, ()))

@@ -21,13 +21,18 @@ Policies:
   with the smallest running batch; if none fits, the one with the most free blocks.
 - `choose_offload`: which decode worker, if any, prefills a prompt itself within the offload
   budget the controller gave it (FluidPD's prefill offload).
+
+`KvAware.decide_sparse` and `DecodeChooser.decide_sparse` make the same choice as `decide`
+from workers kept in `LoadOrder`s by the caller (plus, for KV-aware, the workers caching part
+of the prompt), so a choice among a thousand workers does not score them all.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from bisect import bisect_right, insort
+from dataclasses import dataclass, field, replace
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
@@ -144,9 +149,13 @@ class PowerOfTwo:
 
 def prefill_parts(inp: RouteInput, w: WorkerLoad) -> tuple[int, int, int]:
     """(local blocks, fetched blocks, tokens to compute) of the prompt on worker `w`."""
+    return _parts(inp, w.cached_blocks)
+
+
+def _parts(inp: RouteInput, cached_blocks: int) -> tuple[int, int, int]:
     bs = inp.block_size_tokens
     reusable = max(0, inp.prompt_tokens - 1) // bs
-    local = min(w.cached_blocks, reusable)
+    local = min(cached_blocks, reusable)
     fetch = max(0, min(inp.store_cached_blocks, reusable) - local)
     return local, fetch, inp.prompt_tokens - (local + fetch) * bs
 
@@ -172,16 +181,49 @@ class KvAware:
             if getattr(self, f) < 0:
                 raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
 
+    def load_of(self, w: WorkerLoad) -> float:
+        """A worker's queue load in token units (the `LoadOrder` key's first part)."""
+        return w.in_flight_tokens + self.request_cost_tokens * w.in_flight
+
+    def _score_one(self, inp: RouteInput, i: int, w: WorkerLoad,
+                   cached_blocks: int | None = None) -> WorkerScore:
+        local, fetch, compute = _parts(
+            inp, w.cached_blocks if cached_blocks is None else cached_blocks)
+        load = self.load_of(w)
+        work = compute + self.fetch_weight * fetch * inp.block_size_tokens
+        return WorkerScore(i, local, fetch, compute, work, load,
+                           self.overlap_weight * work + load)
+
     def score(self, inp: RouteInput) -> tuple[WorkerScore, ...]:
-        out = []
-        for i in _live(inp.workers):
-            w = inp.workers[i]
-            local, fetch, compute = prefill_parts(inp, w)
-            load = w.in_flight_tokens + self.request_cost_tokens * w.in_flight
-            work = compute + self.fetch_weight * fetch * inp.block_size_tokens
-            out.append(WorkerScore(i, local, fetch, compute, work, load,
-                                   self.overlap_weight * work + load))
-        return tuple(out)
+        return tuple(self._score_one(inp, i, inp.workers[i]) for i in _live(inp.workers))
+
+    def decide_sparse(self, inp: RouteInput, cached: dict[int, int],
+                      order: LoadOrder) -> RouteDecision:
+        """The same choice as `decide` on `inp` with `cached_blocks` set from `cached`
+        (worker index -> its cached leading blocks; absent means none), without scoring every
+        worker: a worker caching nothing differs from the others caching nothing only in its
+        load, so only the cheapest of them by `order` (healthy workers keyed by `load_of` and
+        requests in flight, kept current by the caller) can win. Work: the holders plus a
+        search of the order. `scores` holds only the candidates: the holders and that one."""
+        if self.temperature > 0:  # sampling weighs every worker
+            workers = list(inp.workers)
+            for i, c in cached.items():
+                workers[i] = replace(workers[i], cached_blocks=c)
+            return self.decide(replace(inp, workers=tuple(workers)))
+        cands = [self._score_one(inp, i, inp.workers[i], c)
+                 for i, c in sorted(cached.items()) if c > 0 and inp.workers[i].healthy]
+        _, fetch0, compute0 = _parts(inp, 0)
+        cost0 = self.overlap_weight * (compute0 + self.fetch_weight * fetch0
+                                       * inp.block_size_tokens)
+        skip = {s.index for s in cands}
+        other = order.cheapest(lambda load: cost0 + load, skip)
+        if other is not None:
+            cands.append(self._score_one(inp, other, inp.workers[other], 0))
+        if not cands:
+            raise NoWorkerError("no healthy worker")
+        best = min(cands, key=lambda s: (s.cost, inp.workers[s.index].in_flight, s.index))
+        return RouteDecision(best.index, tuple(sorted(cands, key=lambda s: s.index)),
+                             best.work_tokens)
 
     def decide(self, inp: RouteInput) -> RouteDecision:
         scores = self.score(inp)
@@ -196,6 +238,63 @@ class KvAware:
         low = min(s.cost for s in scores)
         weights = [math.exp(-(s.cost - low) / scale) for s in scores]
         return self.rng.choices(scores, weights=weights)[0]
+
+
+class LoadOrder:
+    """Worker indices kept sorted by a two-part key and the index: (queue load, requests in
+    flight) for `KvAware.decide_sparse`, `DecodeChooser.by_batch` / `by_free` for
+    `DecodeChooser.decide_sparse`. The caller sets a worker's key whenever it changes and
+    discards a worker that stops being a healthy candidate."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[float, int, int]] = []
+        self._of: dict[int, tuple[float, int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def set(self, index: int, load: float, in_flight: float) -> None:
+        key = (load, in_flight, index)
+        old = self._of.get(index)
+        if old == key:
+            return
+        if old is not None:
+            self._remove(old)
+        self._of[index] = key
+        insort(self._keys, key)
+
+    def discard(self, index: int) -> None:
+        old = self._of.pop(index, None)
+        if old is not None:
+            self._remove(old)
+
+    def _remove(self, key: tuple[float, int, int]) -> None:
+        del self._keys[bisect_right(self._keys, key) - 1]
+
+    def first(self) -> int | None:
+        return self._keys[0][2] if self._keys else None
+
+    def __iter__(self):
+        return (key[2] for key in self._keys)
+
+    def cheapest(self, cost_of, skip: set[int]) -> int | None:
+        """The index with the least (cost_of(load), in flight, index), not in `skip`;
+        `cost_of` must not decrease as load grows. Within one load value the order's first is
+        that value's best; the next values are tried only while their cost can still tie
+        (rounding can make two loads cost the same)."""
+        keys, pos, best = self._keys, 0, None
+        while pos < len(keys):
+            load, in_flight, i = keys[pos]
+            if i in skip:
+                pos += 1
+                continue
+            c = cost_of(load)
+            if best is not None and c > best[0]:
+                break
+            if best is None or (c, in_flight, i) < best:
+                best = (c, in_flight, i)
+            pos = bisect_right(keys, (load, math.inf, math.inf), pos)
+        return None if best is None else best[2]
 
 
 class DecodeChooser:
@@ -225,6 +324,32 @@ class DecodeChooser:
         if fits:
             return RouteDecision(min(fits, key=lambda i: (batch(i), -free(i), i)), fits=True)
         return RouteDecision(min(live, key=lambda i: (-free(i), batch(i), i)), fits=False)
+
+    @staticmethod
+    def by_batch(w: WorkerLoad) -> tuple[int, int]:
+        """A worker's key in the batch order `decide_sparse` reads (then its index)."""
+        return max(w.running + w.waiting, w.in_flight), -(w.free_blocks or 0)
+
+    @staticmethod
+    def by_free(w: WorkerLoad) -> tuple[int, int]:
+        """A worker's key in the free-blocks order `decide_sparse` reads (then its index)."""
+        return -(w.free_blocks or 0), max(w.running + w.waiting, w.in_flight)
+
+    def decide_sparse(self, inp: RouteInput, batch_order: LoadOrder,
+                      free_order: LoadOrder) -> RouteDecision:
+        """The same choice as `decide`, from the healthy workers kept in two orders (by
+        `by_batch` and by `by_free`, index last) instead of a pass over all: if the worker with
+        the most free blocks cannot fit the request, none can and it is the choice; otherwise
+        the first in batch order that fits."""
+        top = free_order.first()
+        if top is None:
+            raise NoWorkerError("no healthy worker")
+        if (inp.workers[top].free_blocks or 0) >= inp.need_blocks:  # some worker may fit
+            for i in batch_order:
+                w = inp.workers[i]
+                if w.free_blocks is not None and w.free_blocks >= inp.need_blocks:
+                    return RouteDecision(i, fits=True)
+        return RouteDecision(top, fits=False)
 
 
 class OffloadSlot(Protocol):

@@ -19,7 +19,7 @@ from pdserve.router.membership import ACTIVE, DECODE, DRAINING, PREFILL
 from pdserve.router.policy import NoWorkerError
 from pdserve.sim.config import SimConfig
 from pdserve.sim.control import SimController
-from pdserve.sim.engine_model import EngineModel, prompt_tokens_of
+from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
 from pdserve.sim.events import EventQueue
 from pdserve.sim.network import KvStore, Link
 from pdserve.sim.report import OK, SimReport
@@ -70,6 +70,7 @@ class Cluster:
             slo_ttft_s=self.slo.ttft_s, slo_itl_s=self.slo.itl_s, workers=len(roles))
         self.prompt: dict[int, list[int]] = {}
         self.hashes: dict[int, list[bytes]] = {}
+        self.known: dict[int, list[bytes]] = {}  # full blocks' hashes, until the prompt is queued
         self.held: dict[int, tuple[str, float, int]] = {}  # router's in-flight count to release
         self.own: dict[int, int] = {}  # prefill work queued in admission
         self.store_hits: dict[int, tuple[int, int]] = {}
@@ -126,6 +127,7 @@ class Cluster:
         self.unresolved -= 1
         self.prompt.pop(i, None)
         self.hashes.pop(i, None)
+        self.known.pop(i, None)
 
     def _arrive(self, i: int) -> None:
         now, r, router = self.q.now, self.reqs[i], self.router
@@ -140,11 +142,14 @@ class Cluster:
         if self.ctl is not None:
             self.ctl.started()
         prompt = self.prompt[i] = prompt_tokens_of(r.block_hashes, r.prompt_tokens, i + 1)
-        any_engine = next(iter(self.workers.values())).engine
-        hashes = self.hashes[i] = any_engine.prompt_hashes(prompt)
+        # The full blocks' hashes come from the trace's block ids (the scheduler takes them as
+        # known); the router's are those of the reusable blocks (all tokens but the last).
+        known = self.known[i] = prompt_hashes_of(r.block_hashes, r.prompt_tokens, i + 1,
+                                                 self.cfg.block_size)
+        hashes = self.hashes[i] = known[:(r.prompt_tokens - 1) // self.cfg.block_size]
         if self.cfg.admission.max_predicted_ttft_s > 0:
-            local, store = router.prefix(router.pool(PREFILL), hashes)
-            own = max(1, r.prompt_tokens - max([store, *local]) * self.cfg.block_size)
+            cached, store = router.prefix(hashes)
+            own = max(1, r.prompt_tokens - max([store, *cached.values()]) * self.cfg.block_size)
             try:
                 router.admission.admit_prefill(own, router.prefill_rate())
             except Overloaded as e:
@@ -159,8 +164,9 @@ class Cluster:
             self.held[i] = (address, 0.0, r.prompt_tokens)
             self.report.prefill_worker[i] = self.report.decode_worker[i] = address
             self.counts["offloaded"] += 1
+            known = self.known.pop(i)
             self._join(w, lambda: w.engine.add(str(i), prompt, r.output_tokens,
-                                               max_chunk_tokens=chunk))
+                                               max_chunk_tokens=chunk, known_hashes=known))
             return
         try:
             address, tokens = router.pick(PREFILL, r.prompt_tokens, 0, hashes)
@@ -184,12 +190,12 @@ class Cluster:
 
     def _to_prefill(self, w: SimWorker, i: int) -> None:
         local, in_store = self.store_hits.pop(i, (0, 0))
-        hashes, prompt = self.hashes[i], self.prompt[i]
+        hashes, prompt, known = self.hashes[i], self.prompt[i], self.known.pop(i)
 
         def enter() -> None:
             if in_store > local:
                 w.engine.import_cached(hashes[local:in_store])
-            w.engine.add(str(i), prompt, 1, prefill_only=True)
+            w.engine.add(str(i), prompt, 1, prefill_only=True, known_hashes=known)
 
         self._join(w, enter)
 
@@ -243,6 +249,7 @@ class Cluster:
                               r.output_tokens, rep.prefill_worker[i] == rep.decode_worker[i])
         self.prompt.pop(i, None)
         self.hashes.pop(i, None)
+        self.known.pop(i, None)
         self.unresolved -= 1
 
     # ---- transfers -----------------------------------------------------------------------------

@@ -7,8 +7,9 @@ and `BlockPool`, driven through the engine's own step seam: `plan` is the schedu
 finishing, freeing and parking a prefill-only request's KV are the scheduler's. Also: queueing a
 prompt, placing KV blocks computed elsewhere (a store fetch; a hand-over through the scheduler's
 `add_prefilled`), and the bulk form of pure decode steps (`decode_run` / `run_decode`). Token
-ids are synthesized from a request's prefix ids, so equal prefixes hash to equal blocks and the
-real prefix cache hits where the trace says it should.
+ids are synthesized from a request's prefix ids, and the prompt's block hashes derived from
+those ids (`prompt_hashes_of`, handed to the scheduler as known), so equal prefixes name equal
+blocks and the real prefix cache hits where the trace says it should, with no token hashed.
 
 Must not model time (the worker does, from the profile) and must not import the engine at
 module import: the scheduler module is loaded on first use.
@@ -24,6 +25,7 @@ finishes and frees those that reach max_tokens, as `update_from_output` would).
 from __future__ import annotations
 
 import itertools
+from hashlib import blake2b
 from typing import Any
 
 from pdserve.sim.profile import attn_pairs
@@ -47,6 +49,41 @@ def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
     return out
 
 
+def prompt_hashes_of(block_hashes: tuple[int, ...], prompt_tokens: int, unique: int,
+                     block_size: int) -> list[bytes]:
+    """The chained hashes of the full `block_size`-token blocks of the prompt that
+    `prompt_tokens_of` makes, derived from the trace's block ids without reading its tokens:
+    each block is named by its runs of equal tokens (value x count) and its parent's hash. Two
+    blocks get equal hashes exactly when their token ids and everything before them are equal,
+    as with `hash_block`, whose names these never equal (a different encoding), so the
+    scheduler can hash the blocks past them (decoded tokens) from token ids as usual."""
+    seg = HASH_BLOCK_TOKENS
+    n_ids = min(len(block_hashes), -(-prompt_tokens // seg))
+    out: list[bytes] = []
+    parent = b""
+    for k in range(prompt_tokens // block_size):
+        pos, hi = k * block_size, (k + 1) * block_size
+        j = pos // seg
+        if j >= n_ids or hi <= (j + 1) * seg:  # one run: the common case
+            v = block_hashes[j] + 2 if j < n_ids else -unique
+            parent = blake2b(parent + b"|runs:%dx%d" % (v, block_size), digest_size=16).digest()
+            out.append(parent)
+            continue
+        runs: list[list[int]] = []
+        while pos < hi:
+            j = pos // seg
+            v, end = (block_hashes[j] + 2, min(hi, (j + 1) * seg)) if j < n_ids else (-unique, hi)
+            if runs and runs[-1][0] == v:
+                runs[-1][1] += end - pos
+            else:
+                runs.append([v, end - pos])
+            pos = end
+        parent = blake2b(parent + b"|runs:" + ",".join(f"{v}x{c}" for v, c in runs).encode(),
+                         digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
 def leading_run(items, holds) -> int:
     """How many of the first `items` satisfy `holds`, up to the first that does not."""
     return sum(1 for _ in itertools.takewhile(holds, items))
@@ -65,47 +102,6 @@ class _Recorder:
     def append(self, kind: str, block_hash: bytes) -> None:
         if self.keep:
             self.events.append((kind, block_hash))
-
-
-class LazyHashes:
-    """A prompt's chained block hashes (as `prompt_block_hashes` gives them), computed only as
-    far as someone reads: an index lookup stops at the first block it lacks."""
-
-    __slots__ = ("_tokens", "_bs", "_n", "_hash", "_done")
-
-    def __init__(self, tokens: list[int], block_size: int, hash_block) -> None:
-        self._tokens, self._bs, self._hash = tokens, block_size, hash_block
-        self._n = len(tokens) // block_size
-        self._done: list[bytes] = []
-
-    def _upto(self, n: int) -> None:
-        done, bs, t = self._done, self._bs, self._tokens
-        parent = done[-1] if done else None
-        for i in range(len(done), min(n, self._n)):
-            parent = self._hash(parent, t[i * bs:(i + 1) * bs], "")
-            done.append(parent)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __iter__(self):
-        i = 0
-        while i < self._n:
-            if i >= len(self._done):
-                self._upto(i + 1)
-            yield self._done[i]
-            i += 1
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            stop = self._n if index.stop is None else min(index.stop, self._n)
-            self._upto(stop)
-            return self._done[index]
-        self._upto(index + 1 if index >= 0 else self._n)
-        return self._done[index]
-
-    def __bool__(self) -> bool:
-        return self._n > 0
 
 
 class PlannedStep:
@@ -129,7 +125,6 @@ class EngineModel:
                  max_num_batched_tokens: int, max_waiting: int,
                  enable_prefix_caching: bool = True, record_events: bool = False) -> None:
         from pdserve.core import finish
-        from pdserve.core.block_hash import hash_block
         from pdserve.core.sampling_params import SamplingParams
         from pdserve.engine import block_pool, scheduler
         from pdserve.engine.config import SchedulerConfig
@@ -138,7 +133,6 @@ class EngineModel:
         self._Params = SamplingParams
         self._simulated_output = scheduler.simulated_output
         self._length = finish.LENGTH
-        self._hash_block = hash_block
         self.pool = block_pool.BlockPool(num_blocks, max_events=1)
         # The pool's event log serves RPC readers on other threads (a lock and a condition per
         # event); one thread reads it here, so a plain recorder takes its place: same events.
@@ -158,14 +152,12 @@ class EngineModel:
         return seq
 
     def add(self, rid: str, prompt: list[int], output_tokens: int, *, prefill_only: bool = False,
-            max_chunk_tokens: int = 0) -> None:
+            max_chunk_tokens: int = 0, known_hashes=()) -> None:
+        """Queue a prompt; `known_hashes` (its full blocks' chained hashes, if the caller has
+        them) spare the scheduler hashing its token ids."""
         self.sched.add(self._seq(rid, prompt, 1 if prefill_only else output_tokens,
-                                 prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens))
-
-    def prompt_hashes(self, prompt: list[int]) -> LazyHashes:
-        """The chained hashes of the prompt's reusable full blocks (all tokens but the last),
-        as the router and the prefill role compute them (lazily)."""
-        return LazyHashes(prompt[:-1], self.block_size, self._hash_block)
+                                 prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens,
+                                 known_hashes=known_hashes))
 
     def block_events(self) -> list[tuple[str, bytes]]:
         """The prefix cache's changes since the last call: (\"stored\" | \"removed\", hash)."""
@@ -196,7 +188,9 @@ class EngineModel:
         it). False if the first token already ended it (nothing is queued)."""
         if output_tokens <= 1:
             return False
-        seq = self._seq(rid, prompt, output_tokens)
+        full = len(prompt) // self.block_size
+        # Named as the prefill named them, also when a preemption makes it recompute here.
+        seq = self._seq(rid, prompt, output_tokens, known_hashes=list(hashes[:full]))
         seq.token_ids.append(SAMPLED_TOKEN)
         n_blocks = -(-len(prompt) // self.block_size)
         names = list(hashes[:n_blocks]) + [b""] * (n_blocks - min(n_blocks, len(hashes)))

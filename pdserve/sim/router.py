@@ -17,8 +17,9 @@ from pdserve.core.rates import RateMeter
 from pdserve.router.admission import Admission
 from pdserve.router.kv_index import CLEARED, REMOVED, STORED, KvEvent, KvIndex, store_source
 from pdserve.router.membership import (ACTIVE, DECODE, PREFILL, Membership, reports_draining)
-from pdserve.router.policy import (KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad,
-                                   choose_offload, make_policy)
+from pdserve.router.policy import (DecodeChooser, KvAware, LoadOrder, NoWorkerError,
+                                   RouteDecision, RouteInput, WorkerLoad, choose_offload,
+                                   make_policy)
 from pdserve.sim.config import SimConfig
 
 MODEL_ID = "sim"
@@ -33,12 +34,19 @@ class SimRouter:
                          DECODE: make_policy(cfg.decode_policy, seed=cfg.seed + 1)}
         self.kv_aware = isinstance(self.policies[PREFILL], KvAware)
         self.admission = Admission(cfg.admission)
+        # Past a few dozen workers, finding a prompt's holders by hash beats asking every
+        # worker, though the by-hash map costs upkeep on every block change.
         self.index = KvIndex(max_blocks_per_source=10_000_000,
-                             max_sources=len(addresses) + 1)
+                             max_sources=len(addresses) + 1, by_hash=len(addresses) > 64)
         self.rates = RateMeter()
         self.block_size = cfg.block_size
         self._loads: dict[str, WorkerLoad] = {}
         self._pools: dict[str, list[str]] = {}
+        # Per role whose policy decides from orders (KV-aware prefill, free-KV decode): the
+        # pool's loads (aligned with `pool(role)`) and the orders its `decide_sparse` reads,
+        # kept current by `_touch`; rebuilt after a membership change.
+        self._sparse = {role: self._order_keys(p) is not None for role, p in self.policies.items()}
+        self._views: dict[str, tuple[dict[str, int], list[WorkerLoad], list[LoadOrder]]] = {}
         self.last_decision: RouteDecision | None = None
         self._budgets = False  # whether any offload budget stands
         for address, role in sorted(addresses.items()):
@@ -49,10 +57,44 @@ class SimRouter:
     def _touch(self, address: str) -> None:
         m = self.membership.get(address)
         s = m.stats
-        self._loads[address] = WorkerLoad(
+        w = self._loads[address] = WorkerLoad(
             m.address, m.in_flight, True, m.in_flight_tokens, 0,
             free_blocks=None if s is None else s.num_free_blocks,
             running=0 if s is None else s.num_running, waiting=0 if s is None else s.num_waiting)
+        for role, (at, loads, orders) in self._views.items():
+            i = at.get(address)
+            if i is not None:
+                loads[i] = w
+                for order, key in zip(orders, self._order_keys(self.policies[role], w)):
+                    order.set(i, *key)
+
+    @staticmethod
+    def _order_keys(policy, w: WorkerLoad | None = None):
+        """The keys of `w` in the orders the policy's `decide_sparse` reads; None if it has
+        no such form (with no `w`: whether it has)."""
+        if isinstance(policy, KvAware):
+            return [(policy.load_of(w), w.in_flight)] if w is not None else []
+        if isinstance(policy, DecodeChooser):
+            return [policy.by_batch(w), policy.by_free(w)] if w is not None else []
+        return None
+
+    def _pools_changed(self) -> None:
+        self._pools.clear()
+        self._views.clear()
+
+    def _view(self, role: str) -> tuple[dict[str, int], list[WorkerLoad], list[LoadOrder]]:
+        v = self._views.get(role)
+        if v is None:
+            addresses = self.pool(role)
+            loads = [self._loads[a] for a in addresses]
+            policy = self.policies[role]
+            orders = [LoadOrder() for _ in self._order_keys(policy, self._loads[addresses[0]])
+                      ] if addresses else []
+            for i, w in enumerate(loads):
+                for order, key in zip(orders, self._order_keys(policy, w)):
+                    order.set(i, *key)
+            v = self._views[role] = ({a: i for i, a in enumerate(addresses)}, loads, orders)
+        return v
 
     def members(self) -> list:
         """Every member, by address (what the router's control API lists)."""
@@ -68,7 +110,7 @@ class SimRouter:
     def set_state(self, address: str, state: str, role: str | None, reason: str,
                   now: float) -> None:
         self.membership.set_state(address, state, role, reason, now=now)
-        self._pools.clear()
+        self._pools_changed()
         self._touch(address)
 
     def report(self, address: str, role: str, stats, now: float) -> None:
@@ -81,7 +123,7 @@ class SimRouter:
         else:
             self.rates.forget(address)
         if m is not None and (m.state, m.role) != was:
-            self._pools.clear()
+            self._pools_changed()
         self._touch(address)
 
     def prefill_rate(self) -> float | None:
@@ -95,50 +137,51 @@ class SimRouter:
 
     def worker_events(self, address: str, events) -> None:
         """A worker's prefix-cache changes, in order: [(STORED | REMOVED, hash)]."""
-        run_kind, run = None, []
-        for kind, h in events:
-            if kind != run_kind and run:
-                self.kv_event(address, run_kind, run)
-                run = []
-            run_kind = kind
-            run.append(h)
-        if run:
-            self.kv_event(address, run_kind, run)
+        self.index.apply_changes(address, events)
 
     def store_events(self, stored, evicted) -> None:
         self.kv_event(STORE, STORED, stored)
         self.kv_event(STORE, REMOVED, evicted)
 
     # ---- choices -------------------------------------------------------------------------------
-    def prefix(self, addresses: list[str], hashes) -> tuple[list[int], int]:
-        """(leading blocks cached per worker, leading blocks in the store), as the router's
-        block index knows them; zeros unless the prefill policy is KV-aware."""
+    def prefix(self, hashes) -> tuple[dict[int, int], int]:
+        """({index in the prefill pool: leading blocks it caches} for the workers caching
+        some, leading blocks in the store), as the router's block index knows them; empty
+        unless the prefill policy is KV-aware."""
         if not self.kv_aware or not hashes:
-            return [0] * len(addresses), 0
-        return self.index.overlaps(addresses, hashes), self.index.overlap(STORE, hashes)
+            return {}, 0
+        at = self._view(PREFILL)[0]
+        held = self.index.holders(hashes)
+        store = held.pop(STORE, 0)
+        return {at[a]: c for a, c in held.items() if a in at}, store
 
-    def route_input(self, role: str, prompt_tokens: int, extra_tokens: int,
-                    hashes=()) -> tuple[list[str], RouteInput]:
+    def route_input(self, role: str, prompt_tokens: int, extra_tokens: int
+                    ) -> tuple[list[str], RouteInput]:
         addresses = self.pool(role)
         if not addresses:
             raise NoWorkerError(f"no active {role} worker")
-        loads = self._loads
-        if role == PREFILL:
-            local, store = self.prefix(addresses, hashes)
-            workers = tuple(loads[a] if c == 0 else dataclasses.replace(loads[a], cached_blocks=c)
-                            for a, c in zip(addresses, local))
+        if self._sparse[role]:
+            workers = self._view(role)[1]
         else:
-            store = 0
+            loads = self._loads
             workers = tuple(loads[a] for a in addresses)
         need = -(-(prompt_tokens + extra_tokens) // self.block_size)
-        return addresses, RouteInput(workers, prompt_tokens, self.block_size, store, need)
+        return addresses, RouteInput(workers, prompt_tokens, self.block_size, 0, need)
 
     def pick(self, role: str, prompt_tokens: int, extra_tokens: int = 0, hashes=()
              ) -> tuple[str, float]:
         """The chosen member and the tokens counted in flight on it (release them at the end).
         Raises NoWorkerError."""
-        addresses, inp = self.route_input(role, prompt_tokens, extra_tokens, hashes)
-        d = self.policies[role].decide(inp)
+        addresses, inp = self.route_input(role, prompt_tokens, extra_tokens)
+        policy = self.policies[role]
+        if role == PREFILL and self.kv_aware:
+            cached, store = self.prefix(hashes)
+            inp = dataclasses.replace(inp, store_cached_blocks=store)
+            d = policy.decide_sparse(inp, cached, *self._view(role)[2])
+        elif self._sparse[role]:
+            d = policy.decide_sparse(inp, *self._view(role)[2])
+        else:
+            d = policy.decide(inp)
         self.last_decision = d
         address = addresses[d.index]
         tokens = d.work_tokens if d.work_tokens is not None else inp.prompt_tokens

@@ -303,3 +303,46 @@ def test_hand_overs_that_fill_the_pool_while_nothing_runs_still_all_finish():
         check_pool(sched)
     assert all(s.status is SeqStatus.FINISHED and len(s.output_ids) == 4 for s in seqs)
     assert sched.pool.num_free == 6 - sum(len(s.block_table) for s in seqs)
+
+
+def _drive_stream(known: bool) -> list:
+    """A stream with shared prefixes and preemption through a small pool; each prompt's full
+    blocks' hashes given by the caller (`known`) or hashed by the scheduler. The trace of what
+    every step did."""
+    rng = random.Random(11)
+    sched = make_scheduler(num_blocks=9, budget=10, max_seqs=4)
+    shared = list(range(500, 512))
+    trace = []
+    pending = []
+    for i in range(30):
+        prompt = (shared[:rng.choice([0, 4, 8, 12])]
+                  + [rng.randrange(1, 400) for _ in range(rng.randrange(1, 9))])
+        kw = {"known_hashes": prompt_block_hashes(prompt, BS)} if known else {}
+        pending.append(make_seq(f"r{i}", prompt, max_tokens=rng.randrange(1, 14), **kw))
+    for step in range(600):
+        if pending and step % 2 == 0:
+            sched.add(pending.pop(0))
+        batch = sched.schedule()
+        if batch.empty and not pending:
+            break
+        outs = sched.update_from_output(batch, simulated_output(batch, 7))
+        trace.append(([(s.request_id, n, list(s.block_table), list(s.block_hashes))
+                       for s, n in zip(batch.seqs, batch.num_new)],
+                      [s.request_id for s in batch.preempted],
+                      [(o.request_id, o.new_token_ids, o.num_cached_tokens) for o in outs]))
+    assert sched.prefix_hits_tokens > 0 and any(t[1] for t in trace)  # hits and preemption
+    return trace
+
+
+def test_known_prompt_hashes_schedule_exactly_as_hashing_the_tokens():
+    """A caller that already has the prompt's block hashes (the router, the prefill role, a
+    simulator) gets the same steps, blocks, prefix hits and block names as one that has not."""
+    assert _drive_stream(known=True) == _drive_stream(known=False)
+
+
+def test_known_hashes_longer_than_the_prompt_are_refused():
+    sched = make_scheduler()
+    prompt = list(range(1, 10))
+    with pytest.raises(ValueError, match="known_hashes"):
+        sched.add(make_seq("r", prompt, 2,
+                           known_hashes=prompt_block_hashes(prompt + [1, 2, 3], BS)))

@@ -99,3 +99,43 @@ def test_resume_point_is_read_from_the_masters_events_lost_error():
     after = resume_after(f"EventsLost: {lost.value}")  # as the master's service words it
     assert after is not None and core.events_since(after)  # the retained events follow
     assert resume_after("UNAVAILABLE: not the leader") is None
+
+
+@pytest.mark.parametrize("by_hash", [True, False])
+def test_holders_give_every_nonzero_overlap_as_events_change(by_hash):
+    import random
+
+    rng = random.Random(4)
+    idx = KvIndex(max_blocks_per_source=9, max_sources=5, by_hash=by_hash)
+    sources = [f"w{i}" for i in range(6)]
+    for _ in range(400):
+        s = rng.choice(sources)
+        kind = rng.choice([STORED, STORED, REMOVED, CLEARED])
+        start = rng.randrange(len(HASHES))
+        idx.apply(KvEvent(s, kind, tuple(HASHES[start:start + rng.randrange(1, 4)])
+                          if kind != CLEARED else ()))
+        want = {src: n for src, n in zip(sources, idx.overlaps(sources, HASHES)) if n}
+        assert idx.holders(HASHES) == want
+        assert idx.holders(HASHES[:0]) == {}
+
+
+def test_bulk_changes_equal_one_event_per_block():
+    import random
+
+    rng = random.Random(8)
+    one = KvIndex(max_blocks_per_source=7, max_sources=3, by_hash=True)
+    bulk = KvIndex(max_blocks_per_source=7, max_sources=3, by_hash=True)
+    for _ in range(300):
+        source = rng.choice(["w0", "w1", "w2", "w3"])
+        changes = [(rng.choice([STORED, STORED, REMOVED]), rng.choice(HASHES))
+                   for _ in range(rng.randrange(1, 12))]
+        for kind, h in changes:
+            one.apply(KvEvent(source, kind, (h,)))
+        bulk.apply_changes(source, changes)
+        for s in ["w0", "w1", "w2", "w3"]:
+            assert list(bulk._blocks.get(s, ())) == list(one._blocks.get(s, ()))
+        assert bulk.holders(HASHES) == one.holders(HASHES)
+        assert (bulk.applied, bulk.dropped, bulk.refused) == (one.applied, one.dropped,
+                                                              one.refused)
+    with pytest.raises(ValueError, match="kind"):
+        bulk.apply_changes("w0", [("moved", HASHES[0])])

@@ -163,3 +163,95 @@ def test_make_policy_names():
         assert make_policy(name).name == name
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random")
+
+
+# ---- KV-aware over the holders and a load order -------------------------------------------------
+
+def _sparse_case(rng: random.Random, n: int):
+    from dataclasses import replace
+
+    # Few distinct loads, so ties on cost, load and requests in flight are common; a few
+    # tiny fractions make float rounding merge costs of different loads.
+    workers = [make_worker(i, in_flight=rng.randrange(3),
+                           in_flight_tokens=rng.choice([0, 0, 64, 128, 1e-13, 2e-13, 300.5]),
+                           healthy=rng.random() > 0.1) for i in range(n)]
+    cached = {i: rng.randrange(1, 12) for i in rng.sample(range(n), rng.randrange(n // 2 + 1))}
+    full = [replace(w, cached_blocks=cached.get(i, 0)) for i, w in enumerate(workers)]
+    return workers, cached, full
+
+
+def test_sparse_kv_aware_choice_equals_scoring_every_worker():
+    from pdserve.router.policy import LoadOrder
+
+    rng = random.Random(7)
+    for trial in range(3000):
+        n = rng.randrange(1, 12)
+        workers, cached, full = _sparse_case(rng, n)
+        policy = KvAware(overlap_weight=rng.choice([1.0, 0.5, 3.0, 1e15]),
+                         fetch_weight=rng.choice([0.0, 0.2]),
+                         request_cost_tokens=rng.choice([0.0, 64.0]))
+        order = LoadOrder()
+        for i, w in enumerate(workers):
+            if w.healthy:
+                order.set(i, policy.load_of(w), w.in_flight)
+        prompt = rng.randrange(1, 200)
+        store = rng.randrange(8)
+        try:
+            want = policy.decide(make_input(*full, prompt_tokens=prompt,
+                                            store_cached_blocks=store))
+        except NoWorkerError:
+            with pytest.raises(NoWorkerError):
+                policy.decide_sparse(make_input(*workers, prompt_tokens=prompt,
+                                                store_cached_blocks=store), cached, order)
+            continue
+        got = policy.decide_sparse(make_input(*workers, prompt_tokens=prompt,
+                                              store_cached_blocks=store), cached, order)
+        assert (got.index, got.work_tokens) == (want.index, want.work_tokens), trial
+        assert set(got.scores) <= set(want.scores)
+
+
+def test_load_order_follows_updates_and_discards():
+    from pdserve.router.policy import LoadOrder
+
+    order = LoadOrder()
+    for i, load in enumerate([5.0, 1.0, 1.0, 0.0]):
+        order.set(i, load, 0)
+    assert order.cheapest(lambda load: load, set()) == 3
+    order.set(3, 9.0, 0)  # its load grew
+    assert order.cheapest(lambda load: load, set()) == 1  # ties go to the lower index
+    assert order.cheapest(lambda load: load, {1}) == 2
+    order.discard(1)
+    order.discard(2)
+    assert len(order) == 2 and order.cheapest(lambda load: load, set()) == 0
+    assert order.cheapest(lambda load: load, {0, 3}) is None
+
+
+def test_sparse_decode_choice_equals_a_pass_over_every_worker():
+    from pdserve.router.policy import LoadOrder
+
+    rng = random.Random(9)
+    chooser = DecodeChooser()
+    fitted = unfitted = 0
+    for trial in range(3000):
+        n = rng.randrange(1, 10)
+        workers = [make_worker(i, in_flight=rng.randrange(3), running=rng.randrange(3),
+                               waiting=rng.randrange(2), healthy=rng.random() > 0.1,
+                               free_blocks=rng.choice([None, 0, 2, 5, 5, 9]))
+                   for i in range(n)]
+        batch_order, free_order = LoadOrder(), LoadOrder()
+        for i, w in enumerate(workers):
+            if w.healthy:
+                batch_order.set(i, *chooser.by_batch(w))
+                free_order.set(i, *chooser.by_free(w))
+        inp = make_input(*workers, need_blocks=rng.randrange(8))
+        try:
+            want = chooser.decide(inp)
+        except NoWorkerError:
+            with pytest.raises(NoWorkerError):
+                chooser.decide_sparse(inp, batch_order, free_order)
+            continue
+        got = chooser.decide_sparse(inp, batch_order, free_order)
+        assert (got.index, got.fits) == (want.index, want.fits), trial
+        fitted += want.fits
+        unfitted += not want.fits
+    assert fitted > 500 and unfitted > 500  # both branches are exercised

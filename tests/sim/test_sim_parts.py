@@ -121,16 +121,29 @@ def test_the_store_evicts_the_least_recently_used():
     assert KvStore(0).put([b"a"]) == ([], [])
 
 
-def test_lazy_prompt_hashes_are_the_routers_and_the_schedulers():
+def test_trace_derived_hashes_name_blocks_as_hashing_their_tokens_would():
+    """Blocks named from the trace's ids are equal exactly when the synthesized tokens' hashes
+    are (shared ids, a prompt cut inside a trace block, the unique tail, block sizes that do
+    and do not divide the trace's 512), and the scheduler registers them as given."""
     from pdserve.core.block_hash import prompt_block_hashes
-    from pdserve.sim.engine_model import EngineModel, prompt_tokens_of
+    from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
 
+    prompts = [((3, 9, 4), 1300, 1), ((3, 9, 5), 1400, 2), ((3, 9), 1100, 3), ((3, 3), 900, 4),
+               ((3,), 512, 5), ((), 700, 6), ((7, 9, 4), 1300, 7), ((3, 9, 4), 1200, 8)]
+    for bs in (16, 48, 512, 1000):
+        by_tokens: dict[bytes, bytes] = {}
+        by_ids: dict[bytes, bytes] = {}
+        for ids, n, unique in prompts:
+            old = prompt_block_hashes(prompt_tokens_of(ids, n, unique), bs)
+            new = prompt_hashes_of(ids, n, unique, bs)
+            assert len(new) == len(old) == n // bs
+            for a, b in zip(old, new):
+                assert by_tokens.setdefault(a, b) == b and by_ids.setdefault(b, a) == a
+        assert len(by_ids) < sum(n // bs for _, n, _ in prompts)  # some blocks are shared
     prompt = prompt_tokens_of((3, 9, 4), 1300, unique=1)
+    known = prompt_hashes_of((3, 9, 4), 1300, 1, 16)
     engine = EngineModel(128, 16, 8, 2048, 16)
-    lazy = engine.prompt_hashes(prompt)
-    assert list(lazy) == prompt_block_hashes(prompt[:-1], 16)
-    assert lazy[2:5] == prompt_block_hashes(prompt[:-1], 16)[2:5]
-    engine.add("a", prompt, 1, prefill_only=True)
+    engine.add("a", prompt, 1, prefill_only=True, known_hashes=known)
     while not engine.parked:
         engine.complete(engine.plan())
-    assert engine.take_parked("a") == prompt_block_hashes(prompt, 16)
+    assert engine.take_parked("a") == known
