@@ -38,13 +38,17 @@ class Plan:
     mixed: tuple[tuple[int, int], ...] = ((64, 4), (256, 4), (256, 16), (1024, 8))
     repeats: int = 2
     transfer_sizes: tuple[int, ...] = (1 << 18, 1 << 22, 1 << 24)
+    host_workers: int = 4  # engines computing at once, 1..N, for the host's slowdown table
+    host_prefill: tuple[int, int] = (256, 3)  # each engine's round: prefill tokens x steps,
+    host_decode: tuple[int, int] = (4, 12)  # then decode batch x steps
     cluster: bool = True  # start a 1P1D cluster: start-up and flip time
 
 
 FULL = Plan()
 QUICK = Plan(prefill_tokens=(16, 64, 256), cached_tokens=(0, 256), decode_batches=(1, 4),
              decode_prompt_tokens=(32, 256), decode_steps=3, mixed=((64, 4),), repeats=1,
-             transfer_sizes=(1 << 16, 1 << 20))
+             transfer_sizes=(1 << 16, 1 << 20), host_workers=2, host_prefill=(64, 2),
+             host_decode=(2, 4))
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ def build_profile(points: list[Point], transfers: dict[str, list[tuple[int, floa
         origin=meta["origin"], model=meta["model"], **coef, transports=links,
         kv_bytes_per_token=meta["kv_bytes_per_token"], flip_s=meta.get("flip_s", 0.0),
         startup_s=meta.get("startup_s", 0.0), kv_capacity_tokens=meta["kv_capacity_tokens"],
+        host_cores=meta.get("host_cores"), threads_per_worker=meta.get("threads", 1),
+        host_slowdown=tuple(meta.get("host_slowdown", ())),
         fit={"method": "least squares on relative error", "errors": errors,
              "points": [p.__dict__ for p in points],
              "transfers": {k: [list(r) for r in v] for k, v in transfers.items()},
@@ -242,6 +248,89 @@ def _transfers(plan: Plan, say) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+HOST_ENGINE = """
+import sys, time, random, torch
+torch.set_num_threads({threads})
+from pdserve.sim.calibrate import host_round
+host_round({model!r}, {prefill!r}, {decode!r})
+"""
+
+
+def host_round(model: str, prefill: tuple[int, int], decode: tuple[int, int]) -> None:
+    """One engine of the host measurement (a child process): loads, warms up, says `ready`,
+    then times one round (prefill steps, then decode steps) per `go` line on stdin."""
+    import random
+
+    from pdserve.engine.config import EngineConfig, SchedulerConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+
+    rng = random.Random(0)
+    engine = LLMEngine(EngineConfig(model, dtype="float32", scheduler=SchedulerConfig(
+        max_num_batched_tokens=max(prefill[0], 64) * 2)))
+    vocab = engine.model_config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    def one_round() -> float:
+        t0 = time.perf_counter()
+        for _ in range(prefill[1]):
+            engine.add_request(None, prompt(prefill[0]), SamplingParams(max_tokens=1))
+            while engine.has_work():
+                engine.step()
+        for _ in range(decode[0]):
+            engine.add_request(None, prompt(64), SamplingParams(max_tokens=decode[1] + 1,
+                                                                 ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        return time.perf_counter() - t0
+    one_round()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        print(f"{one_round():.6f}", flush=True)
+
+
+def _host_slowdown(model: str, threads: int, plan: Plan, say) -> list[float]:
+    """How many times longer one engine's round of steps takes while 1, 2, ... engines (one
+    process each, `threads` threads) run the same round at once on this host: the slowdown
+    table of workers sharing these cores (`host.py`). Each count: `plan.repeats` rounds, the
+    quickest mean over the engines."""
+    import subprocess
+
+    code = HOST_ENGINE.format(threads=threads, model=model, prefill=plan.host_prefill,
+                              decode=plan.host_decode)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+             for _ in range(plan.host_workers)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a host-measurement engine did not start")
+        means = []
+        for k in range(1, plan.host_workers + 1):
+            rounds = []
+            for _ in range(plan.repeats):
+                for p in procs[:k]:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                rounds.append(sum(float(p.stdout.readline()) for p in procs[:k]) / k)
+            means.append(min(rounds))
+            say(f"host: {k} engine(s) at once: {means[-1] * 1e3:.0f} ms per round "
+                f"(x{means[-1] / means[0]:.2f})")
+    finally:
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return [m / means[0] for m in means]
+
+
 def _cluster_times(model: str, say) -> dict[str, float]:
     """A 1P1D cluster's start-up (to every worker serving) and one idle worker's flip there and
     back through the controller's Flipper (drain of nothing + switch + verify + re-admit)."""
@@ -296,13 +385,15 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4
     del engine
     transfers = _transfers(plan, say)
+    slowdown = _host_slowdown(model, threads, plan, say) if plan.host_workers else []
     times = _cluster_times(model, say) if plan.cluster else {}
     name = model.rsplit("/", 1)[-1]
     origin = (f"measured: {_cores()}-core {platform.machine()} CPU, {name} fp32, "
               f"{threads} thread(s), {date.today().isoformat()}")
     return build_profile(points, transfers, {
         "origin": origin, "model": name, "kv_bytes_per_token": kv_bytes,
-        "kv_capacity_tokens": block * blocks, "threads": threads,
+        "kv_capacity_tokens": block * blocks, "threads": threads, "host_cores": _cores(),
+        "host_slowdown": slowdown,
         "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
         "plan": "quick" if plan == QUICK else "full", **times})
 

@@ -21,6 +21,7 @@ from pdserve.sim.config import SimConfig
 from pdserve.sim.control import SimController
 from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
 from pdserve.sim.events import EventQueue
+from pdserve.sim.host import HostShare
 from pdserve.sim.network import KvStore, Link
 from pdserve.sim.report import OK, SimReport
 from pdserve.sim.router import SimRouter
@@ -52,6 +53,7 @@ class Cluster:
                                  cfg.max_num_batched_tokens, cfg.max_waiting,
                                  cfg.prefix_caching, record_events=feed)
             self.workers[a] = SimWorker(a, role, engine, STARTING if cfg.cold_start else SERVING)
+        self.host = HostShare.of(profile, cfg.workers_per_host, list(self.workers))
         self.store = KvStore(cfg.store_capacity_blocks)
         shared = Link("shared")
         self.links = {a: shared if cfg.link == "shared" else Link(a) for a in self.workers}
@@ -294,7 +296,11 @@ class Cluster:
             for enter in w.joins:
                 enter()
             w.joins.clear()
-            end = w.start(self.q.now, self.profile)
+            host = self.host  # workers sharing CPU cores: the step is timed with the host's load
+            end = w.start(self.q.now, self.profile if host is None else host.profile_for(w))
+            if host is not None:  # w started or stopped computing: the others' steps re-timed
+                for at, key in host.sync(self.q.now, w, self.workers):
+                    self.q.push(at, "step", key)
             if end is not None:
                 self.q.push(end, "step", (w.address, w.token))
             elif w.state == W_DRAINING and w.drained():

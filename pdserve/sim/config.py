@@ -48,6 +48,9 @@ class SimConfig:
     store_capacity_blocks: int = 10_000_000  # the shared KV store (0: no store)
     transport: str = "tcp"
     link: str = "per_worker"  # KV transfers share each decode worker's link, or one for all
+    # Workers per host sharing its CPU cores (consecutive workers, prefill first), for profiles
+    # that say `host_cores`; None: each worker computes alone (its own accelerator).
+    workers_per_host: int | None = None
     cold_start: bool = False  # workers pay the profile's startup_s before serving
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 200.0
@@ -70,6 +73,8 @@ class SimConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         need(self.kv_blocks is None or self.kv_blocks >= 1, "kv_blocks", "must be >= 1")
+        need(self.workers_per_host is None or self.workers_per_host >= 1, "workers_per_host",
+             "must be >= 1 (or None)")
         need(self.store_capacity_blocks >= 0, "store_capacity_blocks", "must be >= 0")
         need(self.link in LINKS, "link", f"must be one of {', '.join(LINKS)}")
         need(self.prefill_workers + self.decode_workers >= 1, "prefill_workers",

@@ -15,6 +15,11 @@ A profile measured on a CPU fits the compute terms (memory terms zero: there the
 in its work); a GPU profile from `roofline.py` sets both from FLOPs and bytes. Transfers are
 `latency + bytes / bandwidth` per transport, uncontended (the simulator shares links).
 
+A profile measured on CPU cores that several workers share says so: `host_cores` (the host's
+cores, None where each worker owns its accelerator), `threads_per_worker` (the compute threads one
+step uses) and, where measured, `host_slowdown` (how many times longer a step takes with 1, 2, ...
+one-thread workers computing at once); `host.py` turns them into a step's stretch.
+
 Must not import torch or the engine, or model contention between transfers.
 """
 
@@ -65,6 +70,9 @@ class StepProfile:
     flip_s: float = 0.0
     startup_s: float = 0.0
     kv_capacity_tokens: int = 0
+    host_cores: int | None = None  # cores the workers of one host share (None: own device)
+    threads_per_worker: int = 1
+    host_slowdown: tuple[float, ...] = ()  # step-time factor with 1, 2, ... workers busy
     fit: dict = dataclasses.field(default_factory=dict)  # how it was made: points, errors
 
     def __post_init__(self) -> None:
@@ -75,6 +83,20 @@ class StepProfile:
                     raise ProfileError(f"{f.name} must be a number, got {value!r}")
                 if not math.isfinite(value) or value < 0:
                     raise ProfileError(f"{f.name} must be finite and >= 0, got {value!r}")
+        if self.host_cores is not None and (isinstance(self.host_cores, bool) or not
+                                            isinstance(self.host_cores, int) or self.host_cores < 1):
+            raise ProfileError(f"host_cores must be an integer >= 1 or null, got "
+                               f"{self.host_cores!r}")
+        if (isinstance(self.threads_per_worker, bool) or not isinstance(self.threads_per_worker, int)
+                or self.threads_per_worker < 1):
+            raise ProfileError(f"threads_per_worker must be an integer >= 1, got "
+                               f"{self.threads_per_worker!r}")
+        if not isinstance(self.host_slowdown, (list, tuple)) or not all(
+                not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+                and x > 0 for x in self.host_slowdown):
+            raise ProfileError(f"host_slowdown must be a list of numbers > 0, got "
+                               f"{self.host_slowdown!r}")
+        object.__setattr__(self, "host_slowdown", tuple(float(x) for x in self.host_slowdown))
         if not self.origin:
             raise ProfileError("origin must say where the profile comes from")
         for name, link in self.transports.items():

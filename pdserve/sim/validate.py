@@ -146,7 +146,9 @@ def sim_side(sims, p: int, d: int, profile, s: dict[str, Any]) -> dict[str, Any]
 
     cfg = SimConfig(prefill_workers=p, decode_workers=d, prefill_policy=s["routing_policy"],
                     max_num_batched_tokens=s["max_num_batched_tokens"], max_num_seqs=64,
-                    transport="shm", seed=s["seed"])
+                    transport="shm", seed=s["seed"],
+                    workers_per_host=(p + d if s.get("workers_per_host") is None
+                                      else s["workers_per_host"] or None))
     t0 = time.monotonic()
     rep = simulate(cfg, sims, profile)
     ok = [i for i, st in enumerate(rep.status) if st == "ok"]
@@ -223,6 +225,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--real-from", default=None,
                    help="validate.json of an earlier run with the same settings: reuse its "
                         "measured side, simulate again (e.g. with a new profile)")
+    p.add_argument("--workers-per-host", type=int, default=None,
+                   help="simulated workers sharing one host's cores, for a profile that says "
+                        "host_cores (default: all, the one machine the real cluster runs on; "
+                        "0: each worker alone)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     return p
 
@@ -233,13 +239,16 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             raise ValidateError(f"--{name.replace('_', '-')} must be >= 1")
     if 512 % a.token_scale:
         raise ValidateError(f"--scale must divide 512, got {a.token_scale}")
+    if a.workers_per_host is not None and a.workers_per_host < 0:
+        raise ValidateError("--workers-per-host must be >= 0")
     if not a.rate > 0:
         raise ValidateError("--rate must be > 0")
     return {"trace": a.trace, "token_scale": a.token_scale, "requests": a.requests,
             "rate": a.rate, "max_tokens": a.max_tokens, "max_prompt_tokens": a.max_prompt_tokens,
             "configs": parse_configs(a.configs), "profile": a.profile, "model": a.model,
             "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,
-            "seed": a.seed, "max_num_batched_tokens": 2048, "real_from": a.real_from}
+            "seed": a.seed, "max_num_batched_tokens": 2048, "real_from": a.real_from,
+            "workers_per_host": a.workers_per_host}
 
 
 def run(args: argparse.Namespace) -> int:

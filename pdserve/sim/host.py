@@ -1,0 +1,116 @@
+"""Workers that share one host's CPU cores: how much slower a step runs while others compute.
+
+Owns the contention factor (a pure function of the busy workers on a host, the threads each
+uses, the host's cores and, where measured, the profile's slowdown table) and `HostShare`, the
+per-run state behind it: which host each worker is on, which are computing, and the factor each
+one's current step runs at. The model is processor sharing re-evaluated whenever a worker on the
+host starts or stops computing: a step in progress keeps its remaining work and runs it at the
+new factor (its end moves); a run of decode steps taken as one event ends with the step in
+progress, so that each later step is timed with the factor at its start.
+
+Only profiles measured on a shared CPU say `host_cores`; a GPU profile (each worker owns its
+accelerator) and a cluster without `workers_per_host` never build a `HostShare`, so their
+results are those of the per-worker step model. Must not decide anything or read the clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def contention(busy_workers: int, threads_per_worker: int, host_cores: int,
+               slowdown: Sequence[float] = ()) -> float:
+    """How many times longer a step takes with `busy_workers` workers (this one included)
+    computing on one host. With a measured `slowdown` table (the factor with 1, 2, ... one-thread
+    workers busy) the table, extended beyond its end at the slope of its last entry's share of
+    the host (factor / busy); else max(1, busy threads / cores)."""
+    if busy_workers < 1 or threads_per_worker < 1 or host_cores < 1:
+        raise ValueError("busy_workers, threads_per_worker and host_cores must be >= 1, got "
+                         f"{busy_workers}, {threads_per_worker}, {host_cores}")
+    threads = busy_workers * threads_per_worker
+    if slowdown:
+        if threads <= len(slowdown):
+            return max(1.0, float(slowdown[threads - 1]))
+        return max(1.0, slowdown[-1] * threads / len(slowdown))
+    return max(1.0, threads / host_cores)
+
+
+class Stretched:
+    """A profile whose step times are `factor` times the wrapped one's (what a worker's
+    `start` reads: `step_s` and `decode_s`)."""
+
+    __slots__ = ("base", "factor")
+
+    def __init__(self, base, factor: float) -> None:
+        self.base, self.factor = base, factor
+
+    def step_s(self, **work) -> float:
+        return self.base.step_s(**work) * self.factor
+
+    def decode_s(self, batch: int, context_tokens: int) -> float:
+        return self.base.decode_s(batch, context_tokens) * self.factor
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.base.prefill_s(new_tokens, cached_tokens) * self.factor
+
+
+class HostShare:
+    """Hosts of `workers_per_host` consecutive workers each, sharing `profile.host_cores`."""
+
+    def __init__(self, profile, workers_per_host: int, addresses: Sequence[str]) -> None:
+        self.profile = profile
+        self.cores = int(profile.host_cores)
+        self.threads = int(profile.threads_per_worker)
+        self.slowdown = tuple(profile.host_slowdown)
+        self.host_of = {a: i // workers_per_host for i, a in enumerate(addresses)}
+        self.busy: dict[int, set[str]] = {}
+        self.factor_of: dict[str, float] = {}  # the factor a computing worker's step runs at
+
+    @classmethod
+    def of(cls, profile, workers_per_host: int | None, addresses: Sequence[str]
+           ) -> HostShare | None:
+        """The host model when the profile is a shared-CPU one and the cluster says how many
+        workers share a host; None otherwise (every worker owns its device)."""
+        if not workers_per_host or getattr(profile, "host_cores", None) is None:
+            return None
+        return cls(profile, workers_per_host, addresses)
+
+    def factor(self, host: int, extra: str | None = None) -> float:
+        busy = self.busy.get(host, set())
+        n = len(busy | {extra}) if extra is not None else len(busy)
+        return contention(max(1, n), self.threads, self.cores, self.slowdown)
+
+    def profile_for(self, w):
+        """The profile the step worker `w` starts now is timed with."""
+        f = self.factor(self.host_of[w.address], w.address)
+        self.factor_of[w.address] = f
+        return self.profile if f == 1.0 else Stretched(self.profile, f)
+
+    def sync(self, now: float, w, workers: dict) -> list[tuple[float, tuple[str, int]]]:
+        """After `w` started or stopped computing: re-time the other computing workers on its
+        host. Returns the step events to push, (time, (address, token)); older ones go stale."""
+        host = self.host_of[w.address]
+        busy = self.busy.setdefault(host, set())
+        if w.busy == (w.address in busy):
+            return []
+        if w.busy:
+            busy.add(w.address)
+        else:
+            busy.discard(w.address)
+            self.factor_of.pop(w.address, None)
+        new = self.factor(host)
+        events = []
+        for a in sorted(busy - {w.address}):
+            o, old = workers[a], self.factor_of[a]
+            if o.run is not None:
+                end = o.cut_run(now)  # the next step is timed at its start
+                if end is not None:
+                    events.append((end, (a, o.token)))
+                continue
+            if new == old:
+                continue
+            o.step_end_s = now + (o.step_end_s - now) * new / old
+            o.token += 1
+            self.factor_of[a] = new
+            events.append((o.step_end_s, (a, o.token)))
+        return events
