@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared KV store capacity in blocks (0: no store)")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--link", choices=LINKS, default="per_worker")
+    p.add_argument("--workers-per-host", type=int, default=None,
+                   help="workers sharing one host's cores, for a CPU profile (host_cores)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-itl-ms", type=float, default=200.0)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
@@ -73,7 +75,8 @@ def config_from(args) -> SimConfig:
         decode_policy=args.decode_policy, controller=args.controller == "on",
         policy=PolicyConfig(), block_size=args.block_size, kv_blocks=args.kv_blocks,
         store_capacity_blocks=args.store_blocks, transport=args.transport, link=args.link,
-        slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed)
+        slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed,
+        workers_per_host=args.workers_per_host)
 
 
 def _progress():
