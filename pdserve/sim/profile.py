@@ -83,12 +83,12 @@ class StepProfile:
                     raise ProfileError(f"{f.name} must be a number, got {value!r}")
                 if not math.isfinite(value) or value < 0:
                     raise ProfileError(f"{f.name} must be finite and >= 0, got {value!r}")
-        if self.host_cores is not None and (isinstance(self.host_cores, bool) or not
-                                            isinstance(self.host_cores, int) or self.host_cores < 1):
+        def whole(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+        if self.host_cores is not None and not whole(self.host_cores):
             raise ProfileError(f"host_cores must be an integer >= 1 or null, got "
                                f"{self.host_cores!r}")
-        if (isinstance(self.threads_per_worker, bool) or not isinstance(self.threads_per_worker, int)
-                or self.threads_per_worker < 1):
+        if not whole(self.threads_per_worker):
             raise ProfileError(f"threads_per_worker must be an integer >= 1, got "
                                f"{self.threads_per_worker!r}")
         if not isinstance(self.host_slowdown, (list, tuple)) or not all(

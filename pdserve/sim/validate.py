@@ -118,7 +118,8 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
     spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=p, decode_workers=d, controller=False,
                        routing=s["routing"], ready_timeout_s=600)
-    say(f"{p}P{d}D: starting the cluster")
+    before = os.getloadavg()[0]  # the cluster's own start-up raises the 1-minute average
+    say(f"{p}P{d}D: starting the cluster (load average {before:.2f})")
     with LocalCluster(spec) as cluster:
         name = _model_name(cluster.http_address)
         done = [0]
@@ -134,7 +135,8 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
     if not ok:
         raise RuntimeError(f"{p}P{d}D: no request completed: {rows[0]['error']}")
     return {"ok": len(ok), "failed": len(rows) - len(ok), "wall_s": wall,
-            "loadavg_1m_start": load, "loadavg_1m_end": os.getloadavg()[0],
+            "loadavg_1m_before_cluster": before, "loadavg_1m_start": load,
+            "loadavg_1m_end": os.getloadavg()[0],
             "threads_per_worker": threads,
             **_per_request([r["ttft_s"] for r in ok], [r["e2e_s"] for r in ok],
                            [r["output_tokens"] for r in ok])}
@@ -152,7 +154,9 @@ def sim_side(sims, p: int, d: int, profile, s: dict[str, Any]) -> dict[str, Any]
     t0 = time.monotonic()
     rep = simulate(cfg, sims, profile)
     ok = [i for i, st in enumerate(rep.status) if st == "ok"]
+    host = getattr(profile, "host_cores", None)
     return {"ok": len(ok), "failed": len(rep.status) - len(ok), "wall_s": time.monotonic() - t0,
+            "workers_per_host": cfg.workers_per_host if host else None, "host_cores": host,
             **_per_request([rep.ttft_s[i] for i in ok],
                            [rep.end_s[i] - rep.arrival_s[i] for i in ok],
                            [rep.output_tokens[i] for i in ok])}
