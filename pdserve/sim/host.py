@@ -21,17 +21,17 @@ from collections.abc import Sequence
 def contention(busy_workers: int, threads_per_worker: int, host_cores: int,
                slowdown: Sequence[float] = ()) -> float:
     """How many times longer a step takes with `busy_workers` workers (this one included)
-    computing on one host. With a measured `slowdown` table (the factor with 1, 2, ... one-thread
-    workers busy) the table, extended beyond its end at the slope of its last entry's share of
-    the host (factor / busy); else max(1, busy threads / cores)."""
+    computing on one host. With a measured `slowdown` table (the factor with 1, 2, ... workers of
+    `threads_per_worker` threads busy) the table, extended past its end in proportion to the
+    busy workers (its last entry's share per worker); else max(1, busy threads / cores)."""
     if busy_workers < 1 or threads_per_worker < 1 or host_cores < 1:
         raise ValueError("busy_workers, threads_per_worker and host_cores must be >= 1, got "
                          f"{busy_workers}, {threads_per_worker}, {host_cores}")
-    threads = busy_workers * threads_per_worker
     if slowdown:
-        if threads <= len(slowdown):
-            return max(1.0, float(slowdown[threads - 1]))
-        return max(1.0, slowdown[-1] * threads / len(slowdown))
+        if busy_workers <= len(slowdown):
+            return max(1.0, float(slowdown[busy_workers - 1]))
+        return max(1.0, slowdown[-1] * busy_workers / len(slowdown))
+    threads = busy_workers * threads_per_worker
     return max(1.0, threads / host_cores)
 
 

@@ -1,10 +1,11 @@
 """Calibration: the fit recovers known step and transfer constants, and a quick calibration of the
-real engine and store on this machine writes a profile that loads and predicts more time for
-more work."""
+real engine and store on this machine writes a profile that loads, predicts more time for more
+work and records the host's cores and slowdown."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,12 @@ def test_build_profile_records_its_fit():
     assert prof.transports["tcp"] == TransportLink(pytest.approx(0.001), pytest.approx(1e6))
     assert set(prof.fit["errors"]) == {"prefill", "decode", "mixed"}
     assert StepProfile.from_json(prof.to_json()) == prof
+    assert prof.host_cores is None and prof.host_slowdown == ()  # a fit alone says no host
+    host = build_profile(synthetic_points(), {"tcp": [(1000, 0.002), (2000, 0.003)]},
+                         {"origin": "measured: test", "model": "m", "kv_bytes_per_token": 10,
+                          "kv_capacity_tokens": 100, "threads": 1, "host_cores": 2,
+                          "host_slowdown": [1.0, 1.4]})
+    assert (host.host_cores, host.threads_per_worker, host.host_slowdown) == (2, 1, (1.0, 1.4))
 
 
 def test_quick_calibration_of_the_real_engine(tmp_path):
@@ -80,3 +87,9 @@ def test_quick_calibration_of_the_real_engine(tmp_path):
     for b in (1, 2, 4, 8):
         assert prof.decode_s(b, 100 * b) <= prof.decode_s(2 * b, 200 * b)
     assert prof.transfer_s(1 << 16, "shm") < prof.transfer_s(1 << 24, "shm")
+    # The host the workers would share: its cores, one thread each, and the slowdown with one
+    # and two engines computing at once (1 by definition for one).
+    assert prof.host_cores == len(os.sched_getaffinity(0))
+    assert prof.threads_per_worker == 1
+    assert len(prof.host_slowdown) == 2 and prof.host_slowdown[0] == 1.0
+    assert prof.host_slowdown[1] > 0
