@@ -17,8 +17,8 @@ in its work); a GPU profile from `roofline.py` sets both from FLOPs and bytes. T
 
 A profile measured on CPU cores that several workers share says so: `host_cores` (the host's
 cores, None where each worker owns its accelerator), `threads_per_worker` (the compute threads one
-step uses) and, where measured, `host_slowdown` (how many times longer a step takes with 1, 2, ...
-workers of `threads_per_worker` threads computing at once); `host.py` turns them into a step's stretch.
+step uses) and, where measured, `host_slowdown` (how many times longer a step takes with 1, 2,
+... such workers computing at once); `host.py` turns them into a step's stretch.
 
 Must not import torch or the engine, or model contention between transfers.
 """
