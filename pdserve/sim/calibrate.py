@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pdserve.sim.calibrate_host import calibrate_host, cores, host_slowdown
 from pdserve.sim.profile import StepProfile, TransportLink, attn_pairs
 
 FEATURES = ("overhead_s", "prefill_fixed_s", "decode_fixed_s", "prefill_token_s",
@@ -248,89 +249,6 @@ def _transfers(plan: Plan, say) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-HOST_ENGINE = """
-import sys, time, random, torch
-torch.set_num_threads({threads})
-from pdserve.sim.calibrate import host_round
-host_round({model!r}, {prefill!r}, {decode!r})
-"""
-
-
-def host_round(model: str, prefill: tuple[int, int], decode: tuple[int, int]) -> None:
-    """One engine of the host measurement (a child process): loads, warms up, says `ready`,
-    then times one round (prefill steps, then decode steps) per `go` line on stdin."""
-    import random
-
-    from pdserve.engine.config import EngineConfig, SchedulerConfig
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.sampling import SamplingParams
-
-    rng = random.Random(0)
-    engine = LLMEngine(EngineConfig(model, dtype="float32", scheduler=SchedulerConfig(
-        max_num_batched_tokens=max(prefill[0], 64) * 2)))
-    vocab = engine.model_config.vocab_size
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(n)]
-
-    def one_round() -> float:
-        t0 = time.perf_counter()
-        for _ in range(prefill[1]):
-            engine.add_request(None, prompt(prefill[0]), SamplingParams(max_tokens=1))
-            while engine.has_work():
-                engine.step()
-        for _ in range(decode[0]):
-            engine.add_request(None, prompt(64), SamplingParams(max_tokens=decode[1] + 1,
-                                                                 ignore_eos=True))
-        while engine.has_work():
-            engine.step()
-        return time.perf_counter() - t0
-    one_round()
-    print("ready", flush=True)
-    for line in sys.stdin:
-        if line.strip() != "go":
-            break
-        print(f"{one_round():.6f}", flush=True)
-
-
-def _host_slowdown(model: str, threads: int, plan: Plan, say) -> list[float]:
-    """How many times longer one engine's round of steps takes while 1, 2, ... engines (one
-    process each, `threads` threads) run the same round at once on this host: the slowdown
-    table of workers sharing these cores (`host.py`). Each count: `plan.repeats` rounds, the
-    quickest mean over the engines."""
-    import subprocess
-
-    code = HOST_ENGINE.format(threads=threads, model=model, prefill=plan.host_prefill,
-                              decode=plan.host_decode)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-             for _ in range(plan.host_workers)]
-    try:
-        for p in procs:
-            if p.stdout.readline().strip() != "ready":
-                raise RuntimeError("a host-measurement engine did not start")
-        means = []
-        for k in range(1, plan.host_workers + 1):
-            rounds = []
-            for _ in range(plan.repeats):
-                for p in procs[:k]:
-                    p.stdin.write("go\n")
-                    p.stdin.flush()
-                rounds.append(sum(float(p.stdout.readline()) for p in procs[:k]) / k)
-            means.append(min(rounds))
-            say(f"host: {k} engine(s) at once: {means[-1] * 1e3:.0f} ms per round "
-                f"(x{means[-1] / means[0]:.2f})")
-    finally:
-        for p in procs:
-            p.stdin.close()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    return [m / means[0] for m in means]
-
-
 def _cluster_times(model: str, say) -> dict[str, float]:
     """A 1P1D cluster's start-up (to every worker serving) and one idle worker's flip there and
     back through the controller's Flipper (drain of nothing + switch + verify + re-admit)."""
@@ -385,21 +303,17 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4
     del engine
     transfers = _transfers(plan, say)
-    slowdown = _host_slowdown(model, threads, plan, say) if plan.host_workers else []
+    slowdown = host_slowdown(model, threads, plan, say) if plan.host_workers else []
     times = _cluster_times(model, say) if plan.cluster else {}
     name = model.rsplit("/", 1)[-1]
-    origin = (f"measured: {_cores()}-core {platform.machine()} CPU, {name} fp32, "
+    origin = (f"measured: {cores()}-core {platform.machine()} CPU, {name} fp32, "
               f"{threads} thread(s), {date.today().isoformat()}")
     return build_profile(points, transfers, {
         "origin": origin, "model": name, "kv_bytes_per_token": kv_bytes,
-        "kv_capacity_tokens": block * blocks, "threads": threads, "host_cores": _cores(),
+        "kv_capacity_tokens": block * blocks, "threads": threads, "host_cores": cores(),
         "host_slowdown": slowdown,
         "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
         "plan": "quick" if plan == QUICK else "full", **times})
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -408,6 +322,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1,
                    help="compute threads (default 1: a worker's share when two share 2 cores)")
     p.add_argument("--quick", action="store_true", help="few points, for tests (minutes)")
+    p.add_argument("--host-into", default=None, metavar="PROFILE",
+                   help="measure only the host (cores, slowdown with 1..N engines at once) and "
+                        "write PROFILE (a shipped name or a file) with it to --out")
     p.add_argument("--no-cluster", action="store_true",
                    help="skip the cluster start-up and flip measurement (flip_s, startup_s = 0)")
     return p
@@ -424,6 +341,15 @@ def run(args: argparse.Namespace) -> int:
 
     def say(line: str) -> None:
         print(f"[calibrate {time.monotonic() - t0:6.1f}s] {line}", file=sys.stderr, flush=True)
+    if args.host_into:
+        from pdserve.sim.profile import load_profile
+
+        prof = calibrate_host(load_profile(args.host_into), args.model, plan, args.threads,
+                              say)
+        prof.save(args.out)
+        print(json.dumps({"out": args.out, "host_cores": prof.host_cores,
+                          "host_slowdown": prof.host_slowdown}, indent=1))
+        return 0
     prof = calibrate(args.model, plan, args.threads, say)
     prof.save(args.out)
     print(json.dumps({"out": args.out, "origin": prof.origin, "fit_errors": prof.fit["errors"],
