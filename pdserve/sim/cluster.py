@@ -53,7 +53,8 @@ class Cluster:
                                  cfg.max_num_batched_tokens, cfg.max_waiting,
                                  cfg.prefix_caching, record_events=feed)
             self.workers[a] = SimWorker(a, role, engine, STARTING if cfg.cold_start else SERVING)
-        self.host = HostShare.of(profile, cfg.workers_per_host, list(self.workers))
+        self.host = HostShare.of(profile, cfg.workers_per_host, list(self.workers),
+                                 cfg.host_background_threads)
         self.store = KvStore(cfg.store_capacity_blocks)
         shared = Link("shared")
         self.links = {a: shared if cfg.link == "shared" else Link(a) for a in self.workers}

@@ -51,6 +51,7 @@ class SimConfig:
     # Workers per host sharing its CPU cores (consecutive workers, prefill first), for profiles
     # that say `host_cores`; None: each worker computes alone (its own accelerator).
     workers_per_host: int | None = None
+    host_background_threads: float = 0.0  # other work's runnable threads on each such host
     cold_start: bool = False  # workers pay the profile's startup_s before serving
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 200.0
@@ -75,6 +76,7 @@ class SimConfig:
         need(self.kv_blocks is None or self.kv_blocks >= 1, "kv_blocks", "must be >= 1")
         need(self.workers_per_host is None or self.workers_per_host >= 1, "workers_per_host",
              "must be >= 1 (or None)")
+        need(self.host_background_threads >= 0, "host_background_threads", "must be >= 0")
         need(self.store_capacity_blocks >= 0, "store_capacity_blocks", "must be >= 0")
         need(self.link in LINKS, "link", f"must be one of {', '.join(LINKS)}")
         need(self.prefill_workers + self.decode_workers >= 1, "prefill_workers",

@@ -19,20 +19,25 @@ from collections.abc import Sequence
 
 
 def contention(busy_workers: int, threads_per_worker: int, host_cores: int,
-               slowdown: Sequence[float] = ()) -> float:
+               slowdown: Sequence[float] = (), background: float = 0.0) -> float:
     """How many times longer a step takes with `busy_workers` workers (this one included)
     computing on one host. With a measured `slowdown` table (the factor with 1, 2, ... workers of
     `threads_per_worker` threads busy) the table, extended past its end in proportion to the
-    busy workers (its last entry's share per worker); else max(1, busy threads / cores)."""
-    if busy_workers < 1 or threads_per_worker < 1 or host_cores < 1:
-        raise ValueError("busy_workers, threads_per_worker and host_cores must be >= 1, got "
-                         f"{busy_workers}, {threads_per_worker}, {host_cores}")
+    busy workers (its last entry's share per worker); else max(1, busy threads / cores).
+    `background` threads of other work on the host (e.g. its load average before the cluster
+    started) take their fair share of the cores: the factor is at least (busy threads +
+    background) / cores."""
+    if busy_workers < 1 or threads_per_worker < 1 or host_cores < 1 or background < 0:
+        raise ValueError("busy_workers, threads_per_worker and host_cores must be >= 1 and "
+                         f"background >= 0, got {busy_workers}, {threads_per_worker}, "
+                         f"{host_cores}, {background}")
+    threads = busy_workers * threads_per_worker
+    share = max(1.0, (threads + background) / host_cores)
     if slowdown:
         if busy_workers <= len(slowdown):
-            return max(1.0, float(slowdown[busy_workers - 1]))
-        return max(1.0, slowdown[-1] * busy_workers / len(slowdown))
-    threads = busy_workers * threads_per_worker
-    return max(1.0, threads / host_cores)
+            return max(share, float(slowdown[busy_workers - 1]))
+        return max(share, slowdown[-1] * busy_workers / len(slowdown))
+    return share
 
 
 class Stretched:
@@ -57,8 +62,9 @@ class Stretched:
 class HostShare:
     """Hosts of `workers_per_host` consecutive workers each, sharing `profile.host_cores`."""
 
-    def __init__(self, profile, workers_per_host: int, addresses: Sequence[str]) -> None:
-        self.profile = profile
+    def __init__(self, profile, workers_per_host: int, addresses: Sequence[str],
+                 background: float = 0.0) -> None:
+        self.profile, self.background = profile, background
         self.cores = int(profile.host_cores)
         self.threads = int(profile.threads_per_worker)
         self.slowdown = tuple(profile.host_slowdown)
@@ -67,18 +73,18 @@ class HostShare:
         self.factor_of: dict[str, float] = {}  # the factor a computing worker's step runs at
 
     @classmethod
-    def of(cls, profile, workers_per_host: int | None, addresses: Sequence[str]
-           ) -> HostShare | None:
+    def of(cls, profile, workers_per_host: int | None, addresses: Sequence[str],
+           background: float = 0.0) -> HostShare | None:
         """The host model when the profile is a shared-CPU one and the cluster says how many
         workers share a host; None otherwise (every worker owns its device)."""
         if not workers_per_host or getattr(profile, "host_cores", None) is None:
             return None
-        return cls(profile, workers_per_host, addresses)
+        return cls(profile, workers_per_host, addresses, background)
 
     def factor(self, host: int, extra: str | None = None) -> float:
         busy = self.busy.get(host, set())
         n = len(busy | {extra}) if extra is not None else len(busy)
-        return contention(max(1, n), self.threads, self.cores, self.slowdown)
+        return contention(max(1, n), self.threads, self.cores, self.slowdown, self.background)
 
     def profile_for(self, w):
         """The profile the step worker `w` starts now is timed with."""

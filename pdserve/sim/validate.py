@@ -142,7 +142,17 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
                            [r["output_tokens"] for r in ok])}
 
 
-def sim_side(sims, p: int, d: int, profile, s: dict[str, Any]) -> dict[str, Any]:
+def background_of(s: dict[str, Any], real: dict[str, Any]) -> float:
+    """Other work's threads on the host for the simulator: `--host-background`, where
+    "measured" is the real run's load average before its cluster started."""
+    text = s.get("host_background", "0")
+    if text == "measured":
+        return float(real.get("loadavg_1m_before_cluster", 0.0))
+    return float(text)
+
+
+def sim_side(sims, p: int, d: int, profile, s: dict[str, Any], background: float = 0.0
+             ) -> dict[str, Any]:
     from pdserve.sim.config import SimConfig
     from pdserve.sim.run import simulate
 
@@ -150,13 +160,15 @@ def sim_side(sims, p: int, d: int, profile, s: dict[str, Any]) -> dict[str, Any]
                     max_num_batched_tokens=s["max_num_batched_tokens"], max_num_seqs=64,
                     transport="shm", seed=s["seed"],
                     workers_per_host=(p + d if s.get("workers_per_host") is None
-                                      else s["workers_per_host"] or None))
+                                      else s["workers_per_host"] or None),
+                    host_background_threads=background)
     t0 = time.monotonic()
     rep = simulate(cfg, sims, profile)
     ok = [i for i, st in enumerate(rep.status) if st == "ok"]
     host = getattr(profile, "host_cores", None)
     return {"ok": len(ok), "failed": len(rep.status) - len(ok), "wall_s": time.monotonic() - t0,
             "workers_per_host": cfg.workers_per_host if host else None, "host_cores": host,
+            "host_background_threads": background if host else None,
             **_per_request([rep.ttft_s[i] for i in ok],
                            [rep.end_s[i] - rep.arrival_s[i] for i in ok],
                            [rep.output_tokens[i] for i in ok])}
@@ -198,7 +210,7 @@ def validate(s: dict[str, Any], say=lambda line: None) -> dict[str, Any]:
     runs = []
     for p, d in s["configs"]:
         real = recorded.get(f"{p}P{d}D") or real_side(reqs, p, d, model, s, say)
-        sim = sim_side(sims, p, d, profile, s)
+        sim = sim_side(sims, p, d, profile, s, background_of(s, real))
         cmp = compare(real, sim)
         say(f"{p}P{d}D: TTFT mean real {cmp['ttft_s']['mean']['real']:.2f} s, sim "
             f"{cmp['ttft_s']['mean']['sim']:.2f} s")
@@ -233,6 +245,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="simulated workers sharing one host's cores, for a profile that says "
                         "host_cores (default: all, the one machine the real cluster runs on; "
                         "0: each worker alone)")
+    p.add_argument("--host-background", default="0",
+                   help="other work's threads on the simulated host: a number, or 'measured' "
+                        "(the real run's load average before its cluster started; default 0)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     return p
 
@@ -245,6 +260,14 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
         raise ValidateError(f"--scale must divide 512, got {a.token_scale}")
     if a.workers_per_host is not None and a.workers_per_host < 0:
         raise ValidateError("--workers-per-host must be >= 0")
+    if a.host_background != "measured":
+        try:
+            ok = float(a.host_background) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValidateError("--host-background must be a number >= 0 or 'measured', got "
+                                f"{a.host_background!r}")
     if not a.rate > 0:
         raise ValidateError("--rate must be > 0")
     return {"trace": a.trace, "token_scale": a.token_scale, "requests": a.requests,
@@ -252,7 +275,7 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "configs": parse_configs(a.configs), "profile": a.profile, "model": a.model,
             "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,
             "seed": a.seed, "max_num_batched_tokens": 2048, "real_from": a.real_from,
-            "workers_per_host": a.workers_per_host}
+            "workers_per_host": a.workers_per_host, "host_background": a.host_background}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,8 +35,15 @@ def test_contention_factor():
     assert contention(2, 1, 2, (1.0, 1.6)) == 1.6
     assert contention(4, 1, 2, (1.0, 1.6)) == pytest.approx(3.2)
     assert contention(1, 1, 2, (0.9,)) == 1.0  # never faster than alone
+    # Other work on the host takes its fair share of the cores, table or not.
+    assert contention(2, 1, 2, background=1.0) == 1.5
+    assert contention(1, 1, 2, background=0.5) == 1.0
+    assert contention(2, 1, 2, (1.0, 1.2), background=2.0) == 2.0
+    assert contention(2, 1, 2, (1.0, 1.2), background=0.2) == 1.2
     with pytest.raises(ValueError, match="busy_workers"):
         contention(0, 1, 2)
+    with pytest.raises(ValueError, match="background"):
+        contention(1, 1, 2, background=-1.0)
 
 
 def prefills(arrivals: list[float], prefill_workers: int, workers_per_host):
@@ -57,6 +64,13 @@ def test_two_busy_one_thread_workers_on_one_core_take_twice_as_long():
     assert shared.ttft_s == pytest.approx([2 * SOLO, 2 * SOLO])
     # Each worker on its own host: as if alone.
     assert prefills([0.0, 0.0], 2, 1).ttft_s == pytest.approx([SOLO, SOLO])
+
+
+def test_other_work_on_the_host_slows_every_step():
+    reqs = [SimRequest("r0", 0.0, 100, 1, (0,))]
+    cfg = SimConfig(prefill_workers=1, decode_workers=1, workers_per_host=2,
+                    host_background_threads=1.0, stats_interval_s=100.0)
+    assert simulate(cfg, reqs, ONE_CORE).ttft_s == pytest.approx([2 * SOLO])
 
 
 def test_a_step_in_progress_slows_when_another_starts_and_speeds_up_when_it_ends():
@@ -105,3 +119,5 @@ def test_host_fields_round_trip_and_bad_values_name_the_field():
         dataclasses.replace(ONE_CORE, host_slowdown=(1.0, -2.0))
     with pytest.raises(SimConfigError, match="workers_per_host"):
         SimConfig(workers_per_host=0)
+    with pytest.raises(SimConfigError, match="host_background_threads"):
+        SimConfig(host_background_threads=-1.0)

@@ -4,6 +4,7 @@ and in the simulator and writes its table, JSON and plot (the error is reported,
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim.validate import (ValidateError, compare, parse_configs, shared_fraction,
-                                  sim_blocks)
+from pdserve.sim.validate import (ValidateError, add_arguments, background_of, compare,
+                                  parse_configs, settings_from_args, shared_fraction, sim_blocks)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace_head300.jsonl"
@@ -48,6 +49,22 @@ def test_compare_is_relative_to_the_real_side():
 def test_bad_configs_are_named(text):
     with pytest.raises(ValidateError, match="--configs"):
         parse_configs(text)
+
+
+@pytest.mark.parametrize("flag, value", [("--host-background", "x"),
+                                         ("--host-background", "-1"),
+                                         ("--workers-per-host", "-1")])
+def test_bad_host_flags_are_named(flag, value):
+    args = add_arguments(argparse.ArgumentParser()).parse_args([flag, value])
+    with pytest.raises(ValidateError, match=flag):
+        settings_from_args(args)
+
+
+def test_measured_host_background_is_the_load_before_the_cluster():
+    real = {"loadavg_1m_before_cluster": 1.25}
+    assert background_of({"host_background": "measured"}, real) == 1.25
+    assert background_of({"host_background": "0.5"}, real) == 0.5
+    assert background_of({"host_background": "measured"}, {}) == 0.0  # an older record
 
 
 def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
