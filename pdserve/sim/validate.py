@@ -108,6 +108,50 @@ def _per_request(ttft: list[float], e2e: list[float], tokens: list[int]) -> dict
     return {"ttft_s": ttft, "itl_s": itl, "e2e_s": e2e}
 
 
+class RunnableSampler:
+    """Samples, `hz` times a second on a thread, the host's runnable threads (/proc/loadavg)
+    less the workers' own runnable threads and the sampler: the other work the workers shared
+    the cores with (the router, the store, the client, anything else on the machine)."""
+
+    def __init__(self, worker_pids: list[int], hz: float = 5.0) -> None:
+        import threading
+
+        self.pids, self.period = worker_pids, 1.0 / hz
+        self.samples: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def _running(pid: int) -> int:
+        n = 0
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except OSError:
+            pass
+        return n
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.period):
+            with open("/proc/loadavg") as f:
+                runnable = int(f.read().split()[3].split("/")[0])
+            self.samples.append(max(0, runnable - 1 - sum(map(self._running, self.pids))))
+
+    def __enter__(self) -> RunnableSampler:
+        if os.path.exists("/proc/loadavg"):
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def mean(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
 def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[str, Any]:
     from pdserve.bench import serve_client as client
     from pdserve.bench.serve import _model_name
@@ -129,13 +173,16 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
             if done[0] % max(1, len(reqs) // 10) == 0:
                 say(f"{p}P{d}D real: {done[0]}/{len(reqs)} requests done")
         load = os.getloadavg()[0]
-        rows, wall = client.run_open(cluster.http_address, name, reqs, s["timeout_s"], tick)
+        workers = [c.proc.pid for c in cluster.children if c.kind == "worker"]
+        with RunnableSampler(workers) as other:
+            rows, wall = client.run_open(cluster.http_address, name, reqs, s["timeout_s"], tick)
         threads = spec.worker_threads()
     ok = [r for r in rows if completed(r)]
     if not ok:
         raise RuntimeError(f"{p}P{d}D: no request completed: {rows[0]['error']}")
     return {"ok": len(ok), "failed": len(rows) - len(ok), "wall_s": wall,
             "loadavg_1m_before_cluster": before, "loadavg_1m_start": load,
+            "other_runnable_threads": other.mean(),
             "loadavg_1m_end": os.getloadavg()[0],
             "threads_per_worker": threads,
             **_per_request([r["ttft_s"] for r in ok], [r["e2e_s"] for r in ok],
@@ -144,10 +191,14 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
 
 def background_of(s: dict[str, Any], real: dict[str, Any]) -> float:
     """Other work's threads on the host for the simulator: `--host-background`, where
-    "measured" is the real run's load average before its cluster started."""
+    "measured" is the mean of the real run's other runnable threads (sampled during the run;
+    in older records, the load average before its cluster started)."""
     text = s.get("host_background", "0")
     if text == "measured":
-        return float(real.get("loadavg_1m_before_cluster", 0.0))
+        measured = real.get("other_runnable_threads")
+        if measured is None:
+            measured = real.get("loadavg_1m_before_cluster", 0.0)
+        return float(measured)
     return float(text)
 
 
@@ -247,7 +298,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "0: each worker alone)")
     p.add_argument("--host-background", default="0",
                    help="other work's threads on the simulated host: a number, or 'measured' "
-                        "(the real run's load average before its cluster started; default 0)")
+                        "(the real run's other runnable threads, sampled during it; default 0)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     return p
 

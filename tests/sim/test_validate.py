@@ -60,11 +60,14 @@ def test_bad_host_flags_are_named(flag, value):
         settings_from_args(args)
 
 
-def test_measured_host_background_is_the_load_before_the_cluster():
-    real = {"loadavg_1m_before_cluster": 1.25}
-    assert background_of({"host_background": "measured"}, real) == 1.25
+def test_measured_host_background_is_the_other_runnable_threads():
+    real = {"loadavg_1m_before_cluster": 1.25, "other_runnable_threads": 0.75}
+    assert background_of({"host_background": "measured"}, real) == 0.75
     assert background_of({"host_background": "0.5"}, real) == 0.5
-    assert background_of({"host_background": "measured"}, {}) == 0.0  # an older record
+    # Older records: the load average before the cluster started, else nothing.
+    assert background_of({"host_background": "measured"},
+                         {"loadavg_1m_before_cluster": 1.25}) == 1.25
+    assert background_of({"host_background": "measured"}, {}) == 0.0
 
 
 def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
