@@ -2,8 +2,9 @@
 
 Owns the measurement plan (prefill steps vs uncached tokens on cached context, decode steps vs
 batch size and context, mixed steps; store put+get per transport; a worker's start-up and an idle
-role flip through the controller's own `Flipper`), the fit (least squares on relative error,
-coefficients kept non-negative) and its error report. The engine, the store and the cluster are
+role flip through the controller's own `Flipper`; the host's cores and slowdown through
+`calibrate_host.py`), the fit (least squares on relative error, coefficients kept non-negative)
+and its error report. The engine, the store and the cluster are
 imported only inside the measuring functions, so the fit and the CLI's help stay torch-free.
 Must not simulate anything or decide what a measurement should have been.
 """
