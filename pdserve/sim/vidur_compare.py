@@ -302,8 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--mlp-csv: no file {a.mlp_csv}")
     work = a.workdir or tempfile.mkdtemp(prefix="vidur-compare-")
     os.makedirs(work, exist_ok=True)
-    doc = compare(os.path.abspath(a.mlp_csv), a.vidur_venv, a.trace, os.path.abspath(work),
-                  a.seed, not a.no_roofline, not a.no_aligned)
+    try:
+        doc = compare(os.path.abspath(a.mlp_csv), a.vidur_venv, a.trace, os.path.abspath(work),
+                      a.seed, not a.no_roofline, not a.no_aligned)
+    except (FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     samples = {name: r.pop("samples") for name, r in doc["runs"].items()}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)
