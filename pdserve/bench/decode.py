@@ -2,7 +2,8 @@
 
 Owns one benchmark run, all on this machine in one process and on one device (`--device`):
 engine decode tokens/s per batch size (with `--attention-baseline` also with the PyTorch
-reference decode attention instead of the C kernel, alternating which goes first), Hugging Face
+reference decode attention instead of the C kernel; with `--linear-baseline` a second engine
+with oneDNN's linear layers instead of the C one; alternating which goes first), Hugging Face
 `generate` on the same weights and the same prompt token ids, the memory-bandwidth bound (a
 large tensor copy in that device's memory; on a GPU also the data sheet's HBM bandwidth over
 weight + KV bytes per step), and one long prefill on both sides; then the ratios, a table, a
@@ -54,6 +55,7 @@ class DecodeBenchSettings:
     # Also time the engine with the PyTorch reference decode attention (PDSERVE_PAGED_ATTN=torch)
     # right after each engine run: the C kernel's gain, measured in the same run.
     attention_baseline: bool = False
+    linear_baseline: bool = False
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
@@ -177,17 +179,22 @@ def engine_prefill_s(engine: LLMEngine, prompt: list[int], salt: str) -> tuple[f
     return time.perf_counter() - t0, steps
 
 
-def _with_torch_attention(fn: Any, *args: Any) -> Any:
-    """fn(*args) with the engine's decode attention on the PyTorch reference (decided per step)."""
-    old = os.environ.get("PDSERVE_PAGED_ATTN")
-    os.environ["PDSERVE_PAGED_ATTN"] = "torch"
+def _with_env(name: str, value: str, fn: Any, *args: Any) -> Any:
+    """fn(*args) with the environment variable `name` set to `value` meanwhile."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         return fn(*args)
     finally:
         if old is None:
-            del os.environ["PDSERVE_PAGED_ATTN"]
+            del os.environ[name]
         else:
-            os.environ["PDSERVE_PAGED_ATTN"] = old
+            os.environ[name] = old
+
+
+def _with_torch_attention(fn: Any, *args: Any) -> Any:
+    """fn(*args) with the engine's decode attention on the PyTorch reference (decided per step)."""
+    return _with_env("PDSERVE_PAGED_ATTN", "torch", fn, *args)
 
 
 # ---- one run --------------------------------------------------------------------------------------
@@ -195,18 +202,19 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
                      prompt_tokens: int = 128, new_tokens: int = 64, prefill_tokens: int = 2048,
                      dtype: str = "float32", repeats: int = 3, progress: bool = True,
                      copy_bytes: int = 512 << 20, attention_baseline: bool = False,
-                     device: str = "cpu") -> dict[str, Any]:
+                     device: str = "cpu", linear_baseline: bool = False) -> dict[str, Any]:
     """Measure everything once and return the result document (see `summarize`).
 
     Per batch size, each repeat runs engine, `generate(N + 1)`, `generate(1)` back to back, so a
     burst of other work on the machine lands on both sides; repeat 0 is the warm-up and dropped.
     """
     s = DecodeBenchSettings(tuple(batch_sizes), prompt_tokens, new_tokens, prefill_tokens, dtype,
-                            repeats, device, copy_bytes, attention_baseline)
+                            repeats, device, copy_bytes, attention_baseline, linear_baseline)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    runs = 2 + 2 + (1 + s.repeats) * ((3 + s.attention_baseline) * len(s.batch_sizes) + 2)
+    extra = s.attention_baseline + s.linear_baseline
+    runs = 2 + 2 + s.linear_baseline + (1 + s.repeats) * ((3 + extra) * len(s.batch_sizes) + 2)
     bar = Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=Console(stderr=True), disable=not progress)
     started = time.perf_counter()
@@ -218,6 +226,15 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
             bar.update(task, advance=1, description=what)
 
         engine = make_engine(model_path, s)
+        baselines = []  # (raw key, timed run): the engine another way, alternating with it
+        if s.attention_baseline:
+            baselines.append(("engine_torch_attention_s", lambda b: _with_torch_attention(
+                engine_decode_s, engine, prompts[:b], new_tokens, f"bench-{next(salt)}")))
+        if s.linear_baseline:
+            tick("loading engine on oneDNN linear")
+            onednn = _with_env("PDSERVE_LINEAR", "onednn", make_engine, model_path, s)
+            baselines.append(("engine_onednn_linear_s", lambda b: engine_decode_s(
+                onednn, prompts[:b], new_tokens, f"bench-{next(salt)}")))
         tick("loading transformers")
         hf = load_hf(model_path, dtype, s.device)
         tick("copy bandwidth")
@@ -235,19 +252,18 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
             raw: dict[str, list[float]] = {"engine_s": [], "generate_s": [], "generate_one_s": []}
             for r in range(1 + s.repeats):  # r == 0 warms both sides up and is dropped
                 tick(f"decode B={b} engine {r}/{s.repeats}")
-                if s.attention_baseline:
-                    tick(f"decode B={b} engine, torch attention {r}/{s.repeats}")
-                    both = [lambda: engine_decode_s(engine, prompts[:b], new_tokens,
-                                                    f"bench-{next(salt)}"),
-                            lambda: _with_torch_attention(engine_decode_s, engine, prompts[:b],
-                                                          new_tokens, f"bench-{next(salt)}")]
-                    order = (1, 0) if r % 2 else (0, 1)  # which goes first alternates
-                    times = {i: both[i]() for i in order}
-                    e, e_ref = times[0], times[1]
-                    if r:
-                        raw.setdefault("engine_torch_attention_s", []).append(e_ref)
-                else:
-                    e = engine_decode_s(engine, prompts[:b], new_tokens, f"bench-{next(salt)}")
+                runs_b = [("engine_s", lambda b: engine_decode_s(
+                    engine, prompts[:b], new_tokens, f"bench-{next(salt)}")), *baselines]
+                order = range(len(runs_b))
+                for i in (reversed(order) if r % 2 else order):  # which goes first alternates
+                    key, fn = runs_b[i]
+                    if i:
+                        tick(f"decode B={b} {key[7:-2].replace('_', ' ')} {r}/{s.repeats}")
+                    t = fn(b)
+                    if i == 0:
+                        e = t
+                    elif r:
+                        raw.setdefault(key, []).append(t)
                 tick(f"decode B={b} transformers {r}/{s.repeats}")
                 # The one-token run (the prefill both include) is the smaller of one before and
                 # one after: a hiccup of the machine in a single short run would otherwise make
@@ -312,6 +328,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--attention-baseline", action="store_true",
                         help="also time the engine with PDSERVE_PAGED_ATTN=torch (the PyTorch "
                              "reference decode attention) in the same run")
+    parser.add_argument("--linear-baseline", action="store_true",
+                        help="also time a second engine whose linear layers run on oneDNN's "
+                             "packed weights (PDSERVE_LINEAR=onednn) in the same run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
 
@@ -337,7 +356,8 @@ def run(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
         result = run_decode_bench(args.model, dtype=resolve_dtype(args.dtype, device),
                                   device=device, progress=not args.no_progress,
-                                  attention_baseline=args.attention_baseline, **sizes)
+                                  attention_baseline=args.attention_baseline,
+                                  linear_baseline=args.linear_baseline, **sizes)
     except (BenchConfigError, DeviceError) as e:
         print(f"pdserve bench decode: {e}", file=sys.stderr)
         return 2

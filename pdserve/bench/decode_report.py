@@ -59,12 +59,15 @@ def summarize(s: "DecodeBenchSettings", setup: dict[str, Any], copy_s: list[floa
                 "engine_fraction_of_stated_bound": eng / (b * stated / step_bytes)}
                if stated else {}),
         })
-        if "engine_torch_attention_s" in raw:
-            ref_s = statistics.median(raw["engine_torch_attention_s"])
-            rows[-1]["engine_torch_attention"] = {
-                "decode_s": raw["engine_torch_attention_s"], "median_s": ref_s,
-                "tokens_per_s": b * s.new_tokens / ref_s}
-            rows[-1]["attention_kernel_gain"] = ref_s / eng_s
+        for key, name, gain in (("engine_torch_attention_s", "engine_torch_attention",
+                                 "attention_kernel_gain"),
+                                ("engine_onednn_linear_s", "engine_onednn_linear",
+                                 "linear_kernel_gain")):
+            if key in raw:
+                ref_s = statistics.median(raw[key])
+                rows[-1][name] = {"decode_s": raw[key], "median_s": ref_s,
+                                  "tokens_per_s": b * s.new_tokens / ref_s}
+                rows[-1][gain] = ref_s / eng_s
     eng_p, hf_p = statistics.median(prefill["engine_s"]), statistics.median(prefill["transformers_s"])
     prefill_doc = {
         "prompt_tokens": s.prefill_tokens,
@@ -122,14 +125,19 @@ def print_table(result: dict[str, Any], console: Any) -> None:
     t = Table(title=f"decode, {result['model']['dtype']}, "
                     f"{result['machine']['torch_threads']} torch threads")
     # "HF" is transformers `generate`; "ratio" is engine/HF; "of bound" is engine/bound.
-    # "ref attn" is the engine with PDSERVE_PAGED_ATTN=torch; "kernel" is engine / ref attn.
+    # "ref attn" is the engine with PDSERVE_PAGED_ATTN=torch; "kernel" is engine / ref attn;
+    # "oneDNN lin" the engine with PDSERVE_LINEAR=onednn; "linear" is engine / oneDNN lin.
     gain = any("attention_kernel_gain" in r for r in result["decode"])
+    lin = any("linear_kernel_gain" in r for r in result["decode"])
     for col in ("batch", "engine tok/s", "HF tok/s", "ratio", "bound tok/s", "of bound",
-                *(("ref attn tok/s", "kernel") if gain else ())):
+                *(("ref attn tok/s", "kernel") if gain else ()),
+                *(("oneDNN lin tok/s", "linear") if lin else ())):
         t.add_column(col, justify="right")
     for r in result["decode"]:
-        extra = (f"{r['engine_torch_attention']['tokens_per_s']:.1f}",
-                 f"{r['attention_kernel_gain']:.2f}x") if gain else ()
+        extra = ((f"{r['engine_torch_attention']['tokens_per_s']:.1f}",
+                  f"{r['attention_kernel_gain']:.2f}x") if gain else ()) + (
+                 (f"{r['engine_onednn_linear']['tokens_per_s']:.1f}",
+                  f"{r['linear_kernel_gain']:.2f}x") if lin else ())
         t.add_row(str(r["batch_size"]), f"{r['engine']['tokens_per_s']:.1f}",
                   f"{r['transformers']['tokens_per_s']:.1f}", f"{r['ratio']:.2f}x",
                   f"{r['bound_tokens_per_s']:.1f}", f"{r['engine_fraction_of_bound']:.0%}", *extra)
