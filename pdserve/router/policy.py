@@ -194,6 +194,27 @@ class KvAware:
         return WorkerScore(i, local, fetch, compute, work, load,
                            self.overlap_weight * work + load)
 
+    def _score_holders(self, inp: RouteInput, cached: dict[int, int]) -> list[WorkerScore]:
+        """`_score_one` of each healthy worker caching part of the prompt, by index: the parts
+        and work depend only on the cached blocks, so they are computed once per count (many
+        workers often hold the same shared prefix)."""
+        workers, ow, rc = inp.workers, self.overlap_weight, self.request_cost_tokens
+        by_count: dict[int, tuple[int, int, int, float, float]] = {}
+        out = []
+        for i, c in sorted(cached.items()):
+            w = workers[i]
+            if c <= 0 or not w.healthy:
+                continue
+            parts = by_count.get(c)
+            if parts is None:
+                local, fetch, compute = _parts(inp, c)
+                work = compute + self.fetch_weight * fetch * inp.block_size_tokens
+                parts = by_count[c] = (local, fetch, compute, work, ow * work)
+            load = w.in_flight_tokens + rc * w.in_flight  # `load_of`
+            out.append(WorkerScore(i, parts[0], parts[1], parts[2], parts[3], load,
+                                   parts[4] + load))
+        return out
+
     def score(self, inp: RouteInput) -> tuple[WorkerScore, ...]:
         return tuple(self._score_one(inp, i, inp.workers[i]) for i in _live(inp.workers))
 
@@ -210,8 +231,7 @@ class KvAware:
             for i, c in cached.items():
                 workers[i] = replace(workers[i], cached_blocks=c)
             return self.decide(replace(inp, workers=tuple(workers)))
-        cands = [self._score_one(inp, i, inp.workers[i], c)
-                 for i, c in sorted(cached.items()) if c > 0 and inp.workers[i].healthy]
+        cands = self._score_holders(inp, cached)
         _, fetch0, compute0 = _parts(inp, 0)
         cost0 = self.overlap_weight * (compute0 + self.fetch_weight * fetch0
                                        * inp.block_size_tokens)

@@ -139,6 +139,11 @@ class SimRouter:
         """A worker's prefix-cache changes, in order: [(STORED | REMOVED, hash)]."""
         self.index.apply_changes(address, events)
 
+    def resync(self, address: str, hashes) -> None:
+        """A worker's prefix cache from a snapshot (its hashes, oldest first)."""
+        self.kv_event(address, CLEARED, ())
+        self.kv_event(address, STORED, hashes)
+
     def store_events(self, stored, evicted) -> None:
         self.kv_event(STORE, STORED, stored)
         self.kv_event(STORE, REMOVED, evicted)
