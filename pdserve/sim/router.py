@@ -35,9 +35,11 @@ class SimRouter:
         self.kv_aware = isinstance(self.policies[PREFILL], KvAware)
         self.admission = Admission(cfg.admission)
         # Past a few dozen workers, finding a prompt's holders by hash beats asking every
-        # worker, though the by-hash map costs upkeep on every block change.
+        # worker, though the by-hash map costs upkeep on every block change; the store, which
+        # takes most new blocks, is asked directly instead.
         self.index = KvIndex(max_blocks_per_source=10_000_000,
-                             max_sources=len(addresses) + 1, by_hash=len(addresses) > 64)
+                             max_sources=len(addresses) + 1, by_hash=len(addresses) > 64,
+                             scanned=(STORE,))
         self.rates = RateMeter()
         self.block_size = cfg.block_size
         self._loads: dict[str, WorkerLoad] = {}
