@@ -59,10 +59,16 @@ class SimRouter:
     def _touch(self, address: str) -> None:
         m = self.membership.get(address)
         s = m.stats
+        free, running, waiting = ((None, 0, 0) if s is None else
+                                  (s.num_free_blocks, s.num_running, s.num_waiting))
+        old = self._loads.get(address)
+        if (old is not None and old.in_flight == m.in_flight
+                and old.in_flight_tokens == m.in_flight_tokens and old.free_blocks == free
+                and old.running == running and old.waiting == waiting):
+            return  # the same load (a poll of an unchanged worker): views and orders hold
         w = self._loads[address] = WorkerLoad(
             m.address, m.in_flight, True, m.in_flight_tokens, 0,
-            free_blocks=None if s is None else s.num_free_blocks,
-            running=0 if s is None else s.num_running, waiting=0 if s is None else s.num_waiting)
+            free_blocks=free, running=running, waiting=waiting)
         for role, (at, loads, orders) in self._views.items():
             i = at.get(address)
             if i is not None:
