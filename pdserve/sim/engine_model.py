@@ -257,7 +257,10 @@ class EngineModel:
         k = limit
         ctx = 0
         for seq in sched.running:
-            if seq.paused or seq.num_computed != seq.num_tokens - 1 or seq.spec_token_ids:
+            # One token behind with its prompt computed: a prompt chunk that stops one token
+            # short of the end is not a decode (its next step makes the first token).
+            if (seq.paused or seq.num_computed != seq.num_tokens - 1 or seq.spec_token_ids
+                    or seq.num_computed < len(seq.prompt_ids)):
                 return 0, 0, 0
             k = min(k, seq.params.max_tokens - seq.num_output_tokens)
             ctx += seq.num_computed

@@ -186,3 +186,16 @@ def test_run_tokens_read_and_change_as_the_list_they_stand_for():
         with pytest.raises(IndexError):
             toks[len(plain)]
     assert prompt_tokens_of((3, 9), 1100, 4) == [5] * 512 + [11] * 512 + [-4] * 76
+
+
+def test_a_prompt_chunk_one_token_short_is_not_taken_for_a_decode_run():
+    """A request prefilling in chunks (an offload's chunk cap) can stop one token before its
+    prompt's end; its next step makes the first token, so no bulk decode run may take it."""
+    from pdserve.sim.engine_model import EngineModel
+
+    engine = EngineModel(64, 16, 8, 2048, 16)
+    engine.add("a", list(range(2, 35)), 5, max_chunk_tokens=32)  # 33 prompt tokens
+    assert engine.complete(engine.plan()) == []  # 32 of 33 computed
+    assert engine.decode_run(1 << 20)[0] < 2
+    assert engine.complete(engine.plan()) == [("a", "first")]
+    assert engine.decode_run(1 << 20)[0] == 4  # now a pure decode: 4 more tokens
