@@ -84,16 +84,9 @@ class KvIndex:
             for h in event.hashes:
                 if blocks.pop(h, 0) is None:
                     self._forget(h, source)
-        elif not self.by_hash:
-            for h in event.hashes:
-                if h in blocks:
-                    blocks.move_to_end(h)
-                else:
-                    blocks[h] = None
         else:
             for h in event.hashes:
                 self._store(blocks, source, h)
-        if event.kind == STORED:
             while len(blocks) > self.max_blocks_per_source:
                 self._forget(blocks.popitem(last=False)[0], source)
                 self.dropped += 1
@@ -104,47 +97,24 @@ class KvIndex:
         worker's log interleaves the two kinds block by block as it evicts and stores)."""
         blocks = self._blocks.get(source)
         cap = self.max_blocks_per_source
-        where = self._where if self.by_hash and source not in self._scanned else None
-        applied = 0
-        try:
-            for kind, h in changes:
-                if blocks is None:
-                    if kind != STORED:
-                        continue
-                    if len(self._blocks) >= self.max_sources:
-                        self.refused += 1
-                        continue
-                    blocks = self._blocks[source] = OrderedDict()
-                applied += 1
-                if kind == REMOVED:
-                    if blocks.pop(h, 0) is None and where is not None:
-                        holding = where[h]  # `_forget`, inline: this runs per block
-                        if type(holding) is str:
-                            del where[h]
-                        else:
-                            holding.discard(source)
-                            if len(holding) == 1:
-                                where[h] = next(iter(holding))
-                elif kind == STORED:
-                    if h in blocks:
-                        blocks.move_to_end(h)
-                        continue
-                    blocks[h] = None
-                    if where is not None:  # `_store`, inline
-                        holding = where.get(h)
-                        if holding is None:
-                            where[h] = source
-                        elif type(holding) is str:
-                            where[h] = {holding, source}
-                        else:
-                            holding.add(source)
-                    if len(blocks) > cap:
-                        self._forget(blocks.popitem(last=False)[0], source)
-                        self.dropped += 1
-                else:
-                    raise ValueError(f"kind must be {STORED!r} or {REMOVED!r}, got {kind!r}")
-        finally:
-            self.applied += applied
+        for kind, h in changes:
+            if blocks is None:
+                if kind != STORED:
+                    continue
+                if len(self._blocks) >= self.max_sources:
+                    self.refused += 1
+                    continue
+                blocks = self._blocks[source] = OrderedDict()
+            self.applied += 1
+            if kind == REMOVED:
+                if blocks.pop(h, 0) is None:
+                    self._forget(h, source)
+            elif kind == STORED:
+                if self._store(blocks, source, h) and len(blocks) > cap:
+                    self._forget(blocks.popitem(last=False)[0], source)
+                    self.dropped += 1
+            else:
+                raise ValueError(f"kind must be {STORED!r} or {REMOVED!r}, got {kind!r}")
 
     def _store(self, blocks: OrderedDict, source: str, h: bytes) -> bool:
         """Mark `h` stored (most recently) by `source`; whether it is new there."""
