@@ -197,7 +197,7 @@ def device_problem(args: argparse.Namespace) -> str | None:
 def _spec_args(args: argparse.Namespace) -> dict:
     """--spec / --draft as ClusterSpec fields; a drafter's kind comes from its config.json."""
     if args.draft:
-        from pdserve.engine.spec.draft_model import read_draft_kind
+        from pdserve.core.draft_config import read_draft_kind
 
         try:
             kind = read_draft_kind(args.draft)

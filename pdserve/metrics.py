@@ -22,15 +22,48 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                   HistogramMetricFamily)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, start_http_server
 
-__all__ = ["RouterMetrics", "WorkerCollector", "CONTENT_TYPE_LATEST", "render", "serve_worker"]
+__all__ = ["BucketCounts", "RouterMetrics", "WorkerCollector", "CONTENT_TYPE_LATEST", "render",
+           "serve_worker"]
 
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                   0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# One token's trip from the decode worker's engine to the router: sub-millisecond on one host.
+_HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                  0.5, 1.0, 2.5)
+
+
+class BucketCounts:
+    """A histogram kept by one thread as plain numbers (no lock, no registry), exposed at scrape
+    time: `counts[i]` observations <= `bounds[i]` and not <= the bound before; the last slot is
+    +Inf."""
+
+    def __init__(self, bounds: tuple[float, ...] = _ITL_BUCKETS_S) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        i = 0
+        for b in self.bounds:
+            if value <= b:
+                break
+            i += 1
+        self.counts[i] += 1
+        self.sum += value
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative bucket counts as Prometheus lists them, with the sum."""
+        cum, total = [], 0
+        for n in self.counts:
+            total += n
+            cum.append(total)
+        return {"bounds": list(self.bounds), "cumulative": cum, "sum": self.sum}
 
 
 def render(registry: CollectorRegistry) -> bytes:
@@ -53,6 +86,12 @@ class RouterMetrics:
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds",
                              "Time from arrival to the last token.", label,
                              buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)
+        self.worker_hop = Histogram(
+            "pdserve:worker_to_router_seconds",
+            "Time from the end of the engine step that made a decode message's first token on "
+            "the decode worker to the message's arrival here (worker clock vs router clock: "
+            "across hosts it includes their offset).", label, buckets=_HOP_BUCKETS_S,
+            registry=r).labels(model_name)
         self.queue_time = Histogram("pdserve:request_queue_time_seconds",
                                     "Time from arrival until a prefill worker took the request.",
                                     label, buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)
@@ -162,6 +201,15 @@ class WorkerCollector:
                 ("local_prefill_tokens", "local_prefill_tokens",
                  "Prompt tokens of the requests prefilled on this worker in the decode role.")):
             yield counter(name, doc, s.get(key, 0))
+        step = s.get("decode_step_histogram")
+        if step is not None:
+            h = HistogramMetricFamily("pdserve:decode_step_seconds",
+                                      "Seconds of each engine step that decoded (some sequence "
+                                      "past its prompt).", labels=["model_name"])
+            cum = step["cumulative"]
+            h.add_metric(m, [*((str(b), n) for b, n in zip(step["bounds"], cum)),
+                             ("+Inf", cum[-1])], step["sum"])
+            yield h
         per_pos = CounterMetricFamily(
             "pdserve:spec_decode_num_accepted_tokens_per_pos",
             "Verifications whose draft token at this position was accepted.",

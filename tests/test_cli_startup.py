@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 import time
@@ -56,6 +57,30 @@ def test_serve_checks_its_input_and_imports_its_launcher_without_torch():
                  "from pdserve.engine.model_files import default_model_path\n"
                  "default_model_path()\n"
                  "import pdserve.controller.launcher")
+    assert out.returncode == 0, out.stderr
+
+
+def test_serve_reads_a_drafter_without_torch(tmp_path):
+    """`pdserve serve --draft PATH` learns the drafter's kind from its config.json and checks it
+    before anything starts, still without torch; a bad drafter is refused naming --draft."""
+    good = tmp_path / "drafter"
+    good.mkdir()
+    (good / "config.json").write_text(json.dumps({
+        "kind": "dflash", "target_name": "t", "hidden_size": 8, "num_heads": 2, "head_dim": 4,
+        "intermediate_size": 16, "format_version": 1}))
+    (good / "draft.safetensors").write_bytes(b"")
+    out = _fresh("import pdserve.cli as c, pdserve.cli_serve as s\n"
+                 f"a = c.build_parser().parse_args(['serve', '--draft', {str(good)!r}])\n"
+                 "assert s.input_problem(a) is None\n"
+                 "f = s._spec_args(a)\n"
+                 "assert f['spec_method'] == 'dflash', f\n")
+    assert out.returncode == 0, out.stderr
+    (good / "config.json").write_text(json.dumps({"kind": "dflash", "format_version": 99}))
+    out = _fresh("import pdserve.cli as c, pdserve.cli_serve as s\n"
+                 f"a = c.build_parser().parse_args(['serve', '--draft', {str(good)!r}])\n"
+                 "try:\n    s._spec_args(a)\nexcept SystemExit as e:\n"
+                 "    assert '--draft' in str(e) and 'format_version' in str(e), e\n"
+                 "else:\n    raise AssertionError('accepted')\n")
     assert out.returncode == 0, out.stderr
 
 

@@ -93,7 +93,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 ROUTER_ITL = "pdserve:inter_token_latency_seconds"
 ROUTER_TTFT = "pdserve:time_to_first_token_seconds"
 ENGINE_BUSY = "pdserve:engine_busy_seconds_total"
-ENGINE_STEP = "pdserve:decode_step_seconds"  # a histogram of decode steps, once a worker has one
+ENGINE_STEP = "pdserve:decode_step_seconds"  # the workers' histogram of decode steps
+WORKER_HOP = "pdserve:worker_to_router_seconds"  # the router's histogram of that hop
 MISSING = {
     "engine_step": "the workers' /metrics have no decode-step metric (only "
                    "pdserve:engine_busy_seconds_total over all steps): the mean step comes from "
@@ -134,15 +135,21 @@ def hop_breakdown(router: Mapping[str, float], workers: Sequence[Mapping[str, An
     router_itl = _ratio(router.get(ROUTER_ITL + "_sum"), router.get(ROUTER_ITL + "_count"))
     router_ttft = _ratio(router.get(ROUTER_TTFT + "_sum"), router.get(ROUTER_TTFT + "_count"))
     client_tpot = client.get("tpot_mean_s")
-    missing += [MISSING["worker_to_router"], MISSING["router_to_client"]]
 
     def minus(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a - b
 
+    hop_s = _ratio(router.get(WORKER_HOP + "_sum"), router.get(WORKER_HOP + "_count"))
+    if hop_s is not None:
+        hop = {"hop": "worker -> router", "seconds": hop_s, "source": f"/metrics {WORKER_HOP}"}
+    else:
+        missing.append(MISSING["worker_to_router"])
+        hop = {"hop": "worker -> router", "seconds": minus(router_itl, step_s),
+               "source": "router ITL mean - engine step"}
+    missing.append(MISSING["router_to_client"])
     hops = [
         {"hop": "engine step", "seconds": step_s, "source": source},
-        {"hop": "worker -> router", "seconds": minus(router_itl, step_s),
-         "source": "router ITL mean - engine step"},
+        hop,
         {"hop": "router -> client", "seconds": minus(client_tpot, router_itl),
          "source": "client TPOT mean - router ITL mean"},
     ]

@@ -37,6 +37,7 @@ class DecodeChunk:
     token_ids: list[int]
     finish_reason: str | None  # set on the last chunk
     logprobs: list[TokenLogprobs] | None = None  # parallel to token_ids, when asked for
+    made_s: float = 0.0  # wall clock when the step that made the first of token_ids ended
 
 
 class DecodeRole:
@@ -224,18 +225,19 @@ def _coalesce(item, out_stream: RequestStream) -> tuple[DecodeChunk, bool, objec
     tokens, to raise on the next read) ; an error with no token before it raises here."""
     tokens: list[int] = []
     logprobs: list[TokenLogprobs] | None = []
+    made_s = item.made_s
     while True:
         if item.error is not None:
             if tokens:
-                return DecodeChunk(tokens, None, logprobs), False, item
+                return DecodeChunk(tokens, None, logprobs, made_s), False, item
             raise item.error
         out = item.output
         assert out is not None
         tokens.extend(out.new_token_ids)
         logprobs = None if out.logprobs is None or logprobs is None else logprobs + out.logprobs
         if out.finished:
-            return DecodeChunk(tokens, out.finish_reason, logprobs), True, None
+            return DecodeChunk(tokens, out.finish_reason, logprobs, made_s), True, None
         try:
             item = out_stream.q.get_nowait()
         except queue.Empty:
-            return DecodeChunk(tokens, None, logprobs), False, None
+            return DecodeChunk(tokens, None, logprobs, made_s), False, None

@@ -321,6 +321,8 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             call.cancel()  # the client already left: the callback never runs
         with self.door.worker_call(call):
             for chunk in call:
+                if chunk.made_unix_s > 0:
+                    self.metrics.worker_hop.observe(max(0.0, time.time() - chunk.made_unix_s))
                 usage.completion_tokens += len(chunk.token_ids)
                 trip.emitted.extend(chunk.token_ids)
                 delta = text.push(chunk.token_ids)

@@ -17,6 +17,7 @@ from pdserve.controller.signals import Slo
 from pdserve.router.admission import Overloaded
 from pdserve.router.membership import ACTIVE, DECODE, DRAINING, PREFILL
 from pdserve.router.policy import NoWorkerError
+from pdserve.router.retry import RetryPolicy
 from pdserve.sim.config import SimConfig
 from pdserve.sim.control import SimController
 from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
@@ -172,7 +173,9 @@ class Cluster:
             return
         try:
             address, tokens = router.pick(PREFILL, r.prompt_tokens, 0, hashes)
-        except NoWorkerError:
+        except NoWorkerError:  # the live router's prefill fallback: a decode worker prefills it
+            if RetryPolicy.prefill_fallback(None) and self._prefill_on_decode(i, prompt):
+                return
             router.admission.release("")
             self._prefilled(i)
             self._reject(i, "no prefill worker")
@@ -189,6 +192,20 @@ class Cluster:
             self._send(self.links[address], ("fetch", i, address), (in_store - local) * self.bpt)
         else:
             self._to_prefill(w, i)
+
+    def _prefill_on_decode(self, i: int, prompt: list[int]) -> bool:
+        """No prefill worker: a decode worker takes the whole request (False: none can)."""
+        r = self.reqs[i]
+        try:
+            address, tokens = self.router.pick(DECODE, r.prompt_tokens, r.output_tokens)
+        except NoWorkerError:
+            return False
+        w = self.workers[address]
+        self.held[i] = (address, tokens, 0)
+        self.report.prefill_worker[i] = self.report.decode_worker[i] = address
+        known = self.known.pop(i)
+        self._join(w, lambda: w.engine.add(str(i), prompt, r.output_tokens, known_hashes=known))
+        return True
 
     def _to_prefill(self, w: SimWorker, i: int) -> None:
         local, in_store = self.store_hits.pop(i, (0, 0))

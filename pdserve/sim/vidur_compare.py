@@ -1,15 +1,17 @@
-"""vidur beside pdserve sim: what vidur needs to run here, and how far our roofline is from vidur's
-profiled numbers on a configuration both can express (one colocated Llama-2-7B replica on an
-H100, no tensor parallelism).
+"""vidur and pdserve sim on the same requests and the same per-operator numbers: one colocated
+Llama-2-7B replica on an H100, no tensor or pipeline parallelism.
 
-Owns three things: (1) running vidur (`python -m vidur.main` in its own virtual environment) and
-recording exactly why it stops when it does; (2) a `StepProfile` derived from vidur's profiled
-per-layer linear-operator times (`mlp.csv` of vidur's repository: one row per token count),
-keeping the roofline's attention and KV terms where vidur's attention profile is not available;
-(3) the comparison: per-step linear time, vidur's numbers against our roofline, and the same
-trace simulated by pdserve sim with each profile (a colocated replica: `prefill_workers=0`).
-Must not download anything (vidur fetches its profiles from the Hugging Face hub; this module
-never does) or copy vidur's code.
+Owns the comparison: (1) running vidur (`python -m vidur.main` in its own virtual environment,
+offline, on the hub cache and trace `vidur_inputs` writes) with a chunked-prefill scheduler set
+like ours (sarathi: decodes first, then prefill chunks, 4,096 tokens and 128 sequences a step)
+and reading its per-request metrics; (2) the pdserve profile derived from the same numbers
+(vidur's profiled linear operators as the weight-read floor and per-token slope, no per-step
+overhead since vidur models none, attention and KV from the roofline that also wrote vidur's
+attention profile); (3) pdserve sim on a colocated cluster (`prefill_workers=0`) with the same
+batch caps and KV blocks; (4) the table of mean/p50/p90 TTFT, ITL, e2e and their differences,
+a PNG of the three distributions, one step's time from vidur's predictor and from our profiles
+for the same batches (`vidur_steps`), and vidur's linear-operator times against our roofline's.
+Must not download anything or copy vidur's code.
 """
 
 from __future__ import annotations
@@ -17,59 +19,48 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import numpy as np
 
+from pdserve.core.stats import percentile
 from pdserve.sim.profile import StepProfile
 from pdserve.sim.roofline import MODELS, roofline_profile
+from pdserve.sim.trace import HASH_BLOCK_TOKENS, SimRequest
+from pdserve.sim.vidur_inputs import TRACE_DATE, attention_rows, write_hub_cache, write_trace_csv
+from pdserve.sim.vidur_steps import step_table
 
 LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
               "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
 DEFAULT_VENV = "/work/venv-vidur"
 DEFAULT_TRACE = "synthetic:poisson:rate=4,n=300,in=1024,out=128"
+VIDUR_MODEL, VIDUR_DEVICE, VIDUR_NETWORK = "meta-llama/Llama-2-7b-hf", "h100", "h100_dgx"
+COMPUTE_REPO, NETWORK_REPO = "pdserve-local/llama-2-7b-h100", "pdserve-local/h100-dgx"
+MAX_TOKENS = 4096  # Llama-2-7B's context in vidur; prompt + output of every request fits
+CHUNK_TOKENS, MAX_SEQS, BLOCK = 4096, 128, 16  # both schedulers' step caps, KV block tokens
+METRICS = ("ttft_s", "itl_s", "e2e_s")
+STATS = ("mean", "p50", "p90")
 
 
-# ---- vidur itself ---------------------------------------------------------------------------
-def run_vidur(venv: str, requests: int = 16, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Try vidur's own simulator (Llama-3-8B on H100, its documented default) offline."""
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.exists(py):
-        return {"ran": False, "why": f"no virtual environment at {venv} (python -m venv {venv} "
-                "&& {venv}/bin/pip install vidur)"}
-    ver = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('vidur'))"],
-                         capture_output=True, text=True, timeout=120)
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([py, "-m", "vidur.main",
-                          "--synthetic_request_generator_config_num_requests", str(requests)],
-                         capture_output=True, text=True, timeout=timeout_s, env=env,
-                         cwd=os.path.join(venv, ".."))
-    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    why = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1:])
-    return {"ran": out.returncode == 0, "version": ver.stdout.strip() or None,
-            "returncode": out.returncode,
-            "why": None if out.returncode == 0 else (why if isinstance(why, str) else str(why)),
-            "needs": ["Hugging Face dataset project-vajra/dev-staging-meta-llama-llama-3-8b-h100 "
-                      "(compute profile: mlp.csv.xz, attention.csv.xz)",
-                      "Hugging Face dataset project-vajra/dev-staging-h100-dgx (network "
-                      "profile: all_reduce.csv.xz, send_recv.csv.xz)"],
-            "wheel_ships_profiles": False}
-
-
-# ---- a profile from vidur's numbers ---------------------------------------------------------
-def linear_times(mlp_csv: str, layers: int) -> dict[int, float]:
-    """Seconds of one step's linear operators (all layers + embedding) per token count, TP 1."""
+# ---- the pdserve profile from vidur's numbers -----------------------------------------------
+def linear_times(mlp_csv: str, layers: int, embedding: bool = True) -> dict[int, float]:
+    """Seconds of one step's linear operators (all layers, + the embedding) per token count,
+    from vidur's `mlp.csv` rows with one tensor-parallel worker."""
     out = {}
     with open(mlp_csv, newline="") as f:
         for r in csv.DictReader(f):
             if r.get("num_tensor_parallel_workers", "1") != "1":
                 continue
-            per_layer = sum(float(r[f"time_stats.{op}.median"]) for op in LINEAR_OPS)
-            ms = per_layer * layers + float(r["time_stats.emb.median"])
+            ms = sum(float(r[f"time_stats.{op}.median"] or 0) for op in LINEAR_OPS) * layers
+            if embedding:
+                ms += float(r["time_stats.emb.median"])
             out[int(r["num_tokens"])] = ms / 1e3
     if not out:
         raise ValueError(f"{mlp_csv}: no rows with num_tensor_parallel_workers == 1")
@@ -77,17 +68,17 @@ def linear_times(mlp_csv: str, layers: int) -> dict[int, float]:
 
 
 def vidur_profile(mlp_csv: str, gpu: str = "h100", model: str = "llama2-7b") -> StepProfile:
-    """The roofline profile with its linear-operator terms replaced by vidur's: the one-token
-    time as the weight-read floor, the slope over large token counts as the per-token cost."""
+    """The roofline profile with vidur's linear operators (what vidur's simulation sums: every
+    layer, no embedding or LM head) as the weight-read floor (1 token) and the per-token slope
+    (over >= 512 tokens), and no per-step overhead (vidur models none)."""
     base = roofline_profile(gpu, model)
-    t = linear_times(mlp_csv, MODELS[model].layers)
+    t = linear_times(mlp_csv, MODELS[model].layers, embedding=False)
     big = [(n, s) for n, s in t.items() if n >= 512]
     slope = float(np.polyfit([n for n, _ in big], [s for _, s in big], 1)[0])
-    floor = t[min(t)]
     return dataclasses.replace(
         base, origin=f"vidur-derived: linear ops from vidur's {os.path.basename(mlp_csv)} "
-        f"({len(t)} token counts), attention and KV terms from the {base.origin}",
-        prefill_token_s=slope, decode_seq_s=slope, weights_read_s=floor,
+        f"({len(t)} token counts), no step overhead, attention and KV from the {base.origin}",
+        overhead_s=0.0, prefill_token_s=slope, decode_seq_s=slope, weights_read_s=t[min(t)],
         fit={"method": "vidur mlp.csv: floor = 1-token time, slope over >= 512 tokens",
              "points": {str(n): s for n, s in t.items()}, "base": base.fit})
 
@@ -97,100 +88,234 @@ def linear_step_table(mlp_csv: str, gpu: str, model: str,
     """Per token count: vidur's measured linear time and the roofline's linear-only time."""
     p = roofline_profile(gpu, model)
     t = linear_times(mlp_csv, MODELS[model].layers)
-    rows = []
-    for n in counts:
-        if n not in t:
-            continue
-        roof = max(p.prefill_token_s * n, p.weights_read_s)
-        rows.append({"tokens": n, "vidur_s": t[n], "roofline_s": roof,
-                     "roofline_over_vidur": roof / t[n]})
-    return rows
+    return [{"tokens": n, "vidur_s": t[n], "roofline_s": max(p.prefill_token_s * n,
+                                                              p.weights_read_s),
+             "roofline_over_vidur": max(p.prefill_token_s * n, p.weights_read_s) / t[n]}
+            for n in counts if n in t]
 
 
-# ---- the simulated comparison ---------------------------------------------------------------
-def simulate_both(trace: str, profiles: dict[str, StepProfile], seed: int = 0) -> dict[str, Any]:
+# ---- the requests both take -----------------------------------------------------------------
+def fit_requests(reqs: list[SimRequest], max_tokens: int = MAX_TOKENS
+                 ) -> tuple[list[SimRequest], int]:
+    """Requests whose prompt + output fit `max_tokens`, shortening the prompt (vidur's own rule
+    for its trace replay); returns them and how many were shortened."""
+    out, cut = [], 0
+    for r in reqs:
+        gen = min(r.output_tokens, max_tokens - 1)
+        prompt = min(r.prompt_tokens, max_tokens - gen)
+        if (prompt, gen) != (r.prompt_tokens, r.output_tokens):
+            cut += 1
+            r = dataclasses.replace(r, prompt_tokens=prompt, output_tokens=gen,
+                                    block_hashes=r.block_hashes[:-(-prompt // HASH_BLOCK_TOKENS)])
+        out.append(r)
+    return out, cut
+
+
+def dist(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"n": 0, "mean": None, "p50": None, "p90": None}
+    return {"n": len(values), "mean": sum(values) / len(values),
+            "p50": percentile(values, 50), "p90": percentile(values, 90)}
+
+
+# ---- vidur ----------------------------------------------------------------------------------
+def vidur_args(workdir: str, trace_csv: str, kv_blocks: int, granularity: int = 256,
+               trees: int = 100) -> list[str]:
+    """vidur's command line: one replica, TP 1, PP 1, sarathi chunked prefill with our caps,
+    our trace replayed as it is, its random-forest predictor on the local profiles (context
+    looked up in steps of `granularity` tokens; 256 is vidur's default)."""
+    rf = "--random_forrest_execution_time_predictor_config_"
+    return [
+        "--replica_config_model_name", VIDUR_MODEL, "--replica_config_device", VIDUR_DEVICE,
+        "--replica_config_network_device", VIDUR_NETWORK, "--cluster_config_num_replicas", "1",
+        "--replica_config_num_pipeline_stages", "1", "--replica_config_tensor_parallel_size", "1",
+        "--cache_config_block_size", str(BLOCK), "--cache_config_num_blocks", str(kv_blocks),
+        "--replica_scheduler_config_type", "sarathi",
+        "--sarathi_scheduler_config_chunk_size", str(CHUNK_TOKENS),
+        "--sarathi_scheduler_config_batch_size_cap", str(MAX_SEQS),
+        "--request_generator_config_type", "trace_replay",
+        "--trace_request_generator_config_trace_file", trace_csv,
+        "--trace_request_generator_config_date", TRACE_DATE,
+        "--trace_request_generator_config_max_tokens", str(MAX_TOKENS),
+        *[a for k in ("prefill", "decode", "time") for a in
+          (f"--trace_request_generator_config_{k}_scale_factor", "1")],
+        "--execution_time_predictor_config_type", "random_forrest",
+        f"{rf}model_profiling_dataset", COMPUTE_REPO,
+        f"{rf}network_profiling_dataset", NETWORK_REPO,
+        f"{rf}cache_dir", os.path.join(workdir, "predictor"),
+        f"{rf}prediction_max_tokens_per_request", str(MAX_TOKENS),
+        f"{rf}kv_cache_prediction_granularity", str(granularity),
+        f"{rf}k_fold_cv_splits", "2", f"{rf}num_estimators", str(trees),
+        f"{rf}max_depth", "32", f"{rf}min_samples_split", "2",
+        "--metrics_config_output_dir", os.path.join(workdir, "metrics"),
+        "--no-metrics_config_store_plots", "--no-metrics_config_enable_chrome_trace"]
+
+
+def run_vidur(venv: str, workdir: str, reqs: list[SimRequest], mlp_csv: str,
+              attention: StepProfile, kv_blocks: int, aligned: bool = False,
+              timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Write vidur's inputs under `workdir`, run it offline, return its per-request metrics.
+    `aligned`: context looked up in steps of 32 tokens, not 256, and the attention rows keyed
+    by the context after the chunk, as vidur's simulator looks prefill attention up."""
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        raise FileNotFoundError(f"--vidur-venv: no {py} (python -m venv {venv} && "
+                                f"{venv}/bin/pip install vidur)")
+    m, granularity = MODELS["llama2-7b"], 32 if aligned else 256
+    # vidur keys its cached models by configuration, not by the profiles' contents: start clean
+    shutil.rmtree(os.path.join(workdir, "predictor"), ignore_errors=True)
+    os.makedirs(workdir, exist_ok=True)
+    write_hub_cache(os.path.join(workdir, "predictor"), COMPUTE_REPO, NETWORK_REPO,
+                    model=VIDUR_MODEL, device=VIDUR_DEVICE, network_device=VIDUR_NETWORK,
+                    mlp_csv=mlp_csv, attention=attention_rows(
+                        attention, m.layers, m.hidden, m.heads, m.kv_heads, BLOCK, MAX_TOKENS,
+                        granularity, kv_includes_chunk=aligned))
+    trace_csv = os.path.join(workdir, "trace.csv")
+    write_trace_csv(trace_csv, reqs)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env.pop("PYTHONPATH", None)
+    # vidur's package has a `types` module: run it from workdir, not from its own folder
+    cmd = [py, "-m", "vidur.main", *vidur_args(workdir, trace_csv, kv_blocks, granularity)]
+    print(f"vidur: training its predictors and simulating {len(reqs)} requests",
+          file=sys.stderr)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
+                         cwd=workdir)
+    with open(os.path.join(workdir, "vidur.log"), "w") as f:
+        f.write(out.stdout + out.stderr)
+    if out.returncode != 0:
+        tail = "\n".join((out.stdout + out.stderr).strip().splitlines()[-8:])
+        raise RuntimeError(f"vidur exited with {out.returncode}:\n{tail}")
+    found = sorted(glob.glob(os.path.join(workdir, "metrics", "*", "request_metrics.csv")))
+    if not found:
+        raise RuntimeError(f"vidur wrote no request_metrics.csv under {workdir}/metrics")
+    ver = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('vidur'))"],
+                         capture_output=True, text=True, timeout=120, cwd=workdir, env=env)
+    log = out.stdout + out.stderr
+    mape = {ln.split("Trained model ")[1].split()[0]: float(ln.rsplit("(MEAP) ", 1)[1].rstrip("%"))
+            for ln in log.splitlines() if "Trained model" in ln and "(MEAP)" in ln}
+    return {"version": ver.stdout.strip(), "command": cmd[1:], "fit_mape_pct": mape,
+            "granularity": granularity, "attention_keyed_after_chunk": aligned,
+            **read_vidur_metrics(found[-1], len(reqs))}
+
+
+def read_vidur_metrics(path: str, n: int | None = None) -> dict[str, Any]:
+    """vidur's `request_metrics.csv`: TTFT (`prefill_e2e_time`), e2e (`request_e2e_time`) and
+    ITL as ours is defined, (e2e - TTFT) / (decode tokens - 1), per request."""
+    ttft, e2e, itl = [], [], []
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        a, b = float(r["prefill_e2e_time"]), float(r["request_e2e_time"])
+        d = int(float(r["request_num_decode_tokens"]))
+        ttft.append(a)
+        e2e.append(b)
+        if d >= 2:
+            itl.append((b - a) / (d - 1))
+    if n is not None and len(rows) != n:
+        raise RuntimeError(f"{path}: {len(rows)} requests finished, {n} were sent")
+    return {"finished": len(rows), "ttft_s": dist(ttft), "itl_s": dist(itl),
+            "e2e_s": dist(e2e), "samples": {"ttft_s": ttft, "itl_s": itl, "e2e_s": e2e}}
+
+
+# ---- pdserve sim ----------------------------------------------------------------------------
+def simulate_pdserve(reqs: list[SimRequest], profile: StepProfile, kv_blocks: int
+                     ) -> dict[str, Any]:
+    """One colocated worker (no prefill worker: the decode worker prefills, chunked)."""
     from pdserve.sim.config import SimConfig
     from pdserve.sim.run import simulate
+
+    cfg = SimConfig(prefill_workers=0, decode_workers=1, max_num_seqs=MAX_SEQS,
+                    max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK, kv_blocks=kv_blocks,
+                    prefix_caching=False)
+    rep = simulate(cfg, reqs, profile)
+    done = [i for i, s in enumerate(rep.status) if s == "ok"]
+    ttft = [rep.ttft_s[i] for i in done]
+    e2e = [rep.end_s[i] - rep.arrival_s[i] for i in done]
+    itl = [x for x in (rep.itl_s(i) for i in done) if x is not None]
+    return {"finished": len(done), "ttft_s": dist(ttft), "itl_s": dist(itl),
+            "e2e_s": dist(e2e), "samples": {"ttft_s": ttft, "itl_s": itl, "e2e_s": e2e},
+            "profile": profile.origin}
+
+
+def differences(runs: dict[str, dict], base: str = "vidur") -> dict[str, dict]:
+    """(run - base) / base per metric and statistic, for every run but the base."""
+    b = runs[base]
+    return {name: {m: {s: (r[m][s] - b[m][s]) / b[m][s] for s in STATS if b[m][s]}
+                   for m in METRICS} for name, r in runs.items() if name != base}
+
+
+# ---- both on one trace ----------------------------------------------------------------------
+def compare(mlp_csv: str, venv: str, trace: str, workdir: str, seed: int = 0,
+            with_roofline: bool = True, aligned: bool = True) -> dict[str, Any]:
     from pdserve.sim.trace import load_trace
 
-    reqs = load_trace(trace, seed=seed)
-    out: dict[str, Any] = {}
-    for p in (0, 1):  # colocated if the simulator serves it, else one prefill + one decode
-        cfg = SimConfig(prefill_workers=p, decode_workers=1, seed=seed)
-        for name, prof in profiles.items():
-            sm = simulate(cfg, reqs, prof).summary()
-            out[name] = {m: sm[m] for m in ("ttft_s", "itl_s", "e2e_s", "throughput_rps",
-                                            "finished", "rejected")}
-        out["cluster"] = "colocated (0P1D)" if p == 0 else \
-            "1P1D: the simulator rejected every request of a colocated (0P1D) cluster"
-        if all(out[n]["finished"] for n in profiles):
-            break
-    return out
-
-
-def compare(mlp_csv: str | None, venv: str, trace: str, run_it: bool = True) -> dict[str, Any]:
-    doc: dict[str, Any] = {"config": "one colocated replica, Llama-2-7B, H100, TP 1",
-                           "trace": trace}
-    doc["vidur_run"] = run_vidur(venv) if run_it else {"ran": False, "why": "not attempted"}
-    if mlp_csv is None:
-        doc["profile_comparison"] = None
-        return doc
-    doc["linear_steps"] = linear_step_table(mlp_csv, "h100", "llama2-7b")
-    roof, vid = roofline_profile("h100", "llama2-7b"), vidur_profile(mlp_csv)
-    doc["vidur_profile"] = vid.to_dict()
-    sims = simulate_both(trace, {"roofline": roof, "vidur-derived": vid})
-    doc["simulated"] = sims
-    doc["sim_difference"] = {
-        m: {k: (sims["roofline"][m][k] - sims["vidur-derived"][m][k])
-            / sims["vidur-derived"][m][k] for k in ("mean", "p50", "p90", "p99")
-            if sims["vidur-derived"][m][k]}
-        for m in ("ttft_s", "itl_s", "e2e_s")}
+    reqs, cut = fit_requests(load_trace(trace, seed=seed))
+    roof = roofline_profile("h100", "llama2-7b")
+    kv_blocks = roof.kv_capacity_tokens // BLOCK
+    vid = vidur_profile(mlp_csv)
+    doc: dict[str, Any] = {
+        "config": f"one colocated replica, {VIDUR_MODEL}, H100, TP 1, PP 1; chunked prefill "
+                  f"{CHUNK_TOKENS} tokens/step, {MAX_SEQS} sequences, {kv_blocks} KV blocks of "
+                  f"{BLOCK}", "trace": trace, "seed": seed, "requests": len(reqs),
+        "prompts_shortened": cut, "mlp_csv": mlp_csv,
+        "linear_steps": linear_step_table(mlp_csv, "h100", "llama2-7b"),
+        "vidur_derived_profile": vid.to_dict()}
+    runs = {"vidur": run_vidur(venv, os.path.join(workdir, "vidur"), reqs, mlp_csv, roof,
+                               kv_blocks)}
+    if aligned:
+        runs["vidur aligned"] = run_vidur(
+            venv, os.path.join(workdir, "vidur-aligned"), reqs, mlp_csv, roof, kv_blocks,
+            aligned=True)
+    print("pdserve sim: vidur-derived profile", file=sys.stderr)
+    runs["pdserve vidur-ops"] = simulate_pdserve(reqs, vid, kv_blocks)
+    if with_roofline:
+        print("pdserve sim: roofline profile", file=sys.stderr)
+        runs["pdserve roofline"] = simulate_pdserve(reqs, roof, kv_blocks)
+    doc["runs"] = runs
+    doc["difference_vs_vidur"] = differences(runs)
+    print("one step: vidur's predictor and our profiles", file=sys.stderr)
+    doc["steps"] = step_table(venv, {n: r for n, r in runs.items() if n.startswith("vidur")},
+                              {"pdserve vidur-ops": vid, "pdserve roofline": roof}, workdir)
     return doc
 
 
-def print_report(doc: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console()
-    v = doc["vidur_run"]
-    con.print(f"vidur {v.get('version') or ''}: ran={v['ran']}; {v.get('why') or ''}")
-    if doc.get("linear_steps"):
-        t = Table(title="linear operators per step, H100 Llama-2-7B TP1: vidur's profile vs "
-                        "our roofline (ms)")
-        for c in ("tokens", "vidur", "roofline", "roofline / vidur"):
-            t.add_column(c, justify="right")
-        for r in doc["linear_steps"]:
-            t.add_row(str(r["tokens"]), f"{r['vidur_s'] * 1e3:.2f}",
-                      f"{r['roofline_s'] * 1e3:.2f}", f"{r['roofline_over_vidur']:.2f}")
-        con.print(t)
-        t = Table(title=f"pdserve sim, {doc['simulated']['cluster']}, {doc['trace']}: "
-                        "roofline vs vidur-derived profile (ms)")
-        for c in ("metric", "mean roof", "mean vidur", "p90 roof", "p90 vidur", "mean diff"):
-            t.add_column(c, justify="right")
-        s = doc["simulated"]
-        for m in ("ttft_s", "itl_s", "e2e_s"):
-            a, b = s["roofline"][m], s["vidur-derived"][m]
-            t.add_row(m, f"{a['mean'] * 1e3:.1f}", f"{b['mean'] * 1e3:.1f}",
-                      f"{a['p90'] * 1e3:.1f}", f"{b['p90'] * 1e3:.1f}",
-                      f"{100 * doc['sim_difference'][m].get('mean', 0):+.0f}%")
-        con.print(t)
-
-
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.sim.vidur_report import plot, print_report
+
     p = argparse.ArgumentParser(prog="python -m pdserve.sim.vidur_compare")
-    p.add_argument("--vidur-venv", default=DEFAULT_VENV)
-    p.add_argument("--mlp-csv", default=None,
+    p.add_argument("--mlp-csv", required=True,
                    help="vidur's data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv")
+    p.add_argument("--vidur-venv", default=DEFAULT_VENV)
     p.add_argument("--trace", default=DEFAULT_TRACE)
-    p.add_argument("--skip-vidur", action="store_true", help="do not try to run vidur")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="vidur's inputs, cache and output "
+                   "(default: a temporary folder)")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="leave out pdserve sim with the plain roofline profile")
+    p.add_argument("--no-aligned", action="store_true",
+                   help="leave out the second vidur run (lookups in 32-token steps, prefill "
+                        "attention keyed by the context after the chunk)")
     p.add_argument("--out", default="vidur_compare.json")
+    p.add_argument("--png", default="vidur_compare.png")
     a = p.parse_args(argv)
-    doc = compare(a.mlp_csv, a.vidur_venv, a.trace, run_it=not a.skip_vidur)
+    if not os.path.exists(a.mlp_csv):
+        p.error(f"--mlp-csv: no file {a.mlp_csv}")
+    work = a.workdir or tempfile.mkdtemp(prefix="vidur-compare-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        doc = compare(os.path.abspath(a.mlp_csv), a.vidur_venv, a.trace, os.path.abspath(work),
+                      a.seed, not a.no_roofline, not a.no_aligned)
+    except (FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    samples = {name: r.pop("samples") for name, r in doc["runs"].items()}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)
     print_report(doc)
-    print(f"wrote {a.out}")
+    if a.png:
+        plot(samples, doc, a.png)
+        print(f"wrote {a.png}")
+    print(f"wrote {a.out} (vidur's files: {work})")
     return 0
 
 

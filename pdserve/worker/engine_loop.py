@@ -4,7 +4,8 @@ Owns the only thread that touches the engine. RPC handlers never call the engine
 `call()` a function onto this thread (between two steps) or read their request's `RequestStream`.
 Prefill-only requests have their KV copied out here, on the engine thread, the moment their first
 token is sampled, so their blocks go back to the pool before the next step. It also times the
-steps (busy seconds; decode steps and theirs), the worker's own measure of its speed.
+steps (busy seconds; decode steps, their seconds and a histogram of them), the worker's own
+measure of its speed, and stamps each output with the wall-clock end of its step.
 A command whose caller stops waiting (`call` past its timeout, while a long step holds the
 thread) is cancelled before it runs and the caller gets `EngineBusy`; one already running is
 waited for, so its effect (a request added, blocks taken) is never lost to its caller. `post`
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pdserve.engine.engine import LLMEngine, ParkedKV, StepOutput
+from pdserve.metrics import BucketCounts
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class StreamItem:
     output: StepOutput | None = None
     kv: ParkedKV | None = None
     error: BaseException | None = None
+    made_s: float = 0.0  # wall clock (time.time) when the step that made `output` ended
 
 
 class RequestStream:
@@ -72,6 +75,7 @@ class EngineLoop:
         self.busy_seconds = 0.0
         self.decode_steps = 0
         self.decode_step_seconds = 0.0
+        self.decode_step_histogram = BucketCounts()
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -148,8 +152,9 @@ class EngineLoop:
                 self._fail_all(e)
                 continue
             self.steps += 1
+            made_s = time.time()
             for out in outputs:
-                self._dispatch(out)
+                self._dispatch(out, made_s)
 
     def _timed_step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
@@ -161,8 +166,9 @@ class EngineLoop:
             if self.engine.last_step_decoded:
                 self.decode_steps += 1
                 self.decode_step_seconds += dt
+                self.decode_step_histogram.observe(dt)
 
-    def _dispatch(self, out: StepOutput) -> None:
+    def _dispatch(self, out: StepOutput, made_s: float = 0.0) -> None:
         s = self._streams.get(out.request_id)
         if out.prefill_done:
             kv = self.engine.take_parked_kv(out.request_id)
@@ -171,7 +177,7 @@ class EngineLoop:
             return
         if s is None:
             return
-        s.q.put(StreamItem(output=out))
+        s.q.put(StreamItem(output=out, made_s=made_s))
         if out.finished:
             self._streams.pop(out.request_id, None)
 

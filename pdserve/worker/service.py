@@ -139,7 +139,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 for c in self._decode_chunks(request, context):
                     yield pb.DecodeResponse(
                         token_ids=c.token_ids, finish_reason=finish_to_proto(c.finish_reason),
-                        logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()])
+                        logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()],
+                        made_unix_s=c.made_s)
         except Exception as e:
             context.abort(*_status_of(e))
 
@@ -232,7 +233,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         def read():  # on the engine thread, so the step counters agree with the engine's
             return dict(loop.engine.stats(), busy_seconds=loop.busy_seconds,
                         decode_steps=loop.decode_steps,
-                        decode_step_seconds=loop.decode_step_seconds)
+                        decode_step_seconds=loop.decode_step_seconds,
+                        decode_step_histogram=loop.decode_step_histogram.snapshot())
 
         s = loop.call(read)
         d, sender = self.decode_role, self.prefill_role.sender

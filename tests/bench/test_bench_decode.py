@@ -124,3 +124,24 @@ def test_attention_baseline_times_the_reference_attention_in_the_same_run(
         assert ref["tokens_per_s"] == pytest.approx(
             r["batch_size"] * bench.QUICK.new_tokens / ref["median_s"])
         assert r["attention_kernel_gain"] == pytest.approx(ref["median_s"] / r["engine"]["median_s"])
+
+
+def test_linear_baseline_times_a_onednn_engine_in_the_same_run(
+        tiny_llama_dir: str, capsys, monkeypatch) -> None:
+    """--linear-baseline (with --attention-baseline too): every row also carries a second engine
+    whose linear layers run on oneDNN; the linear kernel's gain is the quotient; the setting is
+    put back afterwards."""
+    monkeypatch.delenv("PDSERVE_LINEAR", raising=False)
+    rc = bench.main(["--model", tiny_llama_dir, "--quick", "--json", "--no-progress",
+                     "--threads", "1", "--linear-baseline", "--attention-baseline"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "PDSERVE_LINEAR" not in os.environ
+    assert doc["settings"]["linear_baseline"] is True
+    for r in doc["decode"]:
+        for name, gain in (("engine_onednn_linear", "linear_kernel_gain"),
+                           ("engine_torch_attention", "attention_kernel_gain")):
+            ref = r[name]
+            assert len(ref["decode_s"]) == bench.QUICK.repeats
+            assert all(_positive(t) for t in ref["decode_s"])
+            assert r[gain] == pytest.approx(ref["median_s"] / r["engine"]["median_s"])

@@ -42,11 +42,20 @@ def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
         assert h["engine_step_s"] > 0 and h["router_itl_mean_s"] > 0
         assert all(x["seconds"] is not None for x in h["hops"])
         assert h["decode_engine_busy_s"] > 0
-        assert h["missing"] and all(isinstance(m, str) and m for m in h["missing"])
+        # The engine step and the worker -> router trip come from the processes' histograms;
+        # only the router -> client hop is still a difference of means.
+        assert [x["source"] for x in h["hops"][:2]] == [
+            "/metrics pdserve:decode_step_seconds", "/metrics pdserve:worker_to_router_seconds"]
+        assert h["missing"] == [ss.MISSING["router_to_client"]]
+        assert 0 <= h["hops"][1]["seconds"] < 1.0  # a loopback hop
         # The scrapes' differences: this level's 4 requests and 32 tokens at the router.
         router = lv["metrics_diff"]["router"]
         assert router["pdserve:generation_tokens_total"] == 32
         assert router["pdserve:time_to_first_token_seconds_count"] == 4
+        assert router["pdserve:worker_to_router_seconds_count"] >= 4  # a message per request
+        steps = sum(w["metrics"].get("pdserve:decode_step_seconds_count", 0)
+                    for w in lv["metrics_diff"]["workers"])
+        assert steps >= 7  # 8 tokens each: the first from prefill, then at least 7 steps
     eng = r["engine"]
     assert eng["threads"] == r["pdserve"]["config"]["threads_per_worker"] >= 1
     assert [e["batch_size"] for e in eng["levels"]] == [1, 2]
@@ -144,6 +153,11 @@ def test_hop_breakdown_from_metric_differences():
     h = ss.hop_breakdown(router, workers, client)
     assert h["engine_step_s"] == pytest.approx(0.02)
     assert ss.MISSING["engine_step"] not in h["missing"]
+    # The router's histogram of the worker -> router trip, when it has one, times that hop.
+    router.update({ss.WORKER_HOP + "_sum": 0.04, ss.WORKER_HOP + "_count": 20.0})
+    h = ss.hop_breakdown(router, workers, client)
+    assert {x["hop"]: x["seconds"] for x in h["hops"]}["worker -> router"] == pytest.approx(0.002)
+    assert ss.MISSING["worker_to_router"] not in h["missing"]
     # No worker stats and no histogram: the hop is None, never a made-up number.
     h = ss.hop_breakdown({}, [{"role": "decode", "metrics": {}, "stats": None}], client)
     assert h["engine_step_s"] is None and all(x["seconds"] is None for x in h["hops"])

@@ -14,7 +14,7 @@ import pytest
 @pytest.mark.parametrize("module", ["pdserve.core.rates", "pdserve.core.sampling_params",
                                     "pdserve.engine.checkpoint_config", "pdserve.core.stats",
                                     "pdserve.core.block_hash", "pdserve.core.finish",
-                                    "pdserve.core.errors",
+                                    "pdserve.core.errors", "pdserve.core.draft_config",
                                     "pdserve.engine.scheduler", "pdserve.engine.sequence",
                                     "pdserve.engine.block_pool",
                                     "pdserve.engine.outputs",

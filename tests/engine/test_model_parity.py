@@ -131,11 +131,21 @@ def test_bfloat16_runs_close_to_the_fp32_reference(tiny_llama_dir):
     assert len(out) == 16
 
 
-def test_reference_linear_path_matches_transformers_too(tiny_llama_dir, monkeypatch):
-    """PDSERVE_LINEAR=reference (plain F.linear, the path GPUs take) is exact as well."""
-    monkeypatch.setenv("PDSERVE_LINEAR", "reference")
+@pytest.mark.parametrize("path", ["reference", "onednn", "c"])
+def test_every_linear_path_matches_transformers_too(tiny_llama_dir, monkeypatch, path):
+    """Each way of multiplying the weights (PDSERVE_LINEAR): plain F.linear (the path GPUs
+    take), oneDNN's packed weights, the C kernel; each exact against transformers."""
+    from pdserve.engine import linear_cpu
+
+    if path == "c" and not linear_cpu.available():
+        pytest.skip(f"no C linear kernel: {linear_cpu.unavailable_reason()}")
+    monkeypatch.setenv("PDSERVE_LINEAR", path)
     engine = make_engine(tiny_llama_dir)
-    assert not engine.model.lm_head.packed
+    from pdserve.engine.linear import packing_available
+
+    onednn = packing_available(torch.float32, torch.device("cpu"))
+    want = {"reference": "plain", "c": "c", "onednn": "onednn" if onednn else "plain"}[path]
+    assert engine.model.lm_head.kind == want
     ref = hf_model(tiny_llama_dir)
     ids = Tokenizer.from_path(tiny_llama_dir).encode(PROMPTS[1])
     with torch.inference_mode():

@@ -236,6 +236,15 @@ def test_metrics_export_the_offload_counters(decode_worker):
     assert value("local_prefill_tokens_total") == s.local_prefill_tokens
     assert value("prompt_tokens_computed_total") == s.prompt_tokens_computed
     assert 0 < value("engine_busy_seconds_total") <= s.busy_seconds
+    # Every decode step is in the step histogram: its count and sum are GetStats' counters at
+    # the scrape, and its buckets are cumulative up to +Inf.
+    count = value("decode_step_seconds_count")
+    assert count >= 1 and count <= s.decode_steps
+    assert 0 < value("decode_step_seconds_sum") <= s.decode_step_seconds
+    buckets = [(le, float(n)) for le, n in re.findall(
+        r'^pdserve:decode_step_seconds_bucket{le="([^"]+)",[^}]*} (\S+)$', text, re.M)]
+    assert buckets[-1] == ("+Inf", count)
+    assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
 
 
 def test_draining_is_reported_and_refuses_new_requests(stub):

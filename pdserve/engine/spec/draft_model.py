@@ -23,44 +23,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.core.draft_config import (CONFIG_FILE, FORMAT_VERSION, KINDS, WEIGHTS_FILE,  # noqa: F401
+                                       DraftConfig, read_draft_config, read_draft_kind)
 from pdserve.engine.spec.base import Draft, Drafter, DraftRequest
-
-KINDS = ("eagle", "dflash", "dspark")
-FORMAT_VERSION = 1
-WEIGHTS_FILE = "draft.safetensors"
-CONFIG_FILE = "config.json"
-
-
-@dataclass
-class DraftConfig:
-    """What `config.json` holds: the architecture, and what training measured (`stats`)."""
-
-    kind: str
-    target_name: str
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    intermediate_size: int
-    window: int = 32
-    gamma: int = 4
-    draft_vocab_size: int = 8192
-    markov_rank: int = 64
-    format_version: int = FORMAT_VERSION
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"draft kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.window <= 0 or self.gamma <= 0 or self.draft_vocab_size <= 0:
-            raise ValueError("window, gamma and draft_vocab_size must be positive")
-
 
 class SharedTarget:
     """The target's tensors a drafter reuses (fp32): embedding, final norm, head rows, RoPE."""
@@ -272,23 +244,6 @@ def save_drafter(net: DraftNet, out_dir: str) -> None:
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(asdict(net.cfg), f, indent=2)
-
-
-def read_draft_kind(path: str) -> str:
-    """The kind ("eagle", "dflash", "dspark") of the drafter saved at `path`."""
-    return read_draft_config(path).kind
-
-
-def read_draft_config(path: str) -> DraftConfig:
-    cfg_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
-        raise ValueError(f"{path!r} is not a drafter checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE})")
-    with open(cfg_path) as f:
-        raw = json.load(f)
-    if raw.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: drafter format_version {raw.get('format_version')!r}, "
-                         f"this pdserve reads {FORMAT_VERSION}")
-    return DraftConfig(**raw)
 
 
 def load_draft_net(path: str, target, expect_kind: str | None = None) -> DraftNet:

@@ -1,0 +1,129 @@
+"""The C linear kernel for fp32 on CPU (`linear_c.c`): build, load, pack, call.
+
+Owns building and loading `linear_c.c` (through `cbuild`, as the paged-attention kernel:
+compiled on first use into `$PDSERVE_CACHE/linear/`, with OpenMP when the compiler has it, on
+the `libgomp` torch already loaded), packing a weight into the kernel's panels once, and calling
+it through ctypes on CPU fp32 tensors with `torch.get_num_threads()` threads. `linear.py`
+decides when it runs. It must not hold or choose weights.
+
+The kernel needs AVX-512F; `available()` is False (with the reason in `unavailable_reason()`)
+on other CPUs, without a compiler, or when the build fails, and the caller keeps its other path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from pdserve.engine import cbuild
+
+SOURCE = Path(__file__).with_name("linear_c.c")
+BASE_FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-shared", "-fPIC")
+FLAG_SETS = (BASE_FLAGS + ("-fopenmp",), BASE_FLAGS)
+ABI = 1
+_WHAT = "linear C kernel"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel cannot run here (no compiler, a build or load error, no AVX-512F)."""
+
+
+class _NoCompiler(KernelUnavailable):
+    pass
+
+
+def _open(flags: tuple[str, ...]) -> ctypes.CDLL:
+    path = cbuild.library_path(SOURCE, flags, "linear", _WHAT, _NoCompiler)
+    if not path.exists():
+        cbuild.build(SOURCE, path, flags, _WHAT, KernelUnavailable)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelUnavailable(f"{_WHAT}: cannot load {path}: {exc}") from exc
+    if lib.lc_abi() != ABI:
+        raise KernelUnavailable(f"{_WHAT}: {path} has ABI {lib.lc_abi()}, want {ABI}")
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    with _lock:
+        if _lib is not None or _error is not None:
+            return _lib
+        errors = []
+        for flags in FLAG_SETS:
+            try:
+                lib = _open(flags)
+            except _NoCompiler as exc:
+                errors.append(str(exc))
+                break
+            except (KernelUnavailable, OSError) as exc:
+                errors.append(str(exc))
+                continue
+            if not lib.lc_supported():
+                errors.append(f"{_WHAT}: this CPU has no AVX-512F")
+                break
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            lib.sg_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+            lib.sg_linear.restype = ctypes.c_int
+            _lib = lib
+            return lib
+        _error = "; ".join(errors) or f"{_WHAT}: unavailable"
+        return None
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _error
+
+
+def panel_width() -> int:
+    lib = _load()
+    if lib is None:
+        raise KernelUnavailable(_error or _WHAT)
+    return int(lib.lc_nr())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (fp32, CPU) as the kernel's panels [ceil(N/NR), K, NR], zero past N."""
+    n, k = weight.shape
+    nr = panel_width()
+    panels = -(-n // nr)
+    padded = torch.zeros(panels * nr, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(panels, nr, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (fp32, CPU) times the packed weight: [..., out_features]."""
+    lib = _load()
+    assert lib is not None, "check available() first"
+    k = packed.shape[1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        rc = lib.sg_linear(x2.data_ptr(), m, k, packed.data_ptr(), out_features, y.data_ptr(),
+                           torch.get_num_threads())
+        if rc != 0:
+            raise KernelUnavailable(f"{_WHAT}: sg_linear returned {rc}")
+    if bias is not None:
+        y += bias
+    return y.view(*lead, out_features)

@@ -1,0 +1,57 @@
+"""The C linear kernel for fp32 on CPU against `F.linear`, and the choice of path in `Linear`."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine import linear_cpu
+from pdserve.engine.linear import Linear, c_kernel_available
+
+pytestmark = pytest.mark.skipif(not linear_cpu.available(),
+                                reason=f"no C linear kernel: {linear_cpu.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m, n, k", [(1, 48, 16), (3, 50, 7), (8, 96, 576), (9, 960, 576),
+                                     (17, 47, 33), (33, 200, 1536), (130, 144, 64)])
+def test_matches_f_linear(m, n, k, threads):
+    """Every row count (full tiles of 8 and the rest), a partial last panel (N not a multiple
+    of the panel width), odd K, one and two threads: fp32 within summation-order rounding."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = linear_cpu.linear(x, linear_cpu.pack(w), n, b)
+    finally:
+        torch.set_num_threads(before)
+    want = F.linear(x.double(), w.double(), b.double()).float()
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_takes_any_leading_shape_and_strides():
+    w = torch.randn(100, 64)
+    lin = Linear(w)
+    assert lin.kind == "c" and lin.packed
+    x = torch.randn(4, 3, 128)[..., ::2]  # [4, 3, 64], not contiguous
+    torch.testing.assert_close(lin(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert lin(torch.empty(0, 64)).shape == (0, 100)
+
+
+def test_the_path_follows_dtype_device_and_the_override(monkeypatch):
+    w = torch.randn(32, 16)
+    assert c_kernel_available(torch.float32, torch.device("cpu"))
+    assert not c_kernel_available(torch.bfloat16, torch.device("cpu"))
+    assert not c_kernel_available(torch.float32, torch.device("cuda"))
+    assert Linear(w, pack=False).kind == "plain"
+    monkeypatch.setenv("PDSERVE_LINEAR", "reference")
+    assert Linear(w).kind == "plain"
+    monkeypatch.setenv("PDSERVE_LINEAR", "onednn")
+    assert Linear(w).kind in ("onednn", "plain")  # oneDNN where this torch has it
+    x = torch.randn(5, 16)
+    for mode in ("onednn", "reference", "c"):
+        monkeypatch.setenv("PDSERVE_LINEAR", mode)
+        torch.testing.assert_close(Linear(w)(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
