@@ -111,31 +111,32 @@ class BlockPool:
         if n > len(self.free):
             raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
         out = []
+        pop, block_hash, ref = self.free.popitem, self.block_hash, self.ref  # per block: local
         for _ in range(n):
-            bid, _ = self.free.popitem(last=False)
-            old = self.block_hash[bid]
+            bid = pop(last=False)[0]
+            old = block_hash[bid]
             if old is not None:
                 # Evict the least recently released cached block.
                 del self.by_hash[old]
-                self.block_hash[bid] = None
+                block_hash[bid] = None
                 self.evictions += 1
                 self.events.append(REMOVED, old)
-            self.ref[bid] = 1
+            ref[bid] = 1
             out.append(bid)
         return out
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one hold on each block; blocks are released tail first so a prompt's
         last blocks are evicted before its first ones (the first are shared more)."""
+        ref, block_hash, free = self.ref, self.block_hash, self.free
         for bid in reversed(block_ids):
-            assert self.ref[bid] > 0, f"block {bid} released twice"
-            self.ref[bid] -= 1
-            if self.ref[bid] == 0:
-                if self.block_hash[bid] is None:
-                    self.free[bid] = None
-                    self.free.move_to_end(bid, last=False)  # plain blocks are reused first
-                else:
-                    self.free[bid] = None
+            held = ref[bid]
+            assert held > 0, f"block {bid} released twice"
+            ref[bid] = held - 1
+            if held == 1:
+                free[bid] = None
+                if block_hash[bid] is None:
+                    free.move_to_end(bid, last=False)  # plain blocks are reused first
 
     def register(self, block_id: int, h: bytes) -> None:
         """Mark a held, fully written block as caching the prefix `h`."""

@@ -88,21 +88,26 @@ class Scheduler:
         self._check_room()  # before taking blocks, so that a refusal holds none
         full = len(seq.prompt_ids) // self.block_size
         writes: list[tuple[int, int]] = []
+        pool = self.pool
+        lookup, take, allocate, register = (pool.lookup, pool.take_cached, pool.allocate,
+                                            pool.register)  # per block: bound once
+        cache = self.enable_prefix_caching and not approximate
+        table, hashes = seq.block_table, seq.block_hashes
         for i, (h, data) in enumerate(zip(block_hashes, has_data)):
             is_full = i < full
-            bid = self.pool.lookup(h) if is_full else None
+            bid = lookup(h) if is_full else None
             if bid is not None:
-                self.pool.take_cached(bid)
-            elif data and self.pool.num_free > 0:
-                bid = self.pool.allocate(1)[0]
+                take(bid)
+            elif data and pool.num_free > 0:
+                bid = allocate(1)[0]
                 writes.append((i, bid))
-                if is_full and self.enable_prefix_caching and not approximate:
-                    self.pool.register(bid, h)
+                if is_full and cache:
+                    register(bid, h)
             else:
                 break
-            seq.block_table.append(bid)
+            table.append(bid)
             if is_full:
-                seq.block_hashes.append(h)
+                hashes.append(h)
         # A trailing partial block is only valid up to the prompt's end; it is never treated
         # as cached (no hash is registered for it).
         seq.num_computed = min(len(seq.block_table) * self.block_size, len(seq.prompt_ids))
@@ -268,12 +273,15 @@ class Scheduler:
         first = len(seq.block_hashes)
         if n_full <= first:  # most decode steps complete no block
             return
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        hashes, table = seq.block_hashes, seq.block_table
+        parent = hashes[-1] if hashes else None
+        register = self.pool.register if self.enable_prefix_caching and not seq.anchor_from \
+            else None  # approximate KV: not cached
         for i, h in enumerate(self._hashes(seq, n_full, first, parent), start=first):
             # Hashes are kept even with caching off: exporting KV names blocks by them.
-            seq.block_hashes.append(h)
-            if self.enable_prefix_caching and not seq.anchor_from:  # approximate KV: no
-                self.pool.register(seq.block_table[i], h)
+            hashes.append(h)
+            if register is not None:
+                register(table[i], h)
 
     def finish(self, seq: Sequence, reason: str | None) -> None:
         if seq in self.running:

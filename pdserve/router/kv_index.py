@@ -46,7 +46,7 @@ class KvEvent:
 
 class KvIndex:
     def __init__(self, max_blocks_per_source: int = 200_000, max_sources: int = 256,
-                 by_hash: bool = False) -> None:
+                 by_hash: bool = False, scanned: Iterable[str] = ()) -> None:
         if max_blocks_per_source < 1 or max_sources < 1:
             raise ValueError("max_blocks_per_source and max_sources must be >= 1")
         self.max_blocks_per_source = max_blocks_per_source
@@ -55,8 +55,12 @@ class KvIndex:
         # With `by_hash`, the same pairs by hash: which sources hold a block, so `holders` walks
         # only those instead of every source (worth its upkeep per block change with many
         # sources). One holder is kept as its name, a set only for a shared block.
+        # `scanned` sources stay out of that map: `holders` asks each of them with one pass over
+        # the hashes (for a large source that takes most new blocks, such as the store, one
+        # pass per question costs less than the map's upkeep per block).
         self.by_hash = by_hash
         self._where: dict[bytes, str | set[str]] = {}
+        self._scanned = frozenset(scanned)
         self.applied = 0
         self.dropped = 0
         self.refused = 0
@@ -118,7 +122,7 @@ class KvIndex:
             blocks.move_to_end(h)
             return False
         blocks[h] = None
-        if not self.by_hash:
+        if not self.by_hash or source in self._scanned:
             return True
         where = self._where
         holding = where.get(h)
@@ -131,7 +135,7 @@ class KvIndex:
         return True
 
     def _forget(self, h: bytes, source: str) -> None:
-        if not self.by_hash:
+        if not self.by_hash or source in self._scanned:
             return
         where = self._where
         holding = where[h]
@@ -168,6 +172,8 @@ class KvIndex:
         if not self.by_hash:
             hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
             return {s: n for s in self._blocks if (n := self.overlap(s, hashes))}
+        if self._scanned:
+            hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
         out: dict[str, int] = {}
         live: set[str] | None = None
         n = 0
@@ -187,6 +193,9 @@ class KvIndex:
                 break
         for s in live or ():
             out[s] = n
+        for s in self._scanned:
+            if n := self.overlap(s, hashes):
+                out[s] = n
         return out
 
     def size(self, source: str) -> int:

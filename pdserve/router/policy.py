@@ -194,6 +194,38 @@ class KvAware:
         return WorkerScore(i, local, fetch, compute, work, load,
                            self.overlap_weight * work + load)
 
+    def _score_holders(self, inp: RouteInput, cached: dict[int, int]
+                       ) -> tuple[list[WorkerScore], set[int]]:
+        """(scores, indices) of the healthy workers caching part of the prompt: their indices,
+        and the score of the cheapest of them per cached-block count (by cost, requests in
+        flight, index, as `decide` ranks), the only one of its count that can win. The parts
+        and work depend only on the count, so they are computed once per count (many workers
+        often hold the same shared prefix) and a score is made only for a count's best."""
+        workers, ow, rc = inp.workers, self.overlap_weight, self.request_cost_tokens
+        parts_of: dict[int, tuple[int, int, int, float, float]] = {}
+        best: dict[int, tuple[tuple[float, int, int], float]] = {}
+        held: set[int] = set()
+        for i, c in cached.items():
+            w = workers[i]
+            if c <= 0 or not w.healthy:
+                continue
+            held.add(i)
+            parts = parts_of.get(c)
+            if parts is None:
+                local, fetch, compute = _parts(inp, c)
+                work = compute + self.fetch_weight * fetch * inp.block_size_tokens
+                parts = parts_of[c] = (local, fetch, compute, work, ow * work)
+            load = w.in_flight_tokens + rc * w.in_flight  # `load_of`
+            key = (parts[4] + load, w.in_flight, i)
+            b = best.get(c)
+            if b is None or key < b[0]:
+                best[c] = (key, load)
+        out = []
+        for c, ((cost, _, i), load) in best.items():
+            local, fetch, compute, work, _ = parts_of[c]
+            out.append(WorkerScore(i, local, fetch, compute, work, load, cost))
+        return out, held
+
     def score(self, inp: RouteInput) -> tuple[WorkerScore, ...]:
         return tuple(self._score_one(inp, i, inp.workers[i]) for i in _live(inp.workers))
 
@@ -204,18 +236,17 @@ class KvAware:
         worker: a worker caching nothing differs from the others caching nothing only in its
         load, so only the cheapest of them by `order` (healthy workers keyed by `load_of` and
         requests in flight, kept current by the caller) can win. Work: the holders plus a
-        search of the order. `scores` holds only the candidates: the holders and that one."""
+        search of the order. `scores` holds only the candidates: per count of cached blocks
+        the cheapest holder, and that one."""
         if self.temperature > 0:  # sampling weighs every worker
             workers = list(inp.workers)
             for i, c in cached.items():
                 workers[i] = replace(workers[i], cached_blocks=c)
             return self.decide(replace(inp, workers=tuple(workers)))
-        cands = [self._score_one(inp, i, inp.workers[i], c)
-                 for i, c in sorted(cached.items()) if c > 0 and inp.workers[i].healthy]
+        cands, skip = self._score_holders(inp, cached)
         _, fetch0, compute0 = _parts(inp, 0)
         cost0 = self.overlap_weight * (compute0 + self.fetch_weight * fetch0
                                        * inp.block_size_tokens)
-        skip = {s.index for s in cands}
         other = order.cheapest(lambda load: cost0 + load, skip)
         if other is not None:
             cands.append(self._score_one(inp, other, inp.workers[other], 0))

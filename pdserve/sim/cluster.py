@@ -46,13 +46,15 @@ class Cluster:
         width = max(4, len(str(len(roles))))
         self.kv_blocks = cfg.kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
         self.router = SimRouter(cfg, {f"w{i:0{width}d}": r for i, r in enumerate(roles)})
-        feed = self.router.kv_aware  # the KV index follows the workers' prefix caches
+        # The KV index follows the prefix caches of prefill workers, the only ones it is asked
+        # about (a worker turning prefill is resynced from its cache: `_feed`).
+        feed = self.router.kv_aware
         self.workers: dict[str, SimWorker] = {}
         for i, role in enumerate(roles):
             a = f"w{i:0{width}d}"
             engine = EngineModel(self.kv_blocks, cfg.block_size, cfg.max_num_seqs,
                                  cfg.max_num_batched_tokens, cfg.max_waiting,
-                                 cfg.prefix_caching, record_events=feed)
+                                 cfg.prefix_caching, record_events=feed and role == PREFILL)
             self.workers[a] = SimWorker(a, role, engine, STARTING if cfg.cold_start else SERVING)
         self.host = HostShare.of(profile, cfg.workers_per_host, list(self.workers),
                                  cfg.host_background_threads)
@@ -387,8 +389,18 @@ class Cluster:
         self.counts["flips"] += 1
         self.last_flip_s[address] = now
         self.router.set_state(address, ACTIVE, w.role, f"switched to {w.role}", now)
+        self._feed(w)
         self._roles()
         self._wake(w)
+
+    def _feed(self, w: SimWorker) -> None:
+        """The index follows `w`'s prefix cache while it prefills: from a snapshot when it
+        turns prefill (as a router resyncs), and not at all while it decodes."""
+        if self.router.kv_aware:
+            w.engine.recorder.keep = w.role == PREFILL
+            w.engine.block_events()  # changes already in the snapshot, or not followed
+            self.router.resync(w.address, w.engine.pool.cached_hashes()
+                               if w.role == PREFILL else [])
 
     def _ready(self, address: str) -> None:
         w = self.workers[address]

@@ -29,24 +29,28 @@ from hashlib import blake2b
 from typing import Any
 
 from pdserve.sim.profile import attn_pairs
+from pdserve.sim.tokens import RunTokens
 from pdserve.sim.trace import HASH_BLOCK_TOKENS
 
 SAMPLED_TOKEN = 1  # the simulator's sampled token: only its count and position matter
 
 
 def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
-                     unique: int) -> list[int]:
+                     unique: int) -> RunTokens:
     """Token ids of a prompt whose `HASH_BLOCK_TOKENS`-token blocks carry `block_hashes`
-    (token value: the block's id + 2; blocks past the ids get `-unique`, never shared)."""
-    out: list[int] = []
-    for i, h in enumerate(block_hashes):
-        n = min(HASH_BLOCK_TOKENS, prompt_tokens - len(out))
-        if n <= 0:
+    (token value: the block's id + 2; blocks past the ids get `-unique`, never shared), as
+    runs (`RunTokens`: one per block, not a list of every token)."""
+    runs: list[tuple[int, int]] = []
+    left = prompt_tokens
+    for h in block_hashes:
+        if left <= 0:
             break
-        out += [h + 2] * n
-    if len(out) < prompt_tokens:
-        out += [-unique] * (prompt_tokens - len(out))
-    return out
+        n = min(HASH_BLOCK_TOKENS, left)
+        runs.append((h + 2, n))
+        left -= n
+    if left > 0:
+        runs.append((-unique, left))
+    return RunTokens(runs)
 
 
 def prompt_hashes_of(block_hashes: tuple[int, ...], prompt_tokens: int, unique: int,
@@ -147,7 +151,8 @@ class EngineModel:
     # ---- requests in ---------------------------------------------------------------------------
     def _seq(self, rid: str, prompt: list[int], output_tokens: int, **kw):
         seq = self._Sequence(rid, prompt, self._Params(max_tokens=output_tokens,
-                                                       ignore_eos=True), **kw)
+                                                       ignore_eos=True),
+                             token_ids=prompt.copy(), **kw)  # a `RunTokens` stays compact
         self.seqs[rid] = seq
         return seq
 
@@ -252,7 +257,10 @@ class EngineModel:
         k = limit
         ctx = 0
         for seq in sched.running:
-            if seq.paused or seq.num_computed != seq.num_tokens - 1 or seq.spec_token_ids:
+            # One token behind with its prompt computed: a prompt chunk that stops one token
+            # short of the end is not a decode (its next step makes the first token).
+            if (seq.paused or seq.num_computed != seq.num_tokens - 1 or seq.spec_token_ids
+                    or seq.num_computed < len(seq.prompt_ids)):
                 return 0, 0, 0
             k = min(k, seq.params.max_tokens - seq.num_output_tokens)
             ctx += seq.num_computed

@@ -35,9 +35,11 @@ class SimRouter:
         self.kv_aware = isinstance(self.policies[PREFILL], KvAware)
         self.admission = Admission(cfg.admission)
         # Past a few dozen workers, finding a prompt's holders by hash beats asking every
-        # worker, though the by-hash map costs upkeep on every block change.
+        # worker, though the by-hash map costs upkeep on every block change; the store, which
+        # takes most new blocks, is asked directly instead.
         self.index = KvIndex(max_blocks_per_source=10_000_000,
-                             max_sources=len(addresses) + 1, by_hash=len(addresses) > 64)
+                             max_sources=len(addresses) + 1, by_hash=len(addresses) > 64,
+                             scanned=(STORE,))
         self.rates = RateMeter()
         self.block_size = cfg.block_size
         self._loads: dict[str, WorkerLoad] = {}
@@ -57,10 +59,16 @@ class SimRouter:
     def _touch(self, address: str) -> None:
         m = self.membership.get(address)
         s = m.stats
+        free, running, waiting = ((None, 0, 0) if s is None else
+                                  (s.num_free_blocks, s.num_running, s.num_waiting))
+        old = self._loads.get(address)
+        if (old is not None and old.in_flight == m.in_flight
+                and old.in_flight_tokens == m.in_flight_tokens and old.free_blocks == free
+                and old.running == running and old.waiting == waiting):
+            return  # the same load (a poll of an unchanged worker): views and orders hold
         w = self._loads[address] = WorkerLoad(
             m.address, m.in_flight, True, m.in_flight_tokens, 0,
-            free_blocks=None if s is None else s.num_free_blocks,
-            running=0 if s is None else s.num_running, waiting=0 if s is None else s.num_waiting)
+            free_blocks=free, running=running, waiting=waiting)
         for role, (at, loads, orders) in self._views.items():
             i = at.get(address)
             if i is not None:
@@ -138,6 +146,11 @@ class SimRouter:
     def worker_events(self, address: str, events) -> None:
         """A worker's prefix-cache changes, in order: [(STORED | REMOVED, hash)]."""
         self.index.apply_changes(address, events)
+
+    def resync(self, address: str, hashes) -> None:
+        """A worker's prefix cache from a snapshot (its hashes, oldest first)."""
+        self.kv_event(address, CLEARED, ())
+        self.kv_event(address, STORED, hashes)
 
     def store_events(self, stored, evicted) -> None:
         self.kv_event(STORE, STORED, stored)

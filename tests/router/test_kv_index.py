@@ -101,12 +101,13 @@ def test_resume_point_is_read_from_the_masters_events_lost_error():
     assert resume_after("UNAVAILABLE: not the leader") is None
 
 
-@pytest.mark.parametrize("by_hash", [True, False])
-def test_holders_give_every_nonzero_overlap_as_events_change(by_hash):
+@pytest.mark.parametrize("by_hash,scanned", [(True, ()), (False, ()), (True, ("w1", "w4"))])
+def test_holders_give_every_nonzero_overlap_as_events_change(by_hash, scanned):
+    """Also with sources left out of the by-hash map (asked by a pass instead)."""
     import random
 
     rng = random.Random(4)
-    idx = KvIndex(max_blocks_per_source=9, max_sources=5, by_hash=by_hash)
+    idx = KvIndex(max_blocks_per_source=9, max_sources=5, by_hash=by_hash, scanned=scanned)
     sources = [f"w{i}" for i in range(6)]
     for _ in range(400):
         s = rng.choice(sources)
@@ -124,7 +125,7 @@ def test_bulk_changes_equal_one_event_per_block():
 
     rng = random.Random(8)
     one = KvIndex(max_blocks_per_source=7, max_sources=3, by_hash=True)
-    bulk = KvIndex(max_blocks_per_source=7, max_sources=3, by_hash=True)
+    bulk = KvIndex(max_blocks_per_source=7, max_sources=3, by_hash=True, scanned=("w2",))
     for _ in range(300):
         source = rng.choice(["w0", "w1", "w2", "w3"])
         changes = [(rng.choice([STORED, STORED, REMOVED]), rng.choice(HASHES))

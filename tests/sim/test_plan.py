@@ -63,7 +63,8 @@ def test_best_of_prefers_goodput_then_attainment_then_fewer_worker_hours():
 @pytest.mark.parametrize("argv,field", [(("--workers", "1"), "--workers"),
                                         (("--itl-slo-ms", "0"), "--itl-slo-ms"),
                                         (("--transport", "rdma"), "--transport"),
-                                        (("--jobs", "0"), "--jobs")])
+                                        (("--jobs", "0"), "--jobs"),
+                                        (("--block-size", "0"), "--block-size")])
 def test_bad_flags_are_named(argv, field):
     with pytest.raises(PlanError, match=field):
         settings_from_args(_parse("--trace", "phase", *argv))
@@ -73,6 +74,10 @@ def test_defaults_are_stated():
     s = settings_from_args(_parse("--trace", "phase"))
     assert (s["workers"], s["ttft_slo_ms"], s["itl_slo_ms"]) == (1000, 2000.0, 100.0)
     assert s["profile"] == "h100-llama3-8b"
+    assert s["block_size"] == 16
+    from pdserve.sim.plan import _sim_config
+    s512 = settings_from_args(_parse("--trace", "phase", "--block-size", "512"))
+    assert _sim_config(Candidate("x", "static", 1, 1), s512).block_size == 512
     assert Candidate("x", "static", 1, 1).prefill_policy == "kv_aware"
 
 

@@ -154,3 +154,24 @@ def test_cli_refuses_a_bad_trace_naming_it():
                          timeout=120)
     assert out.returncode == 2
     assert "rate" in out.stderr
+
+
+def test_the_kv_index_holds_each_prefill_workers_cache_also_after_a_flip():
+    """The router's index follows only prefill workers (it is asked only about them); a worker
+    that turns prefill is resynced from its cache, so the index then knows all of it."""
+    from pdserve.sim.cluster import Cluster
+
+    reqs = load_trace("synthetic:poisson:rate=12,n=400,in=6000,out=8", seed=4)
+    c = Cluster(SimConfig(prefill_workers=1, decode_workers=3, controller=True, block_size=64),
+                reqs, H100)
+    c.run()
+    index = c.router.index
+    turned = [w for w in c.workers.values() if w.switches and w.role == "prefill"]
+    assert turned  # a decode worker turned prefill
+    for a, w in c.workers.items():
+        cached = w.engine.pool.cached_hashes()
+        if w.role == "prefill":
+            assert cached and index.size(a) == len(cached)
+            assert all(index.holds(a, h) for h in cached)
+        else:
+            assert index.size(a) == 0

@@ -147,3 +147,55 @@ def test_trace_derived_hashes_name_blocks_as_hashing_their_tokens_would():
     while not engine.parked:
         engine.complete(engine.plan())
     assert engine.take_parked("a") == known
+
+
+def test_run_tokens_read_and_change_as_the_list_they_stand_for():
+    """The compact token ids the simulator hands the scheduler behave as a plain list under
+    every operation the scheduler uses: length, indexing, slices, append, extend, cuts."""
+    import random
+
+    from pdserve.sim.engine_model import prompt_tokens_of
+    from pdserve.sim.tokens import RunTokens
+
+    rng = random.Random(3)
+    for trial in range(200):
+        runs = [(rng.randrange(-3, 5), rng.randrange(0, 40)) for _ in range(rng.randrange(6))]
+        plain = [v for v, c in runs for _ in range(c)]
+        toks = RunTokens(runs)
+        for _ in range(30):
+            assert len(toks) == len(plain) and list(toks) == plain and toks == plain, trial
+            n = len(plain)
+            a, b = rng.randrange(-5, n + 5), rng.randrange(-5, n + 5)
+            assert toks[a:b] == plain[a:b] and toks[a:] == plain[a:] and toks[::2] == plain[::2]
+            if n:
+                i = rng.randrange(-n, n)
+                assert toks[i] == plain[i]
+            op = rng.randrange(4)
+            if op == 0:
+                toks.append(op), plain.append(op)
+            elif op == 1:
+                more = [rng.randrange(9)] * rng.randrange(5)
+                toks.extend(more), plain.extend(more)
+            elif op == 2 and n:
+                cut = rng.randrange(n)
+                del toks[cut:], plain[cut:]
+            else:
+                copy = toks.copy()
+                copy.append(7)
+                assert toks == plain and copy == plain + [7]
+        with pytest.raises(IndexError):
+            toks[len(plain)]
+    assert prompt_tokens_of((3, 9), 1100, 4) == [5] * 512 + [11] * 512 + [-4] * 76
+
+
+def test_a_prompt_chunk_one_token_short_is_not_taken_for_a_decode_run():
+    """A request prefilling in chunks (an offload's chunk cap) can stop one token before its
+    prompt's end; its next step makes the first token, so no bulk decode run may take it."""
+    from pdserve.sim.engine_model import EngineModel
+
+    engine = EngineModel(64, 16, 8, 2048, 16)
+    engine.add("a", list(range(2, 35)), 5, max_chunk_tokens=32)  # 33 prompt tokens
+    assert engine.complete(engine.plan()) == []  # 32 of 33 computed
+    assert engine.decode_run(1 << 20)[0] < 2
+    assert engine.complete(engine.plan()) == [("a", "first")]
+    assert engine.decode_run(1 << 20)[0] == 4  # now a pure decode: 4 more tokens
