@@ -32,7 +32,8 @@ def test_matches_f_linear(m, n, k, threads):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_takes_any_leading_shape_and_strides():
+def test_linear_takes_any_leading_shape_and_strides(monkeypatch):
+    monkeypatch.setenv("PDSERVE_LINEAR", "c")
     w = torch.randn(100, 64)
     lin = Linear(w)
     assert lin.kind == "c" and lin.packed
@@ -43,6 +44,11 @@ def test_linear_takes_any_leading_shape_and_strides():
 
 def test_the_path_follows_dtype_device_and_the_override(monkeypatch):
     w = torch.randn(32, 16)
+    monkeypatch.delenv("PDSERVE_LINEAR", raising=False)
+    assert not c_kernel_available(torch.float32, torch.device("cpu"))  # opt-in
+    assert Linear(w).kind in ("onednn", "plain")
+    monkeypatch.setenv("PDSERVE_LINEAR", "c")
+    assert Linear(w).kind == "c"
     assert c_kernel_available(torch.float32, torch.device("cpu"))
     assert not c_kernel_available(torch.bfloat16, torch.device("cpu"))
     assert not c_kernel_available(torch.float32, torch.device("cuda"))
