@@ -63,3 +63,24 @@ def build(source: Path, target: Path, flags: tuple[str, ...], what: str,
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def load(source: Path, flags: tuple[str, ...], kind: str, what: str, error: type[Exception],
+         no_compiler: type[Exception], abi_symbol: str, abi: int):
+    """The library of `source` with `flags`, built first if missing, loaded with ctypes and
+    checked to speak ABI `abi` (its `abi_symbol()`); `no_compiler` when there is no compiler,
+    `error` for a build, load or ABI failure."""
+    import ctypes
+
+    path = library_path(source, flags, kind, what, no_compiler)
+    if not path.exists():
+        build(source, path, flags, what, error)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise error(f"{what}: cannot load {path}: {exc}") from exc
+    got = getattr(lib, abi_symbol)()
+    if got != abi:
+        raise error(f"{what}: {path} has ABI {got}, want {abi}")
+    return lib
+

@@ -40,16 +40,8 @@ class _NoCompiler(KernelUnavailable):
 
 
 def _open(flags: tuple[str, ...]) -> ctypes.CDLL:
-    path = cbuild.library_path(SOURCE, flags, "linear", _WHAT, _NoCompiler)
-    if not path.exists():
-        cbuild.build(SOURCE, path, flags, _WHAT, KernelUnavailable)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelUnavailable(f"{_WHAT}: cannot load {path}: {exc}") from exc
-    if lib.lc_abi() != ABI:
-        raise KernelUnavailable(f"{_WHAT}: {path} has ABI {lib.lc_abi()}, want {ABI}")
-    return lib
+    return cbuild.load(SOURCE, flags, "linear", _WHAT, KernelUnavailable, _NoCompiler,
+                       "lc_abi", ABI)
 
 
 def _load() -> ctypes.CDLL | None:

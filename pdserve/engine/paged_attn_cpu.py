@@ -81,16 +81,8 @@ def _build(target: Path, flags: tuple[str, ...]) -> None:
 
 
 def _open(flags: tuple[str, ...]) -> ctypes.CDLL:
-    path = library_path(flags)
-    if not path.exists():
-        _build(path, flags)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelUnavailable(f"paged attention C kernel: cannot load {path}: {exc}") from exc
-    if lib.pa_abi() != ABI:
-        raise KernelUnavailable(f"paged attention C kernel: {path} has ABI {lib.pa_abi()}, want {ABI}")
-    return lib
+    return cbuild.load(SOURCE, flags, "paged_attn", _WHAT, KernelUnavailable, _NoCompiler,
+                       "pa_abi", ABI)
 
 
 def _load() -> ctypes.CDLL:
