@@ -300,6 +300,9 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
         "loadavg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "transformers_version": sys.modules["transformers"].__version__,
         "decode_attention": describe_decode_path(engine.kv.k.dtype, engine.kv.k.device),
+        # How each engine multiplies its weights (`Linear.kind`: c, onednn or plain).
+        "linear": engine.model.lm_head.kind,
+        **({"linear_baseline": onednn.model.lm_head.kind} if s.linear_baseline else {}),
         "wall_s": time.perf_counter() - started,
         "device_name": device_name(s.device), "kv_bytes_per_token": kv_bytes_per_token(engine),
     }

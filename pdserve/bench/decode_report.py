@@ -100,6 +100,9 @@ def summarize(s: "DecodeBenchSettings", setup: dict[str, Any], copy_s: list[floa
             "loadavg_1m_end": setup["loadavg_1m_end"],
             # The engine's decode attention: the C paged kernel or the PyTorch reference.
             "decode_attention": setup.get("decode_attention"),
+            # The linear layers' path, and the --linear-baseline engine's.
+            "linear": setup.get("linear"),
+            "linear_baseline": setup.get("linear_baseline"),
         },
         "model": {"path": setup["model_path"], "dtype": s.dtype, "weight_bytes": weight_bytes},
         "settings": {**asdict(s), "batch_sizes": list(s.batch_sizes),

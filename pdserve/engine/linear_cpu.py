@@ -36,7 +36,7 @@ class KernelUnavailable(RuntimeError):
 
 
 class _NoCompiler(KernelUnavailable):
-    pass
+    """No C compiler: other flag sets will not help either."""
 
 
 def _open(flags: tuple[str, ...]) -> ctypes.CDLL:

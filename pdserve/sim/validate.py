@@ -128,8 +128,8 @@ class RunnableSampler:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     n += f.read().rsplit(")", 1)[1].split()[0] == "R"
-        except OSError:
-            pass
+        except OSError:  # the process or a thread ended while being read: count what was read
+            return n
         return n
 
     def _loop(self) -> None:

@@ -129,15 +129,23 @@ def test_attention_baseline_times_the_reference_attention_in_the_same_run(
 def test_linear_baseline_times_a_onednn_engine_in_the_same_run(
         tiny_llama_dir: str, capsys, monkeypatch) -> None:
     """--linear-baseline (with --attention-baseline too): every row also carries a second engine
-    whose linear layers run on oneDNN; the linear kernel's gain is the quotient; the setting is
-    put back afterwards."""
-    monkeypatch.delenv("PDSERVE_LINEAR", raising=False)
+    whose linear layers run on oneDNN, while the first runs the path PDSERVE_LINEAR asks for (the
+    C kernel where it builds); the gain is the quotient; the setting is put back afterwards."""
+    from pdserve.engine import linear_cpu
+    from pdserve.engine.linear import packing_available
+
+    path = "c" if linear_cpu.available() else "reference"
+    monkeypatch.setenv("PDSERVE_LINEAR", path)
     rc = bench.main(["--model", tiny_llama_dir, "--quick", "--json", "--no-progress",
                      "--threads", "1", "--linear-baseline", "--attention-baseline"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
-    assert "PDSERVE_LINEAR" not in os.environ
+    assert os.environ["PDSERVE_LINEAR"] == path  # the baseline's own setting was put back
     assert doc["settings"]["linear_baseline"] is True
+    # The two engines really multiply their weights two different ways.
+    assert doc["machine"]["linear"] == ("c" if path == "c" else "plain")
+    assert doc["machine"]["linear_baseline"] == (
+        "onednn" if packing_available(torch.float32, torch.device("cpu")) else "plain")
     for r in doc["decode"]:
         for name, gain in (("engine_onednn_linear", "linear_kernel_gain"),
                            ("engine_torch_attention", "attention_kernel_gain")):
