@@ -72,7 +72,7 @@ class Linear:
             self.kind = "c"
             self.weight = linear_cpu.pack(weight)
             self._c_linear = linear_cpu.linear
-        elif pack if pack is not None else packing_available(weight.dtype, weight.device):
+        elif packing_available(weight.dtype, weight.device) if pack is None else pack:
             self.kind = "onednn"
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
                                                                   _PACK_HINT_ROWS)
