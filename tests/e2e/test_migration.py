@@ -28,7 +28,7 @@ from tests.e2e.test_cluster import generate, worker_stats
 from tests.e2e.test_membership import members, signals, wait_for
 
 MAX_TOKENS = 300
-KILL_AFTER_TOKENS = 30  # every stream has this many when the worker dies: well into decode
+KILL_AFTER_TOKENS = 10  # every unfinished stream has this many when the worker dies: mid-decode
 POLL_S = 0.2  # the router's stats interval: a dead worker is GONE after 3 missed polls
 PROMPTS = [list(range(500 + 11 * i, 500 + 11 * i + 10 + 4 * i)) for i in range(6)]
 # Even requests greedy, odd ones sampled with a seed: both must continue exactly on resume.
@@ -106,15 +106,22 @@ def test_decode_worker_killed_mid_stream_loses_no_request_and_changes_no_token(c
         s.start()
 
     def running() -> dict[str, int] | None:
-        """Each decode worker's running requests, once every stream is decoding on them."""
-        if any(len(s.ids) < KILL_AFTER_TOKENS for s in streams):
+        """Each decode worker's running requests, once every stream is decoding (or done) and
+        both workers still decode some. The streams start unevenly (one prefill worker admits
+        them in turn), so the first may finish before the last starts: the wait needs both
+        workers busy, not every stream unfinished."""
+        seen["tokens"] = [len(s.ids) for s in streams]
+        if any(KILL_AFTER_TOKENS > len(s.ids) for s in streams):
             return None
-        n = {a: worker_stats(a).num_running for a in decode}
+        n = seen["running"] = {a: worker_stats(a).num_running for a in decode}
         return n if all(n.values()) else None
 
-    counts = wait_for("every request streaming from both decode workers", running, 120)
+    seen: dict = {}
+    try:
+        counts = wait_for("every request streaming, both decode workers decoding", running, 120)
+    except AssertionError as e:
+        raise AssertionError(f"{e} (last seen: {seen})") from None
     victim = max(counts, key=counts.get)
-    assert all(len(s.ids) < MAX_TOKENS for s in streams), "finished before the kill"
     proc = child(cluster, victim).proc
     proc.kill()
     proc.wait()
