@@ -186,7 +186,25 @@ def _gap(live: Sequence[WorkerView], prefill: int):
                    if not w.pinned and w.state != SERVING))
 
 
+def _attribute_ttft(inp: ControllerInput, cfg: PolicyConfig) -> tuple[ControllerInput, str]:
+    """The input with the prefill ratio the policy acts on, and a note when it differs.
+
+    The prefill ratio is the worse of its queue term and its TTFT term, and a request's TTFT
+    also holds its wait for a decode slot. When decode is pressured and the prefill queue is
+    not, a high TTFT is the decode role's doing: counted for prefill it would read as "both
+    roles pressured" and hold the very flip toward decode that would lower it. The prefill
+    ratio is then its queue term alone."""
+    p = inp.prefill
+    if not (inp.decode.ratio > cfg.high and p.ratio > cfg.high
+            and p.queue_ratio <= cfg.high and p.ttft_ratio >= p.ratio):
+        return inp, ""
+    note = (f"prefill TTFT term {p.ttft_ratio:.2f} set aside (decode {inp.decode.ratio:.2f} "
+            f"is pressured, the prefill queue {p.queue_ratio:.2f} is not)")
+    return replace(inp, prefill=replace(p, ratio=p.queue_ratio)), note
+
+
 def decide(inp: ControllerInput, now: float, cfg: PolicyConfig = PolicyConfig()) -> Decision:
+    inp, attributed = _attribute_ttft(inp, cfg)
     # While a flip is in flight its effect is not in the pressures yet: pressure seen now must
     # not count toward the next flip (in pressure mode; a target steers regardless).
     in_flight = tuple(sorted((w for w in inp.workers if w.state != GONE
@@ -208,7 +226,7 @@ def decide(inp: ControllerInput, now: float, cfg: PolicyConfig = PolicyConfig())
     budgets, token_reason = _fluid_token(inp, cfg, leaving) if cfg.fluid_token else ((), "")
     action = ("target" if inp.target is not None and flips else
               "+".join(a for a, on in (("flip", flips), ("offload", budgets)) if on) or "hold")
-    reason = "; ".join(r for r in (role_reason, token_reason) if r)
+    reason = "; ".join(r for r in (role_reason, token_reason, attributed) if r)
     return Decision(state, flips, budgets, action, reason, conflicts)
 
 

@@ -22,8 +22,10 @@ CFG = PolicyConfig(sustain_s=3.0, cooldown_s=30.0, fluid_token=False)
 
 
 def prefill_at(ratio: float, tokens_per_s: float = 1000.0) -> PrefillPressure:
+    """Prefill pressure from its queue: `ratio` is the queue term."""
     work_s = ratio * SLO.ttft_share * SLO.ttft_s
-    return PrefillPressure(work_s, ratio, work_s * tokens_per_s, tokens_per_s)
+    return PrefillPressure(work_s, ratio, work_s * tokens_per_s, tokens_per_s,
+                           queue_ratio=ratio)
 
 
 def decode_at(ratio: float) -> DecodePressure:
@@ -118,6 +120,28 @@ def test_both_roles_pressured_holds_and_says_so():
     d = decide(make_input(three_decode_one_prefill(), 2.4, 1.3, PolicyState(0.0, 0.0)), 10.0, CFG)
     assert d.flips == () and d.action == "hold"
     assert "both roles pressured (prefill 2.40, decode 1.30" in d.reason
+
+
+def test_a_high_ttft_under_decode_pressure_flips_toward_decode():
+    """The prefill queue is empty but TTFT is over its SLO because requests wait for a decode
+    slot: decode takes a prefill worker instead of both roles reading as pressured."""
+    ws = [worker("p0", PREFILL), worker("p1", PREFILL), worker("d0", running=30)]
+    waiting_on_decode = PrefillPressure(0.0, 3.0, 0.0, 1000.0, queue_ratio=0.0, ttft_ratio=3.0)
+    inp = ControllerInput(tuple(ws), waiting_on_decode, decode_at(1.4), SLO,
+                          PolicyState(decode_high_since_s=0.0))
+    d = decide(inp, 10.0, CFG)
+    assert [(f.address, f.to_role) for f in d.flips] == [("p0", DECODE)]
+    assert "prefill TTFT term 3.00 set aside" in d.reason
+    # A prefill queue over its share is prefill pressure whatever decode does: both hold.
+    queued = dataclasses.replace(waiting_on_decode, queue_ratio=1.5)
+    d = decide(dataclasses.replace(inp, prefill=queued), 10.0, CFG)
+    assert d.flips == () and "both roles pressured" in d.reason
+    # Without decode pressure the TTFT term stands: prefill is pressured and takes a worker.
+    calm = ControllerInput((worker("p0", PREFILL), worker("d0"), worker("d1")),
+                           waiting_on_decode, decode_at(0.1), SLO,
+                           PolicyState(prefill_high_since_s=0.0))
+    d = decide(calm, 10.0, CFG)
+    assert [(f.address, f.to_role) for f in d.flips] == [("d0", PREFILL)]
 
 
 def test_the_giving_role_must_be_calm():
