@@ -30,8 +30,10 @@ def repeaty_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_quick_none_ngram(repeaty_llama_dir: str, tmp_path, capsys) -> None:
     out_dir = tmp_path / "out"
     threads = torch.get_num_threads()
+    # Without the confidence schedule: it cuts drafts by step costs timed on this machine, so
+    # whether any draft survives depends on the host's load; here speculation must happen.
     rc = bench.main(["--model", repeaty_llama_dir, "--methods", "none,ngram", "--quick", "--json",
-                     "--out", str(out_dir), "--no-progress", "--threads", "1"])
+                     "--out", str(out_dir), "--no-progress", "--threads", "1", "--no-schedule"])
     assert rc == 0
     assert torch.get_num_threads() == threads
     doc = json.loads(capsys.readouterr().out)  # stdout is exactly one JSON document
