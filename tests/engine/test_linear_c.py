@@ -45,8 +45,10 @@ def test_linear_takes_any_leading_shape_and_strides(monkeypatch):
 def test_the_path_follows_dtype_device_and_the_override(monkeypatch):
     w = torch.randn(32, 16)
     monkeypatch.delenv("PDSERVE_LINEAR", raising=False)
-    assert not c_kernel_available(torch.float32, torch.device("cpu"))  # opt-in
-    assert Linear(w).kind in ("onednn", "plain")
+    assert c_kernel_available(torch.float32, torch.device("cpu"))  # the default where it runs
+    assert Linear(w).kind == "c"
+    monkeypatch.setenv("PDSERVE_LINEAR", "auto")
+    assert Linear(w).kind == "c"
     monkeypatch.setenv("PDSERVE_LINEAR", "c")
     assert Linear(w).kind == "c"
     assert c_kernel_available(torch.float32, torch.device("cpu"))
