@@ -6,6 +6,12 @@ Prefill-only requests have their KV copied out here, on the engine thread, the m
 token is sampled, so their blocks go back to the pool before the next step. It also times the
 steps (busy seconds; decode steps, their seconds and a histogram of them), the worker's own
 measure of its speed, and stamps each output with the wall-clock end of its step.
+After a step it lets the readers of that step's outputs send them before the next step starts
+(`handoff_s`, 5 ms at most): a reader that sends during the step takes the GIL from the engine
+thread between every pair of ops, which slowed batch-8 decode steps by 10-20 % under load
+(`docs/benchmarks.md`); sending first costs the step only the readers' own work. A reader still
+sending the previous step's tokens (a slow client) is not waited for, and a queued command
+ends the wait.
 A command whose caller stops waiting (`call` past its timeout, while a long step holds the
 thread) is cancelled before it runs and the caller gets `EngineBusy`; one already running is
 waited for, so its effect (a request added, blocks taken) is never lost to its caller. `post`
@@ -51,22 +57,36 @@ class StreamItem:
 class RequestStream:
     """One request's outputs. Bounded by construction: a request yields at most max_tokens items."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: threading.Condition | None = None) -> None:
         self.q: queue.Queue[StreamItem] = queue.Queue()
+        # Set by the engine thread before it queues an output; cleared by the reader when it
+        # comes back for more with nothing queued (it has sent what it took).
+        self.busy = False
+        self._idle = idle
 
     def get(self, timeout: float | None = None) -> StreamItem:
+        if self._idle is not None and self.busy and self.q.empty():
+            with self._idle:
+                self.busy = False
+                self._idle.notify_all()
         return self.q.get(timeout=timeout)
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, call_timeout_s: float = 60.0) -> None:
+    def __init__(self, engine: LLMEngine, call_timeout_s: float = 60.0,
+                 handoff_s: float = 0.005) -> None:
         if not call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s!r}")
+        if not handoff_s >= 0:
+            raise ValueError(f"handoff_s must be >= 0, got {handoff_s!r}")
         self.engine = engine
         self.call_timeout_s = call_timeout_s
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
+        self.handoff_s = handoff_s
+        self._idle = threading.Condition() if handoff_s > 0 else None
+        self._fresh: list[RequestStream] = []  # streams given an output by this step, idle before
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.steps = 0
@@ -94,7 +114,7 @@ class EngineLoop:
         awaited (commands are short), so nothing it did is left without its caller."""
         fut: Future = Future()
         self._cmds.put((fn, fut))
-        self._wake.set()
+        self._wake_up()
         wait_s = self.call_timeout_s if timeout is None else timeout
         try:
             return fut.result(timeout=wait_s)
@@ -110,11 +130,18 @@ class EngineLoop:
         fut: Future = Future()
         fut.add_done_callback(_log_failure)
         self._cmds.put((fn, fut))
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        """A command is queued: end an idle wait, or a hand-off (commands go first)."""
         self._wake.set()
+        if self._idle is not None:
+            with self._idle:
+                self._idle.notify_all()
 
     def open_stream(self, request_id: str) -> RequestStream:
         """Register a stream; call inside the same `call()` that adds the request."""
-        s = RequestStream()
+        s = RequestStream(self._idle)
         self._streams[request_id] = s
         return s
 
@@ -155,6 +182,22 @@ class EngineLoop:
             made_s = time.time()
             for out in outputs:
                 self._dispatch(out, made_s)
+            if self._fresh:
+                self._await_readers()
+
+    def _await_readers(self) -> None:
+        """Wait (at most `handoff_s`) until the readers given an output by this step have sent
+        it and come back for more, or a command is queued."""
+        fresh, self._fresh = self._fresh, []
+        if self._idle is None:
+            return
+        deadline = time.perf_counter() + self.handoff_s
+        with self._idle:
+            while any(s.busy for s in fresh) and self._cmds.empty():
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return
+                self._idle.wait(left)
 
     def _timed_step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
@@ -177,6 +220,9 @@ class EngineLoop:
             return
         if s is None:
             return
+        if not s.busy and not out.finished:  # a finished stream's reader does not come back
+            self._fresh.append(s)
+        s.busy = True  # before the put: a reader that takes it must find the flag to clear
         s.q.put(StreamItem(output=out, made_s=made_s))
         if out.finished:
             self._streams.pop(out.request_id, None)
