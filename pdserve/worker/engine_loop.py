@@ -189,8 +189,6 @@ class EngineLoop:
         """Wait (at most `handoff_s`) until the readers given an output by this step have sent
         it and come back for more, or a command is queued."""
         fresh, self._fresh = self._fresh, []
-        if self._idle is None:
-            return
         deadline = time.perf_counter() + self.handoff_s
         with self._idle:
             while any(s.busy for s in fresh) and self._cmds.empty():
@@ -220,9 +218,10 @@ class EngineLoop:
             return
         if s is None:
             return
-        if not s.busy and not out.finished:  # a finished stream's reader does not come back
-            self._fresh.append(s)
-        s.busy = True  # before the put: a reader that takes it must find the flag to clear
+        if self._idle is not None:
+            if not s.busy and not out.finished:  # a finished stream's reader does not come back
+                self._fresh.append(s)
+            s.busy = True  # before the put: a reader that takes it must find the flag to clear
         s.q.put(StreamItem(output=out, made_s=made_s))
         if out.finished:
             self._streams.pop(out.request_id, None)
