@@ -72,6 +72,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="most draft tokens per request per step (gamma)")
     s.add_argument("--threads-per-worker", type=int, default=None,
                    help="compute threads per worker (default: this machine's cores split evenly)")
+    s.add_argument("--no-share-cores", action="store_true",
+                   help="CPU workers keep to their own threads (default: a step also uses the "
+                        "cores the host's other workers idle at the moment)")
     s.add_argument("--no-controller", action="store_true",
                    help="start no controller: roles stay as started")
     s.add_argument("--controller-port", type=int, default=None,
@@ -248,7 +251,8 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
                        worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,
                        decode_workers=args.decode_workers, num_blocks=args.num_blocks,
                        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
-                       threads_per_worker=args.threads_per_worker, routing=args.routing,
+                       threads_per_worker=args.threads_per_worker,
+                       share_cores=not args.no_share_cores, routing=args.routing,
                        controller=not args.no_controller, controller_port=args.controller_port,
                        controller_mode=args.controller_mode, ttft_slo_ms=args.ttft_slo_ms,
                        itl_slo_ms=args.itl_slo_ms, max_in_flight=args.max_in_flight,

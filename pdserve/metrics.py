@@ -196,6 +196,11 @@ class WorkerCollector:
                 ("prompt_tokens_computed", "prompt_tokens_computed",
                  "Prompt tokens computed (not served from a prefix cache or an import)."),
                 ("engine_busy_seconds", "busy_seconds", "Seconds the engine spent in steps."),
+                ("engine_borrowed_steps", "borrowed_steps",
+                 "Steps run on cores lent by the host's idle workers (more threads than this "
+                 "worker's own)."),
+                ("engine_core_wait_seconds", "core_wait_seconds",
+                 "Seconds steps waited for another worker's step on lent cores to end."),
                 ("local_prefill_requests", "local_prefill_requests",
                  "Requests prefilled on this worker in the decode role (prefill offload)."),
                 ("local_prefill_tokens", "local_prefill_tokens",

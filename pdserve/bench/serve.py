@@ -42,6 +42,7 @@ class ServeBenchSettings:
     prefill_workers: int = 1
     decode_workers: int = 1
     threads_per_worker: int | None = None  # None: this machine's cores split evenly
+    share_cores: bool = True  # the workers lend each other idle cores, as `pdserve serve`
     controller: bool = True
     max_predicted_ttft_s: float | None = None  # None: the router's default
     ceiling_repeats: int = 3
@@ -128,7 +129,8 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
 
     spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=s.prefill_workers, decode_workers=s.decode_workers,
-                       threads_per_worker=s.threads_per_worker, controller=s.controller,
+                       threads_per_worker=s.threads_per_worker, share_cores=s.share_cores,
+                       controller=s.controller,
                        max_predicted_ttft_s=s.max_predicted_ttft_s, log_dir=log_dir,
                        supervise=True, ready_timeout_s=600)
     ui(f"pdserve: starting {spec.prefill_workers} prefill + {spec.decode_workers} decode "
@@ -148,6 +150,10 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
             "config": {"prefill_workers": spec.prefill_workers,
                        "decode_workers": spec.decode_workers,
                        "threads_per_worker": spec.worker_threads(),
+                       "share_cores": spec.share_cores,
+                       # the most a decode step may use: its own, or every core while lent
+                       "max_threads": (max(spec.worker_threads(), len(os.sched_getaffinity(0)))
+                                       if spec.share_cores else spec.worker_threads()),
                        "controller": spec.controller, "dtype": spec.dtype},
             "levels": lv}
 
@@ -251,7 +257,7 @@ def run_bench(s: ServeBenchSettings, out_dir: str | None, ui: Ui) -> dict[str, A
     tok = Tokenizer.from_path(model)
     ids = [prompt_ids(r, tok) for r in reqs]
     pd = measure_pdserve(model, reqs, levels, s, os.path.join(log_dir, "pdserve"), ui)
-    threads = pd["config"]["threads_per_worker"]
+    threads = pd["config"]["max_threads"]
     batches = sorted({lv["batch_size"] for lv in pd["levels"]})
     engine = engine_ceiling(model, {b: ids[:b] for b in batches}, s.max_tokens, threads,
                             repeats=s.ceiling_repeats, progress=lambda what: ui(what, 0, 1))
@@ -307,6 +313,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--threads-per-worker", type=int, default=None,
                    help="compute threads per worker (default: the cores split evenly, as "
                         "`pdserve serve`); the engine ceiling uses the same count")
+    p.add_argument("--no-share-cores", action="store_true",
+                   help="workers keep their own threads: no cores lent while another idles "
+                        "(`pdserve serve --no-share-cores`)")
     p.add_argument("--no-controller", action="store_true", help="start no controller")
     p.add_argument("--max-predicted-ttft-s", type=float, default=None,
                    help="the router's admission bound (0: off; default: the router's)")
@@ -330,7 +339,8 @@ def settings_from(args: argparse.Namespace) -> ServeBenchSettings:
         max_tokens=args.max_tokens, max_prompt_chars=args.max_prompt_chars, seed=args.seed,
         trace=args.trace, token_scale=args.token_scale, speedup=args.speedup,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-        threads_per_worker=args.threads_per_worker, controller=not args.no_controller,
+        threads_per_worker=args.threads_per_worker, share_cores=not args.no_share_cores,
+        controller=not args.no_controller,
         max_predicted_ttft_s=args.max_predicted_ttft_s, ceiling_repeats=args.ceiling_repeats,
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python,
         ready_timeout_s=args.ready_timeout_s)

@@ -36,7 +36,7 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
     eng = result["engine"]
     base = [k for k, b in result["baselines"].items() if "levels" in b]
     t = Table(title=f"{result['model']}: output tokens/s per concurrency (engine alone: "
-                    f"{_threads(eng['threads'])}, as the decode worker)")
+                    f"{_threads(eng['threads'])}, the most a decode step may use)")
     for col in ("c", "pdserve", "engine", "pdserve/engine", "ITL p50/step",
                 *[c for k in base for c in (k, f"pdserve/{k}")]):
         t.add_column(col, justify="right")

@@ -50,6 +50,9 @@ class ClusterSpec:
     log_dir: str | None = None
     worker_ports: tuple[int, ...] | None = None  # explicit ports (prefill first); else base + i
     threads_per_worker: int | None = None  # None: split this machine's cores among the workers
+    # CPU workers lend each other the cores they idle (`worker/cores.py`): a step runs on its
+    # own `worker_threads()` plus the cores no other worker computes on at the moment.
+    share_cores: bool = True
     # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
     # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
     routing: str = "auto"

@@ -214,6 +214,7 @@ class LocalCluster:
                     "--block-size-tokens", str(s.block_size_tokens),
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),
                     "--threads", str(s.worker_threads()),
+                    *self._core_args(s.worker_devices[i]),
                     "--metrics-port", str(metrics_ports[i]),
                     # Its heartbeat re-registers it with a restarted router.
                     "--register-with", self.router_address, *self._cluster_id_args(),
@@ -337,6 +338,14 @@ class LocalCluster:
                 raise RuntimeError(f"{child.name} printed no ready line with {key}=; its log "
                                    f"({child.log_path}) ends:\n{tail(child.log_path)}")
             time.sleep(0.05)
+
+    def _core_args(self, device: str) -> list[str]:
+        """A CPU worker's flags for lending cores (`worker/cores.py`): the cluster's ledger file,
+        and up to all of this machine's cores while the others idle."""
+        if not self.spec.share_cores or device.startswith("cuda"):
+            return []  # "auto": the worker lends only if it resolves to the CPU
+        return ["--core-ledger", os.path.join(self.log_dir, f"cores-{self.spec.cluster_id}"),
+                "--max-threads", str(len(os.sched_getaffinity(0)))]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Supervision first (an intended stop is never a restart), then the router, given the

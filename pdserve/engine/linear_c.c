@@ -107,7 +107,9 @@ int sg_linear(const float *x, int64_t M, int64_t K, const float *p, int64_t N, f
     const int64_t np = (N + NR - 1) / NR;
 #ifdef _OPENMP
     if (nthreads > 1) {
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        /* guided, not static: a thread that loses its core to another process for a while
+         * (workers of one host lend each other cores) leaves its panels to the others */
+        #pragma omp parallel for num_threads(nthreads) schedule(guided)
         for (int64_t j = 0; j < np; j++)
             panel(x, M, K, p + j * K * NR, N, j * NR, y);
         return 0;

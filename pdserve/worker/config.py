@@ -39,6 +39,11 @@ class WorkerConfig:
     # split its cores: two OpenMP pools on the same cores spin against each other and a step
     # can take many times longer.
     threads: int = 0
+    # Cores lent between the workers of one host (`worker/cores.py`): the ledger file they
+    # share ("": none, `threads` fixed), and the most threads a step may use while the host's
+    # other workers idle (0: `threads`). Needs `threads` >= 1.
+    core_ledger: str = ""
+    max_threads: int = 0
     # Speculative decoding on this worker's decodes ("": off; "ngram": prompt lookup; "eagle",
     # "dflash", "dspark": a trained drafter at draft_path), with at most this many draft tokens
     # per request per step, cut by the confidence scheduler unless spec_schedule is off.
@@ -97,6 +102,13 @@ class WorkerConfig:
             raise ConfigError("progressive_queue_bytes and progressive_wait_ms must be >= 1")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        if self.max_threads < 0:
+            raise ConfigError(f"max_threads must be >= 0, got {self.max_threads}")
+        if self.core_ledger and self.threads < 1:
+            raise ConfigError("core_ledger needs threads >= 1 (the worker's own share)")
+        if self.max_threads and self.max_threads < self.threads:
+            raise ConfigError(f"max_threads ({self.max_threads}) must be >= threads "
+                              f"({self.threads})")
         if self.rpc_threads < 1 or self.max_concurrent_rpcs < 1:
             raise ConfigError("rpc_threads and max_concurrent_rpcs must be >= 1")
         if self.advertise_address and ":" not in self.advertise_address:

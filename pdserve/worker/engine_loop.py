@@ -12,6 +12,8 @@ thread between every pair of ops, which slowed batch-8 decode steps by 10-20 % u
 (`docs/benchmarks.md`); sending first costs the step only the readers' own work. A reader still
 sending the previous step's tokens (a slow client) is not waited for, and a queued command
 ends the wait.
+With `threads` (`worker/cores.py`) each step first claims its compute threads from the host's
+ledger (its own share, more while the host's other workers idle) and releases them after.
 A command whose caller stops waiting (`call` past its timeout, while a long step holds the
 thread) is cancelled before it runs and the caller gets `EngineBusy`; one already running is
 waited for, so its effect (a request added, blocks taken) is never lost to its caller. `post`
@@ -32,6 +34,7 @@ from typing import Any, Callable
 
 from pdserve.engine.engine import LLMEngine, ParkedKV, StepOutput
 from pdserve.metrics import BucketCounts
+from pdserve.worker.cores import StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +77,13 @@ class RequestStream:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, call_timeout_s: float = 60.0,
-                 handoff_s: float = 0.005) -> None:
+                 handoff_s: float = 0.005, threads: StepThreads | None = None) -> None:
         if not call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s!r}")
         if not handoff_s >= 0:
             raise ValueError(f"handoff_s must be >= 0, got {handoff_s!r}")
         self.engine = engine
+        self.threads = threads  # the host's cores lent between its workers (None: fixed)
         self.call_timeout_s = call_timeout_s
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
@@ -198,11 +202,15 @@ class EngineLoop:
                 self._idle.wait(left)
 
     def _timed_step(self) -> list[StepOutput]:
+        if self.threads is not None:
+            self.threads.begin()
         t0 = time.perf_counter()
         try:
             return self.engine.step()
         finally:
             dt = time.perf_counter() - t0
+            if self.threads is not None:
+                self.threads.end()
             self.busy_seconds += dt
             if self.engine.last_step_decoded:
                 self.decode_steps += 1

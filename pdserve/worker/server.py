@@ -31,6 +31,7 @@ from pdserve.prefill_worker.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.cores import CoreLedger, StepThreads
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.guarded_store import GuardedStore
 from pdserve.worker.registration import Registrar
@@ -58,6 +59,17 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
         if cfg.spec_method else None))
     release_free_heap()
     return engine
+
+
+def lent_threads(cfg: WorkerConfig, engine: LLMEngine) -> StepThreads | None:
+    """The engine thread's share of the host's cores (`worker/cores.py`), when the worker was
+    given a ledger and computes on the CPU; None otherwise (threads fixed)."""
+    if not cfg.core_ledger or engine.cfg.device != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0))
+    own = min(cfg.threads, cores)
+    most = max(own, min(cfg.max_threads or cfg.threads, cores))
+    return StepThreads(CoreLedger(cfg.core_ledger), own, most, cores, torch.set_num_threads)
 
 
 def release_free_heap() -> None:
@@ -111,7 +123,7 @@ def run(cfg: WorkerConfig) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     engine = build_engine(cfg)
-    loop = EngineLoop(engine).start()
+    loop = EngineLoop(engine, threads=lent_threads(cfg, engine)).start()
     # The dtype the engine resolved (auto: by device): KV of different dtypes never mixes.
     model_id = model_id_for(cfg.model_path, engine.cfg.dtype, cfg.model_name)
     role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
@@ -146,6 +158,8 @@ def run(cfg: WorkerConfig) -> int:
     if metrics_server is not None:
         metrics_server.shutdown()
     loop.stop()
+    if loop.threads is not None:
+        loop.threads.ledger.close()
     if sender is not None:
         sender.stop()
     store.close()

@@ -231,7 +231,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         loop = self.loop
 
         def read():  # on the engine thread, so the step counters agree with the engine's
+            lent = loop.threads
             return dict(loop.engine.stats(), busy_seconds=loop.busy_seconds,
+                        borrowed_steps=lent.borrowed_steps if lent else 0,
+                        core_wait_seconds=lent.waited_s if lent else 0.0,
                         decode_steps=loop.decode_steps,
                         decode_step_seconds=loop.decode_step_seconds,
                         decode_step_histogram=loop.decode_step_histogram.snapshot())

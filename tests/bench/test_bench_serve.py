@@ -57,7 +57,12 @@ def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
                     for w in lv["metrics_diff"]["workers"])
         assert steps >= 7  # 8 tokens each: the first from prefill, then at least 7 steps
     eng = r["engine"]
-    assert eng["threads"] == r["pdserve"]["config"]["threads_per_worker"] >= 1
+    # The ceiling runs on the most threads a decode step may take: every core while the
+    # workers lend each other idle ones (the default), else the worker's own share.
+    cfg = r["pdserve"]["config"]
+    assert cfg["share_cores"] is True and cfg["threads_per_worker"] >= 1
+    assert eng["threads"] == cfg["max_threads"] == max(cfg["threads_per_worker"],
+                                                       len(os.sched_getaffinity(0)))
     assert [e["batch_size"] for e in eng["levels"]] == [1, 2]
     assert all(e["tokens_per_s"] > 0 and e["step_s"] > 0 for e in eng["levels"])
     assert [c["concurrency"] for c in r["comparison"]] == [1, 2]

@@ -7,6 +7,9 @@ serving, seeded sampling and stop strings across the prefill->decode hop.
 
 from __future__ import annotations
 
+import os
+import urllib.request
+
 import grpc
 import pytest
 
@@ -48,13 +51,26 @@ def workers(cluster, role: str) -> list[str]:
     return [c.address for c in cluster.children if c.name.startswith(role)]
 
 
+def borrowed_steps(cluster, address: str) -> float:
+    """The worker's count of steps run on cores the host's other workers idled."""
+    with urllib.request.urlopen(cluster.worker_metrics[address], timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pdserve:engine_borrowed_steps_total"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no pdserve:engine_borrowed_steps_total in the worker's /metrics")
+
+
 def test_smollm2_cluster_matches_transformers(smollm2_cluster, smollm2_oracle):
+    decode = workers(smollm2_cluster, "decode")[0]
+    before = borrowed_steps(smollm2_cluster, decode)
     for prompt_ids, reference in smollm2_oracle:
         ids, text, finish, usage = generate(smollm2_cluster.router_address, token_ids=prompt_ids,
                                             max_tokens=64, ignore_eos=True)
         assert ids == reference
         assert finish == common_pb2.FINISH_REASON_LENGTH
         assert usage.prompt_tokens == len(prompt_ids) and usage.completion_tokens == 64
+    if len(os.sched_getaffinity(0)) >= 2:  # the decode steps also ran on the prefill's core
+        assert borrowed_steps(smollm2_cluster, decode) > before
 
 
 def test_tiny_cluster_matches_engine_and_transformers(tiny_cluster, tiny_llama_dir):

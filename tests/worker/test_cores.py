@@ -1,0 +1,179 @@
+"""Cores lent between the workers of one host: the decision, the shared ledger, the engine loop.
+
+The ledger is a real file shared with real child processes (the other workers of the host); the
+engine loop test runs a real tiny engine. Thread counts are recorded through the `apply` hook,
+the one the worker points at `torch.set_num_threads`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.worker.config import WorkerConfig
+from pdserve.core.errors import ConfigError
+from pdserve.worker.cores import CoreLedger, StepThreads, must_wait, step_threads
+from pdserve.worker.engine_loop import EngineLoop
+
+
+def test_a_step_takes_its_own_share_plus_what_the_others_leave_idle():
+    assert step_threads(own=1, most=2, cores=2, others=0) == 2  # the other worker idles
+    assert step_threads(own=1, most=2, cores=2, others=1) == 1
+    assert step_threads(own=1, most=4, cores=4, others=1) == 3
+    assert step_threads(own=1, most=2, cores=8, others=0) == 2  # never past its own cap
+    # Never under its own share, even when the others' shares already fill the host.
+    assert step_threads(own=1, most=2, cores=2, others=3) == 1
+    assert step_threads(own=2, most=2, cores=2, others=2) == 2
+
+
+def test_a_newcomer_waits_only_for_a_borrowed_step_that_would_oversubscribe():
+    assert must_wait(own=1, cores=2, others=[(2, 1)])  # the other borrowed this core
+    assert not must_wait(own=1, cores=2, others=[(1, 1)])  # the other keeps to its share
+    assert not must_wait(own=1, cores=2, others=[])
+    assert not must_wait(own=1, cores=4, others=[(2, 1)])  # a core is still idle
+    # Four one-thread workers on 2 cores never wait for each other: none of them borrows.
+    assert not must_wait(own=1, cores=2, others=[(1, 1), (1, 1), (1, 1)])
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pdserve.worker.cores import CoreLedger
+    led = CoreLedger(sys.argv[1])
+    led.set(int(sys.argv[2]), int(sys.argv[3]))
+    print("claimed", flush=True)
+    time.sleep(float(sys.argv[4]))
+    led.set(0, 0)
+    print("released", flush=True)
+    time.sleep(60)
+""")
+
+
+def holder(path, threads: int, own: int, hold_s: float) -> subprocess.Popen:
+    """Another worker of the host, in its own process: claims `threads` (its share `own`) for
+    `hold_s`, then releases and lives on until killed."""
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(threads), str(own),
+                          str(hold_s)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "claimed"
+    return p
+
+
+def test_the_ledger_shows_other_processes_steps_and_forgets_a_dead_one(tmp_path):
+    path = tmp_path / "cores"
+    me = CoreLedger(str(path))
+    other = holder(path, 2, 1, hold_s=60)
+    try:
+        assert me.others() == [(2, 1)]
+        me.set(1, 1)  # my own claim is not among the others
+        assert me.others() == [(2, 1)]
+    finally:
+        other.kill()
+        other.wait()
+    assert me.others() == []  # its claim stays written, but its pid is gone
+    again = CoreLedger(str(path))  # a restarted worker takes the dead one's slot
+    assert (me.slot, again.slot) == (0, 1)
+    again.set(1, 1)
+    assert me.others() == [(1, 1)]
+    again.close()
+    assert me.others() == []
+    me.close()
+
+
+def test_a_newcomer_claims_its_share_and_waits_for_the_borrowed_step_to_end(tmp_path):
+    path = tmp_path / "cores"
+    applied: list[int] = []
+    st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=applied.append,
+                     max_wait_s=30.0)
+    other = holder(path, 2, 1, hold_s=0.3)  # a borrowed step in progress for 0.3 s
+    try:
+        peer = CoreLedger(str(path))  # what the borrower reads before its next step
+        t0 = time.monotonic()
+        n = st.begin()
+        waited = time.monotonic() - t0
+        assert other.stdout.readline().strip() == "released"
+        assert waited >= 0.2, "started while a borrowed step held the other core"
+        assert st.waited_s >= 0.2
+        assert n == 2 and applied == [2]  # once the other idles, both cores are this step's
+        others = dict(peer.others())
+        assert others == {2: 1}  # the borrower sees this step's claim (2 threads, share 1)
+        st.end()
+        assert peer.others() == []
+        peer.close()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_newcomer_waits_at_most_its_bound(tmp_path):
+    path = tmp_path / "cores"
+    st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=lambda n: None,
+                     max_wait_s=0.1)
+    other = holder(path, 2, 1, hold_s=60)  # a borrower that never ends its step
+    try:
+        t0 = time.monotonic()
+        assert st.begin() == 1  # past the bound it steps on its own share
+        assert time.monotonic() - t0 < 10
+        assert st.borrowed_steps == 0
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_the_engine_loop_steps_on_lent_cores_only_while_the_other_worker_idles(
+        tmp_path, tiny_llama_dir):
+    path = tmp_path / "cores"
+    applied: list[int] = []
+    engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(block_size_tokens=4,
+                                                                        num_blocks=64)))
+    threads = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2,
+                          apply=applied.append)
+    loop = EngineLoop(engine, threads=threads).start()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def generate(rid: str) -> int:
+        def add():
+            stream = loop.open_stream(rid)
+            loop.engine.add_request(rid, [3, 4, 5, 6, 7, 8], params)
+            return stream
+
+        stream, n = loop.call(add), 0
+        while True:
+            item = stream.get(timeout=60)
+            assert item.error is None
+            n += 1
+            if item.output.finished:
+                return n
+
+    try:
+        assert generate("alone") == 6
+        assert applied == [2] and threads.borrowed_steps == loop.steps
+        other = holder(path, 1, 1, hold_s=60)  # the other worker computes on its share
+        try:
+            steps = loop.steps
+            assert generate("beside") == 6
+            assert applied == [2, 1]
+            assert threads.borrowed_steps == steps  # none borrowed beside it
+        finally:
+            other.kill()
+            other.wait()
+        assert generate("alone again") == 6
+        assert applied == [2, 1, 2]
+    finally:
+        loop.stop()
+    assert CoreLedger(str(path)).others() == []  # every step released its claim
+
+
+def test_worker_config_checks_the_lending_fields():
+    WorkerConfig(model_path="m", threads=1, core_ledger="/tmp/x", max_threads=2)
+    with pytest.raises(ConfigError, match="core_ledger"):
+        WorkerConfig(model_path="m", threads=0, core_ledger="/tmp/x")
+    with pytest.raises(ConfigError, match="max_threads"):
+        WorkerConfig(model_path="m", threads=2, max_threads=1)
+    with pytest.raises(ConfigError, match="max_threads"):
+        WorkerConfig(model_path="m", threads=1, max_threads=-1)
