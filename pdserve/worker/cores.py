@@ -51,48 +51,6 @@ def must_wait(own: int, cores: int, others: list[tuple[int, int]]) -> bool:
             and sum(n for n, _ in others) + own > cores)
 
 
-class BorrowChoice:
-    """Whether borrowing pays, learnt per kind of step: the engine's step times on its own share
-    and on borrowed cores, kept as moving averages per `key` (the loop's: a bucket of the
-    requests in the batch). Borrow only where borrowed steps were measured faster by `margin`;
-    until both sides have `warmup` samples, alternate; afterwards try the other side once every
-    `explore_every` steps of that key, so a change of load is noticed. Pure: no clock; the
-    caller reports each step's seconds.
-
-    Why learnt, not assumed: on a small host the cores the other workers idle are not idle. The
-    router and the clients run there too; at batch 8 on 2 cores a decode step on 2 threads took
-    as long as on 1 while beside the serving path (`docs/benchmarks.md`), and borrowing then only
-    made the prefill worker wait."""
-
-    def __init__(self, margin: float = 0.9, warmup: int = 3, explore_every: int = 16,
-                 alpha: float = 0.25) -> None:
-        self.margin, self.warmup, self.explore_every, self.alpha = (margin, warmup,
-                                                                    explore_every, alpha)
-        # key -> [own mean s, borrowed mean s, own samples, borrowed samples, steps]
-        self._keys: dict[int, list[float]] = {}
-
-    def borrow(self, key: int) -> bool:
-        st = self._keys.setdefault(key, [0.0, 0.0, 0, 0, 0])
-        st[4] += 1
-        if st[2] < self.warmup or st[3] < self.warmup:
-            return st[3] < st[2]  # alternate, own first
-        better = st[1] < self.margin * st[0]
-        if st[4] % self.explore_every == 0:
-            return not better
-        return better
-
-    def observe(self, key: int, borrowed: bool, seconds: float) -> None:
-        st = self._keys.setdefault(key, [0.0, 0.0, 0, 0, 0])
-        i = 1 if borrowed else 0
-        st[i] = seconds if st[2 + i] == 0 else st[i] + self.alpha * (seconds - st[i])
-        st[2 + i] += 1
-
-    def means(self, key: int) -> tuple[float, float] | None:
-        """(own, borrowed) mean step seconds of `key`, once both were measured."""
-        st = self._keys.get(key)
-        return (st[0], st[1]) if st and st[2] and st[3] else None
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -158,21 +116,17 @@ class StepThreads:
     through `apply` (torch.set_num_threads) when the count changed; `end()` after releases."""
 
     def __init__(self, ledger: CoreLedger, own: int, most: int, cores: int,
-                 apply: Callable[[int], None], max_wait_s: float = 0.2,
-                 choice: BorrowChoice | None = None) -> None:
+                 apply: Callable[[int], None], max_wait_s: float = 0.2) -> None:
         if not 1 <= own <= most:
             raise ValueError(f"need 1 <= own <= most threads, got {own} and {most}")
         self.ledger, self.own, self.most, self.cores = ledger, own, most, cores
         self._apply = apply
         self.max_wait_s = max_wait_s
-        self.choice = choice  # None: borrow whenever cores are idle
         self.current = 0
         self.borrowed_steps = 0  # steps that ran on more threads than this worker's own
         self.waited_s = 0.0  # time spent waiting for a borrowed step to end
-        self._key = 0
 
-    def begin(self, key: int = 0) -> int:
-        """Claim the next step's threads (`key`: the kind of step, for `choice`)."""
+    def begin(self) -> int:
         others = self.ledger.others()
         if must_wait(self.own, self.cores, others):
             self.ledger.set(self.own, self.own)  # the borrower's next step sees this claim
@@ -182,9 +136,7 @@ class StepThreads:
                 time.sleep(0.0005)
                 others = self.ledger.others()
             self.waited_s += time.monotonic() - t0
-        self._key = key
-        most = self.most if self.choice is None or self.choice.borrow(key) else self.own
-        n = step_threads(self.own, most, self.cores, sum(t for t, _ in others))
+        n = step_threads(self.own, self.most, self.cores, sum(t for t, _ in others))
         self.ledger.set(n, self.own)
         if n != self.current:
             self._apply(n)
@@ -193,8 +145,5 @@ class StepThreads:
             self.borrowed_steps += 1
         return n
 
-    def end(self, seconds: float | None = None) -> None:
-        """The step ended (`seconds`: its time, taught to `choice`)."""
+    def end(self) -> None:
         self.ledger.set(0, 0)
-        if self.choice is not None and seconds is not None:
-            self.choice.observe(self._key, self.current > self.own, seconds)

@@ -202,16 +202,15 @@ class EngineLoop:
                 self._idle.wait(left)
 
     def _timed_step(self) -> list[StepOutput]:
-        if self.threads is not None:  # keyed by the batch's size, in powers of two
-            sched = self.engine.scheduler
-            self.threads.begin((len(sched.running) + len(sched.waiting)).bit_length())
+        if self.threads is not None:
+            self.threads.begin()
         t0 = time.perf_counter()
         try:
             return self.engine.step()
         finally:
             dt = time.perf_counter() - t0
             if self.threads is not None:
-                self.threads.end(dt)
+                self.threads.end()
             self.busy_seconds += dt
             if self.engine.last_step_decoded:
                 self.decode_steps += 1

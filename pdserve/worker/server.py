@@ -31,7 +31,7 @@ from pdserve.prefill_worker.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.cores import BorrowChoice, CoreLedger, StepThreads
+from pdserve.worker.cores import CoreLedger, StepThreads
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.guarded_store import GuardedStore
 from pdserve.worker.registration import Registrar
@@ -69,8 +69,7 @@ def lent_threads(cfg: WorkerConfig, engine: LLMEngine) -> StepThreads | None:
     cores = len(os.sched_getaffinity(0))
     own = min(cfg.threads, cores)
     most = max(own, min(cfg.max_threads or cfg.threads, cores))
-    return StepThreads(CoreLedger(cfg.core_ledger), own, most, cores, torch.set_num_threads,
-                       choice=BorrowChoice())
+    return StepThreads(CoreLedger(cfg.core_ledger), own, most, cores, torch.set_num_threads)
 
 
 def release_free_heap() -> None:

@@ -19,8 +19,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.worker.config import WorkerConfig
 from pdserve.core.errors import ConfigError
-from pdserve.worker.cores import (BorrowChoice, CoreLedger, StepThreads, must_wait,
-                                  step_threads)
+from pdserve.worker.cores import CoreLedger, StepThreads, must_wait, step_threads
 from pdserve.worker.engine_loop import EngineLoop
 
 
@@ -178,41 +177,3 @@ def test_worker_config_checks_the_lending_fields():
         WorkerConfig(model_path="m", threads=2, max_threads=1)
     with pytest.raises(ConfigError, match="max_threads"):
         WorkerConfig(model_path="m", threads=1, max_threads=-1)
-
-
-def run_choice(choice: BorrowChoice, key: int, steps: int, own_s: float, borrowed_s: float
-               ) -> list[bool]:
-    """`steps` steps of `key` whose times are `own_s` on the worker's share and `borrowed_s`
-    on lent cores; what the choice said at each."""
-    said = []
-    for _ in range(steps):
-        b = choice.borrow(key)
-        said.append(b)
-        choice.observe(key, b, borrowed_s if b else own_s)
-    return said
-
-
-def test_borrowing_is_learnt_per_kind_of_step_and_kept_only_where_it_is_faster():
-    c = BorrowChoice(margin=0.9, warmup=3, explore_every=16)
-    said = run_choice(c, key=6, steps=64, own_s=0.060, borrowed_s=0.040)
-    assert said[:6] == [False, True, False, True, False, True]  # both sides measured first
-    # Then it borrows, except one step in 16 that checks its own share again.
-    assert said[6:].count(False) == len([i for i in range(7, 65) if i % 16 == 0])
-    assert c.means(6) == pytest.approx((0.060, 0.040))
-    # Another kind of step where lent cores do not pay (the serving path runs on them).
-    said = run_choice(c, key=4, steps=64, own_s=0.025, borrowed_s=0.024)
-    assert said[6:].count(True) == len([i for i in range(7, 65) if i % 16 == 0])
-    assert run_choice(c, key=6, steps=1, own_s=0.060, borrowed_s=0.040) == [True]
-
-
-def test_a_change_of_load_turns_the_choice_within_a_few_checks():
-    c = BorrowChoice(margin=0.9, warmup=3, explore_every=8, alpha=0.5)
-    run_choice(c, key=1, steps=40, own_s=0.020, borrowed_s=0.014)
-    assert c.borrow(1)
-    c.observe(1, True, 0.014)
-    # The other core gets busy: borrowed steps now take longer than the worker's own.
-    said = run_choice(c, key=1, steps=40, own_s=0.020, borrowed_s=0.030)
-    assert said[0]  # it did not know yet
-    assert sum(said[1:]) <= 40 // 8 + 1  # then only the periodic checks borrow
-    own, borrowed = c.means(1)
-    assert borrowed > own
