@@ -9,7 +9,8 @@ A worker about to step while another's step in progress runs on borrowed cores (
 than its own share) first claims its own share, which the borrower sees before its next step,
 and waits for the borrowed step to end (`must_wait`; at most `max_wait_s`): two steps on more
 threads than cores slow each other many times over (OpenMP threads spin at every op's barrier
-for a core the other holds), so a newcomer pays at most one step of the borrower instead.
+for a core the other holds), so a newcomer pays at most one step of the borrower instead. A
+borrowed step that outlasts a whole wait (a stalled process) is not waited for again.
 Must not lock around a step: a slot is written and the others read with no lock, so two
 workers starting a step at the same moment may both borrow for that one step, and the next step
 corrects it. A dead worker's slot is not counted (its pid is gone), and the slot is reused.
@@ -88,15 +89,19 @@ class CoreLedger:
         raise RuntimeError(f"the core ledger has no free slot: more than {SLOTS} workers on "
                            "this host share it")
 
-    def others(self) -> list[tuple[int, int]]:
-        """(threads in use, own share) of each other live worker's step in progress."""
+    def steps(self) -> list[tuple[int, int, int]]:
+        """(pid, threads in use, own share) of each other live worker's step in progress."""
         vals = _ALL.unpack_from(self._map, 0)
         out = []
         for i in range(SLOTS):
             pid, n, own = vals[3 * i], vals[3 * i + 1], vals[3 * i + 2]
             if n > 0 and i != self.slot and _alive(pid):
-                out.append((n, own))
+                out.append((pid, n, own))
         return out
+
+    def others(self) -> list[tuple[int, int]]:
+        """(threads in use, own share) of each other live worker's step in progress."""
+        return [(n, own) for _, n, own in self.steps()]
 
     def set(self, threads: int, own: int = 0) -> None:
         """This worker's step now uses `threads` of which `own` are its share (0: no step)."""
@@ -125,18 +130,31 @@ class StepThreads:
         self.current = 0
         self.borrowed_steps = 0  # steps that ran on more threads than this worker's own
         self.waited_s = 0.0  # time spent waiting for a borrowed step to end
+        # Borrowers whose step outlasted a whole wait (a stalled or stopped process): not
+        # waited for again until they end that step.
+        self._outlasted: set[int] = set()
+
+    def _others(self) -> list[tuple[int, int]]:
+        steps = self.ledger.steps()
+        if self._outlasted:
+            self._outlasted &= {pid for pid, n, own in steps if n > own}
+        return [(n, own) for pid, n, own in steps if pid not in self._outlasted]
 
     def begin(self) -> int:
-        others = self.ledger.others()
+        others = self._others()
         if must_wait(self.own, self.cores, others):
             self.ledger.set(self.own, self.own)  # the borrower's next step sees this claim
             t0 = time.monotonic()
-            while (must_wait(self.own, self.cores, others)
-                   and time.monotonic() - t0 < self.max_wait_s):
+            while must_wait(self.own, self.cores, others):
+                if time.monotonic() - t0 >= self.max_wait_s:
+                    self._outlasted |= {pid for pid, n, own in self.ledger.steps() if n > own}
+                    break
                 time.sleep(0.0005)
-                others = self.ledger.others()
+                others = self._others()
             self.waited_s += time.monotonic() - t0
-        n = step_threads(self.own, self.most, self.cores, sum(t for t, _ in others))
+        # Every step in progress counts for the threads, an outlasted one too.
+        n = step_threads(self.own, self.most, self.cores,
+                         sum(t for t, _ in self.ledger.others()))
         self.ledger.set(n, self.own)
         if n != self.current:
             self._apply(n)

@@ -177,3 +177,33 @@ def test_worker_config_checks_the_lending_fields():
         WorkerConfig(model_path="m", threads=2, max_threads=1)
     with pytest.raises(ConfigError, match="max_threads"):
         WorkerConfig(model_path="m", threads=1, max_threads=-1)
+
+
+def test_a_stalled_borrower_costs_one_wait_not_one_per_step(tmp_path):
+    path = tmp_path / "cores"
+    st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=lambda n: None,
+                     max_wait_s=0.3)
+    other = holder(path, 2, 1, hold_s=60)  # stopped inside a borrowed step
+    try:
+        t0 = time.monotonic()
+        assert st.begin() == 1
+        st.end()
+        assert time.monotonic() - t0 >= 0.3  # waited its bound once
+        t1 = time.monotonic()
+        for _ in range(5):
+            assert st.begin() == 1  # its share, beside the 2 threads still claimed
+            st.end()
+        assert time.monotonic() - t1 < 0.3  # and never waited again
+    finally:
+        other.kill()
+        other.wait()
+    # A borrower that ends its step and borrows again is waited for again.
+    again = holder(path, 2, 1, hold_s=0.2)
+    try:
+        t0 = time.monotonic()
+        st.begin()
+        st.end()
+        assert time.monotonic() - t0 >= 0.1
+    finally:
+        again.kill()
+        again.wait()
