@@ -143,7 +143,8 @@ def print_table(s: dict, wall_s: float, profile: str) -> None:
             f"SLO attainment {'-' if att is None else f'{att:.3f}'} (TTFT <= "
             f"{s['slo']['ttft_s']} s, ITL <= {s['slo']['itl_s']} s); goodput "
             f"{s['goodput_rps']:.2f} req/s; {s['worker_hours']:.2f} worker-hours; flips "
-            f"{s['flips']}, draining {s['drain_s']:.1f} s; {s['events']} events in "
+            f"{s['flips']} ({s.get('failed_flips', 0)} failed: drain timeout), draining "
+            f"{s['drain_s']:.1f} s; {s['events']} events in "
             f"{wall_s:.1f} s wall ({s['events'] / max(wall_s, 1e-9):.0f} events/s)")
 
 

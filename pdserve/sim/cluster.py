@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from pdserve.controller.signals import Slo
 from pdserve.router.admission import Overloaded
-from pdserve.router.membership import ACTIVE, DECODE, DRAINING, PREFILL
+from pdserve.router.membership import ACTIVE, DECODE, DRAINING, FAILED, PREFILL
 from pdserve.router.policy import NoWorkerError
 from pdserve.router.retry import RetryPolicy
 from pdserve.sim.config import SimConfig
@@ -85,7 +85,9 @@ class Cluster:
         self.last_work_s = 0.0
         self.stalled = False  # no step, transfer or arrival for STALL_S with requests left
         self.last_flip_s: dict[str, float] = {}
-        self.counts = {"flips": 0, "drain_s": 0.0, "switch_s": 0.0, "offloaded": 0,
+        self.failed_at: dict[str, float] = {}  # flips failed (drain timeout): when
+        self.counts = {"flips": 0, "failed_flips": 0, "drain_s": 0.0, "switch_s": 0.0,
+                       "offloaded": 0,
                        "kv_transfers": 0, "kv_bytes": 0, "store_fetch_blocks": 0}
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -103,7 +105,7 @@ class Cluster:
         self._roles()
         handlers = {"arrive": self._arrive, "step": self._step, "link": self._link,
                     "poll": self._poll, "tick": self._tick, "switched": self._switched,
-                    "ready": self._ready}
+                    "ready": self._ready, "drain_deadline": self._drain_deadline}
         every = 1 << 16
         periodic = ("poll", "tick")
         while q and self.unresolved > 0 and not self.stalled:
@@ -361,6 +363,14 @@ class Cluster:
 
     def _tick(self, _=None) -> None:
         now = self.q.now
+        for a, t in list(self.failed_at.items()):  # the controller's re-admission
+            if now - t >= self.cfg.failed_readmit_s:
+                del self.failed_at[a]
+                w = self.workers[a]
+                self.router.set_state(a, ACTIVE, w.role,
+                                      f"re-admitted {now - t:.0f}s after a failed flip", now)
+                self._roles()
+                self._wake(w)
         switching = {a: w.to_role for a, w in self.workers.items()
                      if w.state in (W_DRAINING, SWITCHING) and w.to_role}
         d = self.ctl.tick(now, switching, self.last_flip_s)
@@ -371,9 +381,25 @@ class Cluster:
                 continue
             w.state, w.to_role, w.drain_started_s = W_DRAINING, f.to_role, now
             self.router.set_state(w.address, DRAINING, None, f"switching to {f.to_role}", now)
+            self.q.push(now + self.cfg.drain_timeout_s, "drain_deadline", (w.address, now))
             self._roles()
             self._wake(w)
         self.q.push(now + self.cfg.tick_s, "tick")
+
+    def _drain_deadline(self, payload) -> None:
+        """A flip still draining at its deadline fails, as the live `Flipper`'s does: the
+        worker keeps its role and what it holds, out of both pools until re-admitted."""
+        address, started = payload
+        w, now = self.workers[address], self.q.now
+        if w.state != W_DRAINING or w.drain_started_s != started:
+            return  # it switched meanwhile
+        w.state, w.to_role = SERVING, None
+        self.counts["failed_flips"] += 1
+        self.counts["drain_s"] += now - started
+        self.failed_at[address] = now
+        self.router.set_state(address, FAILED, None, "flip failed: drain_timeout_s", now)
+        self._roles()
+        self._wake(w)
 
     def _switch(self, w: SimWorker) -> None:
         now = self.q.now
@@ -411,8 +437,8 @@ class Cluster:
 
     def _roles(self) -> None:
         p = d = moving = 0
-        for w in self.workers.values():
-            if w.state == SERVING:
+        for a, w in self.workers.items():
+            if w.state == SERVING and a not in self.failed_at:
                 p += w.role == PREFILL
                 d += w.role == DECODE
             elif w.state in (W_DRAINING, SWITCHING):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.controller.config import ControllerConfig
 from pdserve.controller.policy import PolicyConfig
 from pdserve.core.errors import ConfigError
 from pdserve.router.admission import AdmissionConfig
@@ -34,6 +35,11 @@ class SimConfig:
     controller: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     tick_s: float = 1.0  # controller decision period
+    # A flip whose drain outlasts this fails, as the live `Flipper`'s: the worker leaves both
+    # pools (FAILED), finishes what it holds in its old role, and the controller re-admits it in
+    # that role at its first tick `failed_readmit_s` later (the controller's defaults).
+    drain_timeout_s: float = ControllerConfig.drain_timeout_s
+    failed_readmit_s: float = ControllerConfig.failed_readmit_s
     window_s: float = 30.0  # finished requests the controller's status window holds
     pressure_window_s: float = 5.0
     stats_interval_s: float = 1.0  # the router polls every worker's stats this often
@@ -68,7 +74,9 @@ class SimConfig:
              f"must be one of {', '.join(PREFILL_POLICIES)}")
         need(self.decode_policy in DECODE_POLICIES, "decode_policy",
              f"must be one of {', '.join(DECODE_POLICIES)}")
-        for name in ("tick_s", "window_s", "pressure_window_s", "stats_interval_s",
+        need(self.failed_readmit_s >= 0, "failed_readmit_s", "must be >= 0")
+        for name in ("tick_s", "drain_timeout_s", "window_s", "pressure_window_s",
+                     "stats_interval_s",
                      "slo_ttft_ms", "slo_itl_ms"):
             need(getattr(self, name) > 0, name, "must be > 0")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):

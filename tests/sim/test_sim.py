@@ -175,3 +175,20 @@ def test_the_kv_index_holds_each_prefill_workers_cache_also_after_a_flip():
             assert all(index.holds(a, h) for h in cached)
         else:
             assert index.size(a) == 0
+
+
+def test_a_flip_whose_drain_outlasts_its_timeout_fails_and_the_worker_is_readmitted():
+    reqs = load_trace("synthetic:poisson:rate=12,n=400,in=6000,out=200", seed=4)
+    cfg = dict(prefill_workers=1, decode_workers=3, controller=True, block_size=64)
+    ok = run(SimConfig(**cfg), reqs)
+    assert ok.summary()["failed_flips"] == 0 and ok.summary()["flips"] >= 1
+    r = run(SimConfig(**cfg, drain_timeout_s=0.01, failed_readmit_s=5.0), reqs)
+    s = r.summary()
+    assert s["failed_flips"] >= 1
+    assert all(st == "ok" for st in r.status)  # a failed flip loses no request
+    # Out of both pools after the failure (neither serving nor moving), back at re-admission.
+    out = [t for t, p, d, moving in r.roles if p + d + moving < 4]
+    assert out, "no worker left both pools"
+    assert r.roles[-1][1] + r.roles[-1][2] == 4
+    back = min(t for t, p, d, moving in r.roles if t > out[0] and p + d + moving == 4)
+    assert back - out[0] >= 5.0
