@@ -105,10 +105,8 @@ class CoreLedger:
 
     def set(self, threads: int, own: int = 0) -> None:
         """This worker's step now uses `threads` of which `own` are its share (0: no step)."""
-        try:
+        with contextlib.suppress(ValueError):  # closed at shutdown while a last step ended
             _SLOT.pack_into(self._map, self.slot * _SLOT.size, self.pid, threads, own)
-        except ValueError:  # closed at shutdown while a last step ended
-            pass
 
     def close(self) -> None:
         with contextlib.suppress(ValueError, BufferError):  # already closed

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -43,31 +44,42 @@ def test_a_newcomer_waits_only_for_a_borrowed_step_that_would_oversubscribe():
 
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import sys
     from pdserve.worker.cores import CoreLedger
     led = CoreLedger(sys.argv[1])
     led.set(int(sys.argv[2]), int(sys.argv[3]))
     print("claimed", flush=True)
-    time.sleep(float(sys.argv[4]))
-    led.set(0, 0)
-    print("released", flush=True)
-    time.sleep(60)
+    for line in sys.stdin:  # until the test closes its stdin or kills it
+        if line.strip() == "release":
+            led.set(0, 0)
+            print("released", flush=True)
 """)
 
 
-def holder(path, threads: int, own: int, hold_s: float) -> subprocess.Popen:
-    """Another worker of the host, in its own process: claims `threads` (its share `own`) for
-    `hold_s`, then releases and lives on until killed."""
-    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(threads), str(own),
-                          str(hold_s)], stdout=subprocess.PIPE, text=True)
+def holder(path, threads: int, own: int) -> subprocess.Popen:
+    """Another worker of the host, in its own process, inside a step on `threads` threads (its
+    share `own`) until told "release"."""
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(threads), str(own)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "claimed"
     return p
+
+
+def release_after(p: subprocess.Popen, delay_s: float) -> threading.Timer:
+    """End the holder's step `delay_s` from now, while the test thread waits in `begin()`."""
+    def release():
+        p.stdin.write("release\n")
+        p.stdin.flush()
+
+    t = threading.Timer(delay_s, release)
+    t.start()
+    return t
 
 
 def test_the_ledger_shows_other_processes_steps_and_forgets_a_dead_one(tmp_path):
     path = tmp_path / "cores"
     me = CoreLedger(str(path))
-    other = holder(path, 2, 1, hold_s=60)
+    other = holder(path, 2, 1)
     try:
         assert me.others() == [(2, 1)]
         me.set(1, 1)  # my own claim is not among the others
@@ -90,7 +102,8 @@ def test_a_newcomer_claims_its_share_and_waits_for_the_borrowed_step_to_end(tmp_
     applied: list[int] = []
     st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=applied.append,
                      max_wait_s=30.0)
-    other = holder(path, 2, 1, hold_s=0.3)  # a borrowed step in progress for 0.3 s
+    other = holder(path, 2, 1)  # a borrowed step in progress, ended 0.3 s from now
+    release_after(other, 0.3)
     try:
         peer = CoreLedger(str(path))  # what the borrower reads before its next step
         t0 = time.monotonic()
@@ -114,7 +127,7 @@ def test_a_newcomer_waits_at_most_its_bound(tmp_path):
     path = tmp_path / "cores"
     st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=lambda n: None,
                      max_wait_s=0.1)
-    other = holder(path, 2, 1, hold_s=60)  # a borrower that never ends its step
+    other = holder(path, 2, 1)  # a borrower that never ends its step
     try:
         t0 = time.monotonic()
         assert st.begin() == 1  # past the bound it steps on its own share
@@ -153,7 +166,7 @@ def test_the_engine_loop_steps_on_lent_cores_only_while_the_other_worker_idles(
     try:
         assert generate("alone") == 6
         assert applied == [2] and threads.borrowed_steps == loop.steps
-        other = holder(path, 1, 1, hold_s=60)  # the other worker computes on its share
+        other = holder(path, 1, 1)  # the other worker computes on its share
         try:
             steps = loop.steps
             assert generate("beside") == 6
@@ -183,7 +196,7 @@ def test_a_stalled_borrower_costs_one_wait_not_one_per_step(tmp_path):
     path = tmp_path / "cores"
     st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=lambda n: None,
                      max_wait_s=0.3)
-    other = holder(path, 2, 1, hold_s=60)  # stopped inside a borrowed step
+    other = holder(path, 2, 1)  # stopped inside a borrowed step
     try:
         t0 = time.monotonic()
         assert st.begin() == 1
@@ -198,7 +211,8 @@ def test_a_stalled_borrower_costs_one_wait_not_one_per_step(tmp_path):
         other.kill()
         other.wait()
     # A borrower that ends its step and borrows again is waited for again.
-    again = holder(path, 2, 1, hold_s=0.2)
+    again = holder(path, 2, 1)
+    release_after(again, 0.2)
     try:
         t0 = time.monotonic()
         st.begin()

@@ -51,6 +51,20 @@ def start_request(loop: EngineLoop, rid: str, max_tokens: int = TOKENS):
     return loop.call(add)
 
 
+def start_requests(loop: EngineLoop, rids: list[str]) -> list:
+    """Add several requests in one command, so that their first step serves all of them: a
+    request added alone would step, and queue outputs, before the next one's reader exists."""
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+
+    def add():
+        streams = [loop.open_stream(rid) for rid in rids]
+        for rid in rids:
+            loop.engine.add_request(rid, PROMPT, params)
+        return streams
+
+    return loop.call(add)
+
+
 def read(stream, send_s: float, log: list) -> None:
     """Take each output, 'send' it for send_s, log (took, back), until the request finishes."""
     while True:
@@ -67,7 +81,11 @@ def test_the_next_step_waits_for_the_readers_of_the_last(engine):
     loop = EngineLoop(engine, handoff_s=30.0).start()
     try:
         logs: list[list] = [[], []]
-        streams = [start_request(loop, f"r{i}") for i in range(2)]
+        # Both in one command: added one by one, the first request's steps ran before the
+        # second's add (a command, which ends a hand-off wait) and before any reader existed,
+        # so its outputs queued up and its reader later sent a backlog the loop rightly does
+        # not wait for.
+        streams = start_requests(loop, ["r0", "r1"])
         readers = [threading.Thread(target=read, args=(s, 0.02 * (i + 1), logs[i]))
                    for i, s in enumerate(streams)]
         for r in readers:
