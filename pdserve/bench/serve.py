@@ -151,9 +151,7 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        "decode_workers": spec.decode_workers,
                        "threads_per_worker": spec.worker_threads(),
                        "share_cores": spec.share_cores,
-                       # the most a decode step may use: its own, or every core while lent
-                       "max_threads": (max(spec.worker_threads(), len(os.sched_getaffinity(0)))
-                                       if spec.share_cores else spec.worker_threads()),
+                       "max_threads": spec.worker_max_threads(),
                        "controller": spec.controller, "dtype": spec.dtype},
             "levels": lv}
 

@@ -107,6 +107,12 @@ class ClusterSpec:
             return self.threads_per_worker
         return max(1, (os.cpu_count() or 1) // (self.prefill_workers + self.decode_workers))
 
+    def worker_max_threads(self) -> int:
+        """The most threads a CPU worker's step may take: every core of this machine while
+        the others idle (`share_cores`), else its own `worker_threads()`."""
+        own = self.worker_threads()
+        return max(own, len(os.sched_getaffinity(0))) if self.share_cores else own
+
     def worker_port(self, i: int) -> int:
         return self.worker_ports[i] if self.worker_ports else self.worker_base_port + i
 

@@ -345,7 +345,7 @@ class LocalCluster:
         if not self.spec.share_cores or device.startswith("cuda"):
             return []  # "auto": the worker lends only if it resolves to the CPU
         return ["--core-ledger", os.path.join(self.log_dir, f"cores-{self.spec.cluster_id}"),
-                "--max-threads", str(len(os.sched_getaffinity(0)))]
+                "--max-threads", str(self.spec.worker_max_threads())]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Supervision first (an intended stop is never a restart), then the router, given the

@@ -65,8 +65,8 @@ def _alive(pid: int) -> bool:
 class CoreLedger:
     """One worker's view of the host's ledger file at `path` (created when missing)."""
 
-    def __init__(self, path: str, pid: int | None = None) -> None:
-        self.pid = os.getpid() if pid is None else pid
+    def __init__(self, path: str) -> None:
+        self.pid = os.getpid()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # only while taking a slot
@@ -99,10 +99,6 @@ class CoreLedger:
                 out.append((pid, n, own))
         return out
 
-    def others(self) -> list[tuple[int, int]]:
-        """(threads in use, own share) of each other live worker's step in progress."""
-        return [(n, own) for _, n, own in self.steps()]
-
     def set(self, threads: int, own: int = 0) -> None:
         """This worker's step now uses `threads` of which `own` are its share (0: no step)."""
         with contextlib.suppress(ValueError):  # closed at shutdown while a last step ended
@@ -132,27 +128,26 @@ class StepThreads:
         # waited for again until they end that step.
         self._outlasted: set[int] = set()
 
-    def _others(self) -> list[tuple[int, int]]:
-        steps = self.ledger.steps()
+    def _waited_for(self, steps: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """The steps in progress a newcomer waits for: all but those that outlasted a wait."""
         if self._outlasted:
             self._outlasted &= {pid for pid, n, own in steps if n > own}
         return [(n, own) for pid, n, own in steps if pid not in self._outlasted]
 
     def begin(self) -> int:
-        others = self._others()
-        if must_wait(self.own, self.cores, others):
+        steps = self.ledger.steps()  # one read of the ledger on a step that does not wait
+        if must_wait(self.own, self.cores, self._waited_for(steps)):
             self.ledger.set(self.own, self.own)  # the borrower's next step sees this claim
             t0 = time.monotonic()
-            while must_wait(self.own, self.cores, others):
+            while must_wait(self.own, self.cores, self._waited_for(steps)):
                 if time.monotonic() - t0 >= self.max_wait_s:
-                    self._outlasted |= {pid for pid, n, own in self.ledger.steps() if n > own}
+                    self._outlasted |= {pid for pid, n, own in steps if n > own}
                     break
                 time.sleep(0.0005)
-                others = self._others()
+                steps = self.ledger.steps()
             self.waited_s += time.monotonic() - t0
         # Every step in progress counts for the threads, an outlasted one too.
-        n = step_threads(self.own, self.most, self.cores,
-                         sum(t for t, _ in self.ledger.others()))
+        n = step_threads(self.own, self.most, self.cores, sum(n for _, n, _ in steps))
         self.ledger.set(n, self.own)
         if n != self.current:
             self._apply(n)
