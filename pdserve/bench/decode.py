@@ -145,6 +145,12 @@ def make_engine(model_path: str, s: DecodeBenchSettings) -> LLMEngine:
             max_b * s.prompt_tokens, s.prefill_tokens))))
 
 
+def _linear_isa() -> str:
+    from pdserve.engine import linear_cpu
+
+    return linear_cpu.isa()
+
+
 def kv_bytes_per_token(engine: LLMEngine) -> int:
     """KV bytes one token holds over every layer (K and V)."""
     k = engine.kv.k
@@ -302,6 +308,7 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
         "decode_attention": describe_decode_path(engine.kv.k.dtype, engine.kv.k.device),
         # How each engine multiplies its weights (`Linear.kind`: c, onednn or plain).
         "linear": engine.model.lm_head.kind,
+        **({"linear_isa": _linear_isa()} if engine.model.lm_head.kind == "c" else {}),
         **({"linear_baseline": onednn.model.lm_head.kind} if s.linear_baseline else {}),
         "wall_s": time.perf_counter() - started,
         "device_name": device_name(s.device), "kv_bytes_per_token": kv_bytes_per_token(engine),

@@ -102,6 +102,7 @@ def summarize(s: "DecodeBenchSettings", setup: dict[str, Any], copy_s: list[floa
             "decode_attention": setup.get("decode_attention"),
             # The linear layers' path, and the --linear-baseline engine's.
             "linear": setup.get("linear"),
+            **({"linear_isa": setup["linear_isa"]} if "linear_isa" in setup else {}),
             "linear_baseline": setup.get("linear_baseline"),
         },
         "model": {"path": setup["model_path"], "dtype": s.dtype, "weight_bytes": weight_bytes},

@@ -1,16 +1,18 @@
 /* fp32 linear layers for small batches on CPU: y[M,N] = x[M,K] . W[N,K]^T.
  *
- * linear_cpu.py packs W once, at load, into panels of NR = 48 output columns,
+ * linear_cpu.py packs W once, at load, into panels of NR output columns,
  * P[ceil(N/NR)][K][NR] (columns past N are zero), and calls sg_linear through ctypes; this file
- * needs only the compiler (AVX-512F intrinsics, OpenMP when the compiler has it), no Python or
- * torch headers.
+ * needs only the compiler (AVX-512F or AVX2+FMA intrinsics, OpenMP when the compiler has it),
+ * no Python or torch headers. NR depends on the CPU (lc_nr): 48 with AVX-512F, 24 with AVX2.
  *
  * Why: at decode batch sizes (M of 1 to a few dozen rows) a linear layer streams its weights
- * once per step. The micro-kernel keeps an MR x 48 tile of y in 3*MR zmm registers (MR <= 8),
- * loads three weight vectors per k, broadcasts each x[m][k] and issues 3*MR FMAs, with a
- * software prefetch PF_K steps ahead so the weight stream keeps the memory bus busy; rows past
- * 8 reuse the same panel from L2. Each output is one fp32 FMA chain over k in order (a fixed
- * summation order: results differ from other GEMMs only by rounding).
+ * once per step. The AVX-512 micro-kernel keeps an MR x 48 tile of y in 3*MR zmm registers
+ * (MR <= 8), loads three weight vectors per k, broadcasts each x[m][k] and issues 3*MR FMAs,
+ * with a software prefetch PF_K steps ahead so the weight stream keeps the memory bus busy;
+ * rows past 8 reuse the same panel from L2. The AVX2 one is the same with 16 ymm registers: an
+ * MR x 24 tile (MR <= 4: 12 accumulators, three weight vectors, one broadcast). Each output is
+ * one fp32 FMA chain over k in order (a fixed summation order: results differ from other GEMMs
+ * only by rounding).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -22,19 +24,25 @@
 #define NR 48
 #define MR_MAX 8
 #define PF_K 48 /* prefetch distance in k steps (48 x 192 bytes ahead), measured best here */
+#define NR2 24  /* the AVX2 panel */
+#define MR2_MAX 4
+#define PF_K2 64 /* 64 x 96 bytes ahead */
 
-int lc_abi(void) { return 1; }
-int lc_nr(void) { return NR; }
+int lc_abi(void) { return 2; }
 
+/* 2: AVX-512F, 1: AVX2 with FMA, 0: neither (the kernel does not run). */
 int lc_supported(void)
 {
     static int known = -1;
     if (known < 0) {
         __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") ? 1 : 0;
+        known = __builtin_cpu_supports("avx512f") ? 2
+              : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
     }
     return known;
 }
+
+int lc_nr(void) { return lc_supported() == 2 ? NR : NR2; }
 
 #define ROWS1(X) X(0)
 #define ROWS2(X) ROWS1(X) X(1)
@@ -79,44 +87,80 @@ typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *,
 static const tile_fn TILES[MR_MAX + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7,
                                           tile8};
 
-/* One panel (NR columns from n0) for every row of x. */
+#define DECL2(m) __m256 d##m##a = _mm256_setzero_ps(), d##m##b = _mm256_setzero_ps(), \
+                        d##m##c = _mm256_setzero_ps();
+#define FMA2(m) { const __m256 xb = _mm256_broadcast_ss(x + (m) * ldx + k); \
+                  d##m##a = _mm256_fmadd_ps(xb, w0, d##m##a); \
+                  d##m##b = _mm256_fmadd_ps(xb, w1, d##m##b); \
+                  d##m##c = _mm256_fmadd_ps(xb, w2, d##m##c); }
+#define STORE2(m) _mm256_storeu_ps(y + (m) * ldy, d##m##a); \
+                  _mm256_storeu_ps(y + (m) * ldy + 8, d##m##b); \
+                  _mm256_storeu_ps(y + (m) * ldy + 16, d##m##c);
+
+#define KERNEL2(MR)                                                                            \
+__attribute__((target("avx2,fma")))                                                            \
+static void tile2_##MR(const float *x, int64_t ldx, const float *p, int64_t K, float *y,        \
+                       int64_t ldy)                                                             \
+{                                                                                              \
+    ROWS##MR(DECL2)                                                                            \
+    for (int64_t k = 0; k < K; k++) {                                                          \
+        const float *pk = p + k * NR2;                                                         \
+        _mm_prefetch((const char *)(pk + PF_K2 * NR2), _MM_HINT_T0);                           \
+        _mm_prefetch((const char *)(pk + PF_K2 * NR2 + 16), _MM_HINT_T0);                      \
+        const __m256 w0 = _mm256_loadu_ps(pk);                                                 \
+        const __m256 w1 = _mm256_loadu_ps(pk + 8);                                             \
+        const __m256 w2 = _mm256_loadu_ps(pk + 16);                                            \
+        ROWS##MR(FMA2)                                                                         \
+    }                                                                                          \
+    ROWS##MR(STORE2)                                                                           \
+}
+
+KERNEL2(1) KERNEL2(2) KERNEL2(3) KERNEL2(4)
+
+static const tile_fn TILES2[MR2_MAX + 1] = {0, tile2_1, tile2_2, tile2_3, tile2_4};
+
+/* One panel (nr columns from n0) for every row of x, in tiles of at most mr_max rows. */
 static void panel(const float *x, int64_t M, int64_t K, const float *pj, int64_t N, int64_t n0,
-                  float *y)
+                  float *y, int64_t nr, int64_t mr_max, const tile_fn *tiles)
 {
-    const int64_t nv = N - n0 < NR ? N - n0 : NR;
-    for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-        const int64_t mr = M - m0 < MR_MAX ? M - m0 : MR_MAX;
-        if (nv == NR) {
-            TILES[mr](x + m0 * K, K, pj, K, y + m0 * N + n0, N);
+    const int64_t nv = N - n0 < nr ? N - n0 : nr;
+    for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
+        const int64_t mr = M - m0 < mr_max ? M - m0 : mr_max;
+        if (nv == nr) {
+            tiles[mr](x + m0 * K, K, pj, K, y + m0 * N + n0, N);
         } else { /* the last, partial panel: through a scratch tile */
             float tmp[MR_MAX * NR];
-            TILES[mr](x + m0 * K, K, pj, K, tmp, NR);
+            tiles[mr](x + m0 * K, K, pj, K, tmp, nr);
             for (int64_t m = 0; m < mr; m++)
-                memcpy(y + (m0 + m) * N + n0, tmp + m * NR, (size_t)nv * sizeof(float));
+                memcpy(y + (m0 + m) * N + n0, tmp + m * nr, (size_t)nv * sizeof(float));
         }
     }
 }
 
-/* x: M x K row-major; p: the packed weight; y: M x N row-major. Returns 0, or -1 when this CPU
- * has no AVX-512F (the caller checks lc_supported first). */
+/* x: M x K row-major; p: the packed weight (panels of lc_nr() columns); y: M x N row-major.
+ * Returns 0, or -1 when this CPU has neither AVX-512F nor AVX2+FMA (the caller checks
+ * lc_supported first). */
 int sg_linear(const float *x, int64_t M, int64_t K, const float *p, int64_t N, float *y,
               int nthreads)
 {
-    if (!lc_supported())
+    const int isa = lc_supported();
+    if (!isa)
         return -1;
-    const int64_t np = (N + NR - 1) / NR;
+    const int64_t nr = isa == 2 ? NR : NR2, mr_max = isa == 2 ? MR_MAX : MR2_MAX;
+    const tile_fn *tiles = isa == 2 ? TILES : TILES2;
+    const int64_t np = (N + nr - 1) / nr;
 #ifdef _OPENMP
     if (nthreads > 1) {
         /* guided, not static: a thread that loses its core to another process for a while
          * (workers of one host lend each other cores) leaves its panels to the others */
         #pragma omp parallel for num_threads(nthreads) schedule(guided)
         for (int64_t j = 0; j < np; j++)
-            panel(x, M, K, p + j * K * NR, N, j * NR, y);
+            panel(x, M, K, p + j * K * nr, N, j * nr, y, nr, mr_max, tiles);
         return 0;
     }
 #endif
     (void)nthreads;
     for (int64_t j = 0; j < np; j++)
-        panel(x, M, K, p + j * K * NR, N, j * NR, y);
+        panel(x, M, K, p + j * K * nr, N, j * nr, y, nr, mr_max, tiles);
     return 0;
 }

@@ -6,8 +6,9 @@ the `libgomp` torch already loaded), packing a weight into the kernel's panels o
 it through ctypes on CPU fp32 tensors with `torch.get_num_threads()` threads. `linear.py`
 decides when it runs. It must not hold or choose weights.
 
-The kernel needs AVX-512F; `available()` is False (with the reason in `unavailable_reason()`)
-on other CPUs, without a compiler, or when the build fails, and the caller keeps its other path.
+The kernel needs AVX-512F or AVX2 with FMA (`isa()`); `available()` is False (with the reason
+in `unavailable_reason()`) on other CPUs, without a compiler, or when the build fails, and the
+caller keeps its other path.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pdserve.engine import cbuild
 SOURCE = Path(__file__).with_name("linear_c.c")
 BASE_FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-shared", "-fPIC")
 FLAG_SETS = (BASE_FLAGS + ("-fopenmp",), BASE_FLAGS)
-ABI = 1
+ABI = 2
 _WHAT = "linear C kernel"
 
 _lock = threading.Lock()
@@ -32,7 +33,7 @@ _error: str | None = None
 
 
 class KernelUnavailable(RuntimeError):
-    """The C kernel cannot run here (no compiler, a build or load error, no AVX-512F)."""
+    """The C kernel cannot run here (no compiler, a build or load error, no AVX-512F or AVX2+FMA)."""
 
 
 class _NoCompiler(KernelUnavailable):
@@ -62,7 +63,7 @@ def _load() -> ctypes.CDLL | None:
                 errors.append(str(exc))
                 continue
             if not lib.lc_supported():
-                errors.append(f"{_WHAT}: this CPU has no AVX-512F")
+                errors.append(f"{_WHAT}: this CPU has neither AVX-512F nor AVX2 with FMA")
                 break
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             lib.sg_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
@@ -80,6 +81,14 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     _load()
     return _error
+
+
+def isa() -> str:
+    """The instruction set the kernel runs on here: "avx512f" or "avx2"."""
+    lib = _load()
+    if lib is None:
+        raise KernelUnavailable(_error or _WHAT)
+    return "avx512f" if lib.lc_supported() == 2 else "avx2"
 
 
 def panel_width() -> int:

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(not linear_cpu.available(),
 @pytest.mark.parametrize("m, n, k", [(1, 48, 16), (3, 50, 7), (8, 96, 576), (9, 960, 576),
                                      (17, 47, 33), (33, 200, 1536), (130, 144, 64)])
 def test_matches_f_linear(m, n, k, threads):
-    """Every row count (full tiles of 8 and the rest), a partial last panel (N not a multiple
-    of the panel width), odd K, one and two threads: fp32 within summation-order rounding."""
+    """Every row count (full tiles of 8 rows with AVX-512, 4 with AVX2, and the rest), a partial
+    last panel (N not a multiple of the panel width), odd K, one and two threads: fp32 within
+    summation-order rounding."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=g) / k ** 0.5
     x = torch.randn(m, k, generator=g)
@@ -30,6 +31,12 @@ def test_matches_f_linear(m, n, k, threads):
     want = F.linear(x.double(), w.double(), b.double()).float()
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_panel_width_follows_the_instruction_set():
+    assert (linear_cpu.isa(), linear_cpu.panel_width()) in (("avx512f", 48), ("avx2", 24))
+    assert linear_cpu.pack(torch.randn(50, 7)).shape == (-(-50 // linear_cpu.panel_width()), 7,
+                                                         linear_cpu.panel_width())
 
 
 def test_linear_takes_any_leading_shape_and_strides(monkeypatch):
