@@ -118,17 +118,28 @@ PA_INLINE float pa_exp(float x)
 /* Scratch floats one item needs for nr rows. */
 static int64_t scratch_floats(int64_t nr, int64_t d, int64_t bs) { return nr * (2 * d + 2 + bs); }
 
-/* 16 floats as one value: GCC and clang lower it to what the function's target has (one
- * AVX-512 register, two AVX2 ones, four SSE ones); no intrinsics, so one body serves every
- * ISA build. Loads and stores go through memcpy (unaligned, no aliasing questions). */
-#define VW 16
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
+/* VW floats as one value: GCC and clang lower it to what the function's target has; no
+ * intrinsics, so one body serves every ISA build. VW is 16 (one AVX-512 register) by default;
+ * paged_attn_cpu.py builds the library again with -DPA_VW=8 for CPUs without AVX-512, because
+ * GCC lowers a 16-float value to two AVX2 registers badly (its lanes and accumulators travel
+ * through the stack, several times slower). Loads and stores go through memcpy (unaligned, no
+ * aliasing questions). */
+#ifndef PA_VW
+#define PA_VW 16
+#endif
+#if PA_VW != 16 && PA_VW != 8
+#error "PA_VW must be 8 or 16"
+#endif
+#define VW PA_VW
+typedef float vfw __attribute__((vector_size(4 * VW)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * VW)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * VW)));
 
-PA_INLINE vf16 vload(const void *p, int64_t i, const int dt)
+int pa_vector_width(void) { return VW; }
+
+PA_INLINE vfw vload(const void *p, int64_t i, const int dt)
 {
-    vf16 x;
+    vfw x;
     if (dt == PA_F32) {
         memcpy(&x, (const float *)p + i, sizeof x);
     } else {
@@ -146,17 +157,39 @@ PA_INLINE vf16 vload(const void *p, int64_t i, const int dt)
 #endif
 #endif
 
+/* x in every lane. A plain `x * v` has GCC build the broadcast on the stack, lane by lane,
+ * where the target's registers are narrower than the vector; a shuffle of a short vector
+ * lowers to one broadcast instruction. */
+PA_INLINE vfw splat(float x)
+{
+#ifdef PA_HAS_SHUFFLE
+    typedef float vf4 __attribute__((vector_size(16)));
+    const vf4 s = {x, x, x, x};
+#if VW == 16
+    return __builtin_shufflevector(s, s, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+#else
+    return __builtin_shufflevector(s, s, 0, 1, 2, 3, 0, 1, 2, 3);
+#endif
+#else
+    return x + (vfw){0};
+#endif
+}
+
 /* The sums of four vectors' lanes, out[u] = sum of a_u: folded together (about five operations
  * a sum instead of ten one by one). */
-PA_INLINE void hsum4(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float *out)
+PA_INLINE void hsum4(vfw a0, vfw a1, vfw a2, vfw a3, float *out)
 {
 #ifdef PA_HAS_SHUFFLE
     typedef float vf8 __attribute__((vector_size(32)));
     typedef float vf4 __attribute__((vector_size(16)));
+#if VW == 16
 #define PA_FOLD(a) (__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + \
                     __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15))
     const vf8 b0 = PA_FOLD(a0), b1 = PA_FOLD(a1), b2 = PA_FOLD(a2), b3 = PA_FOLD(a3);
 #undef PA_FOLD
+#else
+    const vf8 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+#endif
     /* c01 = [b0[0]+b0[1], b1[0]+b1[1], b0[2]+b0[3], b1[2]+b1[3], ...] */
     const vf8 c01 = __builtin_shufflevector(b0, b1, 0, 8, 2, 10, 4, 12, 6, 14) +
                     __builtin_shufflevector(b0, b1, 1, 9, 3, 11, 5, 13, 7, 15);
@@ -168,7 +201,7 @@ PA_INLINE void hsum4(vf16 a0, vf16 a1, vf16 a2, vf16 a3, float *out)
     const vf4 e = __builtin_shufflevector(d, d, 0, 1, 2, 3) + __builtin_shufflevector(d, d, 4, 5, 6, 7);
     memcpy(out, &e, sizeof e);
 #else
-    const vf16 *a[4] = {&a0, &a1, &a2, &a3};
+    const vfw *a[4] = {&a0, &a1, &a2, &a3};
     for (int u = 0; u < 4; u++) {
         out[u] = 0.0f;
         for (int i = 0; i < VW; i++)
@@ -207,28 +240,42 @@ PA_INLINE void block_scores(const pa_batch *bt, const pa_layer *ly, const float 
     for (int64_t t = 0; t < n; t += 4) {
         for (int64_t u = t; u < t + 4 && u < next_n; u++)
             prefetch_slots(bt, ly, next + u, 1, dt);
-        int64_t ko[4];
-        for (int64_t u = 0; u < 4; u++)
-            ko[u] = (slot0 + (t + u < n ? t + u : 0)) * HK * D;
+        /* Four key offsets as plain scalars, not an array: an array here was vectorised into
+         * stack stores and reloads that stalled on store forwarding. */
+        const int64_t ko0 = (slot0 + t) * HK * D;
+        const int64_t ko1 = (slot0 + (t + 1 < n ? t + 1 : 0)) * HK * D;
+        const int64_t ko2 = (slot0 + (t + 2 < n ? t + 2 : 0)) * HK * D;
+        const int64_t ko3 = (slot0 + (t + 3 < n ? t + 3 : 0)) * HK * D;
         for (int64_t h = 0; h < HK; h++)
             PA_ROWS_OF(h) {
                 const float *qr = qv + r * D;
-                vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                vfw a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                 for (int64_t d = 0; d < DV; d += VW) {
-                    vf16 x;
+                    vfw x;
                     memcpy(&x, qr + d, sizeof x);
-                    a0 += x * vload(ly->k, ko[0] + h * D + d, dt);
-                    a1 += x * vload(ly->k, ko[1] + h * D + d, dt);
-                    a2 += x * vload(ly->k, ko[2] + h * D + d, dt);
-                    a3 += x * vload(ly->k, ko[3] + h * D + d, dt);
+                    a0 += x * vload(ly->k, ko0 + h * D + d, dt);
+                    a1 += x * vload(ly->k, ko1 + h * D + d, dt);
+                    a2 += x * vload(ly->k, ko2 + h * D + d, dt);
+                    a3 += x * vload(ly->k, ko3 + h * D + d, dt);
                 }
                 float sum[4];
                 hsum4(a0, a1, a2, a3, sum);
-                for (int64_t u = 0; u < 4 && t + u < n; u++) {
-                    for (int64_t d = DV; d < D; d++)
-                        sum[u] += qr[d] * ld(ly->k, ko[u] + h * D + d, dt);
-                    s[r * BS + t + u] = sum[u];
+                if (DV < D) {
+                    for (int64_t d = DV; d < D; d++) {
+                        sum[0] += qr[d] * ld(ly->k, ko0 + h * D + d, dt);
+                        sum[1] += qr[d] * ld(ly->k, ko1 + h * D + d, dt);
+                        sum[2] += qr[d] * ld(ly->k, ko2 + h * D + d, dt);
+                        sum[3] += qr[d] * ld(ly->k, ko3 + h * D + d, dt);
+                    }
                 }
+                float *sr = s + r * BS + t;
+                sr[0] = sum[0];
+                if (t + 1 < n)
+                    sr[1] = sum[1];
+                if (t + 2 < n)
+                    sr[2] = sum[2];
+                if (t + 3 < n)
+                    sr[3] = sum[3];
             }
     }
 }
@@ -247,18 +294,31 @@ PA_INLINE void block_values(const pa_batch *bt, const pa_layer *ly, const float 
             const int64_t off = slot0 * step + h * D;
             int64_t d = 0;
             for (; d + 4 * VW <= DV; d += 4 * VW) {
-                vf16 a[4];
-                memcpy(a, ar + d, sizeof a);
-                for (int64_t t = 0; t < n; t++)
-                    for (int u = 0; u < 4; u++)
-                        a[u] += sr[t] * vload(ly->v, off + t * step + d + u * VW, dt);
-                memcpy(ar + d, a, sizeof a);
+                /* four named accumulators, not an array: GCC kept an array of them on the
+                 * stack (without AVX-512), every add a store and a reload */
+                vfw a0, a1, a2, a3;
+                memcpy(&a0, ar + d, sizeof a0);
+                memcpy(&a1, ar + d + VW, sizeof a1);
+                memcpy(&a2, ar + d + 2 * VW, sizeof a2);
+                memcpy(&a3, ar + d + 3 * VW, sizeof a3);
+                for (int64_t t = 0; t < n; t++) {
+                    const int64_t o = off + t * step + d;
+                    const vfw w = splat(sr[t]);
+                    a0 += w * vload(ly->v, o, dt);
+                    a1 += w * vload(ly->v, o + VW, dt);
+                    a2 += w * vload(ly->v, o + 2 * VW, dt);
+                    a3 += w * vload(ly->v, o + 3 * VW, dt);
+                }
+                memcpy(ar + d, &a0, sizeof a0);
+                memcpy(ar + d + VW, &a1, sizeof a1);
+                memcpy(ar + d + 2 * VW, &a2, sizeof a2);
+                memcpy(ar + d + 3 * VW, &a3, sizeof a3);
             }
             for (; d < DV; d += VW) {
-                vf16 a;
+                vfw a;
                 memcpy(&a, ar + d, sizeof a);
                 for (int64_t t = 0; t < n; t++)
-                    a += sr[t] * vload(ly->v, off + t * step + d, dt);
+                    a += splat(sr[t]) * vload(ly->v, off + t * step + d, dt);
                 memcpy(ar + d, &a, sizeof a);
             }
             for (; d < D; d++)

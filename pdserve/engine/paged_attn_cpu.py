@@ -85,6 +85,15 @@ def _open(flags: tuple[str, ...]) -> ctypes.CDLL:
                        "pa_abi", ABI)
 
 
+def _narrow(lib: ctypes.CDLL, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """On an AVX2 CPU without AVX-512, the build with 8-float vectors (`PA_VW` in the source): GCC
+    compiles the default 16-float ones into slow code for AVX2. Keeps `lib` if that fails."""
+    try:
+        return _open(flags + ("-DPA_VW=8",))
+    except (KernelUnavailable, OSError):
+        return lib
+
+
 def _load() -> ctypes.CDLL:
     global _lib, _error
     if _lib is not None:
@@ -99,6 +108,8 @@ def _load() -> ctypes.CDLL:
         for flags in FLAG_SETS:
             try:
                 lib = _open(flags)
+                if lib.pa_isa() == 1:  # AVX2 without AVX-512
+                    lib = _narrow(lib, flags)
                 break
             except _NoCompiler as exc:
                 errors.append(exc)
@@ -111,11 +122,22 @@ def _load() -> ctypes.CDLL:
             _error = errors[0] if len(errors) == 1 else KernelUnavailable(
                 "\n".join(str(e) for e in errors))
             raise _error
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.pa_decode.argtypes = [ctypes.c_int, ctypes.POINTER(_Batch), ptr, i64, ptr, ptr, ptr, i64]
-        lib.pa_decode.restype = ctypes.c_int
-        _lib = lib
+        _lib = _typed(lib)
         return lib
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pa_decode.argtypes = [ctypes.c_int, ctypes.POINTER(_Batch), ptr, i64, ptr, ptr, ptr, i64]
+    lib.pa_decode.restype = ctypes.c_int
+    return lib
+
+
+def library(vector_floats: int) -> ctypes.CDLL:
+    """The library built with this vector width (16 or 8) and the first flag set, whatever this
+    CPU would pick: tests run both builds on one machine by putting it in place of `_lib`."""
+    extra = () if vector_floats == 16 else (f"-DPA_VW={vector_floats}",)
+    return _typed(_open(FLAG_SETS[0] + extra))
 
 
 def load() -> None:
@@ -133,9 +155,11 @@ def available() -> bool:
 
 
 def info() -> dict[str, object]:
-    """What runs here: {"openmp": bool, "isa": "baseline" | "avx2" | "avx512"}."""
+    """What runs here: {"openmp": bool, "isa": "baseline" | "avx2" | "avx512",
+    "vector_floats": 16 or 8}."""
     lib = _load()
-    return {"openmp": bool(lib.pa_openmp()), "isa": ISA_NAMES.get(lib.pa_isa(), "?")}
+    return {"openmp": bool(lib.pa_openmp()), "isa": ISA_NAMES.get(lib.pa_isa(), "?"),
+            "vector_floats": int(lib.pa_vector_width())}
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -80,6 +80,24 @@ def test_decode_rows_match_reference(h, hkv, d, threads, isa, monkeypatch):
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("width", [16, 8])
+def test_both_vector_width_builds_match_reference(width, monkeypatch):
+    """The 16-float build (AVX-512 CPUs and others) and the 8-float one (AVX2 CPUs pick it),
+    each with every ISA body this CPU runs, whichever build this CPU would load itself."""
+    lib = paged_attn_cpu.library(width)
+    assert lib.pa_vector_width() == width
+    monkeypatch.setattr(paged_attn_cpu, "_lib", lib)
+    ctx = [2, 17, 33, 100, 255]
+    for h, hkv, d in SHAPES[:3]:
+        case = make_case([(c - 1, 1) for c in ctx], h, hkv, d, 16, seed=width + d)
+        ref = reference(*case, monkeypatch)
+        meta, q, _, _, kc, vc = case
+        for isa in (0, 1, 2):
+            for threads, split in ((1, 0), (2, 3)):
+                torch.testing.assert_close(kernel(meta, q, kc, vc, threads, split, isa), ref,
+                                           rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 def test_block_sizes(block_size, monkeypatch):
     case = make_case([(3, 1), (40, 1), (64, 1), (9, 1)], 9, 3, 64, block_size, seed=block_size)
