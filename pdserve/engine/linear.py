@@ -3,11 +3,11 @@
 Owns how a weight matrix is multiplied. On CPU (fp32/bf16, PyTorch built with oneDNN) weights
 are reordered once into oneDNN's blocked layout: a plain `F.linear` re-packs the weight on every
 call, which at decode batch sizes costs more than the arithmetic (the 30 layers of SmolLM2 at
-batch 32: 48 ms plain, 22 ms packed, with 2 threads). fp32 on CPUs with AVX-512F runs our C
-kernel instead (`linear_cpu.py`, `linear_c.c`, its own panel layout): at decode batch sizes it
-streams the weights near the memory bandwidth (SmolLM2's 121 matrices at batch 8: 18 ms against
-oneDNN's 26 ms; at batch 32, 45 against 55 ms; no slower up to 512 rows). Elsewhere (CUDA,
-fp16, no oneDNN) it is `F.linear` unchanged.
+batch 32: 48 ms plain, 22 ms packed, with 2 threads). fp32 on CPUs with AVX-512F or AVX2+FMA
+runs our C kernel instead (`linear_cpu.py`, `linear_c.c`, its own panel layout): at decode batch
+sizes it streams the weights near the memory bandwidth (SmolLM2's 121 matrices at batch 8, 2
+threads: 18 ms against oneDNN's 26 ms with AVX-512; 31 against 45 ms on an AVX2-only CPU).
+Elsewhere (CUDA, fp16, no oneDNN) it is `F.linear` unchanged.
 `PDSERVE_LINEAR` picks a path: `c`, `onednn` or `reference` (plain `F.linear`); unset or `auto`
 means the C kernel where it runs, else oneDNN where it can pack, else plain. The paths differ
 only in summation order (about 1e-6 relative in fp32).
@@ -31,7 +31,7 @@ def _forced() -> str:
 
 def c_kernel_available(dtype: torch.dtype, device: torch.device) -> bool:
     """The C kernel runs for this weight: not overridden (`PDSERVE_LINEAR` unset, `auto` or
-    `c`), fp32 on CPU, and it builds and loads on this CPU (AVX-512F)."""
+    `c`), fp32 on CPU, and it builds and loads on this CPU (AVX-512F or AVX2+FMA)."""
     if (_forced() not in ("", "auto", "c")
             or not (device.type == "cpu" and dtype == torch.float32)):
         return False
