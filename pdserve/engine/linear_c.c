@@ -27,6 +27,9 @@
 #define NR2 24  /* the AVX2 panel */
 #define MR2_MAX 4
 #define PF_K2 64 /* 64 x 96 bytes ahead */
+#ifndef KB2
+#define KB2 64 /* k steps of a panel slice the AVX2 row tiles share: 6 KB */
+#endif
 
 int lc_abi(void) { return 2; }
 
@@ -66,8 +69,9 @@ int lc_nr(void) { return lc_supported() == 2 ? NR : NR2; }
 #define KERNEL(MR)                                                                             \
 __attribute__((target("avx512f,fma")))                                                         \
 static void tile##MR(const float *x, int64_t ldx, const float *p, int64_t K, float *y,          \
-                     int64_t ldy)                                                               \
+                     int64_t ldy, int acc)                                                      \
 {                                                                                              \
+    (void)acc; /* always 0: the AVX-512 path runs each panel over the whole of K */           \
     ROWS##MR(DECL)                                                                             \
     for (int64_t k = 0; k < K; k++) {                                                          \
         const float *pk = p + k * NR;                                                          \
@@ -83,12 +87,13 @@ static void tile##MR(const float *x, int64_t ldx, const float *p, int64_t K, flo
 
 KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6) KERNEL(7) KERNEL(8)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int);
 static const tile_fn TILES[MR_MAX + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7,
                                           tile8};
 
-#define DECL2(m) __m256 d##m##a = _mm256_setzero_ps(), d##m##b = _mm256_setzero_ps(), \
-                        d##m##c = _mm256_setzero_ps();
+#define DECL2(m) __m256 d##m##a = acc ? _mm256_loadu_ps(y + (m) * ldy) : _mm256_setzero_ps(), \
+                        d##m##b = acc ? _mm256_loadu_ps(y + (m) * ldy + 8) : _mm256_setzero_ps(), \
+                        d##m##c = acc ? _mm256_loadu_ps(y + (m) * ldy + 16) : _mm256_setzero_ps();
 #define FMA2(m) { const __m256 xb = _mm256_broadcast_ss(x + (m) * ldx + k); \
                   d##m##a = _mm256_fmadd_ps(xb, w0, d##m##a); \
                   d##m##b = _mm256_fmadd_ps(xb, w1, d##m##b); \
@@ -100,7 +105,7 @@ static const tile_fn TILES[MR_MAX + 1] = {0, tile1, tile2, tile3, tile4, tile5, 
 #define KERNEL2(MR)                                                                            \
 __attribute__((target("avx2,fma")))                                                            \
 static void tile2_##MR(const float *x, int64_t ldx, const float *p, int64_t K, float *y,        \
-                       int64_t ldy)                                                             \
+                       int64_t ldy, int acc)                                                    \
 {                                                                                              \
     ROWS##MR(DECL2)                                                                            \
     for (int64_t k = 0; k < K; k++) {                                                          \
@@ -119,18 +124,31 @@ KERNEL2(1) KERNEL2(2) KERNEL2(3) KERNEL2(4)
 
 static const tile_fn TILES2[MR2_MAX + 1] = {0, tile2_1, tile2_2, tile2_3, tile2_4};
 
-/* One panel (nr columns from n0) for every row of x, in tiles of at most mr_max rows. */
+/* One panel (nr columns from n0) for every row of x, in tiles of at most mr_max rows. With
+ * kb < K (AVX2, more rows than one tile) a full panel is run kb steps of k at a time for every
+ * row tile, so the slice of the panel the tiles share stays in L1; each tile carries its partial
+ * sums in y from one slice to the next, so every output is still one FMA chain over k in order. */
 static void panel(const float *x, int64_t M, int64_t K, const float *pj, int64_t N, int64_t n0,
-                  float *y, int64_t nr, int64_t mr_max, const tile_fn *tiles)
+                  float *y, int64_t nr, int64_t mr_max, const tile_fn *tiles, int64_t kb)
 {
     const int64_t nv = N - n0 < nr ? N - n0 : nr;
+    if (nv == nr && M > mr_max && kb < K) {
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+            const int64_t kn = K - k0 < kb ? K - k0 : kb;
+            for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
+                const int64_t mr = M - m0 < mr_max ? M - m0 : mr_max;
+                tiles[mr](x + m0 * K + k0, K, pj + k0 * nr, kn, y + m0 * N + n0, N, k0 > 0);
+            }
+        }
+        return;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
         const int64_t mr = M - m0 < mr_max ? M - m0 : mr_max;
         if (nv == nr) {
-            tiles[mr](x + m0 * K, K, pj, K, y + m0 * N + n0, N);
+            tiles[mr](x + m0 * K, K, pj, K, y + m0 * N + n0, N, 0);
         } else { /* the last, partial panel: through a scratch tile */
             float tmp[MR_MAX * NR];
-            tiles[mr](x + m0 * K, K, pj, K, tmp, nr);
+            tiles[mr](x + m0 * K, K, pj, K, tmp, nr, 0);
             for (int64_t m = 0; m < mr; m++)
                 memcpy(y + (m0 + m) * N + n0, tmp + m * nr, (size_t)nv * sizeof(float));
         }
@@ -148,6 +166,7 @@ int sg_linear(const float *x, int64_t M, int64_t K, const float *p, int64_t N, f
         return -1;
     const int64_t nr = isa == 2 ? NR : NR2, mr_max = isa == 2 ? MR_MAX : MR2_MAX;
     const tile_fn *tiles = isa == 2 ? TILES : TILES2;
+    const int64_t kb = isa == 2 ? K : KB2;
     const int64_t np = (N + nr - 1) / nr;
 #ifdef _OPENMP
     if (nthreads > 1) {
@@ -155,12 +174,12 @@ int sg_linear(const float *x, int64_t M, int64_t K, const float *p, int64_t N, f
          * (workers of one host lend each other cores) leaves its panels to the others */
         #pragma omp parallel for num_threads(nthreads) schedule(guided)
         for (int64_t j = 0; j < np; j++)
-            panel(x, M, K, p + j * K * nr, N, j * nr, y, nr, mr_max, tiles);
+            panel(x, M, K, p + j * K * nr, N, j * nr, y, nr, mr_max, tiles, kb);
         return 0;
     }
 #endif
     (void)nthreads;
     for (int64_t j = 0; j < np; j++)
-        panel(x, M, K, p + j * K * nr, N, j * nr, y, nr, mr_max, tiles);
+        panel(x, M, K, p + j * K * nr, N, j * nr, y, nr, mr_max, tiles, kb);
     return 0;
 }

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.skipif(not linear_cpu.available(),
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("m, n, k", [(1, 48, 16), (3, 50, 7), (8, 96, 576), (9, 960, 576),
-                                     (17, 47, 33), (33, 200, 1536), (130, 144, 64)])
+                                     (17, 47, 33), (33, 200, 1536), (130, 144, 64),
+                                     (12, 72, 200)])
 def test_matches_f_linear(m, n, k, threads):
     """Every row count (full tiles of 8 rows with AVX-512, 4 with AVX2, and the rest), a partial
     last panel (N not a multiple of the panel width), odd K, one and two threads: fp32 within
@@ -31,6 +32,24 @@ def test_matches_f_linear(m, n, k, threads):
     want = F.linear(x.double(), w.double(), b.double()).float()
     assert got.shape == (m, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_does_not_depend_on_the_batch_it_is_in(threads):
+    """Each output is one FMA chain over k in order, however the rows are tiled and k is
+    sliced: a request's logits are bit for bit the same alone and in a batch."""
+    g = torch.Generator().manual_seed(threads)
+    w = torch.randn(200, 1000, generator=g) / 1000 ** 0.5
+    x = torch.randn(33, 1000, generator=g)
+    packed = linear_cpu.pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([linear_cpu.linear(x[i:i + 1], packed, 200) for i in range(33)])
+        for m in (5, 12, 33):
+            assert torch.equal(linear_cpu.linear(x[:m], packed, 200), alone[:m])
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_panel_width_follows_the_instruction_set():
