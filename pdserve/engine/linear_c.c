@@ -30,6 +30,9 @@
 #ifndef KB2
 #define KB2 64 /* k steps of a panel slice the AVX2 row tiles share: 6 KB */
 #endif
+#ifndef KB2_MAX_ROWS
+#define KB2_MAX_ROWS 64 /* more rows: each slice's pass over them costs more than L1 saves */
+#endif
 
 int lc_abi(void) { return 2; }
 
@@ -125,14 +128,14 @@ KERNEL2(1) KERNEL2(2) KERNEL2(3) KERNEL2(4)
 static const tile_fn TILES2[MR2_MAX + 1] = {0, tile2_1, tile2_2, tile2_3, tile2_4};
 
 /* One panel (nr columns from n0) for every row of x, in tiles of at most mr_max rows. With
- * kb < K (AVX2, more rows than one tile) a full panel is run kb steps of k at a time for every
+ * kb < K (AVX2, more rows than one tile and at most KB2_MAX_ROWS) a full panel is run kb steps of k at a time for every
  * row tile, so the slice of the panel the tiles share stays in L1; each tile carries its partial
  * sums in y from one slice to the next, so every output is still one FMA chain over k in order. */
 static void panel(const float *x, int64_t M, int64_t K, const float *pj, int64_t N, int64_t n0,
                   float *y, int64_t nr, int64_t mr_max, const tile_fn *tiles, int64_t kb)
 {
     const int64_t nv = N - n0 < nr ? N - n0 : nr;
-    if (nv == nr && M > mr_max && kb < K) {
+    if (nv == nr && M > mr_max && M <= KB2_MAX_ROWS && kb < K) {
         for (int64_t k0 = 0; k0 < K; k0 += kb) {
             const int64_t kn = K - k0 < kb ? K - k0 : kb;
             for (int64_t m0 = 0; m0 < M; m0 += mr_max) {

@@ -40,13 +40,13 @@ def test_a_row_does_not_depend_on_the_batch_it_is_in(threads):
     sliced: a request's logits are bit for bit the same alone and in a batch."""
     g = torch.Generator().manual_seed(threads)
     w = torch.randn(200, 1000, generator=g) / 1000 ** 0.5
-    x = torch.randn(33, 1000, generator=g)
+    x = torch.randn(70, 1000, generator=g)
     packed = linear_cpu.pack(w)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = torch.cat([linear_cpu.linear(x[i:i + 1], packed, 200) for i in range(33)])
-        for m in (5, 12, 33):
+        alone = torch.cat([linear_cpu.linear(x[i:i + 1], packed, 200) for i in range(70)])
+        for m in (5, 12, 33, 70):
             assert torch.equal(linear_cpu.linear(x[:m], packed, 200), alone[:m])
     finally:
         torch.set_num_threads(before)
