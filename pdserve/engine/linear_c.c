@@ -128,9 +128,10 @@ KERNEL2(1) KERNEL2(2) KERNEL2(3) KERNEL2(4)
 static const tile_fn TILES2[MR2_MAX + 1] = {0, tile2_1, tile2_2, tile2_3, tile2_4};
 
 /* One panel (nr columns from n0) for every row of x, in tiles of at most mr_max rows. With
- * kb < K (AVX2, more rows than one tile and at most KB2_MAX_ROWS) a full panel is run kb steps of k at a time for every
- * row tile, so the slice of the panel the tiles share stays in L1; each tile carries its partial
- * sums in y from one slice to the next, so every output is still one FMA chain over k in order. */
+ * kb < K (AVX2, more rows than one tile, at most KB2_MAX_ROWS) a full panel is run kb steps of
+ * k at a time for every row tile, so the slice of the panel the tiles share stays in L1; each
+ * tile carries its partial sums in y from one slice to the next, so every output is still one
+ * FMA chain over k in order. */
 static void panel(const float *x, int64_t M, int64_t K, const float *pj, int64_t N, int64_t n0,
                   float *y, int64_t nr, int64_t mr_max, const tile_fn *tiles, int64_t kb)
 {
