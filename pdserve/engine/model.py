@@ -84,6 +84,10 @@ class LlamaModel:
         # HF computes cos/sin in fp32 and casts to the run dtype; so do we, once.
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         self.sin = emb.sin().to(device=self.device, dtype=dtype)
+        # sin with the sign of rotate-half folded in: (-x2, x1) * sin == (x2, x1) * (-sin1, sin2)
+        # exactly, so RoPE is a roll, two multiplies and an add (no negation pass).
+        half = cfg.head_dim // 2
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     @staticmethod
     def _fuse_layer(w: dict[str, torch.Tensor], i: int, pack: bool | None) -> dict:
@@ -119,14 +123,19 @@ class LlamaModel:
         return n
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as HF does), scale in the run dtype.
+        # Normalise in fp32 (as HF does), scale in the run dtype; in fp32 the scale is the same
+        # product inside the one call.
+        if x.dtype == torch.float32 and self.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps=self.cfg.rms_norm_eps)
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
         return weight * y.to(self.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin, with rotate_half's sign already in `sin_signed`."""
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1),
+                             sin_signed)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv_cache: PagedKVCache,
@@ -138,20 +147,23 @@ class LlamaModel:
         t = step.input_ids.shape[0]
         h = F.embedding(step.input_ids, self.embed)
         cos = self.cos[step.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[step.positions].unsqueeze(1)
+        sin = self.sin_signed[step.positions].unsqueeze(1)
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         for li, layer in enumerate(self.layers):
             x = self._rms(h, layer["in_norm"])
             qkv = layer["qkv"](x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, nh, hd)
-            k = k.view(t, nkv, hd)
-            v = v.view(t, nkv, hd)
-            if layer["q_norm"] is not None:
-                q = self._rms(q, layer["q_norm"])
-                k = self._rms(k, layer["k_norm"])
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+            if layer["q_norm"] is None:  # q and k rotated in one pass, then split
+                qk = self._rope(qkv[:, :self.q_size + self.kv_size].view(t, nh + nkv, hd),
+                                cos, sin)
+                q, k = qk[:, :nh], qk[:, nh:]
+                v = qkv[:, self.q_size + self.kv_size:].view(t, nkv, hd)
+            else:
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                q = self._rms(q.view(t, nh, hd), layer["q_norm"])
+                k = self._rms(k.view(t, nkv, hd), layer["k_norm"])
+                v = v.view(t, nkv, hd)
+                q = self._rope(q, cos, sin)
+                k = self._rope(k, cos, sin)
             k_cache, v_cache = kv_cache.layer(li)
             write_kv(k_cache, v_cache, k, v, step.attn.slot_mapping)
             if on_layer is not None:
