@@ -161,13 +161,14 @@ def measure_baseline(kind: str, model: str, reqs, levels, s: ServeBenchSettings,
     """vLLM or llama.cpp started by itself, the same workload through the same client; on a
     failure to start, the reason instead of figures."""
     from pdserve.bench.serve_baseline import (BaselineServer, hf_folder, llamacpp_argv,
-                                              vllm_argv)
+                                              vllm_argv, without_eos)
     from pdserve.controller.cluster_spec import free_ports
     from pdserve.engine.loader import load_model_config
 
     [port] = free_ports(1)
     name = "bench-model"
-    max_len = min(4096, load_model_config(model).max_position_embeddings)
+    cfg = load_model_config(model)
+    max_len = min(4096, cfg.max_position_embeddings)
     env: dict[str, str] = {}
     argv: list[str] = []
     try:
@@ -179,6 +180,7 @@ def measure_baseline(kind: str, model: str, reqs, levels, s: ServeBenchSettings,
             if not model.endswith(".gguf"):
                 return {"name": kind, "skipped": "llama.cpp serves a .gguf file only"}
             argv = llamacpp_argv(s.llamacpp_python, model, port, name, threads, max_len)
+            reqs = without_eos(reqs, cfg.eos_token_ids)
         server = BaselineServer(kind, argv, port, os.path.join(log_dir, f"{kind}.log"), env)
         t0 = time.monotonic()
         server.start(s.ready_timeout_s, progress=lambda what: ui(what, 0, 1))

@@ -114,9 +114,20 @@ def vllm_argv(python: str, hf_dir: str, port: int, name: str, max_model_len: int
 
 def llamacpp_argv(python: str, gguf: str, port: int, name: str, threads: int,
                   max_model_len: int) -> list[str]:
+    # By default its server cuts a streaming request short when the next one arrives; the
+    # others then wait their turn, as a user of the server sees it serving one at a time.
     return [python, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", name,
             "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-            "--n_ctx", str(max_model_len)]
+            "--n_ctx", str(max_model_len), "--interrupt_requests", "False"]
+
+
+def without_eos(reqs: list, eos_token_ids: tuple[int, ...]) -> list:
+    """The requests for a server without `ignore_eos` (llama.cpp's): the end-of-sequence
+    tokens banned through `logit_bias` instead, so every answer runs to max_tokens."""
+    import dataclasses
+
+    bias = {str(i): -100.0 for i in eos_token_ids}
+    return [dataclasses.replace(r, body={**r.body, "logit_bias": bias}) for r in reqs]
 
 
 class BaselineServer:

@@ -215,3 +215,19 @@ def test_status_lines_print_each_step_and_throttle_within_one():
     assert [line.split("] ", 1)[1] for line in buf.getvalue().splitlines()] == [
         "starting vllm (0 s): loading (0/32)", "starting vllm (11 s): y (0/32)",
         "vllm: concurrency 1 (0/32)", "vllm: concurrency 1 (9/32)"]
+
+
+def test_llamacpp_gets_every_answer_to_max_tokens_and_in_turn():
+    """llama.cpp's server has no ignore_eos and by default cuts a stream short when the next
+    request arrives: its requests ban the EOS ids instead, and it is started without
+    interrupting (measured against a real llama-cpp-python server: every request of a
+    concurrency-4 level then completes with all its tokens)."""
+    from pdserve.bench.serve_baseline import llamacpp_argv, without_eos
+
+    reqs = wl.sharegpt_requests(3, 64)
+    out = without_eos(reqs, (0, 2))
+    assert [r.body["logit_bias"] for r in out] == [{"0": -100.0, "2": -100.0}] * 3
+    assert all(o.body["messages"] == r.body["messages"] and o.body["max_tokens"] == 64
+               and "logit_bias" not in r.body for o, r in zip(out, reqs))
+    argv = llamacpp_argv("py", "m.gguf", 1234, "m", 2, 4096)
+    assert argv[argv.index("--interrupt_requests") + 1] == "False"
