@@ -85,7 +85,7 @@ class LlamaModel:
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         self.sin = emb.sin().to(device=self.device, dtype=dtype)
         # sin with the sign of rotate-half folded in: (-x2, x1) * sin == (x2, x1) * (-sin1, sin2)
-        # exactly, so RoPE needs no negation pass: x * cos, then one addcmul with the halves swapped.
+        # exactly, so RoPE needs no negation pass: x * cos, then one addcmul of the swapped halves.
         half = cfg.head_dim // 2
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
