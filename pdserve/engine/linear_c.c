@@ -128,15 +128,15 @@ KERNEL2(1) KERNEL2(2) KERNEL2(3) KERNEL2(4)
 static const tile_fn TILES2[MR2_MAX + 1] = {0, tile2_1, tile2_2, tile2_3, tile2_4};
 
 /* One panel (nr columns from n0) for every row of x, in tiles of at most mr_max rows. With
- * kb < K (AVX2, more rows than one tile, at most KB2_MAX_ROWS) a full panel is run kb steps of
- * k at a time for every row tile, so the slice of the panel the tiles share stays in L1; each
- * tile carries its partial sums in y from one slice to the next, so every output is still one
- * FMA chain over k in order. */
+ * kb < K (sg_linear decides: AVX2 and at most KB2_MAX_ROWS rows) and more rows than one tile, a
+ * full panel is run kb steps of k at a time for every row tile, so the slice of the panel the
+ * tiles share stays in L1; each tile carries its partial sums in y from one slice to the next,
+ * so every output is still one FMA chain over k in order. */
 static void panel(const float *x, int64_t M, int64_t K, const float *pj, int64_t N, int64_t n0,
                   float *y, int64_t nr, int64_t mr_max, const tile_fn *tiles, int64_t kb)
 {
     const int64_t nv = N - n0 < nr ? N - n0 : nr;
-    if (nv == nr && M > mr_max && M <= KB2_MAX_ROWS && kb < K) {
+    if (nv == nr && M > mr_max && kb < K) {
         for (int64_t k0 = 0; k0 < K; k0 += kb) {
             const int64_t kn = K - k0 < kb ? K - k0 : kb;
             for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
@@ -170,7 +170,7 @@ int sg_linear(const float *x, int64_t M, int64_t K, const float *p, int64_t N, f
         return -1;
     const int64_t nr = isa == 2 ? NR : NR2, mr_max = isa == 2 ? MR_MAX : MR2_MAX;
     const tile_fn *tiles = isa == 2 ? TILES : TILES2;
-    const int64_t kb = isa == 2 ? K : KB2;
+    const int64_t kb = isa == 2 || M > KB2_MAX_ROWS ? K : KB2;
     const int64_t np = (N + nr - 1) / nr;
 #ifdef _OPENMP
     if (nthreads > 1) {

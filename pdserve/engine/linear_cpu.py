@@ -33,7 +33,8 @@ _error: str | None = None
 
 
 class KernelUnavailable(RuntimeError):
-    """The C kernel cannot run here (no compiler, a build or load error, no AVX-512F or AVX2+FMA)."""
+    """The C kernel cannot run here (no compiler, a build or load error, neither AVX-512F nor
+    AVX2+FMA)."""
 
 
 class _NoCompiler(KernelUnavailable):

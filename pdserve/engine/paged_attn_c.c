@@ -240,12 +240,9 @@ PA_INLINE void block_scores(const pa_batch *bt, const pa_layer *ly, const float 
     for (int64_t t = 0; t < n; t += 4) {
         for (int64_t u = t; u < t + 4 && u < next_n; u++)
             prefetch_slots(bt, ly, next + u, 1, dt);
-        /* Four key offsets as plain scalars, not an array: an array here was vectorised into
-         * stack stores and reloads that stalled on store forwarding. */
-        const int64_t ko0 = (slot0 + t) * HK * D;
-        const int64_t ko1 = (slot0 + (t + 1 < n ? t + 1 : 0)) * HK * D;
-        const int64_t ko2 = (slot0 + (t + 2 < n ? t + 2 : 0)) * HK * D;
-        const int64_t ko3 = (slot0 + (t + 3 < n ? t + 3 : 0)) * HK * D;
+        int64_t ko[4];
+        for (int64_t u = 0; u < 4; u++)
+            ko[u] = (slot0 + (t + u < n ? t + u : 0)) * HK * D;
         for (int64_t h = 0; h < HK; h++)
             PA_ROWS_OF(h) {
                 const float *qr = qv + r * D;
@@ -253,29 +250,18 @@ PA_INLINE void block_scores(const pa_batch *bt, const pa_layer *ly, const float 
                 for (int64_t d = 0; d < DV; d += VW) {
                     vfw x;
                     memcpy(&x, qr + d, sizeof x);
-                    a0 += x * vload(ly->k, ko0 + h * D + d, dt);
-                    a1 += x * vload(ly->k, ko1 + h * D + d, dt);
-                    a2 += x * vload(ly->k, ko2 + h * D + d, dt);
-                    a3 += x * vload(ly->k, ko3 + h * D + d, dt);
+                    a0 += x * vload(ly->k, ko[0] + h * D + d, dt);
+                    a1 += x * vload(ly->k, ko[1] + h * D + d, dt);
+                    a2 += x * vload(ly->k, ko[2] + h * D + d, dt);
+                    a3 += x * vload(ly->k, ko[3] + h * D + d, dt);
                 }
                 float sum[4];
                 hsum4(a0, a1, a2, a3, sum);
-                if (DV < D) {
-                    for (int64_t d = DV; d < D; d++) {
-                        sum[0] += qr[d] * ld(ly->k, ko0 + h * D + d, dt);
-                        sum[1] += qr[d] * ld(ly->k, ko1 + h * D + d, dt);
-                        sum[2] += qr[d] * ld(ly->k, ko2 + h * D + d, dt);
-                        sum[3] += qr[d] * ld(ly->k, ko3 + h * D + d, dt);
-                    }
+                for (int64_t u = 0; u < 4 && t + u < n; u++) {
+                    for (int64_t d = DV; d < D; d++)
+                        sum[u] += qr[d] * ld(ly->k, ko[u] + h * D + d, dt);
+                    s[r * BS + t + u] = sum[u];
                 }
-                float *sr = s + r * BS + t;
-                sr[0] = sum[0];
-                if (t + 1 < n)
-                    sr[1] = sum[1];
-                if (t + 2 < n)
-                    sr[2] = sum[2];
-                if (t + 3 < n)
-                    sr[3] = sum[3];
             }
     }
 }

@@ -217,7 +217,7 @@ def test_status_lines_print_each_step_and_throttle_within_one():
         "vllm: concurrency 1 (0/32)", "vllm: concurrency 1 (9/32)"]
 
 
-def test_llamacpp_gets_every_answer_to_max_tokens_and_in_turn():
+def test_llamacpp_requests_ban_eos_and_its_server_is_started_without_interrupting():
     """llama.cpp's server has no ignore_eos and by default cuts a stream short when the next
     request arrives: its requests ban the EOS ids instead, and it is started without
     interrupting (measured against a real llama-cpp-python server: every request of a
