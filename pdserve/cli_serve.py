@@ -75,6 +75,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--no-share-cores", action="store_true",
                    help="CPU workers keep to their own threads (default: a step also uses the "
                         "cores the host's other workers idle at the moment)")
+    s.add_argument("--core-sharing", choices=("turns", "lend"), default="turns",
+                   help="how CPU workers share the host's cores: turns (a step runs on all of "
+                        "them, one worker's step at a time; the default) or lend (a step runs "
+                        "on its own share plus the idle cores, beside the others' steps)")
     s.add_argument("--no-controller", action="store_true",
                    help="start no controller: roles stay as started")
     s.add_argument("--controller-port", type=int, default=None,
@@ -252,7 +256,8 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
                        decode_workers=args.decode_workers, num_blocks=args.num_blocks,
                        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir,
                        threads_per_worker=args.threads_per_worker,
-                       share_cores=not args.no_share_cores, routing=args.routing,
+                       share_cores=not args.no_share_cores, core_sharing=args.core_sharing,
+                       routing=args.routing,
                        controller=not args.no_controller, controller_port=args.controller_port,
                        controller_mode=args.controller_mode, ttft_slo_ms=args.ttft_slo_ms,
                        itl_slo_ms=args.itl_slo_ms, max_in_flight=args.max_in_flight,

@@ -43,6 +43,7 @@ class ServeBenchSettings:
     decode_workers: int = 1
     threads_per_worker: int | None = None  # None: this machine's cores split evenly
     share_cores: bool = True  # the workers lend each other idle cores, as `pdserve serve`
+    core_sharing: str = "turns"  # how: `pdserve serve --core-sharing`
     controller: bool = True
     max_predicted_ttft_s: float | None = None  # None: the router's default
     ceiling_repeats: int = 3
@@ -130,6 +131,7 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
     spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=s.prefill_workers, decode_workers=s.decode_workers,
                        threads_per_worker=s.threads_per_worker, share_cores=s.share_cores,
+                       core_sharing=s.core_sharing,
                        controller=s.controller,
                        max_predicted_ttft_s=s.max_predicted_ttft_s, log_dir=log_dir,
                        supervise=True, ready_timeout_s=600)
@@ -151,6 +153,7 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        "decode_workers": spec.decode_workers,
                        "threads_per_worker": spec.worker_threads(),
                        "share_cores": spec.share_cores,
+                       "core_sharing": spec.core_sharing,
                        "max_threads": spec.worker_max_threads(),
                        "controller": spec.controller, "dtype": spec.dtype},
             "levels": lv}
@@ -316,6 +319,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-share-cores", action="store_true",
                    help="workers keep their own threads: no cores lent while another idles "
                         "(`pdserve serve --no-share-cores`)")
+    p.add_argument("--core-sharing", choices=("turns", "lend"), default=d.core_sharing,
+                   help="how the workers share the cores (`pdserve serve --core-sharing`)")
     p.add_argument("--no-controller", action="store_true", help="start no controller")
     p.add_argument("--max-predicted-ttft-s", type=float, default=None,
                    help="the router's admission bound (0: off; default: the router's)")
@@ -340,6 +345,7 @@ def settings_from(args: argparse.Namespace) -> ServeBenchSettings:
         trace=args.trace, token_scale=args.token_scale, speedup=args.speedup,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         threads_per_worker=args.threads_per_worker, share_cores=not args.no_share_cores,
+        core_sharing=args.core_sharing,
         controller=not args.no_controller,
         max_predicted_ttft_s=args.max_predicted_ttft_s, ceiling_repeats=args.ceiling_repeats,
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python,

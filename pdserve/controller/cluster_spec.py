@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pdserve.controller.supervisor import RestartPolicy
 from pdserve.core.errors import ConfigError
+from pdserve.worker.config import CORE_SHARING
 from pdserve.engine.device import parse_device, plan_worker_devices, visible_gpus
 
 
@@ -53,6 +54,7 @@ class ClusterSpec:
     # CPU workers lend each other the cores they idle (`worker/cores.py`): a step runs on its
     # own `worker_threads()` plus the cores no other worker computes on at the moment.
     share_cores: bool = True
+    core_sharing: str = "turns"  # how they share: "turns" or "lend" (`worker/cores.py`)
     # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
     # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
     routing: str = "auto"
@@ -101,6 +103,9 @@ class ClusterSpec:
         parse_device(self.device)  # a bad value raises, naming --device
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.core_sharing not in CORE_SHARING:
+            raise ConfigError(f"core_sharing must be one of {', '.join(CORE_SHARING)}, got "
+                              f"{self.core_sharing!r}")
 
     def worker_threads(self) -> int:
         if self.threads_per_worker is not None:

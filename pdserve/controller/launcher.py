@@ -284,7 +284,8 @@ class LocalCluster:
             "pdserve.controller", "--router", self.router_address, "--address", address,
             "--mode", s.controller_mode, "--ttft-slo-ms", str(s.ttft_slo_ms),
             "--itl-slo-ms", str(s.itl_slo_ms), "--audit-log", self.audit_log,
-            "--metrics-port", str(metrics_port), *s.controller_args, *extra_args])
+            "--metrics-port", str(metrics_port), *self._offload_args(), *s.controller_args,
+            *extra_args])
         self._wait([child])
         self.controller_address = address
         self.controller_metrics = f"http://{s.host}:{metrics_port}/metrics"
@@ -339,13 +340,23 @@ class LocalCluster:
                                    f"({child.log_path}) ends:\n{tail(child.log_path)}")
             time.sleep(0.05)
 
+    def _offload_args(self) -> list[str]:
+        """Workers taking turns on this host's CPU cores have no slack to lend each other: a
+        prefill on a decode worker takes the cores from the prefill worker's next step and
+        breaks the decode's batch into chunked steps (at c32, 152 tokens/s instead of 188,
+        `docs/benchmarks.md`). The controller offloads no prefill then; its flips stay."""
+        turns = (self.spec.share_cores and self.spec.core_sharing == "turns"
+                 and any(not d.startswith("cuda") for d in self.spec.worker_devices))
+        return ["--fluid-token", "false"] if turns else []
+
     def _core_args(self, device: str) -> list[str]:
         """A CPU worker's flags for lending cores (`worker/cores.py`): the cluster's ledger file,
         and up to all of this machine's cores while the others idle."""
         if not self.spec.share_cores or device.startswith("cuda"):
             return []  # "auto": the worker lends only if it resolves to the CPU
         return ["--core-ledger", os.path.join(self.log_dir, f"cores-{self.spec.cluster_id}"),
-                "--max-threads", str(self.spec.worker_max_threads())]
+                "--max-threads", str(self.spec.worker_max_threads()),
+                "--core-sharing", self.spec.core_sharing]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Supervision first (an intended stop is never a restart), then the router, given the

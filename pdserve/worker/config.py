@@ -9,6 +9,8 @@ from pdserve.engine.device import DTYPE_CHOICES, parse_device
 from pdserve.kvstore import config as store_config
 from pdserve.kvstore.channel import check_cluster_id
 
+CORE_SHARING = ("turns", "lend")  # `worker/cores.py`
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -44,6 +46,9 @@ class WorkerConfig:
     # other workers idle (0: `threads`). Needs `threads` >= 1.
     core_ledger: str = ""
     max_threads: int = 0
+    # How the ledger's workers share the cores: "turns" (a step on all of them, one worker's
+    # step at a time) or "lend" (a step on its own share plus the idle cores, side by side).
+    core_sharing: str = "turns"
     # Speculative decoding on this worker's decodes ("": off; "ngram": prompt lookup; "eagle",
     # "dflash", "dspark": a trained drafter at draft_path), with at most this many draft tokens
     # per request per step, cut by the confidence scheduler unless spec_schedule is off.
@@ -104,6 +109,9 @@ class WorkerConfig:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.max_threads < 0:
             raise ConfigError(f"max_threads must be >= 0, got {self.max_threads}")
+        if self.core_sharing not in CORE_SHARING:
+            raise ConfigError(f"core_sharing must be one of {', '.join(CORE_SHARING)}, got "
+                              f"{self.core_sharing!r}")
         if self.core_ledger and self.threads < 1:
             raise ConfigError("core_ledger needs threads >= 1 (the worker's own share)")
         if self.max_threads and self.max_threads < self.threads:

@@ -1,24 +1,41 @@
-"""Cores lent between the workers of one host: a worker computes with the cores the others idle.
+"""Cores shared between the workers of one host: a worker computes with the cores the others idle.
 
-Owns the decision of how many compute threads a worker's next step uses (`step_threads`, pure),
-the host's shared ledger the workers of one local cluster read and write it from (`CoreLedger`:
-a small file mapped into each worker, one slot per worker holding its pid and the threads its
-step in progress uses, 0 between steps), and the engine thread's side (`StepThreads`: claim
-before a step, set torch's thread count when it changed, release after).
-A worker about to step while another's step in progress runs on borrowed cores (more threads
-than its own share) first claims its own share, which the borrower sees before its next step,
-and waits for the borrowed step to end (`must_wait`; at most `max_wait_s`): two steps on more
-threads than cores slow each other many times over (OpenMP threads spin at every op's barrier
-for a core the other holds), so a newcomer pays at most one step of the borrower instead. A
-borrowed step that outlasts a whole wait (a stalled process) is not waited for again.
+Owns the decision of how many compute threads a worker's next step uses and whether it waits
+first (`step_threads`, `must_wait`, `turn_waits`, pure), the host's shared ledger the workers of
+one local cluster read and write it from (`CoreLedger`: a small file mapped into each worker,
+one slot per worker holding its pid, the threads its step in progress uses (0 between steps),
+its own share, and since when it waits for a turn), and the engine thread's side
+(`StepThreads`: claim before a step, set torch's thread count when it changed, release after).
+
+Two ways to share (`StepThreads(turns=...)`):
+- Turns (the default of `pdserve serve`): a step runs on all the cores a worker may use, and a
+  worker about to step while another computes waits for that step to end, first come first
+  served (`turn_waits`; at most `max_wait_s`, then it steps on its own share beside it). Its
+  steps are kept short (`TURN_STEP_TOKENS`), so a turn is a fraction of a second. On a
+  small host this is what keeps a burst of prompts fast: with side-by-side steps a prefill of
+  a whole wave ran on one core for seconds while the decode worker spent the other on steps of
+  a few requests that each cost nearly a full batch's weight reads; taking turns ran the
+  same wave's prefill twice as fast and the decode steps at full batches
+  (`docs/benchmarks.md`, bench serve on a CPU without AVX-512).
+- Lending: a step runs on its own share plus the cores no other worker computes on, side by
+  side with the others' steps. A worker about to step while another's step runs on borrowed
+  cores (more threads than its share) first claims its own share, which the borrower sees
+  before its next step, and waits for the borrowed step to end (`must_wait`; at most
+  `max_wait_s`).
+Either way two steps never run on more threads than cores while the bound holds: OpenMP
+threads spin at every op's barrier for a core the other holds, and such steps slow each other
+many times over. A step that outlasts a whole wait (a stalled process) is not waited for again
+until it ends.
 Must not lock around a step: a slot is written and the others read with no lock, so two
-workers starting a step at the same moment may both borrow for that one step, and the next step
-corrects it. A dead worker's slot is not counted (its pid is gone), and the slot is reused.
+workers starting a step at the same moment may both take the cores for that one step, and the
+next step corrects it. A dead worker's slot is not counted (its pid is gone), and the slot is
+reused.
 
 Why: `pdserve serve` splits a host's cores evenly between its prefill and decode workers, and
 a disaggregated cluster's roles are rarely busy at the same time on one host: during a wave of
 decode the prefill worker's cores idle, during a burst of prompts the decode worker's. A step
-of the SmolLM2 engine on 2 threads instead of 1 takes 0.6-0.8 of the time (batch 8 to 32).
+of the SmolLM2 engine on 2 threads instead of 1 takes 0.6-0.8 of the time (batch 8 to 32), a
+prefill about half.
 """
 
 from __future__ import annotations
@@ -32,9 +49,16 @@ import time
 from typing import Callable
 
 SLOTS = 64
-_SLOT = struct.Struct("<iii")  # pid, threads in use (0: not computing), the worker's own share
-_ALL = struct.Struct("<" + "iii" * SLOTS)
+# pid, threads in use (0: not computing), the worker's own share, and since when (CLOCK_MONOTONIC,
+# one clock for every process of the host, in microseconds) it waits for a turn (0: it does not)
+_SLOT = struct.Struct("<iiiq")
+_ALL = struct.Struct("<" + "iiiq" * SLOTS)
 SIZE = _ALL.size
+TURN_WAIT_S = 2.0  # the most a worker taking turns waits for the others' steps
+LEND_WAIT_S = 0.2  # the most a lending worker waits for a borrowed step
+# A CPU worker taking turns runs at most this many tokens a step (`worker/server.py`): about
+# 0.5-1 s of SmolLM2 prefill on 2 cores, what a decode step beside it waits at most.
+TURN_STEP_TOKENS = 512
 
 
 def step_threads(own: int, most: int, cores: int, others: int) -> int:
@@ -50,6 +74,31 @@ def must_wait(own: int, cores: int, others: list[tuple[int, int]]) -> bool:
     alone exceed the cores never wait for each other: no step of theirs borrows."""
     return (any(n > o for n, o in others)
             and sum(n for n, _ in others) + own > cores)
+
+
+def turn_waits(slot: int, since_us: int, computing: int,
+               waiting: list[tuple[int, int]]) -> bool:
+    """Whether a worker taking turns (in ledger slot `slot`, waiting since `since_us`, 0 if it
+    does not wait yet) waits before its step: `computing` other steps are in progress, or
+    another worker waits for a turn since before it (`waiting`: (since, slot) per waiter; a
+    worker not yet waiting comes after every waiter, a tie goes to the lower slot)."""
+    if computing:
+        return True
+    return any(not since_us or (s, i) < (since_us, slot) for s, i in waiting)
+
+
+def _now_us() -> int:
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T or t in /proc), not merely slow."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
 
 
 def _alive(pid: int) -> bool:
@@ -84,43 +133,62 @@ class CoreLedger:
         for i in range(SLOTS):
             pid = _SLOT.unpack_from(self._map, i * _SLOT.size)[0]
             if pid == 0 or not _alive(pid):
-                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0)
+                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0, 0)
                 return i
         raise RuntimeError(f"the core ledger has no free slot: more than {SLOTS} workers on "
                            "this host share it")
 
-    def steps(self) -> list[tuple[int, int, int]]:
-        """(pid, threads in use, own share) of each other live worker's step in progress."""
+    def _others(self) -> list[tuple[int, int, int, int, int]]:
+        """(slot, pid, threads in use, own share, waiting since) of each other live worker that
+        computes or waits for a turn."""
         vals = _ALL.unpack_from(self._map, 0)
         out = []
         for i in range(SLOTS):
-            pid, n, own = vals[3 * i], vals[3 * i + 1], vals[3 * i + 2]
-            if n > 0 and i != self.slot and _alive(pid):
-                out.append((pid, n, own))
+            pid, n, own, since = vals[4 * i:4 * i + 4]
+            if (n > 0 or since) and i != self.slot and _alive(pid):
+                out.append((i, pid, n, own, since))
         return out
 
-    def set(self, threads: int, own: int = 0) -> None:
-        """This worker's step now uses `threads` of which `own` are its share (0: no step)."""
+    def steps(self) -> list[tuple[int, int, int]]:
+        """(pid, threads in use, own share) of each other live worker's step in progress."""
+        return [(pid, n, own) for _, pid, n, own, _ in self._others() if n > 0]
+
+    def turns(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """The other workers' steps in progress, as `steps()`, and (since, slot, pid) of each
+        other worker waiting for a turn."""
+        others = self._others()
+        return ([(pid, n, own) for _, pid, n, own, _ in others if n > 0],
+                [(since, i, pid) for i, pid, n, _, since in others if since and n <= 0])
+
+    def set(self, threads: int, own: int = 0, waiting_since_us: int = 0) -> None:
+        """This worker's step now uses `threads` of which `own` are its share (0: no step),
+        or it waits for a turn since `waiting_since_us` (with `threads` 0)."""
         with contextlib.suppress(ValueError):  # closed at shutdown while a last step ended
-            _SLOT.pack_into(self._map, self.slot * _SLOT.size, self.pid, threads, own)
+            _SLOT.pack_into(self._map, self.slot * _SLOT.size, self.pid, threads, own,
+                            waiting_since_us)
 
     def close(self) -> None:
         with contextlib.suppress(ValueError, BufferError):  # already closed
-            _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0)
+            _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0, 0)
             self._map.close()
 
 
 class StepThreads:
     """The engine thread's side: `begin()` before a step claims its threads and applies them
-    through `apply` (torch.set_num_threads) when the count changed; `end()` after releases."""
+    through `apply` (torch.set_num_threads) when the count changed; `end()` after releases.
+    `turns`: take turns on all the cores, else lend idle ones (the module's docstring);
+    `max_wait_s` defaults to TURN_WAIT_S or LEND_WAIT_S."""
 
     def __init__(self, ledger: CoreLedger, own: int, most: int, cores: int,
-                 apply: Callable[[int], None], max_wait_s: float = 0.2) -> None:
+                 apply: Callable[[int], None], max_wait_s: float | None = None,
+                 turns: bool = False) -> None:
         if not 1 <= own <= most:
             raise ValueError(f"need 1 <= own <= most threads, got {own} and {most}")
         self.ledger, self.own, self.most, self.cores = ledger, own, most, cores
         self._apply = apply
-        self.max_wait_s = max_wait_s
+        self.turns = turns
+        self.max_wait_s = (max_wait_s if max_wait_s is not None
+                           else TURN_WAIT_S if turns else LEND_WAIT_S)
         self.current = 0
         self.borrowed_steps = 0  # steps that ran on more threads than this worker's own
         self.waited_s = 0.0  # time spent waiting for a borrowed step to end
@@ -134,7 +202,34 @@ class StepThreads:
             self._outlasted &= {pid for pid, n, own in steps if n > own}
         return [(n, own) for pid, n, own in steps if pid not in self._outlasted]
 
+    def _take_turn(self) -> list[tuple[int, int, int]]:
+        """Wait until no other step runs and no earlier waiter is ahead, at most `max_wait_s`
+        (a long step is waited for again before each step of this worker, so a worker
+        beside it steps at most once a wait); the steps still in progress after that. A
+        stopped process (SIGSTOP, a debugger) is not waited for: its step makes no progress."""
+        steps, waiting = self.ledger.turns()
+
+        def blocked() -> bool:
+            return turn_waits(self.ledger.slot, since,
+                              sum(1 for pid, _, _ in steps if not _stopped(pid)),
+                              [(s, i) for s, i, pid in waiting if not _stopped(pid)])
+
+        since = 0
+        if blocked():
+            since = _now_us()
+            self.ledger.set(0, self.own, since)  # waiters after this one see it ahead
+            t0 = time.monotonic()
+            while blocked() and time.monotonic() - t0 < self.max_wait_s:
+                time.sleep(0.0005)
+                steps, waiting = self.ledger.turns()
+            self.waited_s += time.monotonic() - t0
+        return steps
+
     def begin(self) -> int:
+        if self.turns:
+            steps = self._take_turn()
+            n = step_threads(self.own, self.most, self.cores, sum(n for _, n, _ in steps))
+            return self._claim(n)
         steps = self.ledger.steps()  # one read of the ledger on a step that does not wait
         if must_wait(self.own, self.cores, self._waited_for(steps)):
             self.ledger.set(self.own, self.own)  # the borrower's next step sees this claim
@@ -148,6 +243,9 @@ class StepThreads:
             self.waited_s += time.monotonic() - t0
         # Every step in progress counts for the threads, an outlasted one too.
         n = step_threads(self.own, self.most, self.cores, sum(n for _, n, _ in steps))
+        return self._claim(n)
+
+    def _claim(self, n: int) -> int:
         self.ledger.set(n, self.own)
         if n != self.current:
             self._apply(n)

@@ -22,6 +22,7 @@ from pdserve import rpc
 from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.device import DeviceError, resolve_device
+from pdserve.engine.device import resolve_device
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.dist_client import ClusterRefused, DistStoreClient, DistStoreError
@@ -31,7 +32,7 @@ from pdserve.prefill_worker.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.cores import CoreLedger, StepThreads
+from pdserve.worker.cores import TURN_STEP_TOKENS, CoreLedger, StepThreads
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.guarded_store import GuardedStore
 from pdserve.worker.registration import Registrar
@@ -46,12 +47,22 @@ def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
     return f"{base}@{dtype}"
 
 
+def step_token_budget(cfg: WorkerConfig) -> int:
+    """The engine's per-step token budget: the configured one, but no more than
+    TURN_STEP_TOKENS when the worker takes turns on a CPU host's cores with others (a step
+    holds all of them, and the others wait it out)."""
+    if (cfg.core_ledger and cfg.core_sharing == "turns"
+            and resolve_device(cfg.device) == "cpu"):
+        return min(cfg.max_num_batched_tokens, TURN_STEP_TOKENS)
+    return cfg.max_num_batched_tokens
+
+
 def build_engine(cfg: WorkerConfig) -> LLMEngine:
     engine = LLMEngine(EngineConfig(
         model_path=cfg.model_path, dtype=cfg.dtype, device=cfg.device,
         cache=CacheConfig(block_size_tokens=cfg.block_size_tokens, num_blocks=cfg.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  max_num_batched_tokens=step_token_budget(cfg),
                                   max_waiting=cfg.max_waiting),
         spec=SpecConfig(method=cfg.spec_method,
                         num_speculative_tokens=cfg.num_speculative_tokens,
@@ -69,7 +80,8 @@ def lent_threads(cfg: WorkerConfig, engine: LLMEngine) -> StepThreads | None:
     cores = len(os.sched_getaffinity(0))
     own = min(cfg.threads, cores)
     most = max(own, min(cfg.max_threads or cfg.threads, cores))
-    return StepThreads(CoreLedger(cfg.core_ledger), own, most, cores, torch.set_num_threads)
+    return StepThreads(CoreLedger(cfg.core_ledger), own, most, cores, torch.set_num_threads,
+                       turns=cfg.core_sharing == "turns")
 
 
 def release_free_heap() -> None:

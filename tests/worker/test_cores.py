@@ -1,4 +1,5 @@
-"""Cores lent between the workers of one host: the decision, the shared ledger, the engine loop.
+"""Cores shared between the workers of one host: the decisions, the shared ledger, the engine
+loop, and both ways of sharing (turns on all the cores; lending idle ones).
 
 The ledger is a real file shared with real child processes (the other workers of the host); the
 engine loop test runs a real tiny engine. Thread counts are recorded through the `apply` hook,
@@ -7,6 +8,8 @@ the one the worker points at `torch.set_num_threads`.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,7 +23,8 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.worker.config import WorkerConfig
 from pdserve.core.errors import ConfigError
-from pdserve.worker.cores import CoreLedger, StepThreads, must_wait, step_threads
+from pdserve.worker.cores import (TURN_STEP_TOKENS, CoreLedger, StepThreads, must_wait,
+                                  step_threads, turn_waits)
 from pdserve.worker.engine_loop import EngineLoop
 
 
@@ -49,10 +53,12 @@ def others(ledger: CoreLedger) -> list[tuple[int, int]]:
 
 
 HOLDER = textwrap.dedent("""
-    import sys
+    import sys, time
     from pdserve.worker.cores import CoreLedger
     led = CoreLedger(sys.argv[1])
-    led.set(int(sys.argv[2]), int(sys.argv[3]))
+    waiting = int(sys.argv[2]) < 0  # waits for a turn since now instead
+    led.set(0 if waiting else int(sys.argv[2]), int(sys.argv[3]),
+            time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000 if waiting else 0)
     print("claimed", flush=True)
     for line in sys.stdin:  # until the test closes its stdin or kills it
         if line.strip() == "release":
@@ -63,7 +69,7 @@ HOLDER = textwrap.dedent("""
 
 def holder(path, threads: int, own: int) -> subprocess.Popen:
     """Another worker of the host, in its own process, inside a step on `threads` threads (its
-    share `own`) until told "release"."""
+    share `own`; -1: waiting for a turn) until told "release"."""
     p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(threads), str(own)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "claimed"
@@ -226,3 +232,110 @@ def test_a_stalled_borrower_costs_one_wait_not_one_per_step(tmp_path):
     finally:
         again.kill()
         again.wait()
+
+
+# ---- turns ----------------------------------------------------------------------------------
+def test_a_worker_taking_turns_waits_for_every_step_and_for_earlier_waiters():
+    assert not turn_waits(slot=1, since_us=0, computing=0, waiting=[])
+    assert turn_waits(slot=1, since_us=0, computing=1, waiting=[])  # even one on its own share
+    assert turn_waits(slot=1, since_us=0, computing=0, waiting=[(50, 2)])  # not yet waiting
+    assert turn_waits(slot=1, since_us=100, computing=0, waiting=[(50, 2)])  # it came first
+    assert not turn_waits(slot=1, since_us=100, computing=0, waiting=[(150, 0)])  # it came after
+    assert not turn_waits(slot=1, since_us=100, computing=0, waiting=[(100, 2)])  # a tie: slot
+    assert turn_waits(slot=1, since_us=100, computing=0, waiting=[(100, 0)])
+
+
+def test_a_turn_waits_for_a_step_on_its_own_share_then_takes_every_core(tmp_path):
+    path = tmp_path / "cores"
+    applied: list[int] = []
+    st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=applied.append,
+                     turns=True)
+    assert st.max_wait_s == 2.0  # TURN_WAIT_S, not the lending bound
+    other = holder(path, 1, 1)  # the other worker's step on its own core, ended 0.3 s from now
+    release_after(other, 0.3)
+    try:
+        peer = CoreLedger(str(path))
+        t0 = time.monotonic()
+        n = st.begin()
+        assert time.monotonic() - t0 >= 0.2, "stepped beside a step in progress"
+        assert other.stdout.readline().strip() == "released"
+        assert n == 2 and applied == [2]  # alone now: both cores
+        assert dict(others(peer)) == {2: 1}
+        st.end()
+        assert others(peer) == []
+        peer.close()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_turns_go_first_come_first_served(tmp_path):
+    path = tmp_path / "cores"
+    st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=lambda n: None,
+                     turns=True, max_wait_s=30.0)
+    other = holder(path, -1, 1)  # it waits for a turn since before this worker's next step
+    release_after(other, 0.3)  # ... and gives up its place 0.3 s from now
+    try:
+        t0 = time.monotonic()
+        assert st.begin() == 2
+        assert time.monotonic() - t0 >= 0.2, "jumped ahead of a worker waiting before it"
+        st.end()
+    finally:
+        other.kill()
+        other.wait()
+    # A worker that arrives after this one is waiting does not hold it up.
+    me = CoreLedger(str(path))
+    me.set(0, 1, 1)  # waiting since the clock's first microsecond: before anyone else
+    later = holder(path, -1, 1)
+    try:
+        assert not turn_waits(me.slot, 1, 0, [(s, i) for s, i, _ in me.turns()[1]])
+    finally:
+        later.kill()
+        later.wait()
+        me.close()
+
+
+def test_a_long_step_is_waited_for_at_each_step_and_a_stopped_one_not_at_all(tmp_path):
+    path = tmp_path / "cores"
+    st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=lambda n: None,
+                     turns=True, max_wait_s=0.2)
+    other = holder(path, 2, 1)  # a live worker inside a step that does not end
+    try:
+        for _ in range(2):  # past the bound it steps on its own share, and waits again next time
+            t0 = time.monotonic()
+            assert st.begin() == 1
+            st.end()
+            assert time.monotonic() - t0 >= 0.2
+        os.kill(other.pid, signal.SIGSTOP)  # stopped inside its step: it makes no progress
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert st.begin() == 1  # its share, beside the 2 threads still claimed
+            st.end()
+        assert time.monotonic() - t0 < 0.2
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_worker_taking_turns_on_cpu_keeps_its_steps_short():
+    from pdserve.worker.server import step_token_budget
+
+    turns = WorkerConfig(model_path="m", threads=1, core_ledger="/tmp/x", device="cpu",
+                         max_num_batched_tokens=2048)
+    assert step_token_budget(turns) == TURN_STEP_TOKENS == 512
+    assert step_token_budget(WorkerConfig(model_path="m", threads=1, core_ledger="/tmp/x",
+                                          device="cpu", max_num_batched_tokens=256)) == 256
+    for cfg in (WorkerConfig(model_path="m", threads=1, core_ledger="/tmp/x", device="cpu",
+                             core_sharing="lend", max_num_batched_tokens=2048),
+                WorkerConfig(model_path="m", threads=1, device="cpu",
+                             max_num_batched_tokens=2048)):
+        assert step_token_budget(cfg) == 2048  # lending, or no ledger: as configured
+
+
+def test_core_sharing_names_the_field_when_wrong():
+    from pdserve.controller.cluster_spec import ClusterSpec
+
+    with pytest.raises(ConfigError, match="core_sharing"):
+        WorkerConfig(model_path="m", threads=1, core_sharing="share")
+    with pytest.raises(ConfigError, match="core_sharing"):
+        ClusterSpec(model_path="m", core_sharing="share")
