@@ -108,30 +108,38 @@ def test_the_ledger_shows_other_processes_steps_and_forgets_a_dead_one(tmp_path)
     me.close()
 
 
-def test_a_newcomer_claims_its_share_and_waits_for_the_borrowed_step_to_end(tmp_path):
+@pytest.mark.parametrize("turns, held", [(False, 2), (True, 1)], ids=["lend", "turns"])
+def test_a_newcomer_waits_for_the_step_in_its_way_then_takes_both_cores(tmp_path, turns, held):
+    # Lending: a borrowed step (2 threads) is in its way. Turns: any step, even on its share.
     path = tmp_path / "cores"
     applied: list[int] = []
     st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=applied.append,
-                     max_wait_s=30.0)
-    other = holder(path, 2, 1)  # a borrowed step in progress, ended 0.3 s from now
+                     max_wait_s=30.0, turns=turns)
+    other = holder(path, held, 1)  # the other worker's step, ended 0.3 s from now
     release_after(other, 0.3)
     try:
-        peer = CoreLedger(str(path))  # what the borrower reads before its next step
+        peer = CoreLedger(str(path))  # what the other reads before its next step
         t0 = time.monotonic()
         n = st.begin()
         waited = time.monotonic() - t0
         assert other.stdout.readline().strip() == "released"
-        assert waited >= 0.2, "started while a borrowed step held the other core"
+        assert waited >= 0.2, "started while the other's step was in its way"
         assert st.waited_s >= 0.2
         assert n == 2 and applied == [2]  # once the other idles, both cores are this step's
         seen = dict(others(peer))
-        assert seen == {2: 1}  # the borrower sees this step's claim (2 threads, share 1)
+        assert seen == {2: 1}  # the other sees this step's claim (2 threads, share 1)
         st.end()
         assert others(peer) == []
         peer.close()
     finally:
         other.kill()
         other.wait()
+
+
+def test_each_way_of_sharing_has_its_own_wait_bound(tmp_path):
+    path = str(tmp_path / "cores")
+    assert StepThreads(CoreLedger(path), 1, 2, 2, lambda n: None).max_wait_s == 0.2
+    assert StepThreads(CoreLedger(path), 1, 2, 2, lambda n: None, turns=True).max_wait_s == 2.0
 
 
 def test_a_newcomer_waits_at_most_its_bound(tmp_path):
@@ -245,30 +253,6 @@ def test_a_worker_taking_turns_waits_for_every_step_and_for_earlier_waiters():
     assert turn_waits(slot=1, since_us=100, computing=0, waiting=[(100, 0)])
 
 
-def test_a_turn_waits_for_a_step_on_its_own_share_then_takes_every_core(tmp_path):
-    path = tmp_path / "cores"
-    applied: list[int] = []
-    st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=applied.append,
-                     turns=True)
-    assert st.max_wait_s == 2.0  # TURN_WAIT_S, not the lending bound
-    other = holder(path, 1, 1)  # the other worker's step on its own core, ended 0.3 s from now
-    release_after(other, 0.3)
-    try:
-        peer = CoreLedger(str(path))
-        t0 = time.monotonic()
-        n = st.begin()
-        assert time.monotonic() - t0 >= 0.2, "stepped beside a step in progress"
-        assert other.stdout.readline().strip() == "released"
-        assert n == 2 and applied == [2]  # alone now: both cores
-        assert dict(others(peer)) == {2: 1}
-        st.end()
-        assert others(peer) == []
-        peer.close()
-    finally:
-        other.kill()
-        other.wait()
-
-
 def test_turns_go_first_come_first_served(tmp_path):
     path = tmp_path / "cores"
     st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=lambda n: None,
@@ -339,3 +323,17 @@ def test_core_sharing_names_the_field_when_wrong():
         WorkerConfig(model_path="m", threads=1, core_sharing="share")
     with pytest.raises(ConfigError, match="core_sharing"):
         ClusterSpec(model_path="m", core_sharing="share")
+
+
+def test_a_controller_over_workers_taking_turns_on_cpu_offloads_no_prefill():
+    from pdserve.controller.cluster_spec import ClusterSpec
+    from pdserve.controller.launcher import LocalCluster
+
+    def args(**kw):
+        spec = ClusterSpec("m.gguf", worker_devices=kw.pop("devices", ("cpu", "cpu")), **kw)
+        return LocalCluster(spec)._offload_args()
+
+    assert args() == ["--fluid-token", "false"]  # `pdserve serve`'s default on a CPU host
+    assert args(core_sharing="lend") == []  # lent cores: a decode worker may have idle ones
+    assert args(share_cores=False) == []
+    assert args(devices=("cuda:0", "cuda:1")) == []  # GPU workers share no cores
