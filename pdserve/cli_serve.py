@@ -75,10 +75,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--no-share-cores", action="store_true",
                    help="CPU workers keep to their own threads (default: a step also uses the "
                         "cores the host's other workers idle at the moment)")
-    s.add_argument("--core-sharing", choices=("turns", "lend"), default="turns",
-                   help="how CPU workers share the host's cores: turns (a step runs on all of "
-                        "them, one worker's step at a time; the default) or lend (a step runs "
-                        "on its own share plus the idle cores, beside the others' steps)")
+    s.add_argument("--core-sharing", choices=("lend", "turns"), default="lend",
+                   help="how CPU workers share the host's cores: lend (a step runs on its own "
+                        "share plus the cores the others idle, beside their steps; the "
+                        "default) or turns (a step runs on all of them, one worker's step at a "
+                        "time: more tokens/s for bursts, slower tokens under steady traffic)")
     s.add_argument("--no-controller", action="store_true",
                    help="start no controller: roles stay as started")
     s.add_argument("--controller-port", type=int, default=None,

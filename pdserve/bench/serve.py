@@ -43,7 +43,7 @@ class ServeBenchSettings:
     decode_workers: int = 1
     threads_per_worker: int | None = None  # None: this machine's cores split evenly
     share_cores: bool = True  # the workers lend each other idle cores, as `pdserve serve`
-    core_sharing: str = "turns"  # how: `pdserve serve --core-sharing`
+    core_sharing: str = "lend"  # how: `pdserve serve --core-sharing`
     controller: bool = True
     max_predicted_ttft_s: float | None = None  # None: the router's default
     ceiling_repeats: int = 3
@@ -319,7 +319,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-share-cores", action="store_true",
                    help="workers keep their own threads: no cores lent while another idles "
                         "(`pdserve serve --no-share-cores`)")
-    p.add_argument("--core-sharing", choices=("turns", "lend"), default=d.core_sharing,
+    p.add_argument("--core-sharing", choices=("lend", "turns"), default=d.core_sharing,
                    help="how the workers share the cores (`pdserve serve --core-sharing`)")
     p.add_argument("--no-controller", action="store_true", help="start no controller")
     p.add_argument("--max-predicted-ttft-s", type=float, default=None,

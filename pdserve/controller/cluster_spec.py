@@ -54,7 +54,7 @@ class ClusterSpec:
     # CPU workers lend each other the cores they idle (`worker/cores.py`): a step runs on its
     # own `worker_threads()` plus the cores no other worker computes on at the moment.
     share_cores: bool = True
-    core_sharing: str = "turns"  # how they share: "turns" or "lend" (`worker/cores.py`)
+    core_sharing: str = "lend"  # how they share: "lend" or "turns" (`worker/cores.py`)
     # The router's prefill policy (pdserve.router.config.ROUTING_CHOICES); "auto" is kv_aware
     # with 2+ prefill workers, its index fed by the workers' and the store's event streams.
     routing: str = "auto"

@@ -48,7 +48,7 @@ class WorkerConfig:
     max_threads: int = 0
     # How the ledger's workers share the cores: "turns" (a step on all of them, one worker's
     # step at a time) or "lend" (a step on its own share plus the idle cores, side by side).
-    core_sharing: str = "turns"
+    core_sharing: str = "lend"
     # Speculative decoding on this worker's decodes ("": off; "ngram": prompt lookup; "eagle",
     # "dflash", "dspark": a trained drafter at draft_path), with at most this many draft tokens
     # per request per step, cut by the confidence scheduler unless spec_schedule is off.

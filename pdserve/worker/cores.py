@@ -8,19 +8,20 @@ its own share, and since when it waits for a turn), and the engine thread's side
 (`StepThreads`: claim before a step, set torch's thread count when it changed, release after).
 
 Two ways to share (`StepThreads(turns=...)`):
-- Turns (the default of `pdserve serve`): a step runs on all the cores a worker may use, and a
+- Turns (`--core-sharing turns`): a step runs on all the cores a worker may use, and a
   worker about to step while another computes waits for that step to end, first come first
   served (`turn_waits`; at most `max_wait_s`, then it steps on its own share beside it). Its
   steps are kept short (`TURN_STEP_TOKENS`), so a turn is a fraction of a second. On a
-  small host this is what keeps a burst of prompts fast: with side-by-side steps a prefill of
-  a whole wave ran on one core for seconds while the decode worker spent the other on steps of
-  a few requests that each cost nearly a full batch's weight reads; taking turns ran the
-  same wave's prefill twice as fast and the decode steps at full batches
-  (`docs/benchmarks.md`, bench serve on a CPU without AVX-512).
-- Lending: a step runs on its own share plus the cores no other worker computes on, side by
-  side with the others' steps. A worker about to step while another's step runs on borrowed
-  cores (more threads than its share) first claims its own share, which the borrower sees
-  before its next step, and waits for the borrowed step to end (`must_wait`; at most
+  small host this keeps a burst of prompts fast: with side-by-side steps a prefill of a whole
+  wave ran on one core for seconds while the decode worker spent the other on steps of a few
+  requests that each cost nearly a full batch's weight reads; taking turns ran the same
+  wave's prefill twice as fast and the decode steps at full batches. But under steady traffic
+  every decode step waits out a prefill turn, and the inter-token gap grows several times
+  (`docs/benchmarks.md`, bench serve on a CPU without AVX-512), so it is not the default.
+- Lending (the default): a step runs on its own share plus the cores no other worker computes
+  on, side by side with the others' steps. A worker about to step while another's step runs on
+  borrowed cores (more threads than its share) first claims its own share, which the borrower
+  sees before its next step, and waits for the borrowed step to end (`must_wait`; at most
   `max_wait_s`).
 Either way two steps never run on more threads than cores while the bound holds: OpenMP
 threads spin at every op's barrier for a core the other holds, and such steps slow each other

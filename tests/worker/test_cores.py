@@ -305,15 +305,16 @@ def test_a_worker_taking_turns_on_cpu_keeps_its_steps_short():
     from pdserve.worker.server import step_token_budget
 
     turns = WorkerConfig(model_path="m", threads=1, core_ledger="/tmp/x", device="cpu",
-                         max_num_batched_tokens=2048)
+                         core_sharing="turns", max_num_batched_tokens=2048)
     assert step_token_budget(turns) == TURN_STEP_TOKENS == 512
     assert step_token_budget(WorkerConfig(model_path="m", threads=1, core_ledger="/tmp/x",
-                                          device="cpu", max_num_batched_tokens=256)) == 256
+                                          device="cpu", core_sharing="turns",
+                                          max_num_batched_tokens=256)) == 256
     for cfg in (WorkerConfig(model_path="m", threads=1, core_ledger="/tmp/x", device="cpu",
-                             core_sharing="lend", max_num_batched_tokens=2048),
-                WorkerConfig(model_path="m", threads=1, device="cpu",
+                             max_num_batched_tokens=2048),
+                WorkerConfig(model_path="m", threads=1, device="cpu", core_sharing="turns",
                              max_num_batched_tokens=2048)):
-        assert step_token_budget(cfg) == 2048  # lending, or no ledger: as configured
+        assert step_token_budget(cfg) == 2048  # lending (the default), or no ledger: as set
 
 
 def test_core_sharing_names_the_field_when_wrong():
@@ -333,7 +334,7 @@ def test_a_controller_over_workers_taking_turns_on_cpu_offloads_no_prefill():
         spec = ClusterSpec("m.gguf", worker_devices=kw.pop("devices", ("cpu", "cpu")), **kw)
         return LocalCluster(spec)._offload_args()
 
-    assert args() == ["--fluid-token", "false"]  # `pdserve serve`'s default on a CPU host
-    assert args(core_sharing="lend") == []  # lent cores: a decode worker may have idle ones
-    assert args(share_cores=False) == []
-    assert args(devices=("cuda:0", "cuda:1")) == []  # GPU workers share no cores
+    assert args(core_sharing="turns") == ["--fluid-token", "false"]
+    assert args() == []  # lent cores (the default): a decode worker may have idle ones
+    assert args(core_sharing="turns", share_cores=False) == []
+    assert args(core_sharing="turns", devices=("cuda:0", "cuda:1")) == []  # no cores shared
