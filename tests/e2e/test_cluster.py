@@ -86,6 +86,27 @@ def test_tiny_cluster_matches_engine_and_transformers(tiny_cluster, tiny_llama_d
         assert ids == mine == hf_greedy(ref, p, 64)
 
 
+def test_workers_taking_turns_give_the_engines_tokens_on_every_core(tiny_llama_dir):
+    from tests.e2e.conftest import cluster_spec
+    from pdserve.controller.launcher import LocalCluster
+
+    tok = Tokenizer.from_path(tiny_llama_dir)
+    # A prompt of several steps' tokens: its prefill runs in chunks, one turn each.
+    prompts = [tok.encode("The quick brown fox " * 80), tok.encode("1, 2, 3, 4, 5,")]
+    assert 300 < len(prompts[0]) < 480
+    engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=256)))
+    local = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    spec = cluster_spec(tiny_llama_dir, core_sharing="turns", max_num_batched_tokens=128)
+    with LocalCluster(spec) as cluster:
+        decode = workers(cluster, "decode")[0]
+        for p, mine in zip(prompts, local):
+            ids, *_ = generate(cluster.router_address, token_ids=p, max_tokens=24,
+                               ignore_eos=True)
+            assert ids == mine
+        if len(os.sched_getaffinity(0)) >= 2:  # every step ran on all the cores
+            assert borrowed_steps(cluster, decode) >= 2 * 23
+
+
 def test_prefix_reuse_counts_cached_blocks_and_keeps_output(smollm2_cluster, smollm2_gguf_path):
     tok = Tokenizer.from_path(smollm2_gguf_path)
     shared = ("You are a careful assistant. Answer in one short paragraph. " * 8).strip()
