@@ -342,9 +342,9 @@ class LocalCluster:
 
     def _offload_args(self) -> list[str]:
         """Workers taking turns on this host's CPU cores have no slack to lend each other: a
-        prefill on a decode worker takes the cores from the prefill worker's next step and
-        breaks the decode's batch into chunked steps (at c32, 152 tokens/s instead of 188,
-        `docs/benchmarks.md`). The controller offloads no prefill then; its flips stay."""
+        prefill on a decode worker only takes turns from the prefill worker (in a c32 burst
+        the controller had it prefill 29-token chunks on the same two cores, each a slower
+        decode step). The controller offloads no prefill then; its flips stay."""
         turns = (self.spec.share_cores and self.spec.core_sharing == "turns"
                  and any(not d.startswith("cuda") for d in self.spec.worker_devices))
         return ["--fluid-token", "false"] if turns else []

@@ -10,8 +10,9 @@ its own share, and since when it waits for a turn), and the engine thread's side
 Two ways to share (`StepThreads(turns=...)`):
 - Turns (`--core-sharing turns`): a step runs on all the cores a worker may use, and a
   worker about to step while another computes waits for that step to end, first come first
-  served (`turn_waits`; at most `max_wait_s`, then it steps on its own share beside it). Its
-  steps are kept short (`TURN_STEP_TOKENS`), so a turn is a fraction of a second. On a
+  served (`turn_waits`; at most `max_wait_s`, then it steps on its own share beside it, and
+  waits again before its next step; a stopped process is not waited for). Its steps are kept
+  short (`TURN_STEP_TOKENS`), so a turn is a fraction of a second. On a
   small host this keeps a burst of prompts fast: with side-by-side steps a prefill of a whole
   wave ran on one core for seconds while the decode worker spent the other on steps of a few
   requests that each cost nearly a full batch's weight reads; taking turns ran the same
@@ -22,11 +23,11 @@ Two ways to share (`StepThreads(turns=...)`):
   on, side by side with the others' steps. A worker about to step while another's step runs on
   borrowed cores (more threads than its share) first claims its own share, which the borrower
   sees before its next step, and waits for the borrowed step to end (`must_wait`; at most
-  `max_wait_s`).
+  `max_wait_s`; a borrowed step that outlasts a whole wait, a stalled process, is not waited
+  for again until it ends).
 Either way two steps never run on more threads than cores while the bound holds: OpenMP
 threads spin at every op's barrier for a core the other holds, and such steps slow each other
-many times over. A step that outlasts a whole wait (a stalled process) is not waited for again
-until it ends.
+many times over.
 Must not lock around a step: a slot is written and the others read with no lock, so two
 workers starting a step at the same moment may both take the cores for that one step, and the
 next step corrects it. A dead worker's slot is not counted (its pid is gone), and the slot is
@@ -58,7 +59,7 @@ SIZE = _ALL.size
 TURN_WAIT_S = 2.0  # the most a worker taking turns waits for the others' steps
 LEND_WAIT_S = 0.2  # the most a lending worker waits for a borrowed step
 # A CPU worker taking turns runs at most this many tokens a step (`worker/server.py`): about
-# 0.5-1 s of SmolLM2 prefill on 2 cores, what a decode step beside it waits at most.
+# 0.9 s of SmolLM2 prefill on 2 cores here, what a decode step waits for at most.
 TURN_STEP_TOKENS = 512
 
 
