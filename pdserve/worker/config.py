@@ -9,7 +9,7 @@ from pdserve.engine.device import DTYPE_CHOICES, parse_device
 from pdserve.kvstore import config as store_config
 from pdserve.kvstore.channel import check_cluster_id
 
-CORE_SHARING = ("turns", "lend")  # `worker/cores.py`
+CORE_SHARING = ("lend", "turns")  # `worker/cores.py`; the first is the default
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from pdserve import rpc
 from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.device import DeviceError, resolve_device
-from pdserve.engine.device import resolve_device
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.dist_client import ClusterRefused, DistStoreClient, DistStoreError
@@ -48,11 +47,10 @@ def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
 
 
 def step_token_budget(cfg: WorkerConfig) -> int:
-    """The engine's per-step token budget: the configured one, but no more than
-    TURN_STEP_TOKENS when the worker takes turns on a CPU host's cores with others (a step
-    holds all of them, and the others wait it out)."""
-    if (cfg.core_ledger and cfg.core_sharing == "turns"
-            and resolve_device(cfg.device) == "cpu"):
+    """The engine's per-step token budget for `cfg` (its device resolved, as `run` does): the
+    configured one, but no more than TURN_STEP_TOKENS when the worker takes turns on a CPU
+    host's cores with others (a step holds all of them, and the others wait it out)."""
+    if cfg.core_ledger and cfg.core_sharing == "turns" and cfg.device == "cpu":
         return min(cfg.max_num_batched_tokens, TURN_STEP_TOKENS)
     return cfg.max_num_batched_tokens
 
