@@ -1,8 +1,10 @@
 """`pdserve sim calibrate`: a `StepProfile` fitted to the real engine, store and cluster here.
 
 Owns the measurement plan (prefill steps vs uncached tokens on cached context, decode steps vs
-batch size and context, mixed steps; store put+get per transport; a worker's start-up and an idle
-role flip through the controller's own `Flipper`; the host's cores and slowdown through
+batch size and context, mixed steps, several prompts prefilled in one step; store put+get per
+transport; in a real 1P1D cluster a worker's start-up, the gap between streamed tokens at a few
+decode batches (what serving adds to the engine's step) and an idle role flip through the
+controller's own `Flipper`; the host's cores and slowdown through
 `calibrate_host.py`), the fit (least squares on relative error, coefficients kept non-negative)
 and its error report. The engine, the store and the cluster are
 imported only inside the measuring functions, so the fit and the CLI's help stay torch-free.
@@ -12,6 +14,7 @@ Must not simulate anything or decide what a measurement should have been.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -36,36 +39,41 @@ class Plan:
     cached_tokens: tuple[int, ...] = (0, 512, 1536)
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     decode_prompt_tokens: tuple[int, ...] = (64, 256)
-    decode_steps: int = 6
+    decode_steps: int = 16  # the median step is kept: the decode points are the noisiest
     mixed: tuple[tuple[int, int], ...] = ((64, 4), (256, 4), (256, 16), (1024, 8))
+    # prompts x tokens prefilled in one step: a burst of arrivals batches short prompts, whose
+    # attention is small but whose linear layers run on every token
+    batched: tuple[tuple[int, int], ...] = ((4, 64), (8, 128), (8, 256), (4, 512))
     repeats: int = 2
     transfer_sizes: tuple[int, ...] = (1 << 18, 1 << 22, 1 << 24)
     host_workers: int = 4  # engines computing at once, 1..N, for the host's slowdown table
     host_prefill: tuple[int, int] = (256, 3)  # each engine's round: prefill tokens x steps,
     host_decode: tuple[int, int] = (4, 12)  # then decode batch x steps
-    cluster: bool = True  # start a 1P1D cluster: start-up and flip time
+    cluster: bool = True  # start a 1P1D cluster: start-up, served decode steps, flip time
+    served_batches: tuple[int, ...] = (1, 4, 8, 16)  # decode batches timed in that cluster
 
 
 FULL = Plan()
 QUICK = Plan(prefill_tokens=(16, 64, 256), cached_tokens=(0, 256), decode_batches=(1, 4),
-             decode_prompt_tokens=(32, 256), decode_steps=3, mixed=((64, 4),), repeats=1,
+             decode_prompt_tokens=(32, 256), decode_steps=3, mixed=((64, 4),), batched=((4, 64),), repeats=1,
              transfer_sizes=(1 << 16, 1 << 20), host_workers=2, host_prefill=(64, 2),
-             host_decode=(2, 4))
+             host_decode=(2, 4), served_batches=(1, 4))
 
 
 @dataclass(frozen=True)
 class Point:
-    kind: str  # "prefill", "decode", "mixed"
-    prefill_tokens: int
+    kind: str  # "prefill", "batched" (prefill of several prompts), "decode", "mixed"
+    prefill_tokens: int  # in all: `prompts` prompts of prefill_tokens / prompts each
     cached_tokens: int
     decode_batch: int
     decode_ctx: int
     seconds: float
+    prompts: int = 1
 
     def row(self) -> list[float]:
-        p, b = self.prefill_tokens, self.decode_batch
+        p, b, k = self.prefill_tokens, self.decode_batch, self.prompts
         return [1.0, float(p > 0), float(b > 0), p,
-                attn_pairs(p, self.cached_tokens) if p else 0.0, b, self.decode_ctx]
+                k * attn_pairs(p // k, self.cached_tokens) if p else 0.0, b, self.decode_ctx]
 
 
 # ---- the fit (pure) ---------------------------------------------------------------------------
@@ -89,7 +97,7 @@ def fit_steps(points: list[Point]) -> tuple[dict[str, float], dict[str, Any]]:
     pred = x @ coef
     rel = (pred - y) / y
     errors = {}
-    for kind in ("prefill", "decode", "mixed"):
+    for kind in ("prefill", "batched", "decode", "mixed"):
         sel = np.array([p.kind == kind for p in points])
         if sel.any():
             errors[kind] = {"points": int(sel.sum()),
@@ -113,11 +121,29 @@ def fit_transfer(rows: list[tuple[int, float]]) -> TransportLink:
     return TransportLink(float(icpt), float(1.0 / slope))
 
 
+def fit_serving(base: StepProfile, rows: list[dict[str, float]]) -> tuple[float, float]:
+    """(serve_step_s, serve_seq_s): what a served decode step takes beyond `base`'s engine step,
+    fitted (least squares, both >= 0) to the residuals of `rows` ({batch, ctx, gap_s}: the median
+    gap between a cluster's streamed tokens at that decode batch and context). (0, 0) without
+    rows."""
+    if not rows:
+        return 0.0, 0.0
+    b = np.array([r["batch"] for r in rows], dtype=float)
+    resid = np.array([r["gap_s"] - base.decode_s(int(r["batch"]), int(r["ctx"])) for r in rows])
+    if len(set(b)) >= 2:
+        slope, icpt = np.polyfit(b, resid, 1)
+        if slope >= 0 and icpt >= 0:
+            return float(icpt), float(slope)
+        if slope >= 0:  # through the origin: all of it per sequence
+            return 0.0, max(0.0, float(np.sum(b * resid) / np.sum(b * b)))
+    return max(0.0, float(np.mean(resid))), 0.0
+
+
 def build_profile(points: list[Point], transfers: dict[str, list[tuple[int, float]]],
                   meta: dict[str, Any]) -> StepProfile:
     coef, errors = fit_steps(points)
     links = {name: fit_transfer(rows) for name, rows in transfers.items()}
-    return StepProfile(
+    prof = StepProfile(
         origin=meta["origin"], model=meta["model"], **coef, transports=links,
         kv_bytes_per_token=meta["kv_bytes_per_token"], flip_s=meta.get("flip_s", 0.0),
         startup_s=meta.get("startup_s", 0.0), kv_capacity_tokens=meta["kv_capacity_tokens"],
@@ -127,6 +153,8 @@ def build_profile(points: list[Point], transfers: dict[str, list[tuple[int, floa
              "points": [p.__dict__ for p in points],
              "transfers": {k: [list(r) for r in v] for k, v in transfers.items()},
              **{k: v for k, v in meta.items() if k not in ("origin", "model")}})
+    step, seq = fit_serving(prof, meta.get("serving", []))
+    return dataclasses.replace(prof, serve_step_s=step, serve_seq_s=seq)
 
 
 # ---- measuring (imports the engine, the store, the cluster) -----------------------------------
@@ -168,6 +196,15 @@ def _step_times(engine, plan: Plan, salt: Callable[[], str], say) -> list[Point]
                 drain()
             points.append(Point("prefill", n, cached, 0, 0, min(best)))
             say(f"prefill {n} tokens on {cached} cached: {points[-1].seconds * 1e3:.1f} ms")
+    for k, n in plan.batched:
+        best = []
+        for _ in range(plan.repeats):
+            for _ in range(k):
+                engine.add_request(None, prompt(n), one, salt=salt())
+            best.append(timed_step())
+            drain()
+        points.append(Point("batched", k * n, 0, 0, 0, min(best), prompts=k))
+        say(f"prefill {k} prompts x {n} tokens in one step: {points[-1].seconds * 1e3:.1f} ms")
     for length in plan.decode_prompt_tokens:
         for b in plan.decode_batches:
             points += _decode_points(engine, prompt, b, length, plan, salt(), None)
@@ -250,21 +287,53 @@ def _transfers(plan: Plan, say) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def _cluster_times(model: str, say) -> dict[str, float]:
-    """A 1P1D cluster's start-up (to every worker serving) and one idle worker's flip there and
-    back through the controller's Flipper (drain of nothing + switch + verify + re-admit)."""
+def _serving(cluster, batches: tuple[int, ...], say) -> list[dict[str, float]]:
+    """Waves of `batch` requests at once (64-token prompts, 32 tokens out) through the
+    cluster's HTTP front door: the median gap between streamed tokens after the second (the
+    first gap holds the hand-over), and the decode context then."""
+    import random
+    from statistics import median
+
+    from pdserve.bench import serve_client as client
+    from pdserve.bench.serve import _model_name
+    from pdserve.bench.serve_workload import Request
+
+    rng, prompt, out = random.Random(1), 64, 32
+    name = _model_name(cluster.http_address)
+    rows = []
+    for b in batches:
+        reqs = [Request("/v1/completions", {
+            "prompt": [rng.randrange(1000, 40000) for _ in range(prompt)], "max_tokens": out,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}, out) for _ in range(b)]
+        done, _ = client.run_closed(cluster.http_address, name, reqs, b, 300.0)
+        gaps = [t1 - t0 for r in done if not r["error"]
+                for t0, t1 in zip(r["chunk_times_s"][1:], r["chunk_times_s"][2:])]
+        if not gaps:
+            raise RuntimeError(f"calibration requests failed: {done[0]['error']}")
+        rows.append({"batch": b, "ctx": b * (prompt + out // 2), "gap_s": median(gaps)})
+        say(f"served decode batch {b}: {rows[-1]['gap_s'] * 1e3:.1f} ms between tokens")
+    return rows
+
+
+def _cluster_times(model: str, plan: Plan, say) -> dict[str, Any]:
+    """A 1P1D cluster (each worker on its own share of the cores, as the profile's threads say):
+    its start-up (to every worker serving), served decode steps (`_serving`), and one idle
+    worker's flip there and back through the controller's Flipper (drain of nothing + switch +
+    verify + re-admit)."""
     from pdserve import rpc
     from pdserve.controller.cluster_spec import free_ports
     from pdserve.controller.flip import Flipper
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
     from pdserve.proto import router_pb2_grpc
 
-    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=None,
-                       controller=False, ready_timeout_s=600)
+    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
+                       controller=False, ready_timeout_s=600, share_cores=False)
     t0 = time.monotonic()
     with LocalCluster(spec) as cluster:
         startup = time.monotonic() - t0
         say(f"cluster start-up: {startup:.1f} s")
+        serving = _serving(cluster, plan.served_batches, say)
         flipper = Flipper(router_pb2_grpc.RouterControlStub(
             rpc.make_channel(cluster.router_address)))
         addr = cluster.worker_addresses("decode")[0]
@@ -275,7 +344,7 @@ def _cluster_times(model: str, say) -> dict[str, float]:
             raise RuntimeError(f"a calibration flip failed: {bad[0]}")
         flip = min(f.seconds for f in flips)
         say(f"idle flip: {flip:.2f} s")
-    return {"startup_s": startup, "flip_s": flip}
+    return {"startup_s": startup, "flip_s": flip, "serving": serving}
 
 
 def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
@@ -305,7 +374,7 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     del engine
     transfers = _transfers(plan, say)
     slowdown = host_slowdown(model, threads, plan, say) if plan.host_workers else []
-    times = _cluster_times(model, say) if plan.cluster else {}
+    times = _cluster_times(model, plan, say) if plan.cluster else {}
     name = model.rsplit("/", 1)[-1]
     origin = (f"measured: {cores()}-core {platform.machine()} CPU, {name} fp32, "
               f"{threads} thread(s), {date.today().isoformat()}")

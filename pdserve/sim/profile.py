@@ -11,6 +11,11 @@ One step's time is a roofline with a fixed cost:
                 + decode_seq_s * decode sequences + decode_ctx_s * decode context tokens
     memory_s  = weights_read_s (once per step) + kv_read_token_s * context tokens read
 
+plus, in a step with decodes, what serving them costs beyond the engine's step (a worker streams
+each sequence's token out, on the cores the step runs on): serve_step_s + serve_seq_s * decode
+sequences. A CPU profile measures it on a real cluster (`calibrate.py`); a GPU profile leaves it
+zero.
+
 A profile measured on a CPU fits the compute terms (memory terms zero: there the step is linear
 in its work); a GPU profile from `roofline.py` sets both from FLOPs and bytes. Transfers are
 `latency + bytes / bandwidth` per transport, uncontended (the simulator shares links).
@@ -65,6 +70,8 @@ class StepProfile:
     decode_ctx_s: float = 0.0
     weights_read_s: float = 0.0
     kv_read_token_s: float = 0.0
+    serve_step_s: float = 0.0  # serving a decode step beyond the engine's: per step
+    serve_seq_s: float = 0.0  # and per decode sequence
     transports: dict[str, TransportLink] = dataclasses.field(default_factory=dict)
     kv_bytes_per_token: int = 0
     flip_s: float = 0.0
@@ -114,7 +121,7 @@ class StepProfile:
         if prefill_tokens > 0:
             fixed += self.prefill_fixed_s
         if decode_batch > 0:
-            fixed += self.decode_fixed_s
+            fixed += self.decode_fixed_s + self.serve_step_s + self.serve_seq_s * decode_batch
         return fixed + max(compute, memory)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:

@@ -111,13 +111,16 @@ def _per_request(ttft: list[float], e2e: list[float], tokens: list[int]) -> dict
 class RunnableSampler:
     """Samples, `hz` times a second on a thread, the host's runnable threads (/proc/loadavg)
     less the workers' own runnable threads and the sampler: the other work the workers shared
-    the cores with (the router, the store, the client, anything else on the machine)."""
+    the cores with (the router, the store, the client, anything else on the machine). Each
+    sample also says whether a worker was computing then (`busy`): the other work that
+    competes with the workers' steps is what runs while they compute."""
 
     def __init__(self, worker_pids: list[int], hz: float = 5.0) -> None:
         import threading
 
         self.pids, self.period = worker_pids, 1.0 / hz
         self.samples: list[int] = []
+        self.busy: list[bool] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -136,7 +139,9 @@ class RunnableSampler:
         while not self.stop.wait(self.period):
             with open("/proc/loadavg") as f:
                 runnable = int(f.read().split()[3].split("/")[0])
-            self.samples.append(max(0, runnable - 1 - sum(map(self._running, self.pids))))
+            computing = sum(map(self._running, self.pids))
+            self.samples.append(max(0, runnable - 1 - computing))
+            self.busy.append(computing > 0)
 
     def __enter__(self) -> RunnableSampler:
         if os.path.exists("/proc/loadavg"):
@@ -150,6 +155,11 @@ class RunnableSampler:
 
     def mean(self) -> float | None:
         return sum(self.samples) / len(self.samples) if self.samples else None
+
+    def mean_busy(self) -> float | None:
+        """The mean over the samples taken while a worker computed."""
+        kept = [n for n, b in zip(self.samples, self.busy) if b]
+        return sum(kept) / len(kept) if kept else None
 
 
 def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[str, Any]:
@@ -185,6 +195,8 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
     return {"ok": len(ok), "failed": len(rows) - len(ok), "wall_s": wall,
             "loadavg_1m_before_cluster": before, "loadavg_1m_start": load,
             "other_runnable_threads": other.mean(),
+            "other_runnable_threads_busy": other.mean_busy(),
+            "busy_fraction": sum(other.busy) / len(other.busy) if other.busy else None,
             "loadavg_1m_end": os.getloadavg()[0],
             "threads_per_worker": threads,
             **_per_request([r["ttft_s"] for r in ok], [r["e2e_s"] for r in ok],

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.sim.calibrate import Point, build_profile, fit_steps, fit_transfer
-from pdserve.sim.profile import StepProfile, TransportLink, load_profile
+from pdserve.sim.profile import StepProfile, TransportLink, attn_pairs, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 TRUE = StepProfile(origin="truth", model="m", overhead_s=0.004, prefill_fixed_s=0.01,
@@ -28,6 +28,9 @@ def synthetic_points() -> list[Point]:
             for b in (1, 4, 16) for ctx in (100 * b, 900 * b)]
     pts += [Point("mixed", p, 0, b, 300 * b, TRUE.mixed_s(p, b, 300 * b))
             for p, b in ((64, 4), (256, 8))]
+    pts += [Point("batched", k * n, 0, 0, 0, TRUE.step_s(
+        prefill_tokens=k * n, attn_pairs=k * attn_pairs(n, 0), kv_read_tokens=k * n), prompts=k)
+            for k, n in ((4, 64), (8, 256))]
     return pts
 
 
@@ -59,7 +62,7 @@ def test_build_profile_records_its_fit():
                          {"origin": "measured: test", "model": "m", "kv_bytes_per_token": 10,
                           "kv_capacity_tokens": 100, "flip_s": 0.1})
     assert prof.transports["tcp"] == TransportLink(pytest.approx(0.001), pytest.approx(1e6))
-    assert set(prof.fit["errors"]) == {"prefill", "decode", "mixed"}
+    assert set(prof.fit["errors"]) == {"prefill", "batched", "decode", "mixed"}
     assert StepProfile.from_json(prof.to_json()) == prof
     assert prof.host_cores is None and prof.host_slowdown == ()  # a fit alone says no host
     host = build_profile(synthetic_points(), {"tcp": [(1000, 0.002), (2000, 0.003)]},
@@ -93,3 +96,25 @@ def test_quick_calibration_of_the_real_engine(tmp_path):
     assert prof.threads_per_worker == 1
     assert len(prof.host_slowdown) == 2 and prof.host_slowdown[0] == 1.0
     assert prof.host_slowdown[1] > 0
+
+
+def test_serving_cost_is_fitted_from_the_gaps_beyond_the_engine_step():
+    from pdserve.sim.calibrate import fit_serving
+
+    # Gaps 3 ms per step + 0.5 ms per sequence above the engine's own decode step.
+    rows = [{"batch": b, "ctx": 80 * b, "gap_s": TRUE.decode_s(b, 80 * b) + 0.003 + 0.0005 * b}
+            for b in (1, 4, 8, 16)]
+    step, seq = fit_serving(TRUE, rows)
+    assert (step, seq) == (pytest.approx(0.003), pytest.approx(0.0005))
+    assert fit_serving(TRUE, []) == (0.0, 0.0)
+    # A cluster faster than the engine alone (noise) must not make serving negative.
+    fast = [{**r, "gap_s": TRUE.decode_s(r["batch"], r["ctx"]) * 0.9} for r in rows]
+    assert fit_serving(TRUE, fast) == (0.0, 0.0)
+    prof = build_profile(synthetic_points(), {"tcp": [(1000, 0.002), (2000, 0.003)]},
+                         {"origin": "measured: test", "model": "m", "kv_bytes_per_token": 10,
+                          "kv_capacity_tokens": 100, "serving": rows})
+    assert prof.serve_step_s == pytest.approx(0.003)
+    assert prof.fit["serving"] == rows
+    # A served decode step costs the engine's step plus serving; a prefill step does not.
+    assert prof.decode_s(8, 640) == pytest.approx(TRUE.decode_s(8, 640) + 0.003 + 0.004)
+    assert prof.prefill_s(256) == pytest.approx(TRUE.prefill_s(256))
