@@ -118,3 +118,21 @@ def test_serving_cost_is_fitted_from_the_gaps_beyond_the_engine_step():
     # A served decode step costs the engine's step plus serving; a prefill step does not.
     assert prof.decode_s(8, 640) == pytest.approx(TRUE.decode_s(8, 640) + 0.003 + 0.004)
     assert prof.prefill_s(256) == pytest.approx(TRUE.prefill_s(256))
+
+
+def test_served_decode_gaps_are_timed_on_a_real_cluster():
+    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.engine.model_files import default_model_path
+    from pdserve.sim.calibrate import _serving
+
+    said: list[str] = []
+    spec = ClusterSpec(model_path=default_model_path(), router_port=free_ports(1)[0],
+                       http_port=0, controller=False, ready_timeout_s=600, share_cores=False)
+    with LocalCluster(spec) as cluster:
+        rows = _serving(cluster, (1, 3), said.append)
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert [r["ctx"] for r in rows] == [80, 240]  # 64-token prompts, half of 32 tokens out
+    # A token streamed through router and HTTP takes at least the engine's step (~30 ms here).
+    assert all(0.001 < r["gap_s"] < 5.0 for r in rows), rows
+    assert len(said) == 2 and "served decode batch 3" in said[1]

@@ -84,4 +84,8 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
         for k in ("mean", "p50", "p90", "p99"):
             assert run["compare"][m][k]["real"] > 0 and run["compare"][m][k]["sim"] > 0
     assert doc["scale"]["token_scale"] == 64
+    # The other work on the host, overall and while a worker computed (it did: 4 prefills).
+    real = run["real"]
+    assert real["other_runnable_threads"] >= 0 and 0 < real["busy_fraction"] <= 1
+    assert real["other_runnable_threads_busy"] >= 0
     assert (out / "validate.png").stat().st_size > 10_000
