@@ -2,12 +2,12 @@
 
 Owns the measurement plan (prefill steps vs uncached tokens on cached context, decode steps vs
 batch size and context, mixed steps, several prompts prefilled in one step; store put+get per
-transport; in a real 1P1D cluster a worker's start-up, the gap between streamed tokens at a few
-decode batches (what serving adds to the engine's step) and an idle role flip through the
-controller's own `Flipper`; the host's cores and slowdown through
-`calibrate_host.py`), the fit (least squares on relative error, coefficients kept non-negative)
-and its error report. The engine, the store and the cluster are
-imported only inside the measuring functions, so the fit and the CLI's help stay torch-free.
+transport; through `calibrate_cluster.py`, in a real 1P1D cluster, a worker's start-up, the gap
+between streamed tokens at a few decode batches and an idle role flip; through
+`calibrate_host.py`, the host's cores and slowdown), the fits (steps: least squares on relative
+error, coefficients kept non-negative; serving: what the cluster's gaps exceed the fitted step
+by) and the error report. The engine, the store and the cluster are imported only inside the
+measuring functions, so the fit and the CLI's help stay torch-free.
 Must not simulate anything or decide what a measurement should have been.
 """
 
@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pdserve.sim.calibrate_cluster import cluster_times
 from pdserve.sim.calibrate_host import calibrate_host, cores, host_slowdown
 from pdserve.sim.profile import StepProfile, TransportLink, attn_pairs
 
@@ -287,66 +288,6 @@ def _transfers(plan: Plan, say) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def _serving(cluster, batches: tuple[int, ...], say) -> list[dict[str, float]]:
-    """Waves of `batch` requests at once (64-token prompts, 32 tokens out) through the
-    cluster's HTTP front door: the median gap between streamed tokens after the second (the
-    first gap holds the hand-over), and the decode context then."""
-    import random
-    from statistics import median
-
-    from pdserve.bench import serve_client as client
-    from pdserve.bench.serve import _model_name
-    from pdserve.bench.serve_workload import Request
-
-    rng, prompt, out = random.Random(1), 64, 32
-    name = _model_name(cluster.http_address)
-    rows = []
-    for b in batches:
-        reqs = [Request("/v1/completions", {
-            "prompt": [rng.randrange(1000, 40000) for _ in range(prompt)], "max_tokens": out,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}, out) for _ in range(b)]
-        done, _ = client.run_closed(cluster.http_address, name, reqs, b, 300.0)
-        gaps = [t1 - t0 for r in done if not r["error"]
-                for t0, t1 in zip(r["chunk_times_s"][1:], r["chunk_times_s"][2:])]
-        if not gaps:
-            raise RuntimeError(f"calibration requests failed: {done[0]['error']}")
-        rows.append({"batch": b, "ctx": b * (prompt + out // 2), "gap_s": median(gaps)})
-        say(f"served decode batch {b}: {rows[-1]['gap_s'] * 1e3:.1f} ms between tokens")
-    return rows
-
-
-def _cluster_times(model: str, plan: Plan, say) -> dict[str, Any]:
-    """A 1P1D cluster (each worker on its own share of the cores, as the profile's threads say):
-    its start-up (to every worker serving), served decode steps (`_serving`), and one idle
-    worker's flip there and back through the controller's Flipper (drain of nothing + switch +
-    verify + re-admit)."""
-    from pdserve import rpc
-    from pdserve.controller.cluster_spec import free_ports
-    from pdserve.controller.flip import Flipper
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
-    from pdserve.proto import router_pb2_grpc
-
-    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
-                       controller=False, ready_timeout_s=600, share_cores=False)
-    t0 = time.monotonic()
-    with LocalCluster(spec) as cluster:
-        startup = time.monotonic() - t0
-        say(f"cluster start-up: {startup:.1f} s")
-        serving = _serving(cluster, plan.served_batches, say)
-        flipper = Flipper(router_pb2_grpc.RouterControlStub(
-            rpc.make_channel(cluster.router_address)))
-        addr = cluster.worker_addresses("decode")[0]
-        flips = [flipper.flip(addr, role, drain_timeout_s=60.0, reason="calibration")
-                 for role in ("prefill", "decode")]
-        bad = [f.error for f in flips if not f.ok]
-        if bad:
-            raise RuntimeError(f"a calibration flip failed: {bad[0]}")
-        flip = min(f.seconds for f in flips)
-        say(f"idle flip: {flip:.2f} s")
-    return {"startup_s": startup, "flip_s": flip, "serving": serving}
-
-
 def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
               say: Callable[[str], None] = lambda s: None) -> StepProfile:
     import torch
@@ -374,7 +315,7 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     del engine
     transfers = _transfers(plan, say)
     slowdown = host_slowdown(model, threads, plan, say) if plan.host_workers else []
-    times = _cluster_times(model, plan, say) if plan.cluster else {}
+    times = cluster_times(model, plan.served_batches, say) if plan.cluster else {}
     name = model.rsplit("/", 1)[-1]
     origin = (f"measured: {cores()}-core {platform.machine()} CPU, {name} fp32, "
               f"{threads} thread(s), {date.today().isoformat()}")

@@ -124,13 +124,13 @@ def test_served_decode_gaps_are_timed_on_a_real_cluster():
     from pdserve.controller.cluster_spec import free_ports
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
     from pdserve.engine.model_files import default_model_path
-    from pdserve.sim.calibrate import _serving
+    from pdserve.sim.calibrate_cluster import serving_gaps
 
     said: list[str] = []
     spec = ClusterSpec(model_path=default_model_path(), router_port=free_ports(1)[0],
                        http_port=0, controller=False, ready_timeout_s=600, share_cores=False)
     with LocalCluster(spec) as cluster:
-        rows = _serving(cluster, (1, 3), said.append)
+        rows = serving_gaps(cluster, (1, 3), said.append)
     assert [r["batch"] for r in rows] == [1, 3]
     assert [r["ctx"] for r in rows] == [80, 240]  # 64-token prompts, half of 32 tokens out
     # A token streamed through router and HTTP takes at least the engine's step (~30 ms here).

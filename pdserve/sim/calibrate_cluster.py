@@ -1,0 +1,72 @@
+"""The cluster part of `pdserve sim calibrate`: what a real 1P1D cluster adds to the engine.
+
+Owns the measurements made on a running cluster (each worker on its own share of the cores, as
+the profile's threads say): its start-up, the gap between streamed tokens at a few decode batches
+(what serving adds to the engine's step; `calibrate.fit_serving` fits it) and an idle worker's
+flip there and back. Must not fit step constants or simulate.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def serving_gaps(cluster, batches: tuple[int, ...], say) -> list[dict[str, float]]:
+    """Waves of `batch` requests at once (64-token prompts, 32 tokens out) through the
+    cluster's HTTP front door: the median gap between streamed tokens after the second (the
+    first gap holds the hand-over), and the decode context then."""
+    import random
+    from statistics import median
+
+    from pdserve.bench import serve_client as client
+    from pdserve.bench.serve import _model_name
+    from pdserve.bench.serve_workload import Request
+
+    rng, prompt, out = random.Random(1), 64, 32
+    name = _model_name(cluster.http_address)
+    rows = []
+    for b in batches:
+        reqs = [Request("/v1/completions", {
+            "prompt": [rng.randrange(1000, 40000) for _ in range(prompt)], "max_tokens": out,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}, out) for _ in range(b)]
+        done, _ = client.run_closed(cluster.http_address, name, reqs, b, 300.0)
+        gaps = [t1 - t0 for r in done if not r["error"]
+                for t0, t1 in zip(r["chunk_times_s"][1:], r["chunk_times_s"][2:])]
+        if not gaps:
+            raise RuntimeError(f"calibration requests failed: {done[0]['error']}")
+        rows.append({"batch": b, "ctx": b * (prompt + out // 2), "gap_s": median(gaps)})
+        say(f"served decode batch {b}: {rows[-1]['gap_s'] * 1e3:.1f} ms between tokens")
+    return rows
+
+
+def cluster_times(model: str, served_batches: tuple[int, ...], say) -> dict[str, Any]:
+    """A 1P1D cluster (each worker on its own share of the cores, as the profile's threads say):
+    its start-up (to every worker serving), served decode steps (`serving_gaps`), and one idle
+    worker's flip there and back through the controller's Flipper (drain of nothing + switch +
+    verify + re-admit)."""
+    from pdserve import rpc
+    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.controller.flip import Flipper
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.proto import router_pb2_grpc
+
+    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
+                       controller=False, ready_timeout_s=600, share_cores=False)
+    t0 = time.monotonic()
+    with LocalCluster(spec) as cluster:
+        startup = time.monotonic() - t0
+        say(f"cluster start-up: {startup:.1f} s")
+        serving = serving_gaps(cluster, served_batches, say)
+        flipper = Flipper(router_pb2_grpc.RouterControlStub(
+            rpc.make_channel(cluster.router_address)))
+        addr = cluster.worker_addresses("decode")[0]
+        flips = [flipper.flip(addr, role, drain_timeout_s=60.0, reason="calibration")
+                 for role in ("prefill", "decode")]
+        bad = [f.error for f in flips if not f.ok]
+        if bad:
+            raise RuntimeError(f"a calibration flip failed: {bad[0]}")
+        flip = min(f.seconds for f in flips)
+        say(f"idle flip: {flip:.2f} s")
+    return {"startup_s": startup, "flip_s": flip, "serving": serving}
