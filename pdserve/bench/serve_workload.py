@@ -39,6 +39,11 @@ def _body(max_tokens: int, **prompt: Any) -> dict[str, Any]:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
+def token_request(ids: list[int], max_tokens: int, arrival_s: float | None = None) -> Request:
+    """A streaming completion of the prompt token ids `ids`."""
+    return Request("/v1/completions", _body(max_tokens, prompt=list(ids)), max_tokens, arrival_s)
+
+
 def sharegpt_requests(n: int, max_tokens: int, seed: int = 0, min_chars: int = 16,
                       max_chars: int = 1000) -> list[Request]:
     """`n` ShareGPT first user turns (seeded) as chat requests."""
@@ -130,8 +135,7 @@ def trace_requests(path: str, n: int, max_tokens: int, *, token_scale: int, spee
         rng = random.Random(f"pdserve-bench-serve-pad:{seed}:{i}")
         ids.extend(rng.randrange(lo, hi) for _ in range(want - len(ids)))
         m = max(1, min(max_tokens, r.output_length))
-        out.append(Request("/v1/completions", _body(m, prompt=ids[:want]), m,
-                           r.arrival_s / speedup))
+        out.append(token_request(ids[:want], m, r.arrival_s / speedup))
     return out
 
 

@@ -56,7 +56,8 @@ class Plan:
 
 FULL = Plan()
 QUICK = Plan(prefill_tokens=(16, 64, 256), cached_tokens=(0, 256), decode_batches=(1, 4),
-             decode_prompt_tokens=(32, 256), decode_steps=3, mixed=((64, 4),), batched=((4, 64),), repeats=1,
+             decode_prompt_tokens=(32, 256), decode_steps=3, mixed=((64, 4),), batched=((4, 64),),
+             repeats=1,
              transfer_sizes=(1 << 16, 1 << 20), host_workers=2, host_prefill=(64, 2),
              host_decode=(2, 4), served_batches=(1, 4))
 

@@ -21,16 +21,14 @@ def serving_gaps(cluster, batches: tuple[int, ...], say) -> list[dict[str, float
 
     from pdserve.bench import serve_client as client
     from pdserve.bench.serve import _model_name
-    from pdserve.bench.serve_workload import Request
+    from pdserve.bench.serve_workload import token_request
 
     rng, prompt, out = random.Random(1), 64, 32
     name = _model_name(cluster.http_address)
     rows = []
     for b in batches:
-        reqs = [Request("/v1/completions", {
-            "prompt": [rng.randrange(1000, 40000) for _ in range(prompt)], "max_tokens": out,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}, out) for _ in range(b)]
+        reqs = [token_request([rng.randrange(1000, 40000) for _ in range(prompt)], out)
+                for _ in range(b)]
         done, _ = client.run_closed(cluster.http_address, name, reqs, b, 300.0)
         gaps = [t1 - t0 for r in done if not r["error"]
                 for t0, t1 in zip(r["chunk_times_s"][1:], r["chunk_times_s"][2:])]
