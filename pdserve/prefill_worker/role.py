@@ -3,7 +3,10 @@
 Owns the prefill side of the hand-over, and the store as a cluster-wide prefix cache: before
 computing, the prompt's leading blocks that the store holds (written by any worker) and the local
 pool does not are fetched and placed in the local prefix cache, so prefill skips them. Blocks the
-store already holds are not written again. Must not decide routing.
+store already holds are not written again. A prompt joins the engine at the first step boundary
+after it arrives unless blocks must be fetched first: the store is asked off the engine thread,
+then one trip through the engine loop checks the local pool and adds the request. Must not decide
+routing.
 
 With a `KvStreamSender` (progressive transfer, `--progressive-kv`) the prompt's computed KV is
 streamed layer by layer while prefill runs (anchor planes first, residuals after; see
@@ -30,7 +33,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
@@ -83,32 +86,51 @@ class PrefillRole:
         self.put_failures = 0  # requests whose KV could not be put (the decode side recomputes)
         self._lock = threading.Lock()
 
-    def _fetch_cached_prefix(self, prompt_ids: list[int], salt: str) -> None:
+    def _store_prefix(self, keys: list[str]) -> int:
+        """Leading blocks of `keys` the store holds (0 when it cannot be asked)."""
+        if not keys:
+            return 0
+        try:
+            return self.store.longest_prefix(keys)
+        except StoreFailure as e:
+            log.warning("prefix lookup failed, computing the whole prompt: %s", e)
+            return 0
+
+    def _enter(self, prompt_ids: list[int], salt: str, add: Callable[[], Any]):
+        """Put the request into the engine (`add`, run on the engine thread), first placing what
+        the store holds of its prefix beyond the local prefix cache; `add`'s result.
+
+        The store is asked first, off the engine thread (while a step may run), so that a
+        request the store cannot help joins the engine in one trip through the loop: the
+        first step boundary after it arrived. Asking the local cache first would take a trip
+        of its own, and a burst arriving during a step would then miss the next step too."""
         engine = self.loop.engine
         # Only blocks before the last prompt token can be reused (one token must be computed).
         hashes = prompt_block_hashes(prompt_ids[:-1], engine.block_size, salt)
-        if not hashes:
-            return
-        n_local = self.loop.call(lambda: engine.cached_prefix_blocks(hashes))
-        if n_local == len(hashes):
-            return
         layers = engine.model_config.num_hidden_layers
         keys = [block_key(self.model_id, salt, h, layers) for h in hashes]
-        try:
-            n_store = self.store.longest_prefix(keys)
-        except StoreFailure as e:
-            log.warning("prefix lookup failed, computing the whole prompt: %s", e)
-            return
+        n_store = self._store_prefix(keys)
+
+        def first():
+            n_local = engine.cached_prefix_blocks(hashes) if hashes else 0
+            return (n_local, None) if n_store > n_local else (n_local, add())
+
+        n_local, added = self.loop.call(first)
+        if n_store <= n_local:
+            return added
         blocks = fetch_run(self.store, engine, hashes[n_local:n_store], keys[n_local:n_store])
-        if blocks:
-            placed = self.loop.call(lambda: engine.import_cached_blocks(blocks))
-            with self._lock:
-                self.blocks_from_store += placed
+
+        def place_and_add():
+            return (engine.import_cached_blocks(blocks) if blocks else 0), add()
+
+        placed, added = self.loop.call(place_and_add)
+        with self._lock:
+            self.blocks_from_store += placed
+        return added
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 salt: str = "", is_active: Callable[[], bool] = lambda: True) -> PrefillResult:
         engine = self.loop.engine
-        self._fetch_cached_prefix(prompt_ids, salt)
         sender = self.sender
         # Unique per attempt: a retried prefill never mixes its planes with an earlier one's.
         stream_id = f"{request_id}-{uuid.uuid4().hex[:12]}" if sender is not None else ""
@@ -126,7 +148,7 @@ class PrefillRole:
                 raise
             return stream
 
-        stream = self.loop.call(add)
+        stream = self._enter(prompt_ids, salt, add)
         try:
             item = self._wait(request_id, stream, is_active)
         finally:
