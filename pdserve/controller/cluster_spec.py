@@ -45,7 +45,7 @@ class ClusterSpec:
     decode_workers: int = 1
     num_blocks: int = 1024
     block_size_tokens: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 0  # per-step token budget; 0: the worker's by its device
     store_capacity_bytes: int = 1 << 30  # the storage node's shared-memory DRAM segment
     ready_timeout_s: float = 300.0
     log_dir: str | None = None

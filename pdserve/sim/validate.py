@@ -318,6 +318,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
+    from pdserve.worker.config import STEP_TOKENS  # the real CPU workers' step budget
+
     for name in ("requests", "max_tokens", "max_prompt_tokens", "token_scale"):
         if getattr(a, name) < 1:
             raise ValidateError(f"--{name.replace('_', '-')} must be >= 1")
@@ -339,7 +341,7 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "rate": a.rate, "max_tokens": a.max_tokens, "max_prompt_tokens": a.max_prompt_tokens,
             "configs": parse_configs(a.configs), "profile": a.profile, "model": a.model,
             "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,
-            "seed": a.seed, "max_num_batched_tokens": 2048, "real_from": a.real_from,
+            "seed": a.seed, "max_num_batched_tokens": STEP_TOKENS["cpu"], "real_from": a.real_from,
             "workers_per_host": a.workers_per_host, "host_background": a.host_background}
 
 

@@ -30,7 +30,7 @@ from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.prefill_worker.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.worker.config import WorkerConfig
+from pdserve.worker.config import STEP_TOKENS, WorkerConfig
 from pdserve.worker.cores import TURN_STEP_TOKENS, CoreLedger, StepThreads
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.guarded_store import GuardedStore
@@ -48,11 +48,14 @@ def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
 
 def step_token_budget(cfg: WorkerConfig) -> int:
     """The engine's per-step token budget for `cfg` (its device resolved, as `run` does): the
-    configured one, but no more than TURN_STEP_TOKENS when the worker takes turns on a CPU
-    host's cores with others (a step holds all of them, and the others wait it out)."""
-    if cfg.core_ledger and cfg.core_sharing == "turns" and cfg.device == "cpu":
-        return min(cfg.max_num_batched_tokens, TURN_STEP_TOKENS)
-    return cfg.max_num_batched_tokens
+    configured one (0: the device's, `STEP_TOKENS`), but no more than TURN_STEP_TOKENS when the
+    worker takes turns on a CPU host's cores with others (a step holds all of them, and the
+    others wait it out)."""
+    cpu = cfg.device == "cpu"
+    budget = cfg.max_num_batched_tokens or STEP_TOKENS["cpu" if cpu else "accelerator"]
+    if cfg.core_ledger and cfg.core_sharing == "turns" and cpu:
+        return min(budget, TURN_STEP_TOKENS)
+    return budget
 
 
 def build_engine(cfg: WorkerConfig) -> LLMEngine:
