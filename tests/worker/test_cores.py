@@ -317,6 +317,20 @@ def test_a_worker_taking_turns_on_cpu_keeps_its_steps_short():
         assert step_token_budget(cfg) == 2048  # lending (the default), or no ledger: as set
 
 
+def test_an_unset_step_budget_follows_the_device():
+    from pdserve.worker.server import step_token_budget
+
+    # 0 (the default): short steps on a CPU, where batching prompts does not make prefill
+    # faster per token; big ones on an accelerator. A value that is set is kept.
+    assert WorkerConfig(model_path="m").max_num_batched_tokens == 0
+    assert step_token_budget(WorkerConfig(model_path="m", device="cpu")) == 512
+    assert step_token_budget(WorkerConfig(model_path="m", device="cuda")) == 2048
+    assert step_token_budget(WorkerConfig(model_path="m", device="cpu",
+                                          max_num_batched_tokens=4096)) == 4096
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        WorkerConfig(model_path="m", max_num_batched_tokens=-1)
+
+
 def test_core_sharing_names_the_field_when_wrong():
     from pdserve.controller.cluster_spec import ClusterSpec
 
