@@ -5,7 +5,8 @@ hysteresis state, each worker's last flip, flips in progress. Each tick reads th
 signals, builds the policy input (`view`), asks the pure `policy.decide`, appends the decision
 with its inputs to the audit log, exports metrics, and, in `active` mode only, sets the router's
 prefill offload budgets, starts the decided flips (each on its own thread, through `flip`), and
-re-admits workers whose flip failed once they have sat out `failed_readmit_s`.
+re-admits workers whose flip failed once they have sat out `failed_readmit_s`. On stop, flips in
+flight get up to `STOP_FLIPS_WAIT_S` to end and be logged before the router channel closes.
 Operator actions (set-role, rebalance, pin, mode) go through the same flip path. A manual role
 command sets the target split; the policy then never moves away from it until `release()`.
 Must not decide flips itself (the policy does) or sit on the request path.
@@ -32,6 +33,8 @@ from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 
 log = logging.getLogger(__name__)
+# On stop, how long flips in flight may take to end and be logged before the channel closes.
+STOP_FLIPS_WAIT_S = 10.0
 
 
 class UnknownWorker(KeyError):
@@ -99,6 +102,7 @@ class Controller:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._flip_threads: set[threading.Thread] = set()
 
     # ---- the loop ---------------------------------------------------------------------------
     def start(self) -> "Controller":
@@ -106,10 +110,18 @@ class Controller:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, flips_wait_s: float = STOP_FLIPS_WAIT_S) -> None:
+        """Stop ticking; flips in flight get up to `flips_wait_s` to end and be logged before
+        the router channel closes (closing it under a flip cancels the controller's side of it
+        while the worker may still switch: the audit would say failed for a flip that happened)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        deadline = time.monotonic() + flips_wait_s
+        with self._lock:
+            flips = list(self._flip_threads)
+        for t in flips:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         self.flipper.close()
 
     def _run(self) -> None:
@@ -163,9 +175,7 @@ class Controller:
         if acted:
             self._set_budgets(d.budgets)
             for f in d.flips:
-                threading.Thread(target=self._flip, args=(f.address, f.to_role, f.reason,
-                                                          self.cfg.drain_timeout_s),
-                                 name=f"flip-{f.address}", daemon=True).start()
+                self.start_flip(f.address, f.to_role, f.reason)
             self._readmit(view, now)
         else:
             self._set_budgets(())
@@ -211,6 +221,23 @@ class Controller:
                 self.metrics.role_switch_failures.labels(out.from_role, out.to_role).inc()
         self.audit.write({"event": "flip", "t": time.time(), "reason": reason, **asdict(out)})
         return out
+
+    def start_flip(self, address: str, to_role: str, reason: str) -> threading.Thread:
+        """Flip on a thread of its own (a drain may take seconds); `stop` waits for it."""
+        t = threading.Thread(target=self._flip_in_thread,
+                             args=(address, to_role, reason, self.cfg.drain_timeout_s),
+                             name=f"flip-{address}", daemon=True)
+        with self._lock:
+            self._flip_threads.add(t)
+        t.start()
+        return t
+
+    def _flip_in_thread(self, *args) -> None:
+        try:
+            self._flip(*args)
+        finally:
+            with self._lock:
+                self._flip_threads.discard(threading.current_thread())
 
     # ---- operator actions -------------------------------------------------------------------
     def _workers(self):

@@ -5,6 +5,8 @@
   greedy output equals the engine's, and the workers' role_switches agree with the audit log.
 - Prefill offload: with prefill pressured, decode workers prefill requests themselves within
   their budgets; the running decodes' inter-token gaps stay within the ITL SLO; same tokens.
+- A controller stopped while a flip drains finishes the flip and logs it as done, instead of
+  closing its channel under it (which left the worker out of both pools, logged as failed).
 The controller runs as its own process (`python -m pdserve.controller`) in each test, over one
 cluster whose roles every test puts back to 2:2.
 """
@@ -313,3 +315,38 @@ def test_decode_workers_prefill_within_budget_and_keep_their_itl(cluster, refere
     assert gaps, "no long answer finished"
     p90 = gaps[int(0.9 * (len(gaps) - 1))]
     assert p90 <= itl_slo_s, f"ITL p90 {p90:.3f}s over the {itl_slo_s:.3f} s SLO"
+
+
+def test_a_flip_in_flight_when_the_controller_stops_is_finished_and_logged(
+        cluster, reference, tmp_path):
+    from pdserve.controller.config import ControllerConfig
+    from pdserve.controller.service import Controller
+
+    start = {r: cluster.worker_addresses(r) for r in ("prefill", "decode")}
+    before = {a: worker_stats(a).role_switches for a in members(cluster)}
+    audit = str(tmp_path / "audit.jsonl")
+    # Long answers keep both decode workers busy, so a flip of one drains for a while.
+    load = Load(cluster.router_address, long_prompts(4, 20, seed=3), 400, 4).start()
+    try:
+        busy = wait_for(lambda: [a for a in start["decode"] if worker_stats(a).num_running],
+                        60, "a decode worker with requests running")
+        with rpc.make_channel(cluster.router_address) as ch:
+            ctl = Controller(ControllerConfig(router_address=cluster.router_address,
+                                              audit_log=audit, drain_timeout_s=60),
+                             rpb_grpc.RouterControlStub(ch))
+            ctl.start_flip(busy[0], "prefill", "stopping mid-flip")
+            time.sleep(0.2)  # the drain has begun: the worker holds running requests
+            ctl.stop()  # before: closed the channel under the flip, logged as failed
+    finally:
+        load.stop()
+    try:
+        logged = [r for r in read_records(audit) if r.get("event") == "flip"]
+        assert len(logged) == 1 and logged[0]["ok"], logged
+        assert logged[0]["drained_requests"] >= 1
+        after = {a: worker_stats(a).role_switches for a in members(cluster)}
+        assert after[busy[0]] == before[busy[0]] + 1
+        assert load.errors == [] and load.done
+        for prompt, max_tokens, ids, _ in load.done:
+            assert ids == reference(prompt, max_tokens)
+    finally:
+        restore_two_two(cluster, start)
