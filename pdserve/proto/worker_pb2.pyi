@@ -114,6 +114,32 @@ class DecodeResponse(_message.Message):
     made_unix_s: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., made_unix_s: _Optional[float] = ...) -> None: ...
 
+class DecodeManyRequest(_message.Message):
+    __slots__ = ("start", "cancel_request_id")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeRequest
+    cancel_request_id: str
+    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("request_id", "chunk", "status_code", "status_details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: DecodeResponse
+    status_code: int
+    status_details: str
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[DecodeResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ...) -> None: ...
+
+class DecodeManyResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdserve.v1.Worker/DecodeMany',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.DecodeManyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.DecodeManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Worker/Abort',
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -82,6 +87,16 @@ class WorkerServicer:
     def Decode(self, request, context):
         """Continues a prefilled request from its KV in the store, streaming tokens. Served in the
         decode role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeMany(self, request_iterator, context):
+        """Decode for many requests over one stream (the router holds one per decode worker): each
+        request is started or cancelled by a message upstream, and each message downstream carries
+        what the engine made for every request since the last one, so one step's tokens for a
+        whole batch cross the hop in one message. Per request it behaves as Decode does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +144,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_proto_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.DecodeManyRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.DecodeManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -206,6 +226,33 @@ class Worker:
             '/pdserve.v1.Worker/Decode',
             pdserve_dot_proto_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_proto_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Worker/DecodeMany',
+            pdserve_dot_proto_dot_worker__pb2.DecodeManyRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.DecodeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

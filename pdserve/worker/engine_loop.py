@@ -91,6 +91,8 @@ class EngineLoop:
         self.handoff_s = handoff_s
         self._idle = threading.Condition() if handoff_s > 0 else None
         self._fresh: list[RequestStream] = []  # streams given an output by this step, idle before
+        # True from a step's first output queued until its readers came back (or the wait ended).
+        self.handing_off = False
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.steps = 0
@@ -184,10 +186,25 @@ class EngineLoop:
                 continue
             self.steps += 1
             made_s = time.time()
+            if self._idle is not None:
+                self.handing_off = True
             for out in outputs:
                 self._dispatch(out, made_s)
             if self._fresh:
                 self._await_readers()
+            if self._idle is not None:
+                with self._idle:
+                    self.handing_off = False
+                    self._idle.notify_all()
+
+    def wait_handed_off(self, timeout: float) -> None:
+        """Wait (at most `timeout`) until the step whose outputs are being handed to their
+        readers has been handed over: each of its readers came back for more, or the hand-off
+        gave up. A reader of many streams (DecodeMany) sends their chunks together after it."""
+        if self._idle is None:
+            return
+        with self._idle:
+            self._idle.wait_for(lambda: not self.handing_off, timeout)
 
     def _await_readers(self) -> None:
         """Wait (at most `handoff_s`) until the readers given an output by this step have sent

@@ -1,5 +1,6 @@
-"""The worker's gRPC service: Prefill, Decode, Abort, SetRole (with drain), GetStats,
-WatchKvEvents (the prefix cache's changes, for KV-aware routing).
+"""The worker's gRPC service: Prefill, Decode (and DecodeMany: many Decodes over one stream,
+`worker/decode_mux.py`), Abort, SetRole (with drain), GetStats, WatchKvEvents (the prefix
+cache's changes, for KV-aware routing).
 
 Owns request admission per role and the role switch: both roles are built once over the same
 engine, so switching is a flag flip after in-flight requests drain, never a weight reload.
@@ -32,6 +33,7 @@ from pdserve.prefill_worker.role import PrefillCancelled, PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.wire import finish_to_proto, logprobs_to_proto, params_from_proto
+from pdserve.worker import decode_mux
 from pdserve.worker.engine_loop import EngineBusy, EngineLoop
 from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_stream import StreamHandle
@@ -135,14 +137,21 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def Decode(self, request, context):
         try:
-            with self._admit(pb.ROLE_DECODE, request.request_id):
-                for c in self._decode_chunks(request, context):
-                    yield pb.DecodeResponse(
-                        token_ids=c.token_ids, finish_reason=finish_to_proto(c.finish_reason),
-                        logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()],
-                        made_unix_s=c.made_s)
+            yield from self._decode_responses(request, context)
         except Exception as e:
             context.abort(*_status_of(e))
+
+    def DecodeMany(self, request_iterator, context):
+        return decode_mux.serve(request_iterator, context, self._decode_responses, _status_of,
+                                self.loop.wait_handed_off)
+
+    def _decode_responses(self, request, context) -> Iterator[pb.DecodeResponse]:
+        with self._admit(pb.ROLE_DECODE, request.request_id):
+            for c in self._decode_chunks(request, context):
+                yield pb.DecodeResponse(
+                    token_ids=c.token_ids, finish_reason=finish_to_proto(c.finish_reason),
+                    logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()],
+                    made_unix_s=c.made_s)
 
     def _decode_chunks(self, request, context) -> Iterator[DecodeChunk]:
         params = params_from_proto(request.sampling)
