@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from pdserve.bench.common import number_list
 from pdserve.bench.serve_probe import get_text, scrape, scrape_diff, tree_rss_bytes
+from pdserve.router.config import DECODE_STREAMS
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class ServeBenchSettings:
     threads_per_worker: int | None = None  # None: this machine's cores split evenly
     share_cores: bool = True  # the workers lend each other idle cores, as `pdserve serve`
     core_sharing: str = "lend"  # how: `pdserve serve --core-sharing`
+    decode_streams: str = "shared"  # the router's `--decode-streams`
     controller: bool = True
     max_predicted_ttft_s: float | None = None  # None: the router's default
     ceiling_repeats: int = 3
@@ -59,6 +61,9 @@ class ServeBenchSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
+        if self.decode_streams not in DECODE_STREAMS:
+            raise ValueError(f"--decode-streams must be one of {DECODE_STREAMS}, got "
+                             f"{self.decode_streams!r}")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency must be positive integers, got {self.concurrency}")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
@@ -132,6 +137,7 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        prefill_workers=s.prefill_workers, decode_workers=s.decode_workers,
                        threads_per_worker=s.threads_per_worker, share_cores=s.share_cores,
                        core_sharing=s.core_sharing,
+                       router_args=("--decode-streams", s.decode_streams),
                        controller=s.controller,
                        max_predicted_ttft_s=s.max_predicted_ttft_s, log_dir=log_dir,
                        supervise=True, ready_timeout_s=600)
@@ -154,6 +160,7 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        "threads_per_worker": spec.worker_threads(),
                        "share_cores": spec.share_cores,
                        "core_sharing": spec.core_sharing,
+                       "decode_streams": s.decode_streams,
                        "max_threads": spec.worker_max_threads(),
                        "controller": spec.controller, "dtype": spec.dtype},
             "levels": lv}
@@ -321,6 +328,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(`pdserve serve --no-share-cores`)")
     p.add_argument("--core-sharing", choices=("lend", "turns"), default=d.core_sharing,
                    help="how the workers share the cores (`pdserve serve --core-sharing`)")
+    p.add_argument("--decode-streams", choices=DECODE_STREAMS, default=d.decode_streams,
+                   help="the router's decode streams (shared: one per decode worker; "
+                        "per_request: a Decode call each)")
     p.add_argument("--no-controller", action="store_true", help="start no controller")
     p.add_argument("--max-predicted-ttft-s", type=float, default=None,
                    help="the router's admission bound (0: off; default: the router's)")
@@ -345,7 +355,7 @@ def settings_from(args: argparse.Namespace) -> ServeBenchSettings:
         trace=args.trace, token_scale=args.token_scale, speedup=args.speedup,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         threads_per_worker=args.threads_per_worker, share_cores=not args.no_share_cores,
-        core_sharing=args.core_sharing,
+        core_sharing=args.core_sharing, decode_streams=args.decode_streams,
         controller=not args.no_controller,
         max_predicted_ttft_s=args.max_predicted_ttft_s, ceiling_repeats=args.ceiling_repeats,
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python,

@@ -9,7 +9,7 @@ import sys
 from pdserve import logctx
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.core.errors import ConfigError
-from pdserve.router.config import ROUTING_CHOICES, RouterConfig
+from pdserve.router.config import DECODE_STREAMS, ROUTING_CHOICES, RouterConfig
 from pdserve.router.policy import DECODE_POLICIES
 
 
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routing", default="auto", choices=ROUTING_CHOICES,
                    help="prefill routing policy (auto: kv_aware with 2+ prefill workers)")
     p.add_argument("--decode-routing", default="free_kv", choices=DECODE_POLICIES)
+    p.add_argument("--decode-streams", default="shared", choices=DECODE_STREAMS,
+                   help="shared: one stream per decode worker for all requests (a step's tokens "
+                        "in one message); per_request: a Decode call per request")
     p.add_argument("--block-size-tokens", type=int, default=16,
                    help="the workers' KV block size (prompts are hashed with it)")
     p.add_argument("--store-address", default="",
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                            http_host=a.http_host, http_port=a.http_port,
                            http_max_body_bytes=a.http_max_body_bytes,
                            http_max_connections=a.http_max_connections, routing=a.routing,
-                           decode_routing=a.decode_routing, block_size_tokens=a.block_size_tokens,
+                           decode_routing=a.decode_routing, decode_streams=a.decode_streams,
+                           block_size_tokens=a.block_size_tokens,
                            store_address=a.store_address, kv_overlap_weight=a.kv_overlap_weight,
                            kv_fetch_weight=a.kv_fetch_weight,
                            kv_request_cost_tokens=a.kv_request_cost_tokens,

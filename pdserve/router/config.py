@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pdserve.core.errors import ConfigError
 from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
 
+DECODE_STREAMS = ("shared", "per_request")
+
 ROUTING_CHOICES = ("auto", *PREFILL_POLICIES)
 # Handler threads beyond max_in_flight by default, and at least: every admitted request holds a
 # thread for its whole stream, and the spare ones answer refusals, health checks and control
@@ -45,6 +47,9 @@ class RouterConfig:
     # (2+, or none yet: workers will register).
     routing: str = "auto"
     decode_routing: str = "free_kv"  # or least_loaded, round_robin, power_of_two
+    # "shared": one DecodeMany stream per decode worker carries all of this router's requests
+    # there (a step's tokens for them in one message); "per_request": a Decode call each.
+    decode_streams: str = "shared"
     # Must equal the workers' block size: the router hashes prompts as their engines do (a
     # worker reporting another size counts as caching nothing).
     block_size_tokens: int = 16
@@ -95,6 +100,9 @@ class RouterConfig:
             raise ConfigError(f"decode_addresses: {sorted(both)[0]} is also a prefill worker")
         if self.routing not in ROUTING_CHOICES:
             raise ConfigError(f"routing must be one of {ROUTING_CHOICES}, got {self.routing!r}")
+        if self.decode_streams not in DECODE_STREAMS:
+            raise ConfigError(f"decode_streams must be one of {DECODE_STREAMS}, "
+                              f"got {self.decode_streams!r}")
         if self.decode_routing not in DECODE_POLICIES:
             raise ConfigError(f"decode_routing must be one of {DECODE_POLICIES}, "
                               f"got {self.decode_routing!r}")

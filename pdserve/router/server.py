@@ -84,7 +84,8 @@ def build_service(cfg: RouterConfig) -> RouterService:
         max_predicted_ttft_s=cfg.max_predicted_ttft_s))
     return RouterService(tokenizer, model_config, names, max_len, workers,
                          cfg.request_timeout_s, admission=admission, api_keys=api_keys,
-                         metrics=RouterMetrics(names[0]), signals=RequestSignals())
+                         metrics=RouterMetrics(names[0]), signals=RequestSignals(),
+                         decode_streams=cfg.decode_streams)
 
 
 def loopback(address: str) -> str:

@@ -2,14 +2,16 @@
 
 Owns a request's trip through the cluster: validate and tokenize, pick a prefill worker, send the
 first token to the client as soon as it exists (that is TTFT), hand the KV handle to a decode
-worker, relay its tokens as final text deltas, and stop the decode when a stop string appears or
-the client goes away. A hop that a worker refuses or fails (draining, switched role, queue full,
-dead) is re-routed to another worker of its pool as `retry.RetryPolicy` allows, never once it has
-streamed tokens; a decode stream that breaks after it has (the worker died) is resumed on another
-decode worker, which recomputes the prompt and every token the client got
-(`DecodeRequest.resume_token_ids`) and streams the rest. A request the controller's offload
-budgets allow is prefilled on a decode worker instead (`DecodeRequest.prefill_locally`), falling
-back to the normal path if refused; so is one no prefill worker can take.
+worker (on the one stream this router shares among its requests on that worker, `decode_mux.py`,
+unless told to open a Decode call per request), relay its tokens as final text deltas, and stop the
+decode when a stop string appears or the client goes away. A hop that a worker refuses or fails
+(draining, switched role, queue full, dead) is re-routed to another worker of its pool as
+`retry.RetryPolicy` allows, never once it has streamed tokens; a decode stream that breaks after it
+has (the worker died) is resumed on another decode worker, which recomputes the prompt and every
+token the client got (`DecodeRequest.resume_token_ids`) and streams the rest. A request the
+controller's offload budgets allow is prefilled on a decode worker instead
+(`DecodeRequest.prefill_locally`), falling back to the normal path if refused; so is one no prefill
+worker can take.
 Before all that, the door: the tenant from the API key (`auth`), admission and the shutdown
 gate (`lifecycle.Door`: in-flight, rate and predicted-TTFT bounds, RESOURCE_EXHAUSTED with a
 `retry-after` trailer; UNAVAILABLE once the router is shutting down) and the request's metrics
@@ -36,6 +38,8 @@ from pdserve.proto import worker_pb2 as wpb
 from pdserve.router.admission import Admission
 from pdserve.router.auth import ApiKeys, AuthError
 from pdserve.router.control import RequestSignals
+from pdserve.router.config import DECODE_STREAMS
+from pdserve.router.decode_mux import DecodeMuxes
 from pdserve.router.lifecycle import Door, Trip, abort_with_hint
 from pdserve.router.membership import DECODE, PREFILL
 from pdserve.router.policy import NoWorkerError
@@ -59,7 +63,13 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                  workers: WorkerSet, timeout_s: float = 600.0,
                  admission: Admission | None = None, api_keys: ApiKeys | None = None,
                  metrics: RouterMetrics | None = None, retry: RetryPolicy | None = None,
-                 signals: RequestSignals | None = None) -> None:
+                 signals: RequestSignals | None = None,
+                 decode_streams: str = "shared") -> None:
+        if decode_streams not in DECODE_STREAMS:
+            raise ValueError(f"decode_streams must be one of {DECODE_STREAMS}, "
+                             f"got {decode_streams!r}")
+        # "shared": one DecodeMany stream per decode worker; "per_request": a Decode call each.
+        self.muxes = DecodeMuxes() if decode_streams == "shared" else None
         self.admission = admission or Admission()
         self.api_keys = api_keys or ApiKeys({})
         self.metrics = metrics or RouterMetrics(model_names[0] if model_names else "")
@@ -250,7 +260,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                                        exclude=frozenset(refused) | dead) as (address, stub):
                     self.door.picked(trip)
                     attempt += 1
-                    call = stub.Decode(req, timeout=self._timeout(context))
+                    call = self._decode_call(address, stub, req, context)
                     if (yield from self._relay(context, req.request_id, call, text, usage, hop,
                                                trip)):
                         return
@@ -293,7 +303,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             hop = _Hop()
             trip.offloaded = True
             try:
-                call = stub.Decode(req, timeout=self._timeout(context))
+                call = self._decode_call(address, stub, req, context)
                 if (yield from self._relay(context, rid, call, text, usage, hop, trip)):
                     return True
                 self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
@@ -312,6 +322,12 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         yield from self._decode(context, req, text, usage, trip, dead=frozenset({address}))
         return True
 
+    def _decode_call(self, address: str, stub, req: wpb.DecodeRequest, context):
+        """Start a decode hop: on the worker's shared stream, or a Decode call of its own."""
+        if self.muxes is None:
+            return stub.Decode(req, timeout=self._timeout(context))
+        return self.muxes.start(address, stub, req, self._timeout(context))
+
     def _relay(self, context, rid: str, call, text: OutputText, usage, hop: _Hop, trip: Trip):
         """Relay one decode stream as text deltas; True once it ended with a finish reason
         (or a stop string cut it short), False if the stream ended without one. Every token
@@ -320,28 +336,33 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         if not context.add_callback(call.cancel):
             call.cancel()  # the client already left: the callback never runs
         with self.door.worker_call(call):
-            for chunk in call:
-                if chunk.made_unix_s > 0:
-                    self.metrics.worker_hop.observe(max(0.0, time.time() - chunk.made_unix_s))
-                usage.completion_tokens += len(chunk.token_ids)
-                trip.emitted.extend(chunk.token_ids)
-                delta = text.push(chunk.token_ids)
-                finish = None
-                if text.stopped:
-                    call.cancel()
-                    finish = fin.STOP
-                elif chunk.finish_reason != _UNSET:
-                    finish = finish_from_proto(chunk.finish_reason)
-                if finish is not None:
-                    hop.relayed = True
-                    yield self._final(rid, delta + text.finish(), list(chunk.token_ids), finish,
-                                      usage, chunk.logprobs)
-                    return True
-                if delta or chunk.token_ids:
-                    hop.relayed = True
-                    yield api_pb2.GenerateResponse(request_id=rid, text=delta,
-                                                   token_ids=list(chunk.token_ids),
-                                                   logprobs=chunk.logprobs)
+            try:
+                for chunk in call:
+                    if chunk.made_unix_s > 0:
+                        self.metrics.worker_hop.observe(max(0.0, time.time() - chunk.made_unix_s))
+                    usage.completion_tokens += len(chunk.token_ids)
+                    trip.emitted.extend(chunk.token_ids)
+                    delta = text.push(chunk.token_ids)
+                    finish = None
+                    if text.stopped:
+                        call.cancel()
+                        finish = fin.STOP
+                    elif chunk.finish_reason != _UNSET:
+                        finish = finish_from_proto(chunk.finish_reason)
+                    if finish is not None:
+                        hop.relayed = True
+                        yield self._final(rid, delta + text.finish(), list(chunk.token_ids), finish,
+                                          usage, chunk.logprobs)
+                        return True
+                    if delta or chunk.token_ids:
+                        hop.relayed = True
+                        yield api_pb2.GenerateResponse(request_id=rid, text=delta,
+                                                       token_ids=list(chunk.token_ids),
+                                                       logprobs=chunk.logprobs)
+            finally:
+                # Ended: a no-op. Left early (the relay closed, an error here): the worker
+                # stops decoding for nobody.
+                call.cancel()
         return False
 
     @staticmethod

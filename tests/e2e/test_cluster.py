@@ -107,6 +107,34 @@ def test_workers_taking_turns_give_the_engines_tokens_on_every_core(tiny_llama_d
             assert borrowed_steps(cluster, decode) >= 2 * 23
 
 
+@pytest.mark.parametrize("streams", ["shared", "per_request"])
+def test_concurrent_requests_get_the_engines_tokens_on_either_kind_of_decode_stream(
+        tiny_llama_dir, streams):
+    """The router's decode hop on one shared stream per decode worker (the default) or a Decode
+    call per request: the same tokens for requests decoded together, stop strings included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.conftest import cluster_spec
+    from pdserve.controller.launcher import LocalCluster
+
+    tok = Tokenizer.from_path(tiny_llama_dir)
+    prompts = [tok.encode(f"{i} little pigs and {i * 3} wolves went") for i in range(6)]
+    engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=256)))
+    local = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    stop_text = tok.decode(local[0][5:8])
+    spec = cluster_spec(tiny_llama_dir, router_args=("--decode-streams", streams))
+    with LocalCluster(spec) as cluster:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: generate(cluster.router_address, token_ids=p,
+                                                   max_tokens=40, ignore_eos=True)[0],
+                                prompts))
+        assert got == local
+        ids, text, finish, _ = generate(cluster.router_address, token_ids=prompts[0],
+                                        max_tokens=40, ignore_eos=True, stop=[stop_text])
+        assert finish == common_pb2.FINISH_REASON_STOP and stop_text not in text
+        assert ids == local[0][:len(ids)] and len(ids) < 40
+
+
 def test_prefix_reuse_counts_cached_blocks_and_keeps_output(smollm2_cluster, smollm2_gguf_path):
     tok = Tokenizer.from_path(smollm2_gguf_path)
     shared = ("You are a careful assistant. Answer in one short paragraph. " * 8).strip()
