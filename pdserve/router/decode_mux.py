@@ -5,10 +5,11 @@ worker's stub changed), its sender queue and its reader thread, which hands each
 message to the request it names. A request sees a `MuxCall`, which behaves as the gRPC response
 stream of a Decode call does for the router's relay: iterating it gives DecodeResponse chunks
 and ends after the one with a finish reason; a request's error status, the stream breaking
-(every request on it gets that status), its deadline passing (DEADLINE_EXCEEDED, and the
-request is cancelled on the worker) or a `cancel()` (CANCELLED) raise a `grpc.RpcError` with
-the status Decode would have ended with. So one engine step's tokens for every request on a
-worker cross the hop in one message, and the relay, retry and resume logic is Decode's.
+(every request on it gets UNAVAILABLE, naming the stream's own status), its deadline passing
+(DEADLINE_EXCEEDED, and the request is cancelled on the worker) or a `cancel()` (CANCELLED)
+raise a `grpc.RpcError` with the status Decode would have ended with. So one engine step's
+tokens for every request on a worker cross the hop in one message, and the relay, retry and
+resume logic is Decode's.
 Must not decide retries or routing: the service does, on the statuses this raises.
 """
 
@@ -47,10 +48,14 @@ class MuxError(grpc.RpcError):
         return ()
 
 
-def _error_of(e: BaseException) -> MuxError:
+def _broken(address: str, e: BaseException) -> MuxError:
+    """What every request on a stream that broke gets: UNAVAILABLE (the connection to the worker
+    is gone, whatever status gRPC gave the stream: UNKNOWN, INTERNAL, a reset), naming why."""
     if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
-        return MuxError(e.code(), e.details() or "")
-    return MuxError(grpc.StatusCode.UNAVAILABLE, f"decode stream: {type(e).__name__}: {e}")
+        why = f"{e.code().name} {e.details() or ''}".strip()
+    else:
+        why = f"{type(e).__name__}: {e}"
+    return MuxError(grpc.StatusCode.UNAVAILABLE, f"decode stream to {address} broke: {why}")
 
 
 class MuxCall:
@@ -161,16 +166,15 @@ class _Mux:
                     if call is not None:
                         call._push(event)
             error = MuxError(grpc.StatusCode.UNAVAILABLE,
-                             "decode stream ended without a finish reason")
+                             f"decode stream to {self.address} ended without a finish reason")
         except Exception as e:  # the worker died, its channel closed, or the stream broke
-            error = _error_of(e)
+            error = _broken(self.address, e)
         with self._lock:
             self.broken = error
             calls = list(self._calls.values())
             self._calls.clear()
         if calls:
-            log.warning("decode stream to %s broke (%s %s): %d request(s) end with it",
-                        self.address, error.code().name, error.details(), len(calls))
+            log.warning("%s: %d request(s) end with it", error.details(), len(calls))
         for call in calls:
             call._push(error)
         self._on_broken(self)
