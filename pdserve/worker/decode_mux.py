@@ -53,33 +53,43 @@ def serve(request_iterator, context, run_request: Callable, status_of: Callable,
     (`EngineLoop.wait_handed_off`), so one message carries that step's chunks for every request
     of the stream."""
     outbox: queue.Queue = queue.Queue()
-    running: dict[str, threading.Event] = {}
+    running: dict[str, threading.Event] = {}  # by request id, until its thread is done with it
+    live = [0]  # request threads not yet ended; the sender ends only once none is left
     lock = threading.Lock()
     reading = threading.Event()
     reading.set()
 
     def run_one(request, cancelled: threading.Event) -> None:
         rid = request.request_id
-        ended = False
+        last = None  # the request's end, sent after its id is free again
         chunks = run_request(request, _RequestContext(context, cancelled))
         try:
             for chunk in chunks:
                 if cancelled.is_set() or not context.is_active():
                     break  # closing the chunks aborts it in the engine, as a Decode caller leaving
-                outbox.put(pb.DecodeEvent(request_id=rid, chunk=chunk))
-                ended = chunk.finish_reason != 0
+                event = pb.DecodeEvent(request_id=rid, chunk=chunk)
+                if chunk.finish_reason:
+                    last = event  # its chunks end here by themselves
+                else:
+                    outbox.put(event)
+            else:
+                if last is None and not cancelled.is_set():
+                    # Its chunks stopped without a finish reason: say so, as a Decode stream's end.
+                    last = pb.DecodeEvent(request_id=rid)
         except Exception as e:
             code, details = status_of(e)
-            outbox.put(pb.DecodeEvent(request_id=rid, status_code=code.value[0],
-                                      status_details=details))
-            ended = True
+            last = pb.DecodeEvent(request_id=rid, status_code=code.value[0],
+                                  status_details=details)
         finally:
             chunks.close()
-            if not ended and not cancelled.is_set():
-                # Its chunks stopped without a finish reason: say so, as a Decode stream's end.
-                outbox.put(pb.DecodeEvent(request_id=rid))
-            with lock:  # after its last event: the sender ends only with the outbox empty
+            with lock:
+                # The id is free before its end is sent: the caller may start it again at once
+                # (a retry on this worker) without being told it is still running.
                 running.pop(rid, None)
+            if last is not None:
+                outbox.put(last)
+            with lock:  # after its last event: the sender ends only with the outbox empty
+                live[0] -= 1
             outbox.put(_WAKE)
 
     def start(request) -> None:
@@ -98,6 +108,7 @@ def serve(request_iterator, context, run_request: Callable, status_of: Callable,
             else:
                 cancelled = threading.Event()
                 running[rid] = cancelled
+                live[0] += 1
         if refusal is not None:
             outbox.put(pb.DecodeEvent(request_id=rid, status_code=refusal[0].value[0],
                                       status_details=refusal[1]))
@@ -147,6 +158,6 @@ def serve(request_iterator, context, run_request: Callable, status_of: Callable,
             return
         if not reading.is_set():
             with lock:
-                idle = not running
+                idle = live[0] == 0
             if idle and outbox.empty():
                 return

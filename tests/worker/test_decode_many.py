@@ -164,23 +164,28 @@ def test_a_worker_that_dies_ends_every_request_on_its_stream_unavailable(tiny_ll
         p.wait(timeout=30)
 
 
-def test_a_request_id_already_running_on_the_stream_is_refused(worker):
+def test_a_request_id_already_running_on_the_stream_is_refused_and_free_once_it_ended(worker):
     _, stub, _ = worker
     ids = prompt(10, seed=500)
-    gate = threading.Event()
+    ended = [threading.Event(), threading.Event()]
 
     def up():
         yield wpb.DecodeManyRequest(start=local("twice", ids, 40))
         yield wpb.DecodeManyRequest(start=local("twice", ids, 40))
-        gate.wait(30)
+        ended[0].wait(30)
+        # Started again the moment its end arrives (as a retry on the same worker would be).
+        yield wpb.DecodeManyRequest(start=local("twice", ids, 40))
+        ended[1].wait(30)
 
-    refused = []
+    refused, finished = [], 0
     for message in stub.DecodeMany(up(), timeout=120):
         for e in message.events:
             if e.status_code:
                 refused.append((e.status_code, e.status_details))
             elif e.chunk.finish_reason:
-                gate.set()
+                ended[finished].set()
+                finished += 1
     assert refused == [(grpc.StatusCode.INVALID_ARGUMENT.value[0],
                         "start.request_id: 'twice' is already running on this stream")]
+    assert finished == 2
     wait_idle(stub)
