@@ -14,6 +14,8 @@ import os
 import random
 import re
 import socket
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -145,28 +147,53 @@ def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
     Drawn below the kernel's ephemeral range when it leaves room (10000 up to it): the kernel
     never hands those out to an outgoing connection or to another process's bind to port 0,
     so a port picked now is still free seconds later, when a child that first loads a model
-    binds it. Otherwise, or when that range is crowded, the kernel's own picks."""
+    binds it. Otherwise, or when that range is crowded, the kernel's own picks. A port this
+    process handed out in the last `_GIVEN_HOLD_S` is not handed out again: separate calls (a
+    spec's worker ports, then its HTTP port) must not pick one port twice before either is
+    bound."""
     rng = rng or random.Random()
     low = _ephemeral_low()
     socks: list[socket.socket] = []
+    held: list[socket.socket] = []
+    now = time.monotonic()
+    with _GIVEN_LOCK:
+        for port in [p for p, t in _GIVEN.items() if now - t > _GIVEN_HOLD_S]:
+            del _GIVEN[port]
+        given = set(_GIVEN)
     try:
         for _ in range(50 * n if low - _FIXED_LOW >= 1000 else 0):
             if len(socks) == n:
                 break
+            port = rng.randrange(_FIXED_LOW, low)
+            if port in given:
+                continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                s.bind(("0.0.0.0", rng.randrange(_FIXED_LOW, low)))  # free on every address
+                s.bind(("0.0.0.0", port))  # free on every address
                 socks.append(s)
+                given.add(port)
             except OSError:  # taken: draw again
                 s.close()
         while len(socks) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
             s.bind(("0.0.0.0", 0))
-        return [s.getsockname()[1] for s in socks]
+            # One handed out already stays bound (in `held`) while the kernel picks another.
+            (held if s.getsockname()[1] in given else socks).append(s)
+            given.add(s.getsockname()[1])
+        ports = [s.getsockname()[1] for s in socks]
+        with _GIVEN_LOCK:
+            for port in ports:
+                _GIVEN[port] = now
+        return ports
     finally:
-        for s in socks:
+        for s in socks + held:
             s.close()
+
+
+# Ports handed out by this process, when (time.monotonic()); bounded by pruning past the hold.
+_GIVEN: dict[int, float] = {}
+_GIVEN_LOCK = threading.Lock()
+_GIVEN_HOLD_S = 120.0
 
 
 _FIXED_LOW = 10000

@@ -237,3 +237,23 @@ def test_paused_supervision_restarts_nothing(tmp_path):
         for c in cluster.children:
             if c.proc.poll() is None:
                 c.proc.kill()
+
+
+class _SameDraw:
+    """An rng whose every draw is one port: what two unlucky separate draws look like."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def randrange(self, low: int, high: int) -> int:
+        return self.port
+
+
+def test_a_port_handed_out_is_not_handed_out_again_by_a_later_call():
+    from pdserve.controller.cluster_spec import free_ports
+
+    first = free_ports(2)
+    # A later call drawing only the first call's port (not yet bound by anyone) gets another.
+    again = free_ports(1, rng=_SameDraw(first[0]))
+    assert again[0] not in first
+    assert len(set(free_ports(3) + first + again)) == 6
