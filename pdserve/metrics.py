@@ -199,6 +199,9 @@ class WorkerCollector:
                 ("engine_borrowed_steps", "borrowed_steps",
                  "Steps run on cores lent by the host's idle workers (more threads than this "
                  "worker's own)."),
+                ("engine_cores_given_back", "cores_given_back",
+                 "Borrowed steps that gave their lent cores back midway, when the lender "
+                 "claimed them."),
                 ("engine_core_wait_seconds", "core_wait_seconds",
                  "Seconds steps waited for another worker's step on lent cores to end."),
                 ("local_prefill_requests", "local_prefill_requests",

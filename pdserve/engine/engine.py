@@ -53,6 +53,18 @@ _FORGET_WHEN_IDLE = 0.99
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _both(first: Callable[[int], None] | None,
+          then: Callable[[int], None]) -> Callable[[int], None]:
+    """One layer hook calling `first` (if any), then `then`."""
+    if first is None:
+        return then
+
+    def hook(li: int) -> None:
+        first(li)
+        then(li)
+    return hook
+
+
 @dataclass
 class ParkedKV:
     """A prefilled request's KV, block by block, in prompt order."""
@@ -111,6 +123,10 @@ class LLMEngine:
         # moment a layer's K/V are in the cache, spans = [(request id, start, end)] of the
         # prefill-only requests' positions computed this step; read them with `read_layer_kv`.
         self.on_prefill_layer: Callable[[int, list[tuple[str, int, int]]], None] | None = None
+        # Called as between_layers(layer) after each layer's K/V are written, on every step: the
+        # worker's core sharing uses it to give borrowed threads back midway
+        # (`worker/cores.py`). Must not touch the engine.
+        self.between_layers: Callable[[int], None] | None = None
         self.anchor_stats = SpecStats(self.max_anchor_drafts)
         self._draft_s_per_req = 0.0
 
@@ -307,6 +323,8 @@ class LLMEngine:
             if spans:
                 def on_layer(li: int, spans=spans) -> None:
                     self.on_prefill_layer(li, spans)
+        if self.between_layers is not None:
+            on_layer = _both(on_layer, self.between_layers)
         hidden = self.model.forward(step, self.kv, on_layer)
         keep_hidden = self.drafter is not None and self.drafter.needs_hidden
         if keep_hidden:  # drafts' rows are added once verified (below)

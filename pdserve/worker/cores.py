@@ -21,10 +21,12 @@ Two ways to share (`StepThreads(turns=...)`):
   (`docs/benchmarks.md`, bench serve on a CPU without AVX-512), so it is not the default.
 - Lending (the default): a step runs on its own share plus the cores no other worker computes
   on, side by side with the others' steps. A worker about to step while another's step runs on
-  borrowed cores (more threads than its share) first claims its own share, which the borrower
-  sees before its next step, and waits for the borrowed step to end (`must_wait`; at most
-  `max_wait_s`; a borrowed step that outlasts a whole wait, a stalled process, is not waited
-  for again until it ends).
+  borrowed cores (more threads than its share) first claims its own share and waits
+  (`must_wait`; at most `max_wait_s`). The borrower looks at the ledger between the layers of
+  its step (`StepThreads.between_layers`, the engine's hook); seeing the claim, it drops to
+  its own share for the rest of the step (`gives_back`), so the lender waits a layer, not a
+  whole step. A borrowed step that outlasts a whole wait (a stalled process) is not waited
+  for again until it ends.
 Either way two steps never run on more threads than cores while the bound holds: OpenMP
 threads spin at every op's barrier for a core the other holds, and such steps slow each other
 many times over.
@@ -58,6 +60,9 @@ _ALL = struct.Struct("<" + "iiiq" * SLOTS)
 SIZE = _ALL.size
 TURN_WAIT_S = 2.0  # the most a worker taking turns waits for the others' steps
 LEND_WAIT_S = 0.2  # the most a lending worker waits for a borrowed step
+# How often a borrowing step looks at the ledger between its layers: a read costs some
+# microseconds, a batch-1 layer well under a millisecond.
+GIVE_BACK_CHECK_S = 0.002
 # A CPU worker taking turns runs at most this many tokens a step (`worker/server.py`): about
 # 0.9 s of SmolLM2 prefill on 2 cores here, what a decode step waits for at most.
 TURN_STEP_TOKENS = 512
@@ -76,6 +81,13 @@ def must_wait(own: int, cores: int, others: list[tuple[int, int]]) -> bool:
     alone exceed the cores never wait for each other: no step of theirs borrows."""
     return (any(n > o for n, o in others)
             and sum(n for n, _ in others) + own > cores)
+
+
+def gives_back(current: int, own: int, cores: int, others: int) -> bool:
+    """Whether a worker whose step in progress runs on `current` threads, `own` of them its
+    share, drops to its share now: it borrows, and beside the other workers' steps and claims
+    (`others` threads) the host's cores are oversubscribed."""
+    return current > own and others + current > cores
 
 
 def turn_waits(slot: int, since_us: int, computing: int,
@@ -194,6 +206,8 @@ class StepThreads:
         self.current = 0
         self.borrowed_steps = 0  # steps that ran on more threads than this worker's own
         self.waited_s = 0.0  # time spent waiting for a borrowed step to end
+        self.given_back = 0  # borrowed steps that gave their borrowed threads back midway
+        self._checked = 0.0  # when `between_layers` last read the ledger
         # Borrowers whose step outlasted a whole wait (a stalled or stopped process): not
         # waited for again until they end that step.
         self._outlasted: set[int] = set()
@@ -246,6 +260,24 @@ class StepThreads:
         # Every step in progress counts for the threads, an outlasted one too.
         n = step_threads(self.own, self.most, self.cores, sum(n for _, n, _ in steps))
         return self._claim(n)
+
+    def between_layers(self, _layer: int = 0) -> None:
+        """The engine's hook between a step's layers: a step on borrowed threads whose lender
+        has claimed its share back drops to its own share for the rest of the step
+        (`gives_back`), and says so in the ledger, which ends the lender's wait. Reads the
+        ledger at most every GIVE_BACK_CHECK_S, and never on a step within its share."""
+        if self.current <= self.own or self.turns:
+            return
+        now = time.monotonic()
+        if now - self._checked < GIVE_BACK_CHECK_S:
+            return
+        self._checked = now
+        others = sum(n for _, n, _ in self.ledger.steps())
+        if gives_back(self.current, self.own, self.cores, others):
+            self._apply(self.own)
+            self.current = self.own
+            self.ledger.set(self.own, self.own)
+            self.given_back += 1
 
     def _claim(self, n: int) -> int:
         self.ledger.set(n, self.own)

@@ -13,7 +13,8 @@ thread between every pair of ops, which slowed batch-8 decode steps by 10-20 % u
 sending the previous step's tokens (a slow client) is not waited for, and a queued command
 ends the wait.
 With `threads` (`worker/cores.py`) each step first claims its compute threads from the host's
-ledger (its own share, more while the host's other workers idle) and releases them after.
+ledger (its own share, more while the host's other workers idle) and releases them after;
+between the step's layers a borrowing step gives lent cores back when their owner claims them.
 A command whose caller stops waiting (`call` past its timeout, while a long step holds the
 thread) is cancelled before it runs and the caller gets `EngineBusy`; one already running is
 waited for, so its effect (a request added, blocks taken) is never lost to its caller. `post`
@@ -84,6 +85,8 @@ class EngineLoop:
             raise ValueError(f"handoff_s must be >= 0, got {handoff_s!r}")
         self.engine = engine
         self.threads = threads  # the host's cores lent between its workers (None: fixed)
+        if threads is not None:  # a borrowing step gives its lender's cores back midway
+            engine.between_layers = threads.between_layers
         self.call_timeout_s = call_timeout_s
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}

@@ -23,8 +23,8 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.worker.config import WorkerConfig
 from pdserve.core.errors import ConfigError
-from pdserve.worker.cores import (TURN_STEP_TOKENS, CoreLedger, StepThreads, must_wait,
-                                  step_threads, turn_waits)
+from pdserve.worker.cores import (TURN_STEP_TOKENS, CoreLedger, StepThreads, gives_back,
+                                  must_wait, step_threads, turn_waits)
 from pdserve.worker.engine_loop import EngineLoop
 
 
@@ -45,6 +45,15 @@ def test_a_newcomer_waits_only_for_a_borrowed_step_that_would_oversubscribe():
     assert not must_wait(own=1, cores=4, others=[(2, 1)])  # a core is still idle
     # Four one-thread workers on 2 cores never wait for each other: none of them borrows.
     assert not must_wait(own=1, cores=2, others=[(1, 1), (1, 1), (1, 1)])
+
+
+def test_a_borrowing_step_gives_back_only_what_oversubscribes_the_host():
+    assert gives_back(current=2, own=1, cores=2, others=1)  # the lender claimed its share
+    assert not gives_back(current=2, own=1, cores=2, others=0)  # the lender still idles
+    assert not gives_back(current=1, own=1, cores=2, others=1)  # on its own share already
+    assert not gives_back(current=1, own=1, cores=2, others=2)  # not borrowing: never
+    assert not gives_back(current=3, own=1, cores=4, others=1)  # a core is still idle
+    assert gives_back(current=3, own=1, cores=4, others=2)
 
 
 def others(ledger: CoreLedger) -> list[tuple[int, int]]:
@@ -199,6 +208,94 @@ def test_the_engine_loop_steps_on_lent_cores_only_while_the_other_worker_idles(
     finally:
         loop.stop()
     assert others(CoreLedger(str(path))) == []  # every step released its claim
+
+
+BORROWER = textwrap.dedent("""
+    import sys, time
+    from pdserve.worker.cores import CoreLedger, StepThreads
+    st = StepThreads(CoreLedger(sys.argv[1]), own=1, most=2, cores=2, apply=lambda n: None)
+    print("step on", st.begin(), flush=True)
+    while st.current > st.own:  # the step's layers, until its lender claims its core
+        time.sleep(0.001)
+        st.between_layers()
+    print("gave back", st.given_back, flush=True)
+    sys.stdin.read()  # the step goes on, on its own share, until the test ends it
+""")
+
+
+def test_a_lender_waits_for_a_layer_of_a_borrowed_step_not_for_its_end(tmp_path):
+    path = tmp_path / "cores"
+    me = CoreLedger(str(path))  # opened first, so the borrower's step finds both cores idle
+    borrower = subprocess.Popen([sys.executable, "-c", BORROWER, str(path)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert borrower.stdout.readline().strip() == "step on 2"
+        assert others(me) == [(2, 1)]
+        # The lender's step would wait out the borrowed one to the end of its bound (the
+        # borrowed step never ends here); it starts once the borrower gave back.
+        st = StepThreads(me, own=1, most=2, cores=2, apply=lambda n: None, max_wait_s=60.0)
+        t0 = time.monotonic()
+        assert st.begin() == 1  # beside the borrower, now on its own share
+        assert time.monotonic() - t0 < 30
+        assert borrower.stdout.readline().strip() == "gave back 1"
+        assert others(me) == [(1, 1)]
+        assert st.borrowed_steps == 0
+        st.end()
+    finally:
+        borrower.kill()
+        borrower.wait()
+
+
+def test_a_borrowing_step_gives_back_once_and_only_when_claimed(tmp_path):
+    path = tmp_path / "cores"
+    applied: list[int] = []
+    st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=applied.append)
+    assert st.begin() == 2
+    st.between_layers()
+    time.sleep(0.01)
+    st.between_layers()
+    assert applied == [2] and st.given_back == 0  # nobody claimed: it keeps both cores
+    lender = holder(path, 1, 1)
+    try:
+        time.sleep(0.01)
+        st.between_layers()
+        assert applied == [2, 1] and st.given_back == 1 and st.current == 1
+        time.sleep(0.01)
+        st.between_layers()
+        assert applied == [2, 1] and st.given_back == 1  # once a step
+        st.end()
+        assert st.begin() == 1  # the lender still computes: the next step on its share
+        assert applied == [2, 1]
+        st.end()
+    finally:
+        lender.kill()
+        lender.wait()
+    assert st.begin() == 2 and applied == [2, 1, 2]
+    st.end()
+
+
+def test_the_engine_calls_the_hook_between_every_layer_of_every_step(tiny_llama_dir):
+    engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(block_size_tokens=4,
+                                                                        num_blocks=64)))
+    layers = engine.model.cfg.num_hidden_layers
+    seen: list[int] = []
+    streamed: list[int] = []
+    engine.between_layers = seen.append
+    engine.on_prefill_layer = lambda li, spans: streamed.append(li)
+    engine.add_request("p", [9, 10, 11, 12], SamplingParams(max_tokens=1), prefill_only=True)
+    engine.step()
+    # The prefill role's layer streaming still runs, before the hook, on its layers.
+    assert streamed == list(range(layers)) and seen == list(range(layers))
+    engine.abort("p")
+    engine.add_request("a", [3, 4, 5, 6, 7, 8],
+                       SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    assert steps >= 3 and layers >= 2
+    assert seen == list(range(layers)) * (steps + 1)
+    assert streamed == list(range(layers))  # a request not prefill-only streams nothing
 
 
 def test_worker_config_checks_the_lending_fields():
