@@ -10,7 +10,8 @@ A request sent to be prefilled here (`decode_local`, the controller's prefill of
 KV: it joins as a whole request whose prompt chunks, at most `chunk_tokens` a step, run in the
 decode batches, and streams every token, the first one included, the same way. So does a request
 resumed here after the decode worker serving it died: the tokens it already emitted are
-computed with the prompt, and only the ones after them are streamed.
+computed with the prompt, and only the ones after them are streamed. The full blocks of a prompt
+prefilled here are put to the store (`publish`), as a prefill worker's are.
 Must not decide routing.
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from pdserve.decode_worker.progressive import ResidualWaiter, StreamReader
+from pdserve.decode_worker.publish import PromptPublisher
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop, RequestStream
 from pdserve.worker.kv_blocks import fetch_run
@@ -42,9 +44,10 @@ class DecodeChunk:
 
 class DecodeRole:
     def __init__(self, loop: EngineLoop, store, poll_s: float = 0.05,
-                 stream_wait_s: float = 30.0) -> None:
+                 stream_wait_s: float = 30.0, publisher: PromptPublisher | None = None) -> None:
         self.loop = loop
         self.store = store
+        self.publisher = publisher  # puts the prompts prefilled here to the store
         self.poll_s = poll_s
         self.reader = StreamReader(store, loop.engine, stream_wait_s)
         self.blocks_fetched = 0
@@ -181,13 +184,17 @@ class DecodeRole:
             self.local_prefill_requests += 1
             # Every token computed here before the first one sampled, resumed ones included.
             self.local_prefill_tokens += len(prompt_ids) + len(resume_ids)
-        yield from self._relay(request_id, out_stream, is_active)
+        publish = None
+        if self.publisher is not None:  # the prompt's KV is in the pool once a token is out
+            def publish(publisher=self.publisher):
+                publisher.offer(prompt_ids, salt)
+        yield from self._relay(request_id, out_stream, is_active, publish)
 
-    def _relay(self, request_id: str, out_stream: RequestStream, is_active: Callable[[], bool]
-               ) -> Iterator[DecodeChunk]:
+    def _relay(self, request_id: str, out_stream: RequestStream, is_active: Callable[[], bool],
+               on_first: Callable[[], None] | None = None) -> Iterator[DecodeChunk]:
         """The request's step outputs as chunks until it finishes (the steps queued while this
         thread waited coalesce into one chunk); a client that is gone, or stops reading, aborts
-        it in the engine."""
+        it in the engine. `on_first` runs once, when the first tokens are out."""
         try:
             while True:
                 try:
@@ -198,6 +205,9 @@ class DecodeRole:
                         return
                     continue
                 chunk, finished, pending = _coalesce(item, out_stream)
+                if on_first is not None and chunk.token_ids:
+                    on_first()
+                    on_first = None
                 yield chunk
                 if finished:
                     return

@@ -177,6 +177,17 @@ class LLMEngine:
             n += 1
         return n
 
+    def read_cached_blocks(self, block_hashes: list[bytes]) -> list[tuple[bytes, torch.Tensor]]:
+        """Copies of the leading blocks of this chain the local pool holds, with their hashes:
+        what another worker may import (`import_cached_blocks`) instead of computing them."""
+        out = []
+        for h in block_hashes:
+            bid = self.pool.lookup(h)
+            if bid is None:
+                break
+            out.append((h, self.kv.read_block(bid)))
+        return out
+
     def import_cached_blocks(self, blocks: list[tuple[bytes, torch.Tensor]]) -> int:
         """Place full blocks computed elsewhere into the local prefix cache (unheld, evictable).
 

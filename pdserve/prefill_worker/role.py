@@ -40,7 +40,7 @@ from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.worker.guarded_store import StoreFailure
-from pdserve.worker.kv_blocks import block_key, blocks_as_buffers, fetch_run
+from pdserve.worker.kv_blocks import block_key, fetch_run, put_missing
 from pdserve.worker.kv_staging import StagingError
 
 log = logging.getLogger(__name__)
@@ -198,15 +198,8 @@ class PrefillRole:
     def _put_blocks(self, request_id: str, keys: list[str], blocks) -> int:
         """Puts the blocks the store lacks; how many it put, or -1 when the store failed (the
         request is served anyway: the decode side recomputes what it cannot fetch)."""
-        if not keys:
-            return 0
         try:
-            present = self.store.exists(keys)
-            todo = [(k, b) for k, b, p in zip(keys, blocks, present) if not p]
-            if todo:  # device blocks go through host staging; CPU blocks are put zero-copy
-                with blocks_as_buffers([b for _, b in todo]) as bufs:
-                    self.store.batch_put_from([(k, *buf) for (k, _), buf in zip(todo, bufs)])
-            return len(todo)
+            return put_missing(self.store, keys, blocks)
         except (StoreFailure, StagingError) as e:
             log.warning("%s: KV not stored, the decode side will recompute it: %s",
                         request_id, e)

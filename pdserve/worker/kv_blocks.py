@@ -44,6 +44,19 @@ def blocks_as_buffers(blocks: list[torch.Tensor], staging: HostStaging | None = 
         yield [(v, block_meta(b)) for v, b in zip(views, blocks)]
 
 
+def put_missing(store, keys: list[str], blocks: list[torch.Tensor]) -> int:
+    """Put the blocks the store lacks (one `exists` asked for all, one batch put); how many
+    were put. Raises what the store or the staging raise (StoreFailure, StagingError)."""
+    if not keys:
+        return 0
+    present = store.exists(keys)
+    todo = [(k, b) for k, b, p in zip(keys, blocks, present) if not p]
+    if todo:  # device blocks go through host staging; CPU blocks are put zero-copy
+        with blocks_as_buffers([b for _, b in todo]) as bufs:
+            store.batch_put_from([(k, *buf) for (k, _), buf in zip(todo, bufs)])
+    return len(todo)
+
+
 def _reader(store, key: str) -> Callable[[np.ndarray], int]:
     def read(buf: np.ndarray) -> int:
         try:

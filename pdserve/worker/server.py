@@ -19,6 +19,7 @@ import sys
 import torch
 
 from pdserve import rpc
+from pdserve.decode_worker.publish import PromptPublisher
 from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.device import DeviceError, resolve_device
@@ -143,7 +144,8 @@ def run(cfg: WorkerConfig) -> int:
     sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
               if cfg.progressive_kv else None)
     service = WorkerService(loop, PrefillRole(loop, store, model_id, sender=sender),
-                            DecodeRole(loop, store, stream_wait_s=cfg.progressive_wait_ms / 1000),
+                            DecodeRole(loop, store, stream_wait_s=cfg.progressive_wait_ms / 1000,
+                                       publisher=PromptPublisher(loop, store, model_id)),
                             role, model_id)
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     rpc.add_servicer(server, pb_grpc.add_WorkerServicer_to_server, service)

@@ -251,7 +251,8 @@ class WorkerService(pb_grpc.WorkerServicer):
 
         s = loop.call(read)
         d, sender = self.decode_role, self.prefill_role.sender
-        s.update(kv_blocks_put=self.prefill_role.blocks_put,
+        pub = d.publisher  # blocks put: a prefill's, and a prompt prefilled in the decode role
+        s.update(kv_blocks_put=self.prefill_role.blocks_put + (pub.blocks_put if pub else 0),
                  kv_blocks_fetched=self.decode_role.blocks_fetched,
                  progressive_requests=d.progressive_requests,
                  progressive_anchor_joins=d.progressive_anchor_joins,

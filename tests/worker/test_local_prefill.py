@@ -267,3 +267,33 @@ def test_draining_is_reported_and_refuses_new_requests(stub):
     s = stats(stub)
     assert not s.draining and s.role == wpb.ROLE_PREFILL
     stub.SetRole(wpb.SetRoleRequest(role=wpb.ROLE_DECODE, drain=True), timeout=30)
+
+
+def test_a_prompt_prefilled_here_is_a_prefix_hit_for_any_prefill_worker(
+        stub, reference, tiny_llama_dir, store):
+    ids = prompt(60, seed=4242)
+    want, _ = reference(ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    before = stats(stub).kv_blocks_put
+    got, _, _ = collect(local_decode(stub, "published", ids, max_tokens=4, ignore_eos=True))
+    assert got == want
+    full = (len(ids) - 1) // 16  # the blocks before the last prompt token a prefill looks up
+    deadline = time.monotonic() + 60
+    while stats(stub).kv_blocks_put - before < full:  # put after the first token, off its path
+        assert time.monotonic() < deadline, "the prompt's blocks never reached the store"
+        time.sleep(0.05)
+    assert stats(stub).kv_blocks_put - before == full
+    p, addr = start_worker(tiny_llama_dir, store, "prefill")
+    try:
+        with rpc.make_channel(addr) as ch:
+            w = wpb_grpc.WorkerStub(ch)
+            r = w.Prefill(wpb.PrefillRequest(
+                request_id="again", prompt_token_ids=ids,
+                sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True)), timeout=120)
+            s = w.GetStats(wpb.GetStatsRequest(), timeout=10)
+        assert r.first_token_id == want[0]
+        # The prefill worker took those blocks from the store and computed only the rest.
+        assert r.num_cached_tokens == full * 16
+        assert s.kv_blocks_from_store == full
+        assert s.prompt_tokens_computed == len(ids) - full * 16
+    finally:
+        assert stop_process(p, timeout_s=15) == 0
