@@ -21,12 +21,15 @@ Two ways to share (`StepThreads(turns=...)`):
   (`docs/benchmarks.md`, bench serve on a CPU without AVX-512), so it is not the default.
 - Lending (the default): a step runs on its own share plus the cores no other worker computes
   on, side by side with the others' steps. A worker about to step while another's step runs on
-  borrowed cores (more threads than its share) first claims its own share and waits
-  (`must_wait`; at most `max_wait_s`). The borrower looks at the ledger between the layers of
-  its step (`StepThreads.between_layers`, the engine's hook); seeing the claim, it drops to
-  its own share for the rest of the step (`gives_back`), so the lender waits a layer, not a
-  whole step. A borrowed step that outlasts a whole wait (a stalled process) is not waited
-  for again until it ends.
+  borrowed cores (more threads than its share) first claims its own share, marked as waiting,
+  which the borrower's next step sees, and waits for the borrowed step to end (`must_wait`; at
+  most `max_wait_s`). Past the bound it steps on its own share, and the borrower, which looks
+  at the ledger between the layers of its step (`StepThreads.between_layers`, the engine's
+  hook), drops to its own share for the rest of the step (`gives_back`): a borrowed step
+  shorter than the bound (a wave's prefill on both cores) ends undisturbed, a longer one
+  shares the host's cores from then on instead of oversubscribing them. A borrowed step that
+  outlasts a whole wait without giving back (a stalled process) is not waited for again
+  until it ends.
 Either way two steps never run on more threads than cores while the bound holds: OpenMP
 threads spin at every op's barrier for a core the other holds, and such steps slow each other
 many times over.
@@ -85,8 +88,9 @@ def must_wait(own: int, cores: int, others: list[tuple[int, int]]) -> bool:
 
 def gives_back(current: int, own: int, cores: int, others: int) -> bool:
     """Whether a worker whose step in progress runs on `current` threads, `own` of them its
-    share, drops to its share now: it borrows, and beside the other workers' steps and claims
-    (`others` threads) the host's cores are oversubscribed."""
+    share, drops to its share now: it borrows, and beside the other workers' steps computing
+    (`others` threads; a lender still waiting within its bound does not count) the host's
+    cores are oversubscribed."""
     return current > own and others + current > cores
 
 
@@ -167,6 +171,12 @@ class CoreLedger:
         """(pid, threads in use, own share) of each other live worker's step in progress."""
         return [(pid, n, own) for _, pid, n, own, _ in self._others() if n > 0]
 
+    def computing(self) -> list[tuple[int, int, int]]:
+        """(pid, threads in use, own share) of each other live worker's step that computes:
+        `steps()` less the claims of lenders still waiting for a borrowed step."""
+        return [(pid, n, own) for _, pid, n, own, since in self._others()
+                if n > 0 and not since]
+
     def turns(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """The other workers' steps in progress, as `steps()`, and (since, slot, pid) of each
         other worker waiting for a turn."""
@@ -175,8 +185,9 @@ class CoreLedger:
                 [(since, i, pid) for i, pid, n, _, since in others if since and n <= 0])
 
     def set(self, threads: int, own: int = 0, waiting_since_us: int = 0) -> None:
-        """This worker's step now uses `threads` of which `own` are its share (0: no step),
-        or it waits for a turn since `waiting_since_us` (with `threads` 0)."""
+        """This worker's step now uses `threads` of which `own` are its share (0: no step);
+        or it waits since `waiting_since_us`: for a turn (with `threads` 0), or, lending, for a
+        borrowed step with its share claimed (`threads` = `own`)."""
         with contextlib.suppress(ValueError):  # closed at shutdown while a last step ended
             _SLOT.pack_into(self._map, self.slot * _SLOT.size, self.pid, threads, own,
                             waiting_since_us)
@@ -248,7 +259,9 @@ class StepThreads:
             return self._claim(n)
         steps = self.ledger.steps()  # one read of the ledger on a step that does not wait
         if must_wait(self.own, self.cores, self._waited_for(steps)):
-            self.ledger.set(self.own, self.own)  # the borrower's next step sees this claim
+            # The borrower's next step sees this claim; its step in progress gives back only
+            # once this worker computes (past the bound).
+            self.ledger.set(self.own, self.own, _now_us())
             t0 = time.monotonic()
             while must_wait(self.own, self.cores, self._waited_for(steps)):
                 if time.monotonic() - t0 >= self.max_wait_s:
@@ -262,17 +275,17 @@ class StepThreads:
         return self._claim(n)
 
     def between_layers(self, _layer: int = 0) -> None:
-        """The engine's hook between a step's layers: a step on borrowed threads whose lender
-        has claimed its share back drops to its own share for the rest of the step
-        (`gives_back`), and says so in the ledger, which ends the lender's wait. Reads the
-        ledger at most every GIVE_BACK_CHECK_S, and never on a step within its share."""
+        """The engine's hook between a step's layers: a step on borrowed threads beside which
+        its lender now computes (it waited out its bound) drops to its own share for the rest
+        of the step (`gives_back`) and says so in the ledger. Reads the ledger at most every
+        GIVE_BACK_CHECK_S, and never on a step within its share."""
         if self.current <= self.own or self.turns:
             return
         now = time.monotonic()
         if now - self._checked < GIVE_BACK_CHECK_S:
             return
         self._checked = now
-        others = sum(n for _, n, _ in self.ledger.steps())
+        others = sum(n for _, n, _ in self.ledger.computing())
         if gives_back(self.current, self.own, self.cores, others):
             self._apply(self.own)
             self.current = self.own

@@ -66,8 +66,10 @@ HOLDER = textwrap.dedent("""
     from pdserve.worker.cores import CoreLedger
     led = CoreLedger(sys.argv[1])
     waiting = int(sys.argv[2]) < 0  # waits for a turn since now instead
+    claim_waits = len(sys.argv) > 4  # a lender's claim while it waits for a borrowed step
     led.set(0 if waiting else int(sys.argv[2]), int(sys.argv[3]),
-            time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000 if waiting else 0)
+            time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+            if waiting or claim_waits else 0)
     print("claimed", flush=True)
     for line in sys.stdin:  # until the test closes its stdin or kills it
         if line.strip() == "release":
@@ -76,10 +78,12 @@ HOLDER = textwrap.dedent("""
 """)
 
 
-def holder(path, threads: int, own: int) -> subprocess.Popen:
+def holder(path, threads: int, own: int, claim_waits: bool = False) -> subprocess.Popen:
     """Another worker of the host, in its own process, inside a step on `threads` threads (its
-    share `own`; -1: waiting for a turn) until told "release"."""
-    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(threads), str(own)],
+    share `own`; -1: waiting for a turn; `claim_waits`: a lender's claim of its share while it
+    waits for a borrowed step) until told "release"."""
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(threads), str(own),
+                          *(["waits"] if claim_waits else [])],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "claimed"
     return p
@@ -223,7 +227,8 @@ BORROWER = textwrap.dedent("""
 """)
 
 
-def test_a_lender_waits_for_a_layer_of_a_borrowed_step_not_for_its_end(tmp_path):
+def test_a_borrowed_step_keeps_its_cores_through_the_lenders_wait_then_gives_them_back(
+        tmp_path):
     path = tmp_path / "cores"
     me = CoreLedger(str(path))  # opened first, so the borrower's step finds both cores idle
     borrower = subprocess.Popen([sys.executable, "-c", BORROWER, str(path)],
@@ -231,22 +236,31 @@ def test_a_lender_waits_for_a_layer_of_a_borrowed_step_not_for_its_end(tmp_path)
     try:
         assert borrower.stdout.readline().strip() == "step on 2"
         assert others(me) == [(2, 1)]
-        # The lender's step would wait out the borrowed one to the end of its bound (the
-        # borrowed step never ends here); it starts once the borrower gave back.
-        st = StepThreads(me, own=1, most=2, cores=2, apply=lambda n: None, max_wait_s=60.0)
+        # The borrowed step never ends here: the lender waits out its bound, then steps on
+        # its own share, and only then does the borrower give its core back.
+        st = StepThreads(me, own=1, most=2, cores=2, apply=lambda n: None, max_wait_s=1.5)
+        seen_while_waiting: list[list[tuple[int, int]]] = []
+        probe = CoreLedger(str(path))  # a third view of the ledger, sampled during the wait
+        timer = threading.Timer(0.3, lambda: seen_while_waiting.append(
+            [(n, own) for pid, n, own in probe.steps() if pid == borrower.pid]))
+        timer.start()
         t0 = time.monotonic()
-        assert st.begin() == 1  # beside the borrower, now on its own share
-        assert time.monotonic() - t0 < 30
+        assert st.begin() == 1  # beside the borrower, on its own share
+        waited = time.monotonic() - t0
+        timer.join()
+        assert seen_while_waiting == [[(2, 1)]], "gave back before the lender's bound"
+        assert waited >= 1.4
         assert borrower.stdout.readline().strip() == "gave back 1"
-        assert others(me) == [(1, 1)]
+        assert [(n, own) for pid, n, own in probe.steps() if pid == borrower.pid] == [(1, 1)]
         assert st.borrowed_steps == 0
         st.end()
+        probe.close()
     finally:
         borrower.kill()
         borrower.wait()
 
 
-def test_a_borrowing_step_gives_back_once_and_only_when_claimed(tmp_path):
+def test_a_borrowing_step_gives_back_once_and_only_to_a_lender_that_computes(tmp_path):
     path = tmp_path / "cores"
     applied: list[int] = []
     st = StepThreads(CoreLedger(str(path)), own=1, most=2, cores=2, apply=applied.append)
@@ -255,7 +269,15 @@ def test_a_borrowing_step_gives_back_once_and_only_when_claimed(tmp_path):
     time.sleep(0.01)
     st.between_layers()
     assert applied == [2] and st.given_back == 0  # nobody claimed: it keeps both cores
-    lender = holder(path, 1, 1)
+    waiting = holder(path, 1, 1, claim_waits=True)  # a lender waiting within its bound
+    try:
+        time.sleep(0.01)
+        st.between_layers()
+        assert applied == [2] and st.given_back == 0
+    finally:
+        waiting.kill()
+        waiting.wait()
+    lender = holder(path, 1, 1)  # a lender computing beside it
     try:
         time.sleep(0.01)
         st.between_layers()
