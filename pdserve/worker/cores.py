@@ -1,11 +1,13 @@
 """Cores shared between the workers of one host: a worker computes with the cores the others idle.
 
 Owns the decision of how many compute threads a worker's next step uses and whether it waits
-first (`step_threads`, `must_wait`, `turn_waits`, pure), the host's shared ledger the workers of
-one local cluster read and write it from (`CoreLedger`: a small file mapped into each worker,
-one slot per worker holding its pid, the threads its step in progress uses (0 between steps),
-its own share, and since when it waits for a turn), and the engine thread's side
-(`StepThreads`: claim before a step, set torch's thread count when it changed, release after).
+first, and whether a borrowing step gives back midway (`step_threads`, `must_wait`,
+`gives_back`, `turn_waits`, pure), the host's shared ledger the workers of one local cluster
+read and write it from (`CoreLedger`: a small file mapped into each worker, one slot per worker
+holding its pid, the threads its step in progress uses (0 between steps), its own share, and
+since when it waits, for a turn or for a borrowed step), and the engine thread's side
+(`StepThreads`: claim before a step, set torch's thread count when it changed, look again
+between layers, release after).
 
 Two ways to share (`StepThreads(turns=...)`):
 - Turns (`--core-sharing turns`): a step runs on all the cores a worker may use, and a
@@ -57,7 +59,8 @@ from typing import Callable
 
 SLOTS = 64
 # pid, threads in use (0: not computing), the worker's own share, and since when (CLOCK_MONOTONIC,
-# one clock for every process of the host, in microseconds) it waits for a turn (0: it does not)
+# one clock for every process of the host, in microseconds) it waits for a turn or for a
+# borrowed step (0: it does not)
 _SLOT = struct.Struct("<iiiq")
 _ALL = struct.Struct("<" + "iiiq" * SLOTS)
 SIZE = _ALL.size
