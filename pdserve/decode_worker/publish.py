@@ -22,9 +22,7 @@ import threading
 
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_blocks import block_key, put_missing
-from pdserve.worker.kv_staging import StagingError
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +80,7 @@ class PromptPublisher:
                 n = put_missing(self.store, keys, blocks)
                 with self._lock:
                     self.blocks_put += n
-            except (StoreFailure, StagingError) as e:
+            except Exception as e:  # StoreFailure, StagingError, a store closed at shutdown
                 with self._lock:
                     self.put_failures += 1
                 log.warning("a locally prefilled prompt's KV was not stored: %s", e)
@@ -91,5 +89,6 @@ class PromptPublisher:
                     self._pending -= len(keys)
 
     def close(self) -> None:
+        """Stop after the offers already queued (at most 5 s)."""
         self._q.put(None)
         self._thread.join(timeout=5)

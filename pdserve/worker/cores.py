@@ -288,7 +288,10 @@ class StepThreads:
         if now - self._checked < GIVE_BACK_CHECK_S:
             return
         self._checked = now
-        others = sum(n for _, n, _ in self.ledger.computing())
+        try:
+            others = sum(n for _, n, _ in self.ledger.computing())
+        except ValueError:  # the ledger was closed at shutdown while this step ran
+            return
         if gives_back(self.current, self.own, self.cores, others):
             self._apply(self.own)
             self.current = self.own

@@ -143,9 +143,10 @@ def run(cfg: WorkerConfig) -> int:
     role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
     sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
               if cfg.progressive_kv else None)
+    publisher = PromptPublisher(loop, store, model_id)
     service = WorkerService(loop, PrefillRole(loop, store, model_id, sender=sender),
                             DecodeRole(loop, store, stream_wait_s=cfg.progressive_wait_ms / 1000,
-                                       publisher=PromptPublisher(loop, store, model_id)),
+                                       publisher=publisher),
                             role, model_id)
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     rpc.add_servicer(server, pb_grpc.add_WorkerServicer_to_server, service)
@@ -177,5 +178,6 @@ def run(cfg: WorkerConfig) -> int:
         loop.threads.ledger.close()
     if sender is not None:
         sender.stop()
+    publisher.close()
     store.close()
     return code
