@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 
+import grpc
 import pytest
 
 from pdserve import rpc
@@ -148,6 +149,18 @@ def router_sees_active(router: str, address: str) -> bool:
     return m is not None and m.state == rpb.MEMBER_STATE_ACTIVE
 
 
+def membership_text(router: str) -> str:
+    """Each member's address, role, state, missed polls and reason, as the router says."""
+    from pdserve.proto import router_pb2 as rpb
+    from pdserve.proto import worker_pb2 as wpb
+    from tests.e2e.test_membership import members
+
+    return "; ".join(f"{a} role={wpb.Role.Name(m.role)} state={rpb.MemberState.Name(m.state)} "
+                     f"missed_polls={m.missed_polls} "
+                     f"last_seen_age_s={m.last_seen_age_s:.1f} in_flight={m.in_flight} "
+                     f"reason={m.reason!r}" for a, m in members(router).items())
+
+
 def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name: str) -> None:
     r = cli(ray_cluster, *serve_args(ray_cluster, tiny_llama_dir, name), "--detach",
             timeout_s=300)
@@ -184,7 +197,12 @@ def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name:
     rpc.wait_healthy(decode["address"], timeout_s=120)
     wait_for(lambda: router_sees_active(ready["router"], decode["address"]), 60,
              "the router to take decode-1 back")
-    ids, *_ = generate(ready["router"], token_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        ids, *_ = generate(ready["router"], token_ids=PROMPT, max_tokens=MAX_TOKENS,
+                           ignore_eos=True)
+    except grpc.RpcError as e:  # say what the router's membership was right after
+        raise AssertionError(f"{e.code().name} {e.details()}; the router's members then: "
+                             f"{membership_text(ready['router'])}") from e
     assert ids == expected_tokens
 
     # ray.kill of a worker's actor: its process dies with it; status shows the actor dead.
