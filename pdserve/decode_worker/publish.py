@@ -20,9 +20,8 @@ import logging
 import queue
 import threading
 
-from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.kv_blocks import block_key, put_missing
+from pdserve.worker.kv_blocks import put_missing, reusable_prefix
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +49,10 @@ class PromptPublisher:
         """Publish the full blocks of this prompt the local pool holds (called once its first
         token is out, so the prompt's KV is in the pool). Returns at once."""
         engine = self.loop.engine
-        # The blocks a prefill worker looks up: those before the last prompt token.
-        hashes = prompt_block_hashes(prompt_ids[:-1], engine.block_size, salt)
+        # The blocks a prefill worker looks up (`PrefillRole._enter` asks the same keys).
+        hashes, keys = reusable_prefix(engine, self.model_id, prompt_ids, salt)
         if not hashes:
             return
-        layers = engine.model_config.num_hidden_layers
-        keys = [block_key(self.model_id, salt, h, layers) for h in hashes]
 
         def read() -> None:  # on the engine thread, between steps
             with self._lock:

@@ -17,6 +17,7 @@ Must not decide routing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -184,10 +185,9 @@ class DecodeRole:
             self.local_prefill_requests += 1
             # Every token computed here before the first one sampled, resumed ones included.
             self.local_prefill_tokens += len(prompt_ids) + len(resume_ids)
-        publish = None
-        if self.publisher is not None:  # the prompt's KV is in the pool once a token is out
-            def publish(publisher=self.publisher):
-                publisher.offer(prompt_ids, salt)
+        # The prompt's KV is in the pool once a token is out.
+        publish = (functools.partial(self.publisher.offer, prompt_ids, salt)
+                   if self.publisher is not None else None)
         yield from self._relay(request_id, out_stream, is_active, publish)
 
     def _relay(self, request_id: str, out_stream: RequestStream, is_active: Callable[[], bool],

@@ -35,12 +35,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.prefill_worker.kv_sender import KvStreamSender
 from pdserve.worker.guarded_store import StoreFailure
-from pdserve.worker.kv_blocks import block_key, fetch_run, put_missing
+from pdserve.worker.kv_blocks import block_key, fetch_run, put_missing, reusable_prefix
 from pdserve.worker.kv_staging import StagingError
 
 log = logging.getLogger(__name__)
@@ -105,10 +104,7 @@ class PrefillRole:
         first step boundary after it arrived. Asking the local cache first would take a trip
         of its own, and a burst arriving during a step would then miss the next step too."""
         engine = self.loop.engine
-        # Only blocks before the last prompt token can be reused (one token must be computed).
-        hashes = prompt_block_hashes(prompt_ids[:-1], engine.block_size, salt)
-        layers = engine.model_config.num_hidden_layers
-        keys = [block_key(self.model_id, salt, h, layers) for h in hashes]
+        hashes, keys = reusable_prefix(engine, self.model_id, prompt_ids, salt)
         n_store = self._store_prefix(keys)
 
         def first():

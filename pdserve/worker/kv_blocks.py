@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.kvstore.client import BlockKey, Plane, StoreError, format_key
 from pdserve.kvstore.dist_client import DistStoreError
 from pdserve.kvstore.store import ObjectMeta
@@ -29,6 +30,15 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def block_key(model_id: str, salt: str, block_hash: bytes, num_layers: int) -> str:
     return format_key(BlockKey(model_id, salt, block_hash, 0, num_layers, Plane.FULL))
+
+
+def reusable_prefix(engine, model_id: str, prompt_ids: list[int], salt: str
+                    ) -> tuple[list[bytes], list[str]]:
+    """The hashes and store keys of the prompt's blocks another request can reuse: its full
+    blocks before the last prompt token (one token must be computed to sample from)."""
+    hashes = prompt_block_hashes(prompt_ids[:-1], engine.block_size, salt)
+    layers = engine.model_config.num_hidden_layers
+    return hashes, [block_key(model_id, salt, h, layers) for h in hashes]
 
 
 def block_meta(block: torch.Tensor) -> ObjectMeta:
