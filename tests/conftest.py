@@ -156,3 +156,22 @@ def smollm2_oracle(smollm2_gguf_path, smollm2_hf_model) -> list[tuple[list[int],
                 do_sample=False, eos_token_id=None, pad_token_id=0)
         pairs.append((ids, out[0, len(ids):].tolist()))
     return pairs
+
+
+# Long end-to-end scenarios: processes killed under load, a two-node Ray cluster, the GPU check
+# script's CPU run, whole benchmark runs. `scripts/test.sh` leaves them out to keep the suite
+# near 20 minutes on 2 cores; `.ci/scenarios` (`bash scripts/test.sh -m scenario`) runs them as
+# CI's own time-bounded step.
+SCENARIO_PATHS = (
+    "tests/chaos/",
+    "tests/deploy/test_ray.py",
+    "tests/test_gpu_check.py",
+    "tests/bench/test_bench_chaos.py",
+    "tests/bench/test_bench_fluid.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SCENARIO_PATHS):
+            item.add_marker(pytest.mark.scenario)
