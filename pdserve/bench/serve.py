@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from pdserve.bench.common import number_list
-from pdserve.bench.serve_probe import get_text, scrape, scrape_diff, tree_rss_bytes
+from pdserve.bench.serve_probe import (cpu_diff, cpu_seconds, get_text, scrape, scrape_diff,
+                                       tree_rss_bytes)
 from pdserve.router.config import DECODE_STREAMS
 
 
@@ -87,10 +88,12 @@ def _model_name(address: str) -> str:
 
 
 def run_levels(address: str, model: str, reqs, levels: list[Any], s: ServeBenchSettings,
-               ui: Ui, label: str, between: Callable[[], Any] | None = None
-               ) -> list[dict[str, Any]]:
+               ui: Ui, label: str, between: Callable[[], Any] | None = None,
+               procs: Callable[[], dict[str, int]] | None = None) -> list[dict[str, Any]]:
     """One warm-up request, then every level; `between()` is called before the first level
-    and after each, its results (metric scrapes) kept beside the level."""
+    and after each, its results (metric scrapes) kept beside the level; `procs()` names the
+    server's processes (name -> pid), whose CPU seconds each level records (`cpu_s`, with the
+    bench's own client process)."""
     from pdserve.bench import serve_client as client
     from pdserve.bench.serve_summary import level_figures
 
@@ -100,6 +103,7 @@ def run_levels(address: str, model: str, reqs, levels: list[Any], s: ServeBenchS
         raise RuntimeError(f"{label}: the warm-up request failed: {warm['error']}")
     out = []
     mark = between() if between else None
+    cpu_mark = cpu_seconds(procs()) if procs else None
     for lv in levels:
         what = f"{label}: {'trace replay' if lv == 'trace' else f'concurrency {lv}'}"
         load = os.getloadavg()[0]  # other work on the machine, as this level starts
@@ -119,6 +123,10 @@ def run_levels(address: str, model: str, reqs, levels: list[Any], s: ServeBenchS
         if fig is None:
             raise RuntimeError(f"{label}: no request of level {lv} ran")
         fig.update(concurrency=lv, batch_size=batch, loadavg_1m_start=load)
+        if procs:
+            cpu_now = cpu_seconds(procs())
+            fig["cpu_s"] = cpu_diff(cpu_mark, cpu_now)
+            cpu_mark = cpu_now
         if between:
             now = between()
             fig["metrics_diff"] = scrape_diff(mark, now)
@@ -148,7 +156,8 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
         start_s = time.monotonic() - t0
         name = _model_name(cluster.http_address)
         lv = run_levels(cluster.http_address, name, reqs, levels, s, ui, "pdserve",
-                        between=lambda: scrape(cluster))
+                        between=lambda: scrape(cluster),
+                        procs=lambda: {c.name: c.proc.pid for c in cluster.children})
         rss = tree_rss_bytes([c.proc.pid for c in cluster.children])
         ui("pdserve: stopping the cluster", 0, 1)
     for fig in lv:
@@ -199,7 +208,8 @@ def measure_baseline(kind: str, model: str, reqs, levels, s: ServeBenchSettings,
                 "argv": argv}
     try:
         start_s = time.monotonic() - t0
-        lv = run_levels(server.address, name, reqs, levels, s, ui, kind)
+        lv = run_levels(server.address, name, reqs, levels, s, ui, kind,
+                        procs=lambda: {kind: server.proc.pid})
         rss = tree_rss_bytes([server.proc.pid])
         version = _version(kind, s)
     except RuntimeError as e:  # its warm-up failed: the reason, with its log's tail

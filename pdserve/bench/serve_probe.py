@@ -1,13 +1,15 @@
-"""What `pdserve bench serve` reads from running processes: metrics and memory.
+"""What `pdserve bench serve` reads from running processes: metrics, CPU time and memory.
 
 Owns one scrape of a cluster (`scrape`: the router's and every worker's Prometheus /metrics as
 sample totals, with each worker's role now and its decode-step counters from GetStats, which
-/metrics does not carry), the difference of two scrapes, and the resident memory of a process
-tree. Must not change anything in the processes it reads.
+/metrics does not carry), the difference of two scrapes, the CPU seconds of named process trees
+and of the bench's own process (its client), and the resident memory of a process tree. Must
+not change anything in the processes it reads.
 """
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from typing import Any
 
@@ -56,6 +58,39 @@ def scrape_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
         workers.append({"address": w["address"], "role": w["role"],
                         "metrics": diff(b["metrics"], w["metrics"]), "stats": stats})
     return {"router": diff(before["router"], after["router"]), "workers": workers}
+
+
+CLIENT = "client"  # the bench's own process: its streaming client threads (and scrapes)
+
+
+def cpu_seconds(procs: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each named process with its descendants, and of this
+    process as `CLIENT`. A process that is gone counts 0 (its difference is then not used)."""
+    import psutil
+
+    out: dict[str, float] = {CLIENT: time.process_time()}
+    for name, pid in procs.items():
+        total = 0.0
+        try:
+            p = psutil.Process(pid)
+            tree = [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for q in tree:
+            try:
+                t = q.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+        out[name] = total
+    return out
+
+
+def cpu_diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each process spent between two `cpu_seconds`; a process new or restarted
+    in between (its count went back) is left out rather than given a wrong figure."""
+    return {k: round(v - before[k], 3) for k, v in after.items()
+            if k in before and v >= before[k]}
 
 
 def tree_rss_bytes(pids: list[int]) -> int:

@@ -57,6 +57,7 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
                         f"{_ms(lv['itl_p50_s'])} / {_ms(lv['itl_p90_s'])}",
                         _ms(lv["tpot_mean_s"]), str(lv["ok"]), str(lv["failed"]))
     console.print(lat)
+    print_cpu(result, console)
     hop = Table(title="pdserve: one token's time by hop (ms, means over the level)")
     hop.caption = ("to router: worker -> router; to client: router -> client; busy: the "
                    "decode engine's share of the wall time")
@@ -86,6 +87,38 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
     m = result["machine"]
     console.print(f"load average {m['loadavg_1m_start']:.2f} at the start, "
                   f"{m['loadavg_1m_end']:.2f} at the end; {result['seconds']:.0f} s")
+
+
+def cpu_rows(result: dict[str, Any]) -> list[tuple[str, int, float, str, float | None]]:
+    """Per server and level: (server, c, wall s, "name seconds, ..." busiest first, all
+    processes' CPU seconds over wall x cores); levels measured without CPU times are left out."""
+    cores = result["machine"]["cpu_count"] or 1
+    rows = []
+    for srv in _servers(result):
+        for lv in srv["levels"]:
+            cpu = lv.get("cpu_s")
+            if not cpu:
+                continue
+            named = ", ".join(f"{k} {v:.1f}" for k, v in
+                              sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+            rows.append((srv["name"], lv["concurrency"], lv["wall_s"], named,
+                         sum(cpu.values()) / (lv["wall_s"] * cores)))
+    return rows
+
+
+def print_cpu(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    rows = cpu_rows(result)
+    if not rows:
+        return
+    t = Table(title="CPU seconds per level by process (client: the bench's own streaming "
+                    "client); all: their sum over wall x cores")
+    for col in ("server", "c", "wall s", "CPU s by process", "all"):
+        t.add_column(col, justify="right")
+    for name, c, wall, named, share in rows:
+        t.add_row(name, str(c), _f(wall), named, _f(share, "{:.0%}"))
+    console.print(t)
 
 
 def missing_metrics(result: dict[str, Any]) -> list[str]:

@@ -56,6 +56,12 @@ def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
         steps = sum(w["metrics"].get("pdserve:decode_step_seconds_count", 0)
                     for w in lv["metrics_diff"]["workers"])
         assert steps >= 7  # 8 tokens each: the first from prefill, then at least 7 steps
+        # CPU seconds of every process of the cluster and of the bench's client; the decode
+        # worker computed this level's steps, so it spent some.
+        cpu = lv["cpu_s"]
+        assert set(cpu) == {"client", "router", "kvmaster", "kvnode-0", "prefill-0",
+                            "decode-1", "controller"}
+        assert cpu["decode-1"] > 0 and cpu["client"] > 0 and min(cpu.values()) >= 0
     eng = r["engine"]
     # The ceiling runs on the most threads a decode step may take: every core while the
     # workers lend each other idle ones (the default), else the worker's own share.
