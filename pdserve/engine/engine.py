@@ -278,6 +278,14 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def num_requests(self) -> tuple[int, int]:
+        """Requests the scheduler holds (running and waiting; not those parked for export),
+        and how many of them have no first token yet (their prompts not wholly computed)."""
+        sched = self.scheduler
+        fresh = len(sched.waiting) + sum(1 for s in sched.running
+                                         if s.num_computed < len(s.prompt_ids))
+        return len(sched.running) + len(sched.waiting), fresh
+
     def step(self) -> list[StepOutput]:
         """One step: plan (scheduler), run the model and sample (`_execute`), then hand the
         tokens back to the scheduler, which applies them and the stop rules."""

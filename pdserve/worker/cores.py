@@ -58,14 +58,18 @@ import time
 from typing import Callable
 
 SLOTS = 64
-# pid, threads in use (0: not computing), the worker's own share, and since when (CLOCK_MONOTONIC,
+# pid, threads in use (0: not computing), the worker's own share, since when (CLOCK_MONOTONIC,
 # one clock for every process of the host, in microseconds) it waits for a turn or for a
 # borrowed step (0: it does not)
-_SLOT = struct.Struct("<iiiq")
-_ALL = struct.Struct("<" + "iiiq" * SLOTS)
+# ... and, as of its last claim, how many requests its engine holds (running and waiting) and
+# how many of those still wait for their first token (their prompts not yet computed)
+_SLOT = struct.Struct("<iiiqii")
+_ALL = struct.Struct("<" + "iiiqii" * SLOTS)
 SIZE = _ALL.size
 TURN_WAIT_S = 2.0  # the most a worker taking turns waits for the others' steps
 LEND_WAIT_S = 0.2  # the most a lending worker waits for a borrowed step
+# The most a worker yields its cores to another's step (`yields`): a wave of prompts
+YIELD_WAIT_S = 2.0
 # How often a borrowing step looks at the ledger between its layers: a read costs some
 # microseconds, a batch-1 layer well under a millisecond.
 GIVE_BACK_CHECK_S = 0.002
@@ -89,6 +93,26 @@ def must_wait(own: int, cores: int, others: list[tuple[int, int]]) -> bool:
             and sum(n for n, _ in others) + own > cores)
 
 
+def yields(held: int, their_fresh: int) -> bool:
+    """Whether a worker whose engine holds `held` requests lets another whose engine holds
+    `their_fresh` requests still waiting for a first token compute on its cores first: those
+    outnumber its own. A wave of prompts then gets the host's cores before the few requests
+    already decoding; a steady stream of decodes never yields to the prompt or two beside it,
+    nor a prefill worker to requests that all have their first token."""
+    return their_fresh > held
+
+
+def takes_up(current: int, most: int, cores: int, others: int, fresh: int,
+             their_held: list[int]) -> int:
+    """Threads a worker's step in progress on `current` threads, its engine holding `fresh`
+    requests without a first token, runs on from its next layer: more, up to `most`, when
+    beside the other workers' steps computing (`others` threads) the host has idle cores and
+    every other worker holding requests (`their_held`) yields to it; else `current`."""
+    if current >= most or not all(yields(h, fresh) for h in their_held if h > 0):
+        return current
+    return max(current, min(most, cores - others))
+
+
 def gives_back(current: int, own: int, cores: int, others: int) -> bool:
     """Whether a worker whose step in progress runs on `current` threads, `own` of them its
     share, drops to its share now: it borrows, and beside the other workers' steps computing
@@ -106,6 +130,11 @@ def turn_waits(slot: int, since_us: int, computing: int,
     if computing:
         return True
     return any(not since_us or (s, i) < (since_us, slot) for s, i in waiting)
+
+
+def _steps(claims: list[tuple[int, int, int, bool, int, int]]) -> list[tuple[int, int, int]]:
+    """(pid, threads, own share) of the steps in progress among the ledger's `claims()`."""
+    return [(pid, n, own) for pid, n, own, *_ in claims if n > 0]
 
 
 def _now_us() -> int:
@@ -154,50 +183,61 @@ class CoreLedger:
         for i in range(SLOTS):
             pid = _SLOT.unpack_from(self._map, i * _SLOT.size)[0]
             if pid == 0 or not _alive(pid):
-                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0, 0)
+                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0, 0, 0, 0)
                 return i
         raise RuntimeError(f"the core ledger has no free slot: more than {SLOTS} workers on "
                            "this host share it")
 
-    def _others(self) -> list[tuple[int, int, int, int, int]]:
-        """(slot, pid, threads in use, own share, waiting since) of each other live worker that
-        computes or waits for a turn."""
+    def _others(self, holding: bool = False) -> list[tuple[int, ...]]:
+        """(slot, pid, threads in use, own share, waiting since, requests held, requests
+        without a first token) of each other live worker that computes or waits (`holding`:
+        or holds requests)."""
         vals = _ALL.unpack_from(self._map, 0)
         out = []
         for i in range(SLOTS):
-            pid, n, own, since = vals[4 * i:4 * i + 4]
-            if (n > 0 or since) and i != self.slot and _alive(pid):
-                out.append((i, pid, n, own, since))
+            pid, n, own, since, held, fresh = vals[6 * i:6 * i + 6]
+            if ((n > 0 or since or (holding and held > 0)) and i != self.slot
+                    and _alive(pid)):
+                out.append((i, pid, n, own, since, held, fresh))
         return out
 
     def steps(self) -> list[tuple[int, int, int]]:
         """(pid, threads in use, own share) of each other live worker's step in progress."""
-        return [(pid, n, own) for _, pid, n, own, _ in self._others() if n > 0]
+        return [(pid, n, own) for _, pid, n, own, *_ in self._others() if n > 0]
+
+    def claims(self) -> list[tuple[int, int, int, bool, int, int]]:
+        """(pid, threads claimed, own share, whether it still waits, requests held, requests
+        without a first token) of each other live worker that computes, waits, or holds
+        requests."""
+        return [(pid, n, own, bool(since) and n > 0, held, fresh)
+                for _, pid, n, own, since, held, fresh in self._others(holding=True)]
 
     def computing(self) -> list[tuple[int, int, int]]:
         """(pid, threads in use, own share) of each other live worker's step that computes:
         `steps()` less the claims of lenders still waiting for a borrowed step."""
-        return [(pid, n, own) for _, pid, n, own, since in self._others()
+        return [(pid, n, own) for _, pid, n, own, since, *_ in self._others()
                 if n > 0 and not since]
 
     def turns(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """The other workers' steps in progress, as `steps()`, and (since, slot, pid) of each
         other worker waiting for a turn."""
         others = self._others()
-        return ([(pid, n, own) for _, pid, n, own, _ in others if n > 0],
-                [(since, i, pid) for i, pid, n, _, since in others if since and n <= 0])
+        return ([(pid, n, own) for _, pid, n, own, *_ in others if n > 0],
+                [(since, i, pid) for i, pid, n, _, since, *_ in others if since and n <= 0])
 
-    def set(self, threads: int, own: int = 0, waiting_since_us: int = 0) -> None:
+    def set(self, threads: int, own: int = 0, waiting_since_us: int = 0, held: int = 0,
+            fresh: int = 0) -> None:
         """This worker's step now uses `threads` of which `own` are its share (0: no step);
-        or it waits since `waiting_since_us`: for a turn (with `threads` 0), or, lending, for a
-        borrowed step with its share claimed (`threads` = `own`)."""
+        or it waits since `waiting_since_us`: for a turn (with `threads` 0), or, lending, for
+        another's step with its share claimed (`threads` = `own`). Its engine holds `held`
+        requests, `fresh` of them without a first token."""
         with contextlib.suppress(ValueError):  # closed at shutdown while a last step ended
             _SLOT.pack_into(self._map, self.slot * _SLOT.size, self.pid, threads, own,
-                            waiting_since_us)
+                            waiting_since_us, held, fresh)
 
     def close(self) -> None:
         with contextlib.suppress(ValueError, BufferError):  # already closed
-            _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0, 0)
+            _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0, 0, 0, 0)
             self._map.close()
 
 
@@ -221,6 +261,10 @@ class StepThreads:
         self.borrowed_steps = 0  # steps that ran on more threads than this worker's own
         self.waited_s = 0.0  # time spent waiting for a borrowed step to end
         self.given_back = 0  # borrowed steps that gave their borrowed threads back midway
+        self.taken_up = 0  # steps that took up cores freed midway by workers yielding to them
+        # Requests this worker's engine holds, and those without a first token, as of its last
+        # claim.
+        self.held = self.fresh = 0
         self._checked = 0.0  # when `between_layers` last read the ledger
         # Borrowers whose step outlasted a whole wait (a stalled or stopped process): not
         # waited for again until they end that step.
@@ -255,51 +299,85 @@ class StepThreads:
             self.waited_s += time.monotonic() - t0
         return steps
 
-    def begin(self) -> int:
+    def begin(self, held: int = 0, fresh: int = 0) -> int:
+        """Claim the threads of the next step of an engine holding `held` requests, `fresh` of
+        them without a first token."""
+        self.held, self.fresh = held, fresh
         if self.turns:
             steps = self._take_turn()
             n = step_threads(self.own, self.most, self.cores, sum(n for _, n, _ in steps))
             return self._claim(n)
-        steps = self.ledger.steps()  # one read of the ledger on a step that does not wait
-        if must_wait(self.own, self.cores, self._waited_for(steps)):
-            # The borrower's next step sees this claim; its step in progress gives back only
-            # once this worker computes (past the bound).
-            self.ledger.set(self.own, self.own, _now_us())
+        claims = self.ledger.claims()  # one read of the ledger on a step that does not wait
+        if self._yielding(claims) or must_wait(self.own, self.cores,
+                                               self._waited_for(_steps(claims))):
+            # The others see this claim: a borrower's step in progress gives back only once
+            # this worker computes (past the bound); a worker it yields to takes up its cores.
+            bound = YIELD_WAIT_S if self._yielding(claims) else self.max_wait_s
+            self.ledger.set(self.own, self.own, _now_us(), held, fresh)
             t0 = time.monotonic()
-            while must_wait(self.own, self.cores, self._waited_for(steps)):
-                if time.monotonic() - t0 >= self.max_wait_s:
-                    self._outlasted |= {pid for pid, n, own in steps if n > own}
+            while (self._yielding(claims)
+                   or must_wait(self.own, self.cores, self._waited_for(_steps(claims)))):
+                if time.monotonic() - t0 >= bound:
+                    self._outlasted |= {pid for pid, n, own in _steps(claims) if n > own}
                     break
                 time.sleep(0.0005)
-                steps = self.ledger.steps()
+                claims = self.ledger.claims()
             self.waited_s += time.monotonic() - t0
-        # Every step in progress counts for the threads, an outlasted one too.
-        n = step_threads(self.own, self.most, self.cores, sum(n for _, n, _ in steps))
+        # Every step in progress counts for the threads, an outlasted one too; the claim of a
+        # worker that waits and yields to this one does not.
+        n = step_threads(self.own, self.most, self.cores,
+                         sum(c[1] for c in claims if c[1] > 0
+                             and not (c[3] and yields(c[4], fresh))))
         return self._claim(n)
+
+    def _yields_to(self, claim: tuple[int, int, int, bool, int, int]) -> bool:
+        """Whether this worker yields to the worker of `claim` (the ledger's `claims()`)."""
+        return yields(self.held, claim[5])
+
+    def _yielding(self, claims: list[tuple[int, int, int, bool, int, int]]) -> bool:
+        """Whether this worker waits before its step for another worker's step that computes
+        and to which it yields (`yields`). A stopped process (SIGSTOP, a debugger) is not
+        yielded to: its step makes no progress."""
+        return any(c[1] > 0 and not c[3] and self._yields_to(c) and not _stopped(c[0])
+                   for c in claims)
 
     def between_layers(self, _layer: int = 0) -> None:
         """The engine's hook between a step's layers: a step on borrowed threads beside which
         its lender now computes (it waited out its bound) drops to its own share for the rest
-        of the step (`gives_back`) and says so in the ledger. Reads the ledger at most every
-        GIVE_BACK_CHECK_S, and never on a step within its share."""
-        if self.current <= self.own or self.turns:
+        of the step (`gives_back`); a step on fewer threads than it may use takes up the cores
+        that came free when every other worker holding requests yields to it (`takes_up`).
+        Either says so in the ledger. Reads the ledger at most every GIVE_BACK_CHECK_S, and
+        never on a step at its most that does not borrow."""
+        if self.turns or self.current == 0 or self.own >= self.current >= self.most:
             return
         now = time.monotonic()
         if now - self._checked < GIVE_BACK_CHECK_S:
             return
         self._checked = now
         try:
-            others = sum(n for _, n, _ in self.ledger.computing())
+            claims = self.ledger.claims()
         except ValueError:  # the ledger was closed at shutdown while this step ran
             return
-        if gives_back(self.current, self.own, self.cores, others):
-            self._apply(self.own)
-            self.current = self.own
-            self.ledger.set(self.own, self.own)
-            self.given_back += 1
+        others = sum(c[1] for c in claims if c[1] > 0 and not c[3])
+        if self.current > self.own:
+            if gives_back(self.current, self.own, self.cores, others):
+                self._set(self.own)
+                self.given_back += 1
+            return
+        n = takes_up(self.current, self.most, self.cores, others, self.fresh,
+                     [c[4] for c in claims])
+        if n > self.current:
+            self._set(n)
+            self.taken_up += 1
+
+    def _set(self, n: int) -> None:
+        """The step in progress runs on `n` threads from now."""
+        self._apply(n)
+        self.current = n
+        self.ledger.set(n, self.own, 0, self.held, self.fresh)
 
     def _claim(self, n: int) -> int:
-        self.ledger.set(n, self.own)
+        self.ledger.set(n, self.own, 0, self.held, self.fresh)
         if n != self.current:
             self._apply(n)
             self.current = n
@@ -307,5 +385,8 @@ class StepThreads:
             self.borrowed_steps += 1
         return n
 
-    def end(self) -> None:
-        self.ledger.set(0, 0)
+    def end(self, held: int = 0, fresh: int = 0) -> None:
+        """The step ended; the engine now holds `held` requests, `fresh` without a first
+        token."""
+        self.held, self.fresh = held, fresh
+        self.ledger.set(0, 0, 0, held, fresh)

@@ -223,14 +223,14 @@ class EngineLoop:
 
     def _timed_step(self) -> list[StepOutput]:
         if self.threads is not None:
-            self.threads.begin()
+            self.threads.begin(*self.engine.num_requests())
         t0 = time.perf_counter()
         try:
             return self.engine.step()
         finally:
             dt = time.perf_counter() - t0
             if self.threads is not None:
-                self.threads.end()
+                self.threads.end(*self.engine.num_requests())
             self.busy_seconds += dt
             if self.engine.last_step_decoded:
                 self.decode_steps += 1

@@ -244,6 +244,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return dict(loop.engine.stats(), busy_seconds=loop.busy_seconds,
                         borrowed_steps=lent.borrowed_steps if lent else 0,
                         cores_given_back=lent.given_back if lent else 0,
+                        cores_taken_up=lent.taken_up if lent else 0,
                         core_wait_seconds=lent.waited_s if lent else 0.0,
                         decode_steps=loop.decode_steps,
                         decode_step_seconds=loop.decode_step_seconds,

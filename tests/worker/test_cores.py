@@ -24,7 +24,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.worker.config import WorkerConfig
 from pdserve.core.errors import ConfigError
 from pdserve.worker.cores import (TURN_STEP_TOKENS, CoreLedger, StepThreads, gives_back,
-                                  must_wait, step_threads, turn_waits)
+                                  must_wait, step_threads, takes_up, turn_waits, yields)
 from pdserve.worker.engine_loop import EngineLoop
 
 
@@ -54,6 +54,24 @@ def test_a_borrowing_step_gives_back_only_what_oversubscribes_the_host():
     assert not gives_back(current=1, own=1, cores=2, others=2)  # not borrowing: never
     assert not gives_back(current=3, own=1, cores=4, others=1)  # a core is still idle
     assert gives_back(current=3, own=1, cores=4, others=2)
+
+
+def test_a_worker_yields_only_to_more_prompts_waiting_for_a_first_token_than_it_holds():
+    assert yields(held=2, their_fresh=30)  # a few decoding requests before a wave of prompts
+    assert not yields(held=15, their_fresh=2)  # a decode batch keeps its share beside a prompt
+    assert not yields(held=2, their_fresh=2)  # a tie: each keeps its share
+    assert not yields(held=3, their_fresh=0)  # nobody yields to requests that have a token
+    assert not yields(held=0, their_fresh=0)
+
+
+def test_a_step_takes_up_idle_cores_only_when_every_worker_holding_requests_yields():
+    assert takes_up(current=1, most=2, cores=2, others=0, fresh=30, their_held=[2]) == 2
+    assert takes_up(current=1, most=2, cores=2, others=0, fresh=2, their_held=[15]) == 1
+    assert takes_up(current=1, most=2, cores=2, others=1, fresh=30, their_held=[2]) == 1
+    assert takes_up(current=2, most=2, cores=2, others=0, fresh=30, their_held=[]) == 2
+    assert takes_up(current=1, most=2, cores=2, others=0, fresh=1, their_held=[0, 0]) == 2
+    assert takes_up(current=1, most=4, cores=4, others=1, fresh=30, their_held=[2]) == 3
+    assert takes_up(current=1, most=2, cores=2, others=0, fresh=5, their_held=[2, 9]) == 1
 
 
 def others(ledger: CoreLedger) -> list[tuple[int, int]]:
@@ -294,6 +312,83 @@ def test_a_borrowing_step_gives_back_once_and_only_to_a_lender_that_computes(tmp
         lender.wait()
     assert st.begin() == 2 and applied == [2, 1, 2]
     st.end()
+
+
+WAVE = textwrap.dedent("""
+    import select, sys, time
+    from pdserve.worker.cores import CoreLedger, StepThreads
+    st = StepThreads(CoreLedger(sys.argv[1]), own=1, most=2, cores=2, apply=lambda n: None)
+    fresh = int(sys.argv[2])  # prompts its engine holds, none with a first token yet
+    print("step on", st.begin(fresh, fresh), flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:  # its layers, until told to end
+        time.sleep(0.001)
+        st.between_layers()
+    st.end()
+    print("took up", st.taken_up, flush=True)
+    sys.stdin.read()
+""")
+
+
+def wave(path, fresh: int) -> subprocess.Popen:
+    """A prefill worker in its own process, inside a step on its own share (another worker
+    computes beside it as it starts) for `fresh` prompts, looking at the ledger between its
+    layers until told to end the step."""
+    beside = holder(path, 1, 1)
+    try:
+        p = subprocess.Popen([sys.executable, "-c", WAVE, str(path), str(fresh)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "step on 1"
+    finally:
+        beside.kill()
+        beside.wait()
+    return p
+
+
+def test_a_few_decodes_yield_their_cores_to_a_wave_of_prompts_and_not_to_one(tmp_path):
+    path = tmp_path / "cores"
+    me = CoreLedger(str(path))
+    probe = CoreLedger(str(path))
+    st = StepThreads(me, own=1, most=2, cores=2, apply=lambda n: None)
+    prompts = wave(path, fresh=30)
+    try:
+        # Holding 2 requests, this worker waits for the step of 30 prompts, which takes up
+        # the core it leaves idle; once that step ends, it steps on both cores.
+        seen: list[list[tuple[int, int]]] = []
+        timer = threading.Timer(0.4, lambda: seen.append(
+            [(n, own) for pid, n, own in probe.steps() if pid == prompts.pid]))
+        ender = threading.Timer(0.8, lambda: (prompts.stdin.write("end\n"),
+                                              prompts.stdin.flush()))
+        timer.start()
+        ender.start()
+        t0 = time.monotonic()
+        assert st.begin(held=2, fresh=0) == 2
+        waited = time.monotonic() - t0
+        timer.join()
+        ender.join()
+        assert seen == [[(2, 1)]], "the wave's step did not take up the yielded core"
+        assert prompts.stdout.readline().strip() == "took up 1"
+        assert 0.7 <= waited < 2.0
+        st.end(2, 0)
+    finally:
+        prompts.kill()
+        prompts.wait()
+    prompt = wave(path, fresh=2)
+    try:
+        # Holding 15, it does not wait for a step of 2 prompts: it computes on its share
+        # beside it, which therefore keeps to its own.
+        t0 = time.monotonic()
+        assert st.begin(held=15, fresh=0) == 1
+        assert time.monotonic() - t0 < 0.1
+        time.sleep(0.05)
+        assert [(n, own) for pid, n, own in probe.steps() if pid == prompt.pid] == [(1, 1)]
+        st.end(15, 0)
+        prompt.stdin.write("end\n")
+        prompt.stdin.flush()
+        assert prompt.stdout.readline().strip() == "took up 0"
+    finally:
+        prompt.kill()
+        prompt.wait()
+    probe.close()
 
 
 def test_the_engine_calls_the_hook_between_every_layer_of_every_step(tiny_llama_dir):
