@@ -1,11 +1,12 @@
 """Cores shared between the workers of one host: a worker computes with the cores the others idle.
 
 Owns the decision of how many compute threads a worker's next step uses and whether it waits
-first, and whether a borrowing step gives back midway (`step_threads`, `must_wait`,
-`gives_back`, `turn_waits`, pure), the host's shared ledger the workers of one local cluster
-read and write it from (`CoreLedger`: a small file mapped into each worker, one slot per worker
-holding its pid, the threads its step in progress uses (0 between steps), its own share, and
-since when it waits, for a turn or for a borrowed step), and the engine thread's side
+first, and whether a step gives back or takes up cores midway (`step_threads`, `must_wait`,
+`yields`, `gives_back`, `takes_up`, `turn_waits`, pure), the host's shared ledger the
+workers of one local cluster read and write it from (`CoreLedger`: a small file mapped into each worker, one slot per worker
+holding its pid, the threads its step in progress uses (0 between steps), its own share,
+since when it waits, for a turn or for another's step, and the requests its engine holds and
+how many of them have no first token yet), and the engine thread's side
 (`StepThreads`: claim before a step, set torch's thread count when it changed, look again
 between layers, release after).
 
@@ -31,7 +32,11 @@ Two ways to share (`StepThreads(turns=...)`):
   shorter than the bound (a wave's prefill on both cores) ends undisturbed, a longer one
   shares the host's cores from then on instead of oversubscribing them. A borrowed step that
   outlasts a whole wait without giving back (a stalled process) is not waited for again
-  until it ends.
+  until it ends. A worker also yields to another's step that computes when that worker's
+  requests without a first token outnumber all of its own (`yields`): a few requests decoding
+  wait (at most YIELD_WAIT_S) for a wave of prompts, whose steps take up the yielded cores
+  between layers (`takes_up`), so the wave is prefilled on the whole host; a decode batch never
+  yields to the prompt or two of steady traffic.
 Either way two steps never run on more threads than cores while the bound holds: OpenMP
 threads spin at every op's barrier for a core the other holds, and such steps slow each other
 many times over.
