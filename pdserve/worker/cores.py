@@ -36,7 +36,8 @@ Two ways to share (`StepThreads(turns=...)`):
   requests without a first token outnumber all of its own (`yields`): a few requests decoding
   wait (at most YIELD_WAIT_S) for a wave of prompts, whose steps take up the yielded cores
   between layers (`takes_up`), so the wave is prefilled on the whole host; a decode batch never
-  yields to the prompt or two of steady traffic.
+  yields to the prompt or two of steady traffic, and nobody yields while the own shares of the
+  steps computing fill the host.
 Either way two steps never run on more threads than cores while the bound holds: OpenMP
 threads spin at every op's barrier for a core the other holds, and such steps slow each other
 many times over.
@@ -341,8 +342,12 @@ class StepThreads:
 
     def _yielding(self, claims: list[tuple[int, int, int, bool, int, int]]) -> bool:
         """Whether this worker waits before its step for another worker's step that computes
-        and to which it yields (`yields`). A stopped process (SIGSTOP, a debugger) is not
-        yielded to: its step makes no progress."""
+        and to which it yields (`yields`), while the own shares of the steps computing leave a
+        core of the host for it to take up (when the workers' own shares fill the host, a
+        yielded core would only idle). A stopped process (SIGSTOP, a debugger) is not yielded
+        to: its step makes no progress."""
+        if sum(min(c[1], c[2]) for c in claims if c[1] > 0 and not c[3]) >= self.cores:
+            return False
         return any(c[1] > 0 and not c[3] and self._yields_to(c) and not _stopped(c[0])
                    for c in claims)
 

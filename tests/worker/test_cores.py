@@ -372,6 +372,23 @@ def test_a_few_decodes_yield_their_cores_to_a_wave_of_prompts_and_not_to_one(tmp
     finally:
         prompts.kill()
         prompts.wait()
+    prompts = wave(path, fresh=30)
+    beside = holder(path, 1, 1)
+    try:
+        # With another step computing beside the wave's, the host has no core the wave
+        # could take up: nothing to yield to, this worker steps on its share at once.
+        deadline = time.monotonic() + 10
+        while ([(n, own) for pid, n, own in probe.steps() if pid == prompts.pid] != [(1, 1)]
+               and time.monotonic() < deadline):  # the wave gave back what it took up
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        assert st.begin(held=2, fresh=0) == 1
+        assert time.monotonic() - t0 < 0.1
+        st.end(2, 0)
+    finally:
+        for p in (prompts, beside):
+            p.kill()
+            p.wait()
     prompt = wave(path, fresh=2)
     try:
         # Holding 15, it does not wait for a step of 2 prompts: it computes on its share
