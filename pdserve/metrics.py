@@ -203,8 +203,8 @@ class WorkerCollector:
                  "Borrowed steps that gave their lent cores back midway, when the lender "
                  "claimed them."),
                 ("engine_cores_taken_up", "cores_taken_up",
-                 "Steps that took up cores midway, freed by a worker holding fewer requests "
-                 "that yields to this one."),
+                 "Steps that took up cores midway, freed by workers that hold no requests or "
+                 "yield to this one."),
                 ("engine_core_wait_seconds", "core_wait_seconds",
                  "Seconds steps waited for another worker's step on lent cores to end."),
                 ("local_prefill_requests", "local_prefill_requests",

@@ -89,7 +89,7 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
                   f"{m['loadavg_1m_end']:.2f} at the end; {result['seconds']:.0f} s")
 
 
-def cpu_rows(result: dict[str, Any]) -> list[tuple[str, int, float, str, float | None]]:
+def cpu_rows(result: dict[str, Any]) -> list[tuple[str, int, float, str, float]]:
     """Per server and level: (server, c, wall s, "name seconds, ..." busiest first, all
     processes' CPU seconds over wall x cores); levels measured without CPU times are left out."""
     cores = result["machine"]["cpu_count"] or 1

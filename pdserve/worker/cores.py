@@ -3,10 +3,11 @@
 Owns the decision of how many compute threads a worker's next step uses and whether it waits
 first, and whether a step gives back or takes up cores midway (`step_threads`, `must_wait`,
 `yields`, `gives_back`, `takes_up`, `turn_waits`, pure), the host's shared ledger the
-workers of one local cluster read and write it from (`CoreLedger`: a small file mapped into each worker, one slot per worker
-holding its pid, the threads its step in progress uses (0 between steps), its own share,
-since when it waits, for a turn or for another's step, and the requests its engine holds and
-how many of them have no first token yet), and the engine thread's side
+workers of one local cluster read and write it from (`CoreLedger`: a small file mapped into
+each worker, one slot per worker holding its pid, the threads its step in progress uses (0
+between steps), its own share, since when it waits, for a turn or for another's step, and the
+requests its engine holds and how many of them have no first token yet), and the engine
+thread's side
 (`StepThreads`: claim before a step, set torch's thread count when it changed, look again
 between layers, release after).
 
@@ -267,7 +268,7 @@ class StepThreads:
         self.borrowed_steps = 0  # steps that ran on more threads than this worker's own
         self.waited_s = 0.0  # time spent waiting for a borrowed step to end
         self.given_back = 0  # borrowed steps that gave their borrowed threads back midway
-        self.taken_up = 0  # steps that took up cores freed midway by workers yielding to them
+        self.taken_up = 0  # steps that took up cores freed midway (their workers idle or yield)
         # Requests this worker's engine holds, and those without a first token, as of its last
         # claim.
         self.held = self.fresh = 0
@@ -314,11 +315,11 @@ class StepThreads:
             n = step_threads(self.own, self.most, self.cores, sum(n for _, n, _ in steps))
             return self._claim(n)
         claims = self.ledger.claims()  # one read of the ledger on a step that does not wait
-        if self._yielding(claims) or must_wait(self.own, self.cores,
-                                               self._waited_for(_steps(claims))):
+        yielding = self._yielding(claims)
+        if yielding or must_wait(self.own, self.cores, self._waited_for(_steps(claims))):
             # The others see this claim: a borrower's step in progress gives back only once
             # this worker computes (past the bound); a worker it yields to takes up its cores.
-            bound = YIELD_WAIT_S if self._yielding(claims) else self.max_wait_s
+            bound = YIELD_WAIT_S if yielding else self.max_wait_s
             self.ledger.set(self.own, self.own, _now_us(), held, fresh)
             t0 = time.monotonic()
             while (self._yielding(claims)

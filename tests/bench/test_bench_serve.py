@@ -61,7 +61,7 @@ def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
         cpu = lv["cpu_s"]
         assert set(cpu) == {"client", "router", "kvmaster", "kvnode-0", "prefill-0",
                             "decode-1", "controller"}
-        assert cpu["decode-1"] > 0 and cpu["client"] > 0 and min(cpu.values()) >= 0
+        assert cpu["decode-1"] > 0 and cpu["client"] > 0
     eng = r["engine"]
     # The ceiling runs on the most threads a decode step may take: every core while the
     # workers lend each other idle ones (the default), else the worker's own share.
