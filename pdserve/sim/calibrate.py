@@ -60,6 +60,14 @@ QUICK = Plan(prefill_tokens=(16, 64, 256), cached_tokens=(0, 256), decode_batche
              repeats=1,
              transfer_sizes=(1 << 16, 1 << 20), host_workers=2, host_prefill=(64, 2),
              host_decode=(2, 4), served_batches=(1, 4))
+# The step constants alone (no store, host or cluster), in about a minute: what `sim validate`
+# re-measures next to its real runs, since a shared machine's speed drifts by 20-30 % over hours.
+STEPS_NOW = Plan(prefill_tokens=(32, 128, 256, 512), cached_tokens=(0, 512),
+                 decode_batches=(1, 4, 8, 16), decode_prompt_tokens=(64, 256), decode_steps=8,
+                 mixed=((64, 4), (256, 4)), batched=((4, 64), (4, 128)), repeats=3,
+                 transfer_sizes=(), host_workers=0, cluster=False)
+STEPS_QUICK = Plan(**{**QUICK.__dict__, "transfer_sizes": (), "host_workers": 0,
+                      "cluster": False})
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,13 @@ def build_profile(points: list[Point], transfers: dict[str, list[tuple[int, floa
 
 
 # ---- measuring (imports the engine, the store, the cluster) -----------------------------------
+def _median(xs: list[float]) -> float:
+    """The middle of the repeats (the mean of the middle two): the step a cluster sees, not the
+    luckiest one."""
+    ys = sorted(xs)
+    return (ys[(len(ys) - 1) // 2] + ys[len(ys) // 2]) / 2
+
+
 def _step_times(engine, plan: Plan, salt: Callable[[], str], say) -> list[Point]:
     import random
 
@@ -196,7 +211,7 @@ def _step_times(engine, plan: Plan, salt: Callable[[], str], say) -> list[Point]
                 engine.add_request(None, ctx + prompt(n), one, salt=s)
                 best.append(timed_step())
                 drain()
-            points.append(Point("prefill", n, cached, 0, 0, min(best)))
+            points.append(Point("prefill", n, cached, 0, 0, _median(best)))
             say(f"prefill {n} tokens on {cached} cached: {points[-1].seconds * 1e3:.1f} ms")
     for k, n in plan.batched:
         best = []
@@ -205,7 +220,7 @@ def _step_times(engine, plan: Plan, salt: Callable[[], str], say) -> list[Point]
                 engine.add_request(None, prompt(n), one, salt=salt())
             best.append(timed_step())
             drain()
-        points.append(Point("batched", k * n, 0, 0, 0, min(best), prompts=k))
+        points.append(Point("batched", k * n, 0, 0, 0, _median(best), prompts=k))
         say(f"prefill {k} prompts x {n} tokens in one step: {points[-1].seconds * 1e3:.1f} ms")
     for length in plan.decode_prompt_tokens:
         for b in plan.decode_batches:
@@ -289,25 +304,33 @@ def _transfers(plan: Plan, say) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
-              say: Callable[[str], None] = lambda s: None) -> StepProfile:
+def _engine(model: str, plan: Plan, threads: int):
     import torch
 
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.engine import LLMEngine
+    from pdserve.worker.config import WorkerConfig
+
+    torch.set_num_threads(threads)
+    wc = WorkerConfig.__dataclass_fields__
+    block, blocks = wc["block_size_tokens"].default, wc["num_blocks"].default
+    budget = max(max(plan.prefill_tokens) + max(plan.cached_tokens),
+                 max((p + b for p, b in plan.mixed), default=0))
+    return LLMEngine(EngineConfig(model, dtype="float32", cache=CacheConfig(
+        block_size_tokens=block, num_blocks=blocks), scheduler=SchedulerConfig(
+        max_num_seqs=max(plan.decode_batches) + 1, max_num_batched_tokens=budget)))
+
+
+def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
+              say: Callable[[str], None] = lambda s: None) -> StepProfile:
     from pdserve.engine.model_files import default_model_path
     from pdserve.worker.config import WorkerConfig
 
     model = model or default_model_path()
     load_start = os.getloadavg()[0]
-    torch.set_num_threads(threads)
+    engine = _engine(model, plan, threads)
     wc = WorkerConfig.__dataclass_fields__
     block, blocks = wc["block_size_tokens"].default, wc["num_blocks"].default
-    budget = max(max(plan.prefill_tokens) + max(plan.cached_tokens),
-                 max(p + b for p, b in plan.mixed))
-    engine = LLMEngine(EngineConfig(model, dtype="float32", cache=CacheConfig(
-        block_size_tokens=block, num_blocks=blocks), scheduler=SchedulerConfig(
-        max_num_seqs=max(plan.decode_batches) + 1, max_num_batched_tokens=budget)))
     counter = iter(range(1 << 30))
     say(f"engine loaded: {model} fp32, {threads} thread(s)")
     points = _step_times(engine, plan, lambda: f"calib-{next(counter)}", say)
@@ -326,6 +349,30 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
         "host_slowdown": slowdown,
         "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
         "plan": "quick" if plan == QUICK else "full", **times})
+
+
+def steps_now(profile: StepProfile, model: str | None = None, plan: Plan = STEPS_NOW,
+              say: Callable[[str], None] = lambda s: None) -> StepProfile:
+    """`profile` with its step constants re-measured on this machine now (the engine alone, the
+    profile's threads), everything else kept: the store, the host table, the serving cost, the
+    flip and start-up times. The fit's points and errors are kept under `fit["steps_now"]`."""
+    from pdserve.engine.model_files import default_model_path
+
+    model = model or default_model_path()
+    threads = profile.threads_per_worker or 1
+    load_start, stamp = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    engine = _engine(model, plan, threads)
+    counter = iter(range(1 << 30))
+    say(f"re-measuring the step constants: {model.rsplit('/', 1)[-1]} fp32, "
+        f"{threads} thread(s)")
+    points = _step_times(engine, plan, lambda: f"steps-{next(counter)}", say)
+    del engine
+    coef, errors = fit_steps(points)
+    now = {"at": stamp, "errors": errors, "points": [p.__dict__ for p in points],
+           "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
+           "replaced": {k: getattr(profile, k) for k in FEATURES}}
+    return dataclasses.replace(profile, **coef, fit={**profile.fit, "steps_now": now},
+                               origin=f"{profile.origin}; step constants re-measured {stamp}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

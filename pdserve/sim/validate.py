@@ -5,9 +5,11 @@ Owns the comparison: one trace scaled for this machine (prompt lengths divided b
 arrivals at a stated rate, outputs capped; all stated next to every figure), replayed open loop
 on a fresh `pdserve serve`-style cluster per configuration (1P1D, 2P2D: the cluster start and
 the streaming client of `pdserve bench serve`), then simulated with the CPU calibration on the
-same requests (the same prompt sharing), and the relative error of mean/p50/p90/p99 TTFT, ITL
-(per request, as AIPerf defines it) and end-to-end latency. Tables, JSON and a PNG of both
-distributions. Must not tune the simulator to the measurement or assert an error bound.
+same requests (the same prompt sharing), its step constants re-measured on the engine alone just
+before the real runs (a shared machine's speed drifts between a calibration and a validation),
+and the relative error of mean/p50/p90/p99 TTFT, ITL (per request, as AIPerf defines it) and
+end-to-end latency. Tables, JSON and a PNG of both distributions. Must not tune the simulator to
+the cluster's measurement or assert an error bound.
 """
 
 from __future__ import annotations
@@ -258,31 +260,54 @@ def compare(real: dict[str, list], sim: dict[str, list]) -> dict[str, dict[str, 
     return out
 
 
+def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say):
+    """(the profile to simulate with, the profile as given): `--steps now`/`quick` re-measure
+    the given profile's step constants on this machine (the engine alone) before the real runs,
+    so both sides see the machine as it is; with `--real-from`, the constants recorded with that
+    run are reused when it has them. `--steps profile`: the profile as given."""
+    from pdserve.sim.calibrate import STEPS_NOW, STEPS_QUICK, steps_now
+    from pdserve.sim.profile import StepProfile, load_profile
+
+    given = load_profile(s["profile"])
+    if s["steps"] == "profile":
+        return given, given
+    if recorded_doc.get("profile"):
+        say("step constants: those re-measured with the recorded run")
+        return StepProfile.from_dict(recorded_doc["profile"]), given
+    plan = STEPS_QUICK if s["steps"] == "quick" else STEPS_NOW
+    return steps_now(given, model, plan, say), given
+
+
 def validate(s: dict[str, Any], say=lambda line: None) -> dict[str, Any]:
     from pdserve.engine.model_files import default_model_path
-    from pdserve.sim.profile import load_profile
 
     model = s["model"] or default_model_path()
-    profile = load_profile(s["profile"])
     reqs, sims, scale = workload(s, model)
     say(f"{len(reqs)} requests, prompts / {scale['token_scale']} "
         f"(mean {scale['mean_prompt_tokens']:.0f} tokens), {s['rate']} req/s, "
         f"outputs <= {s['max_tokens']}")
-    recorded = {}
+    recorded_doc: dict[str, Any] = {}
     if s.get("real_from"):  # the measured side of an earlier run on the same requests
         with open(s["real_from"]) as f:
-            recorded = {r["config"]: r["real"] for r in json.load(f)["runs"]}
+            recorded_doc = json.load(f)
+    recorded = {r["config"]: r["real"] for r in recorded_doc.get("runs", [])}
+    profile, given = profile_for(s, model, recorded_doc, say)
     runs = []
     for p, d in s["configs"]:
         real = recorded.get(f"{p}P{d}D") or real_side(reqs, p, d, model, s, say)
-        sim = sim_side(sims, p, d, profile, s, background_of(s, real))
+        background = background_of(s, real)
+        sim = sim_side(sims, p, d, profile, s, background)
         cmp = compare(real, sim)
         say(f"{p}P{d}D: TTFT mean real {cmp['ttft_s']['mean']['real']:.2f} s, sim "
             f"{cmp['ttft_s']['mean']['sim']:.2f} s")
-        runs.append({"config": f"{p}P{d}D", "real": real, "sim": sim, "compare": cmp})
+        run = {"config": f"{p}P{d}D", "real": real, "sim": sim, "compare": cmp}
+        if profile is not given:  # what the profile's own step constants would have said
+            run["compare_given"] = compare(real, sim_side(sims, p, d, given, s, background))
+        runs.append(run)
     return {"settings": {k: v for k, v in s.items() if k != "configs"},
             "configs": [f"{p}P{d}D" for p, d in s["configs"]], "scale": scale,
-            "profile_origin": profile.origin, "runs": runs}
+            "profile_origin": profile.origin, "given_profile_origin": given.origin,
+            "profile": profile.to_dict(), "runs": runs}
 
 
 # ---- CLI ------------------------------------------------------------------------------------
@@ -298,6 +323,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--configs", default="1p1d,2p2d", help="clusters to run (default 1p1d,2p2d)")
     p.add_argument("--profile", default="cpu-smollm2-135m",
                    help="the simulator's profile (default: the shipped CPU calibration)")
+    p.add_argument("--steps", choices=("now", "quick", "profile"), default="now",
+                   help="the profile's step constants: re-measured on this machine before the "
+                        "real runs (now: about a minute; quick: fewer points), or the profile's "
+                        "own (default now)")
     p.add_argument("--model", default=None, help="model path (default SmolLM2-135M GGUF)")
     p.add_argument("--routing", default="kv_aware", help="prefill routing on both sides")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
@@ -339,7 +368,8 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
         raise ValidateError("--rate must be > 0")
     return {"trace": a.trace, "token_scale": a.token_scale, "requests": a.requests,
             "rate": a.rate, "max_tokens": a.max_tokens, "max_prompt_tokens": a.max_prompt_tokens,
-            "configs": parse_configs(a.configs), "profile": a.profile, "model": a.model,
+            "configs": parse_configs(a.configs), "profile": a.profile, "steps": a.steps,
+            "model": a.model,
             "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,
             "seed": a.seed, "max_num_batched_tokens": STEP_TOKENS["cpu"], "real_from": a.real_from,
             "workers_per_host": a.workers_per_host, "host_background": a.host_background}

@@ -46,6 +46,11 @@ def print_table(doc: dict[str, Any], console=None) -> None:
                 t.add_row(LABELS[m] if k == "mean" else "", k, _f(c[k]["real"]),
                           _f(c[k]["sim"]), _f(c[k]["error"], pct=True))
         con.print(t)
+        given = run.get("compare_given")
+        if given:
+            con.print(f"{run['config']} with the profile's own step constants: mean error " +
+                      ", ".join(f"{LABELS[m]} {_f(given[m]['mean']['error'], pct=True)}"
+                                for m in METRICS))
     con.print(f"profile: {doc['profile_origin']}")
 
 

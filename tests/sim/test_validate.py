@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.sim.profile import StepProfile, load_profile
 from pdserve.sim.validate import (ValidateError, add_arguments, background_of, compare,
                                   parse_configs, settings_from_args, shared_fraction, sim_blocks)
 
@@ -75,7 +76,8 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.sim.validate", "--trace", str(TRACE), "--requests", "4",
          "--scale", "64", "--max-tokens", "4", "--rate", "1", "--configs", "1p1d",
-         "--out", str(out), "--json"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+         "--steps", "quick", "--out", str(out), "--json"], capture_output=True, text=True,
+        timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     run = doc["runs"][0]
@@ -89,3 +91,23 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     assert real["other_runnable_threads"] >= 0 and 0 < real["busy_fraction"] <= 1
     assert real["other_runnable_threads_busy"] >= 0
     assert (out / "validate.png").stat().st_size > 10_000
+    # The step constants were re-measured here before the real run, the rest of the profile
+    # kept; the shipped constants' errors are reported beside.
+    prof = StepProfile.from_dict(doc["profile"])
+    shipped = load_profile("cpu-smollm2-135m")
+    assert "step constants re-measured" in doc["profile_origin"]
+    assert prof.fit["steps_now"]["replaced"]["prefill_token_s"] == shipped.prefill_token_s
+    assert prof.prefill_token_s > 0 and prof.prefill_token_s != shipped.prefill_token_s
+    assert (prof.transports, prof.host_slowdown) == (shipped.transports, shipped.host_slowdown)
+    given = run["compare_given"]["ttft_s"]["mean"]
+    assert given["real"] == run["compare"]["ttft_s"]["mean"]["real"] and given["sim"] > 0
+    # Replayed from the record: the same measured side and the same re-measured constants.
+    again = subprocess.run(
+        [sys.executable, "-m", "pdserve.sim.validate", "--trace", str(TRACE), "--requests", "4",
+         "--scale", "64", "--max-tokens", "4", "--rate", "1", "--configs", "1p1d",
+         "--real-from", str(out / "validate.json"), "--out", str(tmp_path / "v2"), "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    doc2 = json.loads(again.stdout)
+    assert doc2["profile"] == doc["profile"]
+    assert doc2["runs"][0]["compare"] == run["compare"]
