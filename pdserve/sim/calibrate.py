@@ -3,11 +3,11 @@
 Owns the measurement plan (prefill steps vs uncached tokens on cached context, decode steps vs
 batch size and context, mixed steps, several prompts prefilled in one step; store put+get per
 transport; through `calibrate_cluster.py`, in a real 1P1D cluster, a worker's start-up, the gap
-between streamed tokens at a few decode batches and an idle role flip; through
-`calibrate_host.py`, the host's cores and slowdown), the fits (steps: least squares on relative
-error, coefficients kept non-negative; serving: what the cluster's gaps exceed the fitted step
-by) and the error report. The engine, the store and the cluster are imported only inside the
-measuring functions, so the fit and the CLI's help stay torch-free.
+between streamed tokens at a few decode batches, single prompts' first tokens and an idle role
+flip; through `calibrate_host.py`, the host's cores and slowdown) and the re-measuring of a
+profile's step constants and serving costs (`steps_now`, what `sim validate` does before its
+real runs). The fits are `calibrate_fit.py`'s. The engine, the store and the cluster are
+imported only inside the measuring functions, so the fit and the CLI's help stay torch-free.
 Must not simulate anything or decide what a measurement should have been.
 """
 
@@ -22,16 +22,16 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import date
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from pdserve.sim.calibrate_cluster import cluster_times
+from pdserve.sim.calibrate_cluster import cluster_times, serving_times
+from pdserve.sim.calibrate_fit import (  # noqa: F401 - the fits, importable from here
+    FEATURES, SERVING, Point, build_profile, fit_serving, fit_serving_prefill, fit_steps,
+    fit_transfer, with_serving)
 from pdserve.sim.calibrate_host import calibrate_host, cores, host_slowdown
-from pdserve.sim.profile import StepProfile, TransportLink, attn_pairs
-
-FEATURES = ("overhead_s", "prefill_fixed_s", "decode_fixed_s", "prefill_token_s",
-            "prefill_attn_s", "decode_seq_s", "decode_ctx_s")
+from pdserve.sim.profile import StepProfile
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Plan:
     host_decode: tuple[int, int] = (4, 12)  # then decode batch x steps
     cluster: bool = True  # start a 1P1D cluster: start-up, served decode steps, flip time
     served_batches: tuple[int, ...] = (1, 4, 8, 16)  # decode batches timed in that cluster
+    served_prompts: tuple[int, ...] = (32, 128, 512)  # single prompts' first tokens timed there
 
 
 FULL = Plan()
@@ -59,112 +60,15 @@ QUICK = Plan(prefill_tokens=(16, 64, 256), cached_tokens=(0, 256), decode_batche
              decode_prompt_tokens=(32, 256), decode_steps=3, mixed=((64, 4),), batched=((4, 64),),
              repeats=1,
              transfer_sizes=(1 << 16, 1 << 20), host_workers=2, host_prefill=(64, 2),
-             host_decode=(2, 4), served_batches=(1, 4))
+             host_decode=(2, 4), served_batches=(1, 4), served_prompts=(32, 128))
 # The step constants alone (no store, host or cluster), in about a minute: what `sim validate`
 # re-measures next to its real runs, since a shared machine's speed drifts by 20-30 % over hours.
 STEPS_NOW = Plan(prefill_tokens=(32, 128, 256, 512), cached_tokens=(0, 512),
                  decode_batches=(1, 4, 8, 16), decode_prompt_tokens=(64, 256), decode_steps=8,
                  mixed=((64, 4), (256, 4)), batched=((4, 64), (4, 128)), repeats=3,
-                 transfer_sizes=(), host_workers=0, cluster=False)
+                 transfer_sizes=(), host_workers=0, cluster=True, served_batches=(1, 4, 8))
 STEPS_QUICK = Plan(**{**QUICK.__dict__, "transfer_sizes": (), "host_workers": 0,
                       "cluster": False})
-
-
-@dataclass(frozen=True)
-class Point:
-    kind: str  # "prefill", "batched" (prefill of several prompts), "decode", "mixed"
-    prefill_tokens: int  # in all: `prompts` prompts of prefill_tokens / prompts each
-    cached_tokens: int
-    decode_batch: int
-    decode_ctx: int
-    seconds: float
-    prompts: int = 1
-
-    def row(self) -> list[float]:
-        p, b, k = self.prefill_tokens, self.decode_batch, self.prompts
-        return [1.0, float(p > 0), float(b > 0), p,
-                k * attn_pairs(p // k, self.cached_tokens) if p else 0.0, b, self.decode_ctx]
-
-
-# ---- the fit (pure) ---------------------------------------------------------------------------
-def fit_steps(points: list[Point]) -> tuple[dict[str, float], dict[str, Any]]:
-    """Coefficients (named as StepProfile fields) minimising relative error, all >= 0: a column
-    that comes out negative is dropped and the rest refitted. Also the error per kind."""
-    if len(points) < len(FEATURES):
-        raise ValueError(f"need at least {len(FEATURES)} points to fit, got {len(points)}")
-    x = np.array([p.row() for p in points], dtype=float)
-    y = np.array([p.seconds for p in points], dtype=float)
-    w = 1.0 / y
-    active = [i for i in range(len(FEATURES)) if np.any(x[:, i] != 0)]
-    coef = np.zeros(len(FEATURES))
-    while active:
-        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[active] = sol
-            break
-        active = [i for i, c in zip(active, sol) if c >= 0 and c != sol.min()]
-    pred = x @ coef
-    rel = (pred - y) / y
-    errors = {}
-    for kind in ("prefill", "batched", "decode", "mixed"):
-        sel = np.array([p.kind == kind for p in points])
-        if sel.any():
-            errors[kind] = {"points": int(sel.sum()),
-                            "mean_abs_rel_error": float(np.mean(np.abs(rel[sel]))),
-                            "max_abs_rel_error": float(np.max(np.abs(rel[sel])))}
-    return dict(zip(FEATURES, map(float, coef))), errors
-
-
-def fit_transfer(rows: list[tuple[int, float]]) -> TransportLink:
-    """latency + bytes / bandwidth through (size, seconds) rows (least squares, latency >= 0)."""
-    sizes = np.array([r[0] for r in rows], dtype=float)
-    secs = np.array([r[1] for r in rows], dtype=float)
-    if len(set(sizes)) < 2:
-        raise ValueError("a transfer fit needs at least two sizes")
-    slope, icpt = np.polyfit(sizes, secs, 1)
-    if slope <= 0:  # noise beat the size difference: bandwidth from the largest size alone
-        i = int(np.argmax(sizes))
-        return TransportLink(0.0, float(sizes[i] / secs[i]))
-    if icpt < 0:
-        slope, icpt = float(np.sum(sizes * secs) / np.sum(sizes * sizes)), 0.0
-    return TransportLink(float(icpt), float(1.0 / slope))
-
-
-def fit_serving(base: StepProfile, rows: list[dict[str, float]]) -> tuple[float, float]:
-    """(serve_step_s, serve_seq_s): what a served decode step takes beyond `base`'s engine step,
-    fitted (least squares, both >= 0) to the residuals of `rows` ({batch, ctx, gap_s}: the median
-    gap between a cluster's streamed tokens at that decode batch and context). (0, 0) without
-    rows."""
-    if not rows:
-        return 0.0, 0.0
-    b = np.array([r["batch"] for r in rows], dtype=float)
-    resid = np.array([r["gap_s"] - base.decode_s(int(r["batch"]), int(r["ctx"])) for r in rows])
-    if len(set(b)) >= 2:
-        slope, icpt = np.polyfit(b, resid, 1)
-        if slope >= 0 and icpt >= 0:
-            return float(icpt), float(slope)
-        if slope >= 0:  # through the origin: all of it per sequence
-            return 0.0, max(0.0, float(np.sum(b * resid) / np.sum(b * b)))
-    return max(0.0, float(np.mean(resid))), 0.0
-
-
-def build_profile(points: list[Point], transfers: dict[str, list[tuple[int, float]]],
-                  meta: dict[str, Any]) -> StepProfile:
-    coef, errors = fit_steps(points)
-    links = {name: fit_transfer(rows) for name, rows in transfers.items()}
-    prof = StepProfile(
-        origin=meta["origin"], model=meta["model"], **coef, transports=links,
-        kv_bytes_per_token=meta["kv_bytes_per_token"], flip_s=meta.get("flip_s", 0.0),
-        startup_s=meta.get("startup_s", 0.0), kv_capacity_tokens=meta["kv_capacity_tokens"],
-        host_cores=meta.get("host_cores"), threads_per_worker=meta.get("threads", 1),
-        host_slowdown=tuple(meta.get("host_slowdown", ())),
-        fit={"method": "least squares on relative error", "errors": errors,
-             "points": [p.__dict__ for p in points],
-             "transfers": {k: [list(r) for r in v] for k, v in transfers.items()},
-             **{k: v for k, v in meta.items() if k not in ("origin", "model")}})
-    step, seq = fit_serving(prof, meta.get("serving", []))
-    return dataclasses.replace(prof, serve_step_s=step, serve_seq_s=seq)
 
 
 # ---- measuring (imports the engine, the store, the cluster) -----------------------------------
@@ -339,7 +243,8 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     del engine
     transfers = _transfers(plan, say)
     slowdown = host_slowdown(model, threads, plan, say) if plan.host_workers else []
-    times = cluster_times(model, plan.served_batches, say) if plan.cluster else {}
+    times = (cluster_times(model, plan.served_batches, say, plan.served_prompts)
+             if plan.cluster else {})
     name = model.rsplit("/", 1)[-1]
     origin = (f"measured: {cores()}-core {platform.machine()} CPU, {name} fp32, "
               f"{threads} thread(s), {date.today().isoformat()}")
@@ -354,8 +259,10 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
 def steps_now(profile: StepProfile, model: str | None = None, plan: Plan = STEPS_NOW,
               say: Callable[[str], None] = lambda s: None) -> StepProfile:
     """`profile` with its step constants re-measured on this machine now (the engine alone, the
-    profile's threads), everything else kept: the store, the host table, the serving cost, the
-    flip and start-up times. The fit's points and errors are kept under `fit["steps_now"]`."""
+    profile's threads) and, where the plan says `cluster`, its serving costs on a fresh 1P1D
+    cluster (`calibrate_cluster.serving_times`); everything else kept: the store, the host
+    table, the flip and start-up times. The points and errors are kept under
+    `fit["steps_now"]`."""
     from pdserve.engine.model_files import default_model_path
 
     model = model or default_model_path()
@@ -368,11 +275,18 @@ def steps_now(profile: StepProfile, model: str | None = None, plan: Plan = STEPS
     points = _step_times(engine, plan, lambda: f"steps-{next(counter)}", say)
     del engine
     coef, errors = fit_steps(points)
+    serving = SERVING if plan.cluster else ()
     now = {"at": stamp, "errors": errors, "points": [p.__dict__ for p in points],
-           "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
-           "replaced": {k: getattr(profile, k) for k in FEATURES}}
-    return dataclasses.replace(profile, **coef, fit={**profile.fit, "steps_now": now},
-                               origin=f"{profile.origin}; step constants re-measured {stamp}")
+           "replaced": {k: getattr(profile, k) for k in FEATURES + serving}}
+    what = "step constants" + (" and serving costs" if serving else "")
+    prof = dataclasses.replace(profile, **coef, origin=f"{profile.origin}; {what} re-measured "
+                               f"{stamp}")
+    if serving:
+        times = serving_times(model, plan.served_batches, plan.served_prompts, say)
+        now.update(times)
+        prof = with_serving(prof, times)
+    now["loadavg_1m"] = {"start": load_start, "end": os.getloadavg()[0]}
+    return dataclasses.replace(prof, fit={**profile.fit, "steps_now": now})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

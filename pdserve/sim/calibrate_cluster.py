@@ -2,8 +2,9 @@
 
 Owns the measurements made on a running cluster (each worker on its own share of the cores, as
 the profile's threads say): its start-up, the gap between streamed tokens at a few decode batches
-(what serving adds to the engine's step; `calibrate.fit_serving` fits it) and an idle worker's
-flip there and back. Must not fit step constants or simulate.
+and the first token of single prompts of a few lengths (what serving adds to the engine's steps;
+`calibrate.fit_serving` and `fit_serving_prefill` fit them) and an idle worker's flip there and
+back. Must not fit step constants or simulate.
 """
 
 from __future__ import annotations
@@ -39,7 +40,52 @@ def serving_gaps(cluster, batches: tuple[int, ...], say) -> list[dict[str, float
     return rows
 
 
-def cluster_times(model: str, served_batches: tuple[int, ...], say) -> dict[str, Any]:
+def serving_firsts(cluster, prompts: tuple[int, ...], repeats: int, say) -> list[dict[str, float]]:
+    """One request at a time on the idle cluster (fresh prompts of each length in `prompts`,
+    `repeats` times, the lengths interleaved; 2 tokens out): the median time to its first token
+    at the client, which a served prefill takes beyond the engine's step (`calibrate.
+    fit_serving_prefill`)."""
+    import random
+    from statistics import median
+
+    from pdserve.bench import serve_client as client
+    from pdserve.bench.serve import _model_name
+    from pdserve.bench.serve_workload import token_request
+
+    rng = random.Random(2)
+    name = _model_name(cluster.http_address)
+    ttfts: dict[int, list[float]] = {n: [] for n in prompts}
+    for _ in range(repeats):
+        for n in prompts:
+            req = token_request([rng.randrange(1000, 40000) for _ in range(n)], 2)
+            done, _ = client.run_closed(cluster.http_address, name, [req], 1, 300.0)
+            if done[0]["error"]:
+                raise RuntimeError(f"calibration request failed: {done[0]['error']}")
+            ttfts[n].append(done[0]["ttft_s"])
+    rows = [{"tokens": n, "ttft_s": median(ttfts[n])} for n in prompts]
+    for r in rows:
+        say(f"served prefill of {r['tokens']} tokens: first token after "
+            f"{r['ttft_s'] * 1e3:.1f} ms")
+    return rows
+
+
+def serving_times(model: str, served_batches: tuple[int, ...], served_prompts: tuple[int, ...],
+                  say) -> dict[str, Any]:
+    """What serving adds to the engine's steps on a fresh 1P1D cluster (each worker on its own
+    share of the cores): the decode gaps (`serving_gaps`) and the first tokens of single
+    prompts (`serving_firsts`)."""
+    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+
+    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
+                       controller=False, ready_timeout_s=600, share_cores=False)
+    with LocalCluster(spec) as cluster:
+        return {"serving": serving_gaps(cluster, served_batches, say),
+                "serving_prefill": serving_firsts(cluster, served_prompts, 3, say)}
+
+
+def cluster_times(model: str, served_batches: tuple[int, ...], say,
+                  served_prompts: tuple[int, ...] = ()) -> dict[str, Any]:
     """A 1P1D cluster (each worker on its own share of the cores, as the profile's threads say):
     its start-up (to every worker serving), served decode steps (`serving_gaps`), and one idle
     worker's flip there and back through the controller's Flipper (drain of nothing + switch +
@@ -57,6 +103,7 @@ def cluster_times(model: str, served_batches: tuple[int, ...], say) -> dict[str,
         startup = time.monotonic() - t0
         say(f"cluster start-up: {startup:.1f} s")
         serving = serving_gaps(cluster, served_batches, say)
+        firsts = serving_firsts(cluster, served_prompts, 3, say) if served_prompts else []
         flipper = Flipper(router_pb2_grpc.RouterControlStub(
             rpc.make_channel(cluster.router_address)))
         addr = cluster.worker_addresses("decode")[0]
@@ -67,4 +114,4 @@ def cluster_times(model: str, served_batches: tuple[int, ...], say) -> dict[str,
             raise RuntimeError(f"a calibration flip failed: {bad[0]}")
         flip = min(f.seconds for f in flips)
         say(f"idle flip: {flip:.2f} s")
-    return {"startup_s": startup, "flip_s": flip, "serving": serving}
+    return {"startup_s": startup, "flip_s": flip, "serving": serving, "serving_prefill": firsts}

@@ -13,8 +13,10 @@ One step's time is a roofline with a fixed cost:
 
 plus, in a step with decodes, what serving them costs beyond the engine's step (a worker streams
 each sequence's token out, on the cores the step runs on): serve_step_s + serve_seq_s * decode
-sequences. A CPU profile measures it on a real cluster (`calibrate.py`); a GPU profile leaves it
-zero.
+sequences; and in a step with prefill tokens, what serving a prefill costs beyond the engine's
+step (each layer's KV streamed out while the next computes, the first token's way back):
+serve_prefill_step_s + serve_prefill_token_s * prefill tokens. A CPU profile measures both on a
+real cluster (`calibrate.py`); a GPU profile leaves them zero.
 
 A profile measured on a CPU fits the compute terms (memory terms zero: there the step is linear
 in its work); a GPU profile from `roofline.py` sets both from FLOPs and bytes. Transfers are
@@ -72,6 +74,8 @@ class StepProfile:
     kv_read_token_s: float = 0.0
     serve_step_s: float = 0.0  # serving a decode step beyond the engine's: per step
     serve_seq_s: float = 0.0  # and per decode sequence
+    serve_prefill_step_s: float = 0.0  # serving a prefill beyond the engine's step: per step
+    serve_prefill_token_s: float = 0.0  # and per prefill token
     transports: dict[str, TransportLink] = dataclasses.field(default_factory=dict)
     kv_bytes_per_token: int = 0
     flip_s: float = 0.0
@@ -119,7 +123,8 @@ class StepProfile:
         memory = self.weights_read_s + self.kv_read_token_s * kv_read_tokens
         fixed = self.overhead_s
         if prefill_tokens > 0:
-            fixed += self.prefill_fixed_s
+            fixed += (self.prefill_fixed_s + self.serve_prefill_step_s
+                      + self.serve_prefill_token_s * prefill_tokens)
         if decode_batch > 0:
             fixed += self.decode_fixed_s + self.serve_step_s + self.serve_seq_s * decode_batch
         return fixed + max(compute, memory)

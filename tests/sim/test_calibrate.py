@@ -124,15 +124,38 @@ def test_served_decode_gaps_are_timed_on_a_real_cluster():
     from pdserve.controller.cluster_spec import free_ports
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
     from pdserve.engine.model_files import default_model_path
-    from pdserve.sim.calibrate_cluster import serving_gaps
+    from pdserve.sim.calibrate_cluster import serving_firsts, serving_gaps
 
     said: list[str] = []
     spec = ClusterSpec(model_path=default_model_path(), router_port=free_ports(1)[0],
                        http_port=0, controller=False, ready_timeout_s=600, share_cores=False)
     with LocalCluster(spec) as cluster:
         rows = serving_gaps(cluster, (1, 3), said.append)
+        firsts = serving_firsts(cluster, (16, 256), 1, said.append)
     assert [r["batch"] for r in rows] == [1, 3]
     assert [r["ctx"] for r in rows] == [80, 240]  # 64-token prompts, half of 32 tokens out
     # A token streamed through router and HTTP takes at least the engine's step (~30 ms here).
     assert all(0.001 < r["gap_s"] < 5.0 for r in rows), rows
-    assert len(said) == 2 and "served decode batch 3" in said[1]
+    assert len(said) == 4 and "served decode batch 3" in said[1]
+    # A single prompt's first token takes at least its prefill: longer for the longer prompt.
+    assert [r["tokens"] for r in firsts] == [16, 256]
+    assert 0.005 < firsts[0]["ttft_s"] < firsts[1]["ttft_s"] < 30.0, firsts
+    assert "served prefill of 256 tokens" in said[3]
+
+
+def test_prefill_serving_cost_is_fitted_from_first_tokens_beyond_the_engine_step():
+    from pdserve.sim.calibrate import fit_serving_prefill, with_serving
+
+    # First tokens 20 ms + 0.2 ms per prompt token after the engine's own prefill step.
+    rows = [{"tokens": n, "ttft_s": TRUE.prefill_s(n) + 0.02 + 0.0002 * n}
+            for n in (32, 128, 512)]
+    assert fit_serving_prefill(TRUE, rows) == (pytest.approx(0.02), pytest.approx(0.0002))
+    assert fit_serving_prefill(TRUE, []) == (0.0, 0.0)
+    fast = [{**r, "ttft_s": TRUE.prefill_s(r["tokens"]) * 0.9} for r in rows]
+    assert fit_serving_prefill(TRUE, fast) == (0.0, 0.0)
+    prof = with_serving(TRUE, {"serving_prefill": rows})
+    # A served prefill step costs the engine's step plus serving; a decode step does not, and
+    # refitting on a profile that already has the cost finds the same (it is not stacked).
+    assert prof.prefill_s(256) == pytest.approx(TRUE.prefill_s(256) + 0.02 + 0.0512)
+    assert prof.decode_s(8, 640) == pytest.approx(TRUE.decode_s(8, 640))
+    assert fit_serving_prefill(prof, rows) == (pytest.approx(0.02), pytest.approx(0.0002))
