@@ -50,6 +50,8 @@ class Plan:
     host_workers: int = 4  # engines computing at once, 1..N, for the host's slowdown table
     host_prefill: tuple[int, int] = (256, 3)  # each engine's round: prefill tokens x steps,
     host_decode: tuple[int, int] = (4, 12)  # then decode batch x steps
+    # the decode probe: batch, context tokens per sequence; the others' prefill steps' tokens
+    host_probe: tuple[int, int, int] = (4, 256, 512)
     cluster: bool = True  # start a 1P1D cluster: start-up, served decode steps, flip time
     served_batches: tuple[int, ...] = (1, 4, 8, 16)  # decode batches timed in that cluster
     served_prompts: tuple[int, ...] = (32, 128, 512)  # single prompts' first tokens timed there
@@ -60,7 +62,8 @@ QUICK = Plan(prefill_tokens=(16, 64, 256), cached_tokens=(0, 256), decode_batche
              decode_prompt_tokens=(32, 256), decode_steps=3, mixed=((64, 4),), batched=((4, 64),),
              repeats=1,
              transfer_sizes=(1 << 16, 1 << 20), host_workers=2, host_prefill=(64, 2),
-             host_decode=(2, 4), served_batches=(1, 4), served_prompts=(32, 128))
+             host_decode=(2, 4), host_probe=(2, 64, 64), served_batches=(1, 4),
+             served_prompts=(32, 128))
 # The step constants alone (no store, host or cluster), in about a minute: what `sim validate`
 # re-measures next to its real runs, since a shared machine's speed drifts by 20-30 % over hours.
 STEPS_NOW = Plan(prefill_tokens=(32, 128, 256, 512), cached_tokens=(0, 512),
@@ -242,7 +245,7 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4
     del engine
     transfers = _transfers(plan, say)
-    slowdown = host_slowdown(model, threads, plan, say) if plan.host_workers else []
+    slowdown, decode = host_slowdown(model, threads, plan, say) if plan.host_workers else ([], [])
     times = (cluster_times(model, plan.served_batches, say, plan.served_prompts)
              if plan.cluster else {})
     name = model.rsplit("/", 1)[-1]
@@ -251,7 +254,7 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     return build_profile(points, transfers, {
         "origin": origin, "model": name, "kv_bytes_per_token": kv_bytes,
         "kv_capacity_tokens": block * blocks, "threads": threads, "host_cores": cores(),
-        "host_slowdown": slowdown,
+        "host_slowdown": slowdown, "host_slowdown_decode": decode,
         "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
         "plan": "quick" if plan == QUICK else "full", **times})
 
@@ -321,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
                               say)
         prof.save(args.out)
         print(json.dumps({"out": args.out, "host_cores": prof.host_cores,
-                          "host_slowdown": prof.host_slowdown}, indent=1))
+                          "host_slowdown": prof.host_slowdown,
+                          "host_slowdown_decode": prof.host_slowdown_decode}, indent=1))
         return 0
     prof = calibrate(args.model, plan, args.threads, say)
     prof.save(args.out)

@@ -139,6 +139,7 @@ def build_profile(points: list[Point], transfers: dict[str, list[tuple[int, floa
         startup_s=meta.get("startup_s", 0.0), kv_capacity_tokens=meta["kv_capacity_tokens"],
         host_cores=meta.get("host_cores"), threads_per_worker=meta.get("threads", 1),
         host_slowdown=tuple(meta.get("host_slowdown", ())),
+        host_slowdown_decode=tuple(meta.get("host_slowdown_decode", ())),
         fit={"method": "least squares on relative error", "errors": errors,
              "points": [p.__dict__ for p in points],
              "transfers": {k: [list(r) for r in v] for k, v in transfers.items()},

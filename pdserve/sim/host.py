@@ -3,10 +3,13 @@
 Owns the contention factor (a pure function of the busy workers on a host, the threads each
 uses, the host's cores and, where measured, the profile's slowdown table) and `HostShare`, the
 per-run state behind it: which host each worker is on, which are computing, and the factor each
-one's current step runs at. The model is processor sharing re-evaluated whenever a worker on the
-host starts or stops computing: a step in progress keeps its remaining work and runs it at the
-new factor (its end moves); a run of decode steps taken as one event ends with the step in
-progress, so that each later step is timed with the factor at its start.
+one's current step runs at. Where the profile measured one, a decode step has its own table
+(`host_slowdown_decode`: a decode step beside computing prefills, which on a shared CPU hurt it
+more than they hurt each other); a step with prefill tokens takes `host_slowdown`. The model is
+processor sharing re-evaluated whenever a worker on the host starts or stops computing: a step
+in progress keeps its remaining work and runs it at the new factor (its end moves); a run of
+decode steps taken as one event ends with the step in progress, so that each later step is
+timed with the factor at its start.
 
 Only profiles measured on a shared CPU say `host_cores`; a GPU profile (each worker owns its
 accelerator) and a cluster without `workers_per_host` never build a `HostShare`, so their
@@ -41,19 +44,21 @@ def contention(busy_workers: int, threads_per_worker: int, host_cores: int,
 
 
 class Stretched:
-    """A profile whose step times are `factor` times the wrapped one's (what a worker's
-    `start` reads: `step_s` and `decode_s`)."""
+    """A profile whose step times are stretched: a step with prefill tokens (`step_s`,
+    `prefill_s`) `factor` times the wrapped one's, a decode step (`decode_s`) `decode_factor`
+    times (what a worker's `start` reads)."""
 
-    __slots__ = ("base", "factor")
+    __slots__ = ("base", "factor", "decode_factor")
 
-    def __init__(self, base, factor: float) -> None:
+    def __init__(self, base, factor: float, decode_factor: float | None = None) -> None:
         self.base, self.factor = base, factor
+        self.decode_factor = factor if decode_factor is None else decode_factor
 
     def step_s(self, **work) -> float:
         return self.base.step_s(**work) * self.factor
 
     def decode_s(self, batch: int, context_tokens: int) -> float:
-        return self.base.decode_s(batch, context_tokens) * self.factor
+        return self.base.decode_s(batch, context_tokens) * self.decode_factor
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.base.prefill_s(new_tokens, cached_tokens) * self.factor
@@ -68,6 +73,9 @@ class HostShare:
         self.cores = int(profile.host_cores)
         self.threads = int(profile.threads_per_worker)
         self.slowdown = tuple(profile.host_slowdown)
+        # A decode step beside computing prefills slows by its own measured table, where the
+        # profile has one (on a shared CPU it is hurt more than a prefill step is).
+        self.slowdown_decode = tuple(getattr(profile, "host_slowdown_decode", ()) or ())
         self.host_of = {a: i // workers_per_host for i, a in enumerate(addresses)}
         self.busy: dict[int, set[str]] = {}
         self.factor_of: dict[str, float] = {}  # the factor a computing worker's step runs at
@@ -81,16 +89,20 @@ class HostShare:
             return None
         return cls(profile, workers_per_host, addresses, background)
 
-    def factor(self, host: int, extra: str | None = None) -> float:
+    def factor(self, host: int, extra: str | None = None) -> tuple[float, float]:
+        """(a step with prefill tokens, a decode step): the factors on `host` now."""
         busy = self.busy.get(host, set())
-        n = len(busy | {extra}) if extra is not None else len(busy)
-        return contention(max(1, n), self.threads, self.cores, self.slowdown, self.background)
+        n = max(1, len(busy | {extra}) if extra is not None else len(busy))
+        f = contention(n, self.threads, self.cores, self.slowdown, self.background)
+        if not self.slowdown_decode:
+            return f, f
+        return f, contention(n, self.threads, self.cores, self.slowdown_decode, self.background)
 
     def profile_for(self, w):
         """The profile the step worker `w` starts now is timed with."""
         f = self.factor(self.host_of[w.address], w.address)
         self.factor_of[w.address] = f
-        return self.profile if f == 1.0 else Stretched(self.profile, f)
+        return self.profile if f == (1.0, 1.0) else Stretched(self.profile, *f)
 
     def sync(self, now: float, w, workers: dict) -> list[tuple[float, tuple[str, int]]]:
         """After `w` started or stopped computing: re-time the other computing workers on its
@@ -115,7 +127,8 @@ class HostShare:
                 continue
             if new == old:
                 continue
-            o.step_end_s = now + (o.step_end_s - now) * new / old
+            kind = 1 if o.step is not None and o.step.prefill_tokens == 0 else 0
+            o.step_end_s = now + (o.step_end_s - now) * new[kind] / old[kind]
             o.token += 1
             self.factor_of[a] = new
             events.append((o.step_end_s, (a, o.token)))

@@ -25,7 +25,8 @@ in its work); a GPU profile from `roofline.py` sets both from FLOPs and bytes. T
 A profile measured on CPU cores that several workers share says so: `host_cores` (the host's
 cores, None where each worker owns its accelerator), `threads_per_worker` (the compute threads one
 step uses) and, where measured, `host_slowdown` (how many times longer a step takes with 1, 2,
-... such workers computing at once); `host.py` turns them into a step's stretch.
+... such workers computing at once) and `host_slowdown_decode` (the same for one decode step
+beside 0, 1, ... computing prefills); `host.py` turns them into a step's stretch.
 
 Must not import torch or the engine, or model contention between transfers.
 """
@@ -84,6 +85,7 @@ class StepProfile:
     host_cores: int | None = None  # cores the workers of one host share (None: own device)
     threads_per_worker: int = 1
     host_slowdown: tuple[float, ...] = ()  # step-time factor with 1, 2, ... workers busy
+    host_slowdown_decode: tuple[float, ...] = ()  # a decode step's, beside computing prefills
     fit: dict = dataclasses.field(default_factory=dict)  # how it was made: points, errors
 
     def __post_init__(self) -> None:
@@ -102,12 +104,13 @@ class StepProfile:
         if not whole(self.threads_per_worker):
             raise ProfileError(f"threads_per_worker must be an integer >= 1, got "
                                f"{self.threads_per_worker!r}")
-        if not isinstance(self.host_slowdown, (list, tuple)) or not all(
-                not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
-                and x > 0 for x in self.host_slowdown):
-            raise ProfileError(f"host_slowdown must be a list of numbers > 0, got "
-                               f"{self.host_slowdown!r}")
-        object.__setattr__(self, "host_slowdown", tuple(float(x) for x in self.host_slowdown))
+        for name in ("host_slowdown", "host_slowdown_decode"):
+            table = getattr(self, name)
+            if not isinstance(table, (list, tuple)) or not all(
+                    not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+                    and x > 0 for x in table):
+                raise ProfileError(f"{name} must be a list of numbers > 0, got {table!r}")
+            object.__setattr__(self, name, tuple(float(x) for x in table))
         if not self.origin:
             raise ProfileError("origin must say where the profile comes from")
         for name, link in self.transports.items():

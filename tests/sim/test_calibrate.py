@@ -96,6 +96,9 @@ def test_quick_calibration_of_the_real_engine(tmp_path):
     assert prof.threads_per_worker == 1
     assert len(prof.host_slowdown) == 2 and prof.host_slowdown[0] == 1.0
     assert prof.host_slowdown[1] > 0
+    # And a decode step beside 0 and 1 computing prefills (1 alone by definition).
+    assert len(prof.host_slowdown_decode) == 2 and prof.host_slowdown_decode[0] == 1.0
+    assert prof.host_slowdown_decode[1] > 0
 
 
 def test_serving_cost_is_fitted_from_the_gaps_beyond_the_engine_step():

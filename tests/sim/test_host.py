@@ -109,7 +109,7 @@ def test_a_cpu_profile_without_workers_per_host_is_per_worker():
 
 
 def test_host_fields_round_trip_and_bad_values_name_the_field():
-    p = dataclasses.replace(ONE_CORE, host_slowdown=(1.0, 1.5))
+    p = dataclasses.replace(ONE_CORE, host_slowdown=(1.0, 1.5), host_slowdown_decode=(1.0, 1.2))
     assert StepProfile.from_json(p.to_json()) == p
     with pytest.raises(ProfileError, match="host_cores"):
         dataclasses.replace(ONE_CORE, host_cores=0)
@@ -117,7 +117,47 @@ def test_host_fields_round_trip_and_bad_values_name_the_field():
         dataclasses.replace(ONE_CORE, threads_per_worker=0)
     with pytest.raises(ProfileError, match="host_slowdown"):
         dataclasses.replace(ONE_CORE, host_slowdown=(1.0, -2.0))
+    with pytest.raises(ProfileError, match="host_slowdown_decode"):
+        dataclasses.replace(ONE_CORE, host_slowdown_decode=(1.0, float("nan")))
     with pytest.raises(SimConfigError, match="workers_per_host"):
         SimConfig(workers_per_host=0)
     with pytest.raises(SimConfigError, match="host_background_threads"):
         SimConfig(host_background_threads=-1.0)
+
+
+def test_a_decode_step_beside_computing_prefills_takes_its_own_table():
+    from types import SimpleNamespace
+
+    from pdserve.sim.host import HostShare
+
+    p = dataclasses.replace(ONE_CORE, host_cores=2, host_slowdown=(1.0, 1.1),
+                            host_slowdown_decode=(1.0, 1.6))
+    share = HostShare(p, 2, ["a", "b"])
+    share.busy[0] = {"b"}
+    assert share.factor(0, "a") == (1.1, 1.6)
+    st = share.profile_for(SimpleNamespace(address="a"))
+    assert st.decode_s(4, 400) == pytest.approx(p.decode_s(4, 400) * 1.6)
+    assert st.prefill_s(100) == pytest.approx(p.prefill_s(100) * 1.1)
+    assert st.step_s(prefill_tokens=100) == pytest.approx(p.step_s(prefill_tokens=100) * 1.1)
+    # Alone on the host: neither stretches. Without a decode table: both take the one table.
+    share.busy[0] = set()
+    assert share.factor(0, "a") == (1.0, 1.0)
+    assert share.profile_for(SimpleNamespace(address="a")) is p
+    plain = HostShare(dataclasses.replace(p, host_slowdown_decode=()), 2, ["a", "b"])
+    plain.busy[0] = {"b"}
+    assert plain.factor(0, "a") == (1.1, 1.1)
+
+
+def test_decodes_beside_a_long_prefill_slow_by_the_decode_table_and_the_prefill_does_not():
+    # r0 decodes 20 tokens while r1's 1,000-token prefill computes on the other core.
+    reqs = [SimRequest("r0", 0.0, 100, 20, (0,)), SimRequest("r1", SOLO + 0.05, 1000, 1, (1,))]
+    cfg = SimConfig(prefill_workers=1, decode_workers=1, workers_per_host=2,
+                    stats_interval_s=100.0)
+    base = dataclasses.replace(ONE_CORE, host_cores=2, host_slowdown=(1.0, 1.0))
+    even = simulate(cfg, reqs, base)
+    hurt = simulate(cfg, reqs, dataclasses.replace(base, host_slowdown_decode=(1.0, 2.0)))
+    assert even.status == hurt.status == ["ok", "ok"]
+    assert hurt.ttft_s == pytest.approx(even.ttft_s)  # the prefills are as they were
+    d_even = even.end_s[0] - even.ttft_s[0]
+    d_hurt = hurt.end_s[0] - hurt.ttft_s[0]
+    assert d_hurt == pytest.approx(2 * d_even, rel=0.1)  # the decode ran beside it throughout
