@@ -78,6 +78,26 @@ def shared_fraction(prompts: list[list[int]], block: int) -> float:
     return hit / total if total else 0.0
 
 
+def stagger(reqs: list, gap_s: float) -> list:
+    """Requests the trace gives one arrival time, spaced `gap_s` apart in trace order (a later
+    distinct time is kept unless the spacing reaches it). Without it the real client's threads
+    race, and which of the simultaneous prompts the prefill worker meets first, and so which
+    one it prefills alone, changes from run to run; the simulator takes them in trace order."""
+    import dataclasses
+
+    out, prev_t, prev_new = [], None, None
+    for r in reqs:
+        t = new = r.arrival_s
+        if prev_t is not None and t is not None:
+            if t <= prev_t:  # the same time as the one before: after it
+                new = prev_new + gap_s
+            elif prev_new > prev_t:  # a spaced group may have run past it
+                new = max(t, prev_new + gap_s)
+        prev_t, prev_new = t, new
+        out.append(r if new == t else dataclasses.replace(r, arrival_s=new))
+    return out
+
+
 def workload(s: dict[str, Any], model: str):
     from pdserve.bench import serve_workload as wl
     from pdserve.engine.checkpoint_config import load_model_config
@@ -92,11 +112,13 @@ def workload(s: dict[str, Any], model: str):
                              token_scale=s["token_scale"], speedup=speedup,
                              vocab=(min(1000, vocab // 4), vocab),
                              max_prompt_tokens=s["max_prompt_tokens"], seed=s["seed"])
+    reqs = stagger(reqs, s.get("stagger_ms", 0.0) / 1000.0)
     prompts = [list(r.body["prompt"]) for r in reqs]
     sims = [SimRequest(f"r{i}", r.arrival_s or 0.0, len(p), r.max_tokens, b)
             for i, (r, p, b) in enumerate(zip(reqs, prompts, sim_blocks(prompts)))]
     scale = {"token_scale": s["token_scale"], "arrival_speedup": speedup,
              "rate_rps": s["rate"], "max_tokens": s["max_tokens"],
+             "stagger_ms": s.get("stagger_ms", 0.0),
              "max_prompt_tokens": s["max_prompt_tokens"], "requests": len(reqs),
              "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
              "shared_tokens_16": shared_fraction(prompts, 16),
@@ -319,6 +341,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=0.2,
                    help="arrivals per second after scaling (default 0.2)")
     p.add_argument("--max-tokens", type=int, default=32, help="output cap (default 32)")
+    p.add_argument("--stagger-ms", type=float, default=50.0,
+                   help="requests the trace gives one arrival time are spaced this far apart, "
+                        "in trace order, on both sides (default 50; 0: simultaneous)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--configs", default="1p1d,2p2d", help="clusters to run (default 1p1d,2p2d)")
     p.add_argument("--profile", default="cpu-smollm2-135m",
@@ -366,8 +391,11 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
                                 f"{a.host_background!r}")
     if not a.rate > 0:
         raise ValidateError("--rate must be > 0")
+    if not 0 <= a.stagger_ms < 10_000:
+        raise ValidateError(f"--stagger-ms must be >= 0 and < 10000, got {a.stagger_ms}")
     return {"trace": a.trace, "token_scale": a.token_scale, "requests": a.requests,
             "rate": a.rate, "max_tokens": a.max_tokens, "max_prompt_tokens": a.max_prompt_tokens,
+            "stagger_ms": a.stagger_ms,
             "configs": parse_configs(a.configs), "profile": a.profile, "steps": a.steps,
             "model": a.model,
             "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,

@@ -54,7 +54,8 @@ def test_bad_configs_are_named(text):
 
 @pytest.mark.parametrize("flag, value", [("--host-background", "x"),
                                          ("--host-background", "-1"),
-                                         ("--workers-per-host", "-1")])
+                                         ("--workers-per-host", "-1"),
+                                         ("--stagger-ms", "-5")])
 def test_bad_host_flags_are_named(flag, value):
     args = add_arguments(argparse.ArgumentParser()).parse_args([flag, value])
     with pytest.raises(ValidateError, match=flag):
@@ -111,3 +112,17 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     doc2 = json.loads(again.stdout)
     assert doc2["profile"] == doc["profile"]
     assert doc2["runs"][0]["compare"] == run["compare"]
+
+
+def test_simultaneous_arrivals_are_spaced_in_trace_order():
+    from pdserve.bench.serve_workload import token_request
+    from pdserve.sim.validate import stagger
+
+    times = [0.0, 0.0, 0.0, 0.05, 3.0, 3.0, 9.0]
+    reqs = [token_request([1, 2], 2, t) for t in times]
+    got = [r.arrival_s for r in stagger(reqs, 0.05)]
+    # The group at 0 spaced 50 ms apart runs past the one at 0.05, which follows it; the later
+    # times are kept, their own group spaced.
+    assert got == pytest.approx([0.0, 0.05, 0.1, 0.15, 3.0, 3.05, 9.0])
+    assert [r.arrival_s for r in stagger(reqs, 0.0)] == times
+    assert stagger(reqs, 0.05)[0] is reqs[0]  # unchanged requests are the same objects
