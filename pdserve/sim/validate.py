@@ -341,9 +341,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=0.2,
                    help="arrivals per second after scaling (default 0.2)")
     p.add_argument("--max-tokens", type=int, default=32, help="output cap (default 32)")
-    p.add_argument("--stagger-ms", type=float, default=50.0,
+    p.add_argument("--stagger-ms", type=float, default=20.0,
                    help="requests the trace gives one arrival time are spaced this far apart, "
-                        "in trace order, on both sides (default 50; 0: simultaneous)")
+                        "in trace order, on both sides (default 20; 0: simultaneous)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--configs", default="1p1d,2p2d", help="clusters to run (default 1p1d,2p2d)")
     p.add_argument("--profile", default="cpu-smollm2-135m",
