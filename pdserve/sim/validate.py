@@ -284,8 +284,9 @@ def compare(real: dict[str, list], sim: dict[str, list]) -> dict[str, dict[str, 
 
 def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say):
     """(the profile to simulate with, the profile as given): `--steps now`/`quick` re-measure
-    the given profile's step constants on this machine (the engine alone) before the real runs,
-    so both sides see the machine as it is; with `--real-from`, the constants recorded with that
+    the given profile's step constants on this machine (the engine alone; `now` also its
+    serving costs on a 1P1D cluster) before the real runs, so both sides see the machine as it
+    is; with `--real-from`, the constants recorded with that
     run are reused when it has them. `--steps profile`: the profile as given."""
     from pdserve.sim.calibrate import STEPS_NOW, STEPS_QUICK, steps_now
     from pdserve.sim.profile import StepProfile, load_profile
@@ -349,9 +350,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--profile", default="cpu-smollm2-135m",
                    help="the simulator's profile (default: the shipped CPU calibration)")
     p.add_argument("--steps", choices=("now", "quick", "profile"), default="now",
-                   help="the profile's step constants: re-measured on this machine before the "
-                        "real runs (now: about a minute; quick: fewer points), or the profile's "
-                        "own (default now)")
+                   help="the profile's step constants and serving costs: re-measured on this "
+                        "machine before the real runs (now: about a minute, the serving costs on "
+                        "a 1P1D cluster; quick: fewer points, the constants only), or the "
+                        "profile's own (default now)")
     p.add_argument("--model", default=None, help="model path (default SmolLM2-135M GGUF)")
     p.add_argument("--routing", default="kv_aware", help="prefill routing on both sides")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
