@@ -240,11 +240,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
     import logging
-    import signal
 
     from rich.console import Console
 
     from pdserve import logctx
+    from pdserve.lifecycle import StopSignals
     from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
 
     console = Console(stderr=True)
@@ -268,13 +268,9 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
                        metrics_port=args.metrics_port, **extra)
     cluster = LocalCluster(spec)
 
-    def on_signal(signum, frame) -> None:
-        cluster.cancel.set()
-
     # Ctrl-C or SIGTERM, while starting or serving, stops every child in order. The children
     # run in sessions of their own: a terminal's Ctrl-C reaches only this process.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    StopSignals(cluster.cancel)
     try:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
                             f"{spec.decode_workers} decode workers, router ({spec.model_path})"):

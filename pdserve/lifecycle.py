@@ -11,6 +11,9 @@ The clean shutdown is bounded: a watchdog thread notices the orphaning too (its 
 changes), sends the SIGTERM itself where the kernel cannot (not Linux), and ends the process with exit
 code 1 if it is still alive `ORPHAN_EXIT_S` later, since a shutdown step waiting on a peer that
 died with the launcher must not keep it alive.
+
+Also `StopSignals`: SIGTERM and SIGINT turned into an `Event` by a handler that takes no lock,
+for every process that stops on them.
 """
 
 from __future__ import annotations
@@ -59,3 +62,35 @@ def _watch_parent(parent: int, send_term: bool) -> None:
     print(f"pdserve: parent {parent} died and the clean shutdown took over {ORPHAN_EXIT_S:g}s; "
           "exiting now", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+class StopSignals:
+    """SIGTERM and SIGINT set `event`, without taking a lock in the signal handler.
+
+    `Event.set` takes its condition's lock. A second signal arriving while a handler holds it
+    (Ctrl-C in a shell whose trap also sends SIGTERM, or Ctrl-C pressed twice) runs the handler
+    again on the same thread, which then waits forever for the lock it holds: the process never
+    stops. Here the handler only records the signal and writes a byte to a pipe; a thread of
+    its own reads the byte and sets the event. Main thread only (signal handlers are).
+    """
+
+    def __init__(self, event: threading.Event,
+                 signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self.event = event
+        self.received: list[int] = []  # list.append takes no Python lock
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        threading.Thread(target=self._relay, name="stop-signals", daemon=True).start()
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        try:
+            os.write(self._w, b"\0")
+        except OSError:  # the pipe is full: a byte is already waiting to be read
+            pass
+
+    def _relay(self) -> None:
+        while os.read(self._r, 1):
+            self.event.set()

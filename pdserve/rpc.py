@@ -9,18 +9,18 @@ Must not know any pdserve service: it takes service names as strings and never i
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 import time
 from concurrent import futures
-from types import FrameType
 from typing import Any, Callable, Iterable
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdserve.lifecycle import StopSignals
 
 # KV blocks of a long prompt run to tens of MiB per message in the first (copying) store
 # transport; gRPC's 4 MiB default would reject them. 256 MiB bounds one message (invariant 5).
@@ -221,7 +221,7 @@ def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
 
 # Set once a stop signal arrives; per process, as signal handlers are.
 _stop_requested = threading.Event()
-_stop_signal: list[int] = []
+_stop_signals: StopSignals | None = None
 _stop_handlers_installed = False
 
 
@@ -232,13 +232,9 @@ def catch_stop_signals() -> None:
     otherwise meet the default action and kill the process with no clean shutdown.
     """
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        _stop_signal.append(signum)
-        _stop_requested.set()
-
-    global _stop_handlers_installed
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    global _stop_handlers_installed, _stop_signals
+    if _stop_signals is None:  # idempotent: one relay thread per process
+        _stop_signals = StopSignals(_stop_requested)
     _stop_handlers_installed = True
 
 
@@ -253,7 +249,7 @@ def wait_for_signal(poll_s: float = 0.5) -> int:
     # A timed wait keeps the main thread returning to the interpreter, where handlers run.
     while not _stop_requested.wait(poll_s):
         pass
-    return _stop_signal[0]
+    return _stop_signals.received[0]
 
 
 def run_until_signal(server: grpc.Server, health: health.HealthServicer, address: str,

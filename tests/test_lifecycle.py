@@ -5,6 +5,7 @@ by the watchdog's deadline. Real processes; the hung shutdown is a handler that 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -78,3 +79,59 @@ def test_a_child_whose_parent_lives_is_left_alone():
         parent.stdout.close()
         if _alive(pid):
             os.kill(pid, 9)
+
+
+_FLOODED = """
+import sys, threading
+from pdserve.lifecycle import StopSignals
+ev = threading.Event()
+StopSignals(ev)
+for _ in range(1000):  # waiters make Event.set hold its lock longer: a wider window
+    threading.Thread(target=ev.wait, daemon=True).start()
+print("ready", flush=True)
+ev.wait()
+print("stopped", flush=True)
+"""
+
+
+def test_a_stop_signal_handler_returns_while_the_event_lock_is_held():
+    import threading
+
+    from pdserve.lifecycle import StopSignals
+
+    ev = threading.Event()
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = StopSignals(ev)
+        # As when a second signal interrupts the first handler inside Event.set: the handler
+        # runs on a thread that holds the event's lock. It must return, not wait for it.
+        with ev._cond:
+            stop._on_signal(signal.SIGTERM, None)
+            assert not ev.is_set()
+        assert ev.wait(5.0)  # the relay thread set it once the lock was free
+        assert stop.received == [signal.SIGTERM]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def test_a_flood_of_stop_signals_stops_the_process():
+    # Ctrl-C in a shell whose trap also sends SIGTERM: signals back to back. With a handler
+    # that called Event.set, 1 or 2 in 10 such processes hung for good.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    for _ in range(5):
+        p = subprocess.Popen([sys.executable, "-c", _FLOODED], stdout=subprocess.PIPE,
+                             text=True, env=env)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            for i in range(300):
+                try:
+                    os.kill(p.pid, signal.SIGTERM if i % 2 else signal.SIGINT)
+                except ProcessLookupError:
+                    break
+            assert p.wait(timeout=10) == 0
+            assert p.stdout.read().strip() == "stopped"
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

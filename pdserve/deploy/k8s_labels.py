@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import ssl
 import sys
 import threading
@@ -26,6 +25,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from pdserve.lifecycle import StopSignals
 
 ROLE_LABEL = "pdserve.io/role"
 ROLES = ("prefill", "decode")
@@ -218,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     kube = KubePods(api_url, namespace, a.token_file if os.path.exists(a.token_file) else None,
                     a.ca_file if os.path.exists(a.ca_file) else None)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    StopSignals(stop)
     print(f"pdserve.deploy.k8s_labels ready: pods {a.selector!r} in {namespace}, router "
           f"{a.router}", flush=True)
     last_error = ""

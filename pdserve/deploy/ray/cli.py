@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
+
+from pdserve.lifecycle import StopSignals
 
 DEFAULT_CLUSTER = "default"
 
@@ -96,8 +97,7 @@ def cmd_serve(args: argparse.Namespace, model_path: str, spec_args: dict) -> int
     try:
         backend.connect(args.address)
         if not args.detach:  # after connecting: Ray's driver sets handlers of its own
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, frame: stop.set())
+            StopSignals(stop)
         with console.status(f"starting cluster {spec.cluster_id} on Ray: store, "
                             f"{spec.cluster.prefill_workers} prefill and "
                             f"{spec.cluster.decode_workers} decode workers, router "
