@@ -244,8 +244,8 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
     from rich.console import Console
 
     from pdserve import logctx
-    from pdserve.lifecycle import StopSignals
     from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
+    from pdserve.lifecycle import StopSignals
 
     console = Console(stderr=True)
     logctx.configure(logging.INFO)  # supervision's restarts and give-ups go to stderr

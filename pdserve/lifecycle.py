@@ -88,8 +88,8 @@ class StopSignals:
         self.received.append(signum)
         try:
             os.write(self._w, b"\0")
-        except OSError:  # the pipe is full: a byte is already waiting to be read
-            pass
+        except BlockingIOError:  # the pipe is full: bytes already wait to be read
+            return
 
     def _relay(self) -> None:
         while os.read(self._r, 1):

@@ -222,7 +222,6 @@ def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
 # Set once a stop signal arrives; per process, as signal handlers are.
 _stop_requested = threading.Event()
 _stop_signals: StopSignals | None = None
-_stop_handlers_installed = False
 
 
 def catch_stop_signals() -> None:
@@ -232,10 +231,9 @@ def catch_stop_signals() -> None:
     otherwise meet the default action and kill the process with no clean shutdown.
     """
 
-    global _stop_handlers_installed, _stop_signals
+    global _stop_signals
     if _stop_signals is None:  # idempotent: one relay thread per process
         _stop_signals = StopSignals(_stop_requested)
-    _stop_handlers_installed = True
 
 
 def wait_for_signal(poll_s: float = 0.5) -> int:
@@ -244,8 +242,7 @@ def wait_for_signal(poll_s: float = 0.5) -> int:
     Installs the handlers if catch_stop_signals() was not called yet (call it earlier, before
     announcing readiness, to close the window in which a signal would kill the process).
     """
-    if not _stop_handlers_installed:
-        catch_stop_signals()
+    catch_stop_signals()  # idempotent
     # A timed wait keeps the main thread returning to the interpreter, where handlers run.
     while not _stop_requested.wait(poll_s):
         pass

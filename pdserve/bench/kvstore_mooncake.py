@@ -29,6 +29,7 @@ import numpy as np
 
 from pdserve.bench.kvstore_measure import MeasureError, times_s
 from pdserve.bench.kvstore_procs import START_TIMEOUT_S, Child, free_port, repo_env
+from pdserve.lifecycle import StopSignals
 
 # Mooncake reads both when its library loads; its INFO lines would bury the progress bar.
 ENV = {"MC_LEGACY_RPC_PORT_BINDING": "1", "MC_LOG_LEVEL": "ERROR"}
@@ -243,7 +244,7 @@ def _node_main(argv: list[str] | None = None) -> int:
     from mooncake.store import MooncakeDistributedStore
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    StopSignals(stop, (signal.SIGTERM,))
     store = MooncakeDistributedStore()
     local = f"127.0.0.1:{free_port()}"
     try:

@@ -246,7 +246,7 @@ def calibrate(model: str | None = None, plan: Plan = FULL, threads: int = 1,
     del engine
     transfers = _transfers(plan, say)
     slowdown, decode = host_slowdown(model, threads, plan, say) if plan.host_workers else ([], [])
-    times = (cluster_times(model, plan.served_batches, say, plan.served_prompts)
+    times = (cluster_times(model, plan.served_batches, plan.served_prompts, say)
              if plan.cluster else {})
     name = model.rsplit("/", 1)[-1]
     origin = (f"measured: {cores()}-core {platform.machine()} CPU, {name} fp32, "

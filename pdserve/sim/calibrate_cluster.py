@@ -69,41 +69,43 @@ def serving_firsts(cluster, prompts: tuple[int, ...], repeats: int, say) -> list
     return rows
 
 
+def _one_p_one_d(model: str):
+    """A fresh 1P1D cluster, each worker on its own share of the cores (as the profile's
+    threads say), to be entered with `with`."""
+    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+
+    return LocalCluster(ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
+                                    controller=False, ready_timeout_s=600, share_cores=False))
+
+
+def _serving(cluster, batches: tuple[int, ...], prompts: tuple[int, ...], say) -> dict[str, Any]:
+    return {"serving": serving_gaps(cluster, batches, say),
+            "serving_prefill": serving_firsts(cluster, prompts, 3, say)}
+
+
 def serving_times(model: str, served_batches: tuple[int, ...], served_prompts: tuple[int, ...],
                   say) -> dict[str, Any]:
-    """What serving adds to the engine's steps on a fresh 1P1D cluster (each worker on its own
-    share of the cores): the decode gaps (`serving_gaps`) and the first tokens of single
-    prompts (`serving_firsts`)."""
-    from pdserve.controller.cluster_spec import free_ports
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
-
-    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
-                       controller=False, ready_timeout_s=600, share_cores=False)
-    with LocalCluster(spec) as cluster:
-        return {"serving": serving_gaps(cluster, served_batches, say),
-                "serving_prefill": serving_firsts(cluster, served_prompts, 3, say)}
+    """What serving adds to the engine's steps on a fresh 1P1D cluster: the decode gaps
+    (`serving_gaps`) and the first tokens of single prompts (`serving_firsts`)."""
+    with _one_p_one_d(model) as cluster:
+        return _serving(cluster, served_batches, served_prompts, say)
 
 
-def cluster_times(model: str, served_batches: tuple[int, ...], say,
-                  served_prompts: tuple[int, ...] = ()) -> dict[str, Any]:
-    """A 1P1D cluster (each worker on its own share of the cores, as the profile's threads say):
-    its start-up (to every worker serving), served decode steps (`serving_gaps`), and one idle
-    worker's flip there and back through the controller's Flipper (drain of nothing + switch +
-    verify + re-admit)."""
+def cluster_times(model: str, served_batches: tuple[int, ...], served_prompts: tuple[int, ...],
+                  say) -> dict[str, Any]:
+    """A fresh 1P1D cluster: its start-up (to every worker serving), what serving adds to the
+    engine's steps (`serving_times`' measurements), and one idle worker's flip there and back
+    through the controller's Flipper (drain of nothing + switch + verify + re-admit)."""
     from pdserve import rpc
-    from pdserve.controller.cluster_spec import free_ports
     from pdserve.controller.flip import Flipper
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
     from pdserve.proto import router_pb2_grpc
 
-    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
-                       controller=False, ready_timeout_s=600, share_cores=False)
     t0 = time.monotonic()
-    with LocalCluster(spec) as cluster:
+    with _one_p_one_d(model) as cluster:
         startup = time.monotonic() - t0
         say(f"cluster start-up: {startup:.1f} s")
-        serving = serving_gaps(cluster, served_batches, say)
-        firsts = serving_firsts(cluster, served_prompts, 3, say) if served_prompts else []
+        serving = _serving(cluster, served_batches, served_prompts, say)
         flipper = Flipper(router_pb2_grpc.RouterControlStub(
             rpc.make_channel(cluster.router_address)))
         addr = cluster.worker_addresses("decode")[0]
@@ -114,4 +116,4 @@ def cluster_times(model: str, served_batches: tuple[int, ...], say,
             raise RuntimeError(f"a calibration flip failed: {bad[0]}")
         flip = min(f.seconds for f in flips)
         say(f"idle flip: {flip:.2f} s")
-    return {"startup_s": startup, "flip_s": flip, "serving": serving, "serving_prefill": firsts}
+    return {"startup_s": startup, "flip_s": flip, **serving}

@@ -88,8 +88,7 @@ def host_round(model: str, prefill: tuple[int, int], decode: tuple[int, int],
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
-        times = sorted(times[:steps])
-        return times[len(times) // 2]
+        return statistics.median(times[:steps])
 
     one_round()
     decode_probe()

@@ -75,10 +75,11 @@ class HostShare:
         self.slowdown = tuple(profile.host_slowdown)
         # A decode step beside computing prefills slows by its own measured table, where the
         # profile has one (on a shared CPU it is hurt more than a prefill step is).
-        self.slowdown_decode = tuple(getattr(profile, "host_slowdown_decode", ()) or ())
+        self.slowdown_decode = tuple(getattr(profile, "host_slowdown_decode", ()))
         self.host_of = {a: i // workers_per_host for i, a in enumerate(addresses)}
         self.busy: dict[int, set[str]] = {}
-        self.factor_of: dict[str, float] = {}  # the factor a computing worker's step runs at
+        # The factors (prefill, decode) a computing worker's step runs at.
+        self.factor_of: dict[str, tuple[float, float]] = {}
 
     @classmethod
     def of(cls, profile, workers_per_host: int | None, addresses: Sequence[str],

@@ -5,11 +5,12 @@ Owns the comparison: one trace scaled for this machine (prompt lengths divided b
 arrivals at a stated rate, outputs capped; all stated next to every figure), replayed open loop
 on a fresh `pdserve serve`-style cluster per configuration (1P1D, 2P2D: the cluster start and
 the streaming client of `pdserve bench serve`), then simulated with the CPU calibration on the
-same requests (the same prompt sharing), its step constants re-measured on the engine alone just
-before the real runs (a shared machine's speed drifts between a calibration and a validation),
-and the relative error of mean/p50/p90/p99 TTFT, ITL (per request, as AIPerf defines it) and
-end-to-end latency. Tables, JSON and a PNG of both distributions. Must not tune the simulator to
-the cluster's measurement or assert an error bound.
+same requests (the same prompt sharing, arrivals the trace gives one time spaced alike on both
+sides), its step constants and serving costs re-measured just before the real runs (a shared
+machine's speed drifts between a calibration and a validation), and the relative error of
+mean/p50/p90/p99 TTFT, ITL (per request, as AIPerf defines it) and end-to-end latency. Tables,
+JSON and a PNG of both distributions. Must not tune the simulator to the cluster's measurement
+or assert an error bound.
 """
 
 from __future__ import annotations
@@ -112,13 +113,13 @@ def workload(s: dict[str, Any], model: str):
                              token_scale=s["token_scale"], speedup=speedup,
                              vocab=(min(1000, vocab // 4), vocab),
                              max_prompt_tokens=s["max_prompt_tokens"], seed=s["seed"])
-    reqs = stagger(reqs, s.get("stagger_ms", 0.0) / 1000.0)
+    reqs = stagger(reqs, s["stagger_ms"] / 1000.0)
     prompts = [list(r.body["prompt"]) for r in reqs]
     sims = [SimRequest(f"r{i}", r.arrival_s or 0.0, len(p), r.max_tokens, b)
             for i, (r, p, b) in enumerate(zip(reqs, prompts, sim_blocks(prompts)))]
     scale = {"token_scale": s["token_scale"], "arrival_speedup": speedup,
              "rate_rps": s["rate"], "max_tokens": s["max_tokens"],
-             "stagger_ms": s.get("stagger_ms", 0.0),
+             "stagger_ms": s["stagger_ms"],
              "max_prompt_tokens": s["max_prompt_tokens"], "requests": len(reqs),
              "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
              "shared_tokens_16": shared_fraction(prompts, 16),
@@ -286,8 +287,8 @@ def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
     """(the profile to simulate with, the profile as given): `--steps now`/`quick` re-measure
     the given profile's step constants on this machine (the engine alone; `now` also its
     serving costs on a 1P1D cluster) before the real runs, so both sides see the machine as it
-    is; with `--real-from`, the constants recorded with that
-    run are reused when it has them. `--steps profile`: the profile as given."""
+    is; with `--real-from`, the constants recorded with that run are reused when it has them.
+    `--steps profile`: the profile as given."""
     from pdserve.sim.calibrate import STEPS_NOW, STEPS_QUICK, steps_now
     from pdserve.sim.profile import StepProfile, load_profile
 
@@ -305,14 +306,16 @@ def validate(s: dict[str, Any], say=lambda line: None) -> dict[str, Any]:
     from pdserve.engine.model_files import default_model_path
 
     model = s["model"] or default_model_path()
-    reqs, sims, scale = workload(s, model)
-    say(f"{len(reqs)} requests, prompts / {scale['token_scale']} "
-        f"(mean {scale['mean_prompt_tokens']:.0f} tokens), {s['rate']} req/s, "
-        f"outputs <= {s['max_tokens']}")
     recorded_doc: dict[str, Any] = {}
     if s.get("real_from"):  # the measured side of an earlier run on the same requests
         with open(s["real_from"]) as f:
             recorded_doc = json.load(f)
+        # Its arrivals as they were sent (records from before the spacing: simultaneous).
+        s = {**s, "stagger_ms": recorded_doc["scale"].get("stagger_ms", 0.0)}
+    reqs, sims, scale = workload(s, model)
+    say(f"{len(reqs)} requests, prompts / {scale['token_scale']} "
+        f"(mean {scale['mean_prompt_tokens']:.0f} tokens), {s['rate']} req/s, "
+        f"outputs <= {s['max_tokens']}")
     recorded = {r["config"]: r["real"] for r in recorded_doc.get("runs", [])}
     profile, given = profile_for(s, model, recorded_doc, say)
     runs = []

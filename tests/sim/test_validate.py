@@ -112,6 +112,19 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     doc2 = json.loads(again.stdout)
     assert doc2["profile"] == doc["profile"]
     assert doc2["runs"][0]["compare"] == run["compare"]
+    assert doc["scale"]["stagger_ms"] == doc2["scale"]["stagger_ms"] == 20.0
+    # A record from before the spacing (no stagger in its scale) is simulated with its arrivals
+    # as they were sent, simultaneous, whatever --stagger-ms says.
+    old = {**doc, "scale": {k: v for k, v in doc["scale"].items() if k != "stagger_ms"}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    third = subprocess.run(
+        [sys.executable, "-m", "pdserve.sim.validate", "--trace", str(TRACE), "--requests", "4",
+         "--scale", "64", "--max-tokens", "4", "--rate", "1", "--configs", "1p1d",
+         "--stagger-ms", "50", "--real-from", str(tmp_path / "old.json"),
+         "--out", str(tmp_path / "v3"), "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert json.loads(third.stdout)["scale"]["stagger_ms"] == 0.0
 
 
 def test_simultaneous_arrivals_are_spaced_in_trace_order():
