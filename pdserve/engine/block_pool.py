@@ -125,6 +125,20 @@ class BlockPool:
             out.append(bid)
         return out
 
+    def allocate_one(self) -> int:
+        """`allocate(1)[0]`, for callers placing blocks one at a time."""
+        if not self.free:
+            raise NoFreeBlocksError("need 1 block, 0 free")
+        bid = self.free.popitem(last=False)[0]
+        old = self.block_hash[bid]
+        if old is not None:
+            del self.by_hash[old]
+            self.block_hash[bid] = None
+            self.evictions += 1
+            self.events.append(REMOVED, old)
+        self.ref[bid] = 1
+        return bid
+
     def release(self, block_ids: list[int]) -> None:
         """Drop one hold on each block; blocks are released tail first so a prompt's
         last blocks are evicted before its first ones (the first are shared more)."""

@@ -86,11 +86,12 @@ class Scheduler:
         `finish_reason` says why). `approximate` (anchor-precision data) keeps its blocks out of
         the prefix cache and makes it decode drafts on them until the exact KV lands."""
         self._check_room()  # before taking blocks, so that a refusal holds none
-        full = len(seq.prompt_ids) // self.block_size
+        full = seq.prompt_len // self.block_size
         writes: list[tuple[int, int]] = []
         pool = self.pool
-        lookup, take, allocate, register = (pool.lookup, pool.take_cached, pool.allocate,
-                                            pool.register)  # per block: bound once
+        lookup, take, allocate, register = (pool.by_hash.get, pool.take_cached,
+                                            pool.allocate_one, pool.register)  # bound once
+        free = pool.free
         cache = self.enable_prefix_caching and not approximate
         table, hashes = seq.block_table, seq.block_hashes
         for i, (h, data) in enumerate(zip(block_hashes, has_data)):
@@ -98,8 +99,8 @@ class Scheduler:
             bid = lookup(h) if is_full else None
             if bid is not None:
                 take(bid)
-            elif data and pool.num_free > 0:
-                bid = allocate(1)[0]
+            elif data and free:
+                bid = allocate()
                 writes.append((i, bid))
                 if is_full and cache:
                     register(bid, h)
@@ -110,7 +111,7 @@ class Scheduler:
                 hashes.append(h)
         # A trailing partial block is only valid up to the prompt's end; it is never treated
         # as cached (no hash is registered for it).
-        seq.num_computed = min(len(seq.block_table) * self.block_size, len(seq.prompt_ids))
+        seq.num_computed = min(len(seq.block_table) * self.block_size, seq.prompt_len)
         seq.num_cached_tokens = seq.num_computed
         self.waiting.append(seq)
         if check_stop(seq, seq.token_ids[-1]):
@@ -207,7 +208,8 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.block_table.extend(self.pool.allocate(need))
+            if need:  # most decode steps need none
+                seq.block_table.extend(self.pool.allocate(need))
             out.seqs.append(seq)
             out.num_new.append(n)
             budget -= n
@@ -262,10 +264,12 @@ class Scheduler:
     def advance(self, seq: Sequence, n: int) -> None:
         """After a step: `n` more of seq's tokens have KV. Counts the prompt's among them and
         indexes the blocks they completed."""
-        in_prompt = min(seq.num_computed + n, len(seq.prompt_ids)) - seq.num_computed
-        self.prompt_tokens_computed += max(0, in_prompt)
-        seq.num_computed += n
-        self.register_full_blocks(seq)
+        done, prompt_len = seq.num_computed, seq.prompt_len
+        if done < prompt_len:
+            self.prompt_tokens_computed += min(done + n, prompt_len) - done
+        seq.num_computed = done = done + n
+        if done // self.block_size > len(seq.block_hashes):  # most decode steps complete none
+            self.register_full_blocks(seq)
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: index every newly completed block so later prompts can share it."""
@@ -337,7 +341,7 @@ class Scheduler:
             if check_stop(seq, tok):
                 break
         done = seq.finish_reason is not None
-        out = StepOutput(seq.request_id, new, done, seq.finish_reason, len(seq.prompt_ids),
+        out = StepOutput(seq.request_id, new, done, seq.finish_reason, seq.prompt_len,
                          seq.num_cached_tokens, prefill_done=seq.prefill_only,
                          logprobs=list(lps[:len(new)]) if lps is not None else None)
         if seq.prefill_only:

@@ -58,8 +58,11 @@ class Sequence:
     paused: bool = False
     forced_drafts: list[int] = field(default_factory=list)
     verifying_anchor: bool = False
+    # len(prompt_ids), kept: read for every sequence at every step (the prompt never changes).
+    prompt_len: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_ids)
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
 
@@ -69,11 +72,11 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
+        return self.token_ids[self.prompt_len:]
 
     @property
     def num_output_tokens(self) -> int:  # without copying them: checked after every token
-        return len(self.token_ids) - len(self.prompt_ids)
+        return len(self.token_ids) - self.prompt_len
 
 
 @dataclass
@@ -91,15 +94,16 @@ class ScheduledBatch:
         drawn for it (a prefill chunk that is not the last draws none). Valid until
         `update_from_output`."""
         seq, n = self.seqs[i], self.num_new[i]
-        return seq.num_computed + n - len(seq.spec_token_ids) == seq.num_tokens
+        return seq.num_computed + n - len(seq.spec_token_ids) == len(seq.token_ids)
 
 
 def check_stop(seq: Sequence, tok: int) -> bool:
     """Whether `tok`, just appended, ends `seq`; sets its finish reason if so."""
     p, rules = seq.params, seq.stop_rules
+    n = len(seq.token_ids)
     if (tok in rules.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
         seq.finish_reason = finish.STOP
-    elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= rules.max_model_len:
+    elif n - seq.prompt_len >= p.max_tokens or n >= rules.max_model_len:
         seq.finish_reason = finish.LENGTH
     return seq.finish_reason is not None
 

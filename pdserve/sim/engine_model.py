@@ -181,7 +181,7 @@ class EngineModel:
                 continue
             if self.pool.num_free == 0:
                 break
-            bid = self.pool.allocate(1)[0]
+            bid = self.pool.allocate_one()
             self.pool.register(bid, h)
             self.pool.release([bid])
             placed += 1
@@ -210,20 +210,23 @@ class EngineModel:
         prefill = decode = ctx = cached = 0
         pairs = 0.0
         for seq, n in zip(batch.seqs, batch.num_new):
-            if seq.num_computed + n >= seq.num_tokens and n == 1 and seq.num_computed >= len(
-                    seq.prompt_ids):
+            done = seq.num_computed
+            if n == 1 and done >= seq.prompt_len and done + 1 >= len(seq.token_ids):
                 decode += 1
-                ctx += seq.num_computed
+                ctx += done
             else:
                 prefill += n
-                cached += seq.num_computed
-                pairs += attn_pairs(n, seq.num_computed)
+                cached += done
+                pairs += attn_pairs(n, done)
         return PlannedStep(batch, prefill, decode, ctx, cached, pairs)
 
     def complete(self, step: PlannedStep) -> list[tuple[str, str]]:
         """The step ran: [(request id, "first" | "done" | "parked")] for sequences that made
         their first token, ended, or (prefill-only) finished their prompt."""
         batch = step.batch
+        if not step.prefill_tokens and not batch.preempted:
+            # Every entry decodes one token (`plan`'s count): the bulk form, as `run_decode`.
+            return [(rid, "done") for rid in self._decode(batch.seqs, 1)]
         events = []
         for out in self.sched.update_from_output(
                 batch, self._simulated_output(batch, SAMPLED_TOKEN)):
@@ -243,7 +246,7 @@ class EngineModel:
     def take_parked(self, rid: str) -> list[bytes]:
         """Free a parked prefill's KV (it went to the store); its full blocks' hashes."""
         seq = self.parked.pop(rid)
-        hashes = seq.block_hashes[:len(seq.prompt_ids) // self.block_size]
+        hashes = seq.block_hashes[:seq.prompt_len // self.block_size]
         self.sched.free(seq)  # clears seq.block_hashes
         return hashes
 
@@ -259,11 +262,13 @@ class EngineModel:
         for seq in sched.running:
             # One token behind with its prompt computed: a prompt chunk that stops one token
             # short of the end is not a decode (its next step makes the first token).
-            if (seq.paused or seq.num_computed != seq.num_tokens - 1 or seq.spec_token_ids
-                    or seq.num_computed < len(seq.prompt_ids)):
+            done, n = seq.num_computed, len(seq.token_ids)
+            if (seq.paused or done != n - 1 or seq.spec_token_ids or done < seq.prompt_len):
                 return 0, 0, 0
-            k = min(k, seq.params.max_tokens - seq.num_output_tokens)
-            ctx += seq.num_computed
+            left = seq.params.max_tokens - (n - seq.prompt_len)
+            if left < k:
+                k = left
+            ctx += done
         if k < 2 or len(sched.running) > sched.cfg.max_num_batched_tokens:
             return 0, 0, 0
         free = self.pool.num_free
@@ -282,15 +287,22 @@ class EngineModel:
 
     def run_decode(self, k: int) -> list[str]:
         """Apply k pure decode steps (see `decode_run`); the request ids that ended."""
+        return self._decode(list(self.sched.running), k)
+
+    def _decode(self, seqs: list, k: int) -> list[str]:
+        """k decode steps of `seqs` (running, each one token behind, none speculating or
+        prefill-only, none reaching max_tokens before the last): blocks as they fill, tokens,
+        `advance`, and the scheduler's finish and free for those that end; their ids."""
         sched, bs = self.sched, self.block_size
+        allocate, advance, sampled = self.pool.allocate, sched.advance, [SAMPLED_TOKEN] * k
         done = []
-        for seq in list(sched.running):
+        for seq in seqs:
             need = -(-(seq.num_computed + k) // bs) - len(seq.block_table)
             if need > 0:
-                seq.block_table.extend(self.pool.allocate(need))
-            seq.token_ids.extend([SAMPLED_TOKEN] * k)
-            sched.advance(seq, k)
-            if seq.num_output_tokens >= seq.params.max_tokens:
+                seq.block_table.extend(allocate(need))
+            seq.token_ids.extend(sampled)
+            advance(seq, k)
+            if len(seq.token_ids) - seq.prompt_len >= seq.params.max_tokens:
                 sched.finish(seq, self._length)
                 sched.free(seq)
                 del self.seqs[seq.request_id]

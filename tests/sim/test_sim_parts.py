@@ -199,3 +199,39 @@ def test_a_prompt_chunk_one_token_short_is_not_taken_for_a_decode_run():
     assert engine.decode_run(1 << 20)[0] < 2
     assert engine.complete(engine.plan()) == [("a", "first")]
     assert engine.decode_run(1 << 20)[0] == 4  # now a pure decode: 4 more tokens
+
+
+def test_a_planned_decode_step_completes_as_the_scheduler_would():
+    """`complete` applies a step in which every entry decodes one token in bulk: the
+    scheduler, the block pool and the block events end as `update_from_output` leaves them,
+    including sequences that complete a block or end at this step."""
+    from pdserve.engine.scheduler import simulated_output
+    from pdserve.sim.engine_model import SAMPLED_TOKEN, EngineModel
+
+    def state(e):
+        seqs = {rid: (s.num_computed, list(s.token_ids), list(s.block_table),
+                      list(s.block_hashes), s.status) for rid, s in e.seqs.items()}
+        return (seqs, list(e.pool.free), dict(e.pool.by_hash), list(e.pool.ref),
+                [s.request_id for s in e.sched.running], e.sched.prompt_tokens_computed)
+
+    engines = [EngineModel(40, 4, 8, 64, 16, record_events=True) for _ in range(2)]
+    for e in engines:
+        for j, (prompt_len, out) in enumerate([(7, 2), (8, 5), (11, 3), (3, 9)]):
+            prompt = list(range(10 * j + 2, 10 * j + 2 + prompt_len))
+            hashes = [bytes([j, b]) for b in range(prompt_len // 4)]
+            assert e.add_prefilled(f"r{j}", prompt, hashes, out)
+    for _ in range(4):  # the first step admits them; "r0" ends at the second
+        steps = [e.plan() for e in engines]
+        assert steps[0].prefill_tokens == 0 and steps[0].decode_batch == len(steps[0].batch.seqs)
+        bulk = engines[0].complete(steps[0])
+        ref_engine, batch = engines[1], steps[1].batch
+        ref = []
+        for out in ref_engine.sched.update_from_output(batch, simulated_output(batch,
+                                                                                SAMPLED_TOKEN)):
+            if out.finished:
+                del ref_engine.seqs[out.request_id]
+                ref.append((out.request_id, "done"))
+        assert bulk == ref
+        assert state(engines[0]) == state(engines[1])
+        assert engines[0].block_events() == engines[1].block_events()
+    assert "r0" not in engines[0].seqs and "r2" not in engines[0].seqs
