@@ -311,7 +311,7 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
         "transformers_version": sys.modules["transformers"].__version__,
         "decode_attention": describe_decode_path(engine.kv.k.dtype, engine.kv.k.device),
         # How each engine multiplies its weights (`Linear.kind`: c, onednn or plain).
-        "linear": engine.model.lm_head.kind, "quantization": s.quantization,
+        "linear": engine.model.lm_head.kind,
         **({"linear_isa": _linear_isa()} if engine.model.lm_head.kind == "c" else {}),
         **({"linear_baseline": onednn.model.lm_head.kind} if s.linear_baseline else {}),
         "wall_s": time.perf_counter() - started,

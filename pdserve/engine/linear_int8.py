@@ -7,7 +7,7 @@ with OpenMP on the `libgomp` torch already loaded), packing the int8 weight into
 panels once, and calling it through ctypes with `torch.get_num_threads()` threads. Activations
 and outputs stay fp32. Where the kernel cannot run (no compiler, neither AVX-512F nor AVX2+FMA)
 `linear` falls back to `torch.ops.aten._weight_int8pack_mm`, which computes the same product but
-was 4 to 50 times slower than the fp32 kernel at decode batch sizes here.
+was 4 to 100 times slower than the fp32 kernel at decode batch sizes here.
 `linear.py` decides when this runs. Must not choose which weights are quantized: `model.py` does.
 """
 

@@ -99,12 +99,13 @@ def test_linear_keeps_fp32_paths_and_refuses_int8_outside_cpu_fp32():
     (dict(quantization="int4"), "--quantization must be one of none, int8"),
 ])
 def test_bad_combinations_fail_naming_the_field(kw, words):
+    from pdserve.bench.decode import DecodeBenchSettings
     from pdserve.controller.cluster_spec import ClusterSpec
     from pdserve.worker.config import WorkerConfig
 
     kw = {"quantization": "int8", **kw}
     for make in (lambda: EngineConfig("m", **kw), lambda: WorkerConfig("m", **kw),
-                 lambda: ClusterSpec("m", **kw)):
+                 lambda: ClusterSpec("m", **kw), lambda: DecodeBenchSettings(**kw)):
         with pytest.raises(ConfigError, match=words.replace("(", r"\(")) as e:
             make()
         assert "quantization" in str(e.value)
