@@ -69,6 +69,20 @@ def test_kernel_equals_the_dequantized_reference(isa, m, n, k):
     assert linear_int8.linear(x[:0], packed).shape == (0, n)
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", _isas())
+def test_a_rows_result_does_not_depend_on_its_batch(isa):
+    """One row alone (one pass over k) and in a batch of 33 (k in slices, partial sums kept in
+    the output) give the same bits: speculative verification and plain decode batch rows
+    differently, and int8 greedy must not depend on that."""
+    torch.manual_seed(2)
+    w, x = torch.randn(100, 300), torch.randn(33, 300)
+    packed = linear_int8.pack(w, isa)
+    batch = linear_int8.linear(x, packed)
+    for i in (0, 8, 32):
+        assert torch.equal(linear_int8.linear(x[i:i + 1], packed)[0], batch[i])
+
+
 def test_torch_fallback_computes_the_same_product():
     torch.manual_seed(1)
     w, x = torch.randn(40, 64), torch.randn(5, 64)
