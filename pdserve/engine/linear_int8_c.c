@@ -4,7 +4,8 @@
  * channel (s[n] = max|W[n,:]| / 127); x and y stay fp32. linear_int8.py packs Q once, at load,
  * into panels of NR output columns, P[ceil(N/NR)][K][NR] int8 (columns past N are zero), and
  * calls li8_linear through ctypes; this file needs only the compiler (AVX-512F or AVX2+FMA
- * intrinsics, OpenMP when the compiler has it), no Python or torch headers.
+ * intrinsics, OpenMP when the compiler has it), no Python or torch headers. It owns the product
+ * only; it must not allocate, quantize or choose weights (linear_int8.py and model.py do).
  *
  * Why: at decode batch sizes a linear layer streams its weights once per step, so a quarter of
  * the bytes is the whole point. The micro-kernel is the fp32 one of linear_c.c with the weight
