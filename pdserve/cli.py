@@ -30,6 +30,8 @@ class Lazy:
 
 BENCHES: dict[str, Lazy] = {
     "decode": Lazy("pdserve.bench.decode", "engine decode/prefill tokens/s vs transformers"),
+    "quant": Lazy("pdserve.bench.quant", "int8 weight-only linear layers vs fp32: greedy "
+                                         "agreement, logprob error, decode speed"),
     "kvstore": Lazy("pdserve.bench.kvstore",
                     "KV store put/get GB/s, batch gets, trace hit rate"),
     "route": Lazy("pdserve.bench.route", "prefix-cache hit rate and TTFT per routing policy on "

@@ -46,6 +46,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="allow more workers than visible GPUs (workers go round-robin over them)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on a GPU, float32 on the CPU")
+    s.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="int8: the workers' projection weights int8 per output channel, "
+                        "activations fp32 (CPU and float32 only; costs some accuracy: "
+                        "`pdserve bench quant`; default none)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=50051, help="router gRPC port")
     s.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP API host")
@@ -184,6 +188,12 @@ def input_problem(args: argparse.Namespace) -> str | None:
             return f"--api-keys-file: {e}"
     if args.admin_keys_file is not None and not os.path.isfile(args.admin_keys_file):
         return f"--admin-keys-file {args.admin_keys_file}: no such file"
+    from pdserve.engine.device import DeviceError, check_quantization
+
+    try:
+        check_quantization(args.quantization, args.device, args.dtype)
+    except DeviceError as e:
+        return str(e)
     if args.backend == "local":
         return device_problem(args)
     return None
@@ -192,11 +202,14 @@ def input_problem(args: argparse.Namespace) -> str | None:
 def device_problem(args: argparse.Namespace) -> str | None:
     """Whether this host's GPUs (listed without torch) can hold the workers `--device` asks
     for; the message names the flag."""
-    from pdserve.engine.device import DeviceError, plan_worker_devices, visible_gpus
+    from pdserve.engine.device import (DeviceError, check_quantization, plan_worker_devices,
+                                       visible_gpus)
 
     try:
-        plan_worker_devices(args.device, args.prefill_workers + args.decode_workers,
-                            visible_gpus(), share=args.share_gpus)
+        devices = plan_worker_devices(args.device, args.prefill_workers + args.decode_workers,
+                                      visible_gpus(), share=args.share_gpus)
+        for device in {args.device, *devices}:
+            check_quantization(args.quantization, device, args.dtype)
     except DeviceError as e:
         return str(e)
     return None
@@ -249,7 +262,8 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
 
     console = Console(stderr=True)
     logctx.configure(logging.INFO)  # supervision's restarts and give-ups go to stderr
-    spec = ClusterSpec(model_path=model, dtype=args.dtype, device=args.device,
+    spec = ClusterSpec(model_path=model, dtype=args.dtype, quantization=args.quantization,
+                       device=args.device,
                        share_gpus=args.share_gpus, host=args.host,
                        router_port=args.port, store_port=args.store_port,
                        http_host=args.http_host, http_port=None if args.no_http else args.http_port,

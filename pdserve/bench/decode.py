@@ -28,8 +28,8 @@ from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: 
 from pdserve.bench.common import emit, number_list
 from pdserve.engine.attention import describe_decode_path
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.device import (DeviceError, device_name, resolve_device, resolve_dtype,
-                                   synchronize)
+from pdserve.engine.device import (DeviceError, check_quantization, device_name, resolve_device,
+                                   resolve_dtype, synchronize)
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.bench.decode_hf import (hf_generate_s, hf_prefill_s, left_pad,  # noqa: F401
@@ -56,6 +56,7 @@ class DecodeBenchSettings:
     # right after each engine run: the C kernel's gain, measured in the same run.
     attention_baseline: bool = False
     linear_baseline: bool = False
+    quantization: str = "none"  # the engine's (`EngineConfig.quantization`); int8: CPU, fp32
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
@@ -65,6 +66,7 @@ class DecodeBenchSettings:
                 raise BenchConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise BenchConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_quantization(self.quantization, self.device, self.dtype)
 
 
 QUICK = DecodeBenchSettings(batch_sizes=(1, 2), prompt_tokens=16, new_tokens=8, prefill_tokens=64,
@@ -139,7 +141,7 @@ def make_engine(model_path: str, s: DecodeBenchSettings) -> LLMEngine:
     per_seq = -(-(s.prompt_tokens + s.new_tokens + 1) // BLOCK_SIZE_TOKENS)
     num_blocks = max(max_b * per_seq, -(-(s.prefill_tokens + 1) // BLOCK_SIZE_TOKENS)) + max_b
     return LLMEngine(EngineConfig(
-        model_path, dtype=s.dtype, device=s.device,
+        model_path, dtype=s.dtype, device=s.device, quantization=s.quantization,
         cache=CacheConfig(block_size_tokens=BLOCK_SIZE_TOKENS, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=max(
             max_b * s.prompt_tokens, s.prefill_tokens))))
@@ -208,14 +210,16 @@ def run_decode_bench(model_path: str, batch_sizes: tuple[int, ...] = (1, 8, 32),
                      prompt_tokens: int = 128, new_tokens: int = 64, prefill_tokens: int = 2048,
                      dtype: str = "float32", repeats: int = 3, progress: bool = True,
                      copy_bytes: int = 512 << 20, attention_baseline: bool = False,
-                     device: str = "cpu", linear_baseline: bool = False) -> dict[str, Any]:
+                     device: str = "cpu", linear_baseline: bool = False,
+                     quantization: str = "none") -> dict[str, Any]:
     """Measure everything once and return the result document (see `summarize`).
 
     Per batch size, each repeat runs engine, `generate(N + 1)`, `generate(1)` back to back, so a
     burst of other work on the machine lands on both sides; repeat 0 is the warm-up and dropped.
     """
     s = DecodeBenchSettings(tuple(batch_sizes), prompt_tokens, new_tokens, prefill_tokens, dtype,
-                            repeats, device, copy_bytes, attention_baseline, linear_baseline)
+                            repeats, device, copy_bytes, attention_baseline, linear_baseline,
+                            quantization)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -341,6 +345,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--linear-baseline", action="store_true",
                         help="also time a second engine whose linear layers run on oneDNN's "
                              "packed weights (PDSERVE_LINEAR=onednn) in the same run")
+    parser.add_argument("--quantization", choices=["none", "int8"], default="none",
+                        help="int8: the engine's projection weights int8 per output channel "
+                             "(CPU, float32 only; default none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
 
@@ -367,7 +374,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_decode_bench(args.model, dtype=resolve_dtype(args.dtype, device),
                                   device=device, progress=not args.no_progress,
                                   attention_baseline=args.attention_baseline,
-                                  linear_baseline=args.linear_baseline, **sizes)
+                                  linear_baseline=args.linear_baseline,
+                                  quantization=args.quantization, **sizes)
     except (BenchConfigError, DeviceError) as e:
         print(f"pdserve bench decode: {e}", file=sys.stderr)
         return 2

@@ -22,13 +22,15 @@ from dataclasses import dataclass
 from pdserve.controller.supervisor import RestartPolicy
 from pdserve.core.errors import ConfigError
 from pdserve.worker.config import CORE_SHARING
-from pdserve.engine.device import parse_device, plan_worker_devices, visible_gpus
+from pdserve.engine.device import (check_quantization, parse_device, plan_worker_devices,
+                                   visible_gpus)
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
     model_path: str
     dtype: str = "auto"  # auto: each worker's device's default (bfloat16 on a GPU)
+    quantization: str = "none"  # every worker's (`WorkerConfig.quantization`): none or int8
     # Where the workers compute (pdserve.engine.device): auto, cpu, cuda or cuda:N. The
     # launcher gives each worker its own visible GPU (`worker_devices`, fixed by `resolved()`);
     # more workers than GPUs needs share_gpus.
@@ -103,6 +105,9 @@ class ClusterSpec:
         if self.worker_devices is not None and len(self.worker_devices) != n:
             raise ConfigError(f"worker_devices: need {n} devices, got {len(self.worker_devices)}")
         parse_device(self.device)  # a bad value raises, naming --device
+        check_quantization(self.quantization, self.device, self.dtype)
+        for device in self.worker_devices or ():
+            check_quantization(self.quantization, device, self.dtype)
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.core_sharing not in CORE_SHARING:

@@ -210,6 +210,7 @@ class LocalCluster:
                     "pdserve.worker", "--role", role, "--model", s.model_path, "--address", addr,
                     "--store-address", self.store_address, "--dtype", s.dtype,
                     "--device", s.worker_devices[i],
+                    *(["--quantization", s.quantization] if s.quantization != "none" else []),
                     "--num-blocks", str(s.num_blocks),
                     "--block-size-tokens", str(s.block_size_tokens),
                     "--max-num-batched-tokens", str(s.max_num_batched_tokens),

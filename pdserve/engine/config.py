@@ -158,11 +158,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len_tokens: int | None = None  # defaults to the model's context length
     spec: SpecConfig | None = None  # speculative decoding; None: off
+    # "none", or "int8": projection weights quantized per output channel, CPU and float32 only
+    # (opt-in; `pdserve bench quant` measures what it costs in accuracy).
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got "
                               f"{self.dtype!r}")
-        from pdserve.engine.device import parse_device
+        from pdserve.engine.device import check_quantization, parse_device
 
         parse_device(self.device)  # a bad value raises here, naming --device
+        check_quantization(self.quantization, self.device, self.dtype)

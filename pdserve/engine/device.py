@@ -2,7 +2,8 @@
 
 Owns the meaning of `--device auto|cpu|cuda|cuda:N` (`resolve_device`), the dtype a device
 defaults to (`default_dtype`, `resolve_dtype`: bfloat16 on a GPU, float32 on the CPU; an
-explicit dtype always wins), finding a host's visible GPUs without torch (`visible_gpus`, from
+explicit dtype always wins), which `--quantization` runs with which device and dtype
+(`check_quantization`: int8 weights on the CPU in float32 only), finding a host's visible GPUs without torch (`visible_gpus`, from
 `CUDA_VISIBLE_DEVICES` and `nvidia-smi -L`), and the pure plan of one device per worker
 (`assign_devices`, `plan_worker_devices`). GPU indexes are always relative to the visible set,
 as CUDA numbers them inside a process that inherits `CUDA_VISIBLE_DEVICES`.
@@ -22,6 +23,7 @@ from pdserve.core.errors import ConfigError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_CHOICES = ("none", "int8")
 
 _DEVICE_RE = re.compile(r"(auto|cpu|cuda)(?::(\d+))?")
 
@@ -83,6 +85,27 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype not in DTYPE_CHOICES:
         raise DeviceError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     return dtype
+
+
+def check_quantization(quantization: str, device: str, dtype: str) -> None:
+    """Raise `DeviceError` naming `--quantization` when it cannot run with `device` and `dtype`.
+
+    int8 (weight-only) has a CPU kernel only, and keeps activations in fp32: it needs the CPU
+    and float32. An unresolved "auto" passes here; the engine checks again once it resolved
+    them, so `auto` on a GPU host fails at load, not as wrong numbers.
+    """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise DeviceError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                          f"got {quantization!r}")
+    if quantization == "none":
+        return
+    kind, _ = parse_device(device)
+    if kind not in ("cpu", "auto"):
+        raise DeviceError(f"--quantization {quantization} runs on the CPU only, got --device "
+                          f"{device} (use --device cpu)")
+    if dtype not in ("", "auto", "float32"):
+        raise DeviceError(f"--quantization {quantization} needs --dtype float32 (activations "
+                          f"stay fp32), got --dtype {dtype}")
 
 
 # ---- GPUs of this host, without torch ---------------------------------------------------------

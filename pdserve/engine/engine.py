@@ -36,7 +36,7 @@ from pdserve.core.block_hash import hash_block
 from pdserve.engine.attention import SHORT_SPAN, PagedKVCache, build_attention_metadata
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.device import check_quantization, resolve_device, resolve_dtype
 from pdserve.engine.loader import load_checkpoint
 from pdserve.engine.model import LlamaModel, StepInput
 from pdserve.engine.request_check import check_request, check_resume
@@ -80,12 +80,14 @@ class LLMEngine:
         device = resolve_device(cfg.device)
         self.cfg = cfg = dataclasses.replace(cfg, device=device,
                                              dtype=resolve_dtype(cfg.dtype, device))
+        check_quantization(cfg.quantization, cfg.device, cfg.dtype)  # as resolved
         dtype = DTYPES[cfg.dtype]
         if weights is None:
             model_config, weights = load_checkpoint(cfg.model_path, dtype)
         assert model_config is not None
         self.model_config = model_config
-        self.model = LlamaModel(model_config, weights, dtype=dtype, device=cfg.device)
+        self.model = LlamaModel(model_config, weights, dtype=dtype, device=cfg.device,
+                                quantization=cfg.quantization)
         del weights
         self.tokenizer = tokenizer
         self.max_model_len = min(cfg.max_model_len_tokens or model_config.max_position_embeddings,

@@ -11,6 +11,9 @@ Elsewhere (CUDA, fp16, no oneDNN) it is `F.linear` unchanged.
 `PDSERVE_LINEAR` picks a path: `c`, `onednn` or `reference` (plain `F.linear`); unset or `auto`
 means the C kernel where it runs, else oneDNN where it can pack, else plain. The paths differ
 only in summation order (about 1e-6 relative in fp32).
+`quantization="int8"` (opt-in, CPU fp32 only) quantizes the weight once, here, to int8 per
+output channel and multiplies through `linear_int8.py`: a quarter of the weight bytes, at a
+cost in accuracy that `pdserve bench quant` measures. It never changes the fp32 paths.
 """
 
 from __future__ import annotations
@@ -61,12 +64,24 @@ class Linear:
     """y = x @ W.T + b, with W packed once when the platform allows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 pack: bool | None = None) -> None:
+                 pack: bool | None = None, quantization: str = "none") -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.nbytes = weight.numel() * weight.element_size()
         self.kind = "plain"
-        if pack is not False and c_kernel_available(weight.dtype, weight.device):
+        if quantization == "int8":
+            from pdserve.engine import linear_int8
+
+            if not (weight.device.type == "cpu" and weight.dtype == torch.float32):
+                raise ValueError(f"int8 linear layers need an fp32 weight on the CPU, got "
+                                 f"{weight.dtype} on {weight.device}")
+            self.kind = "int8"
+            self.weight = linear_int8.pack(weight)
+            self.nbytes = self.weight.nbytes
+            self._int8_linear = linear_int8.linear
+        elif quantization != "none":
+            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
+        elif pack is not False and c_kernel_available(weight.dtype, weight.device):
             from pdserve.engine import linear_cpu
 
             self.kind = "c"
@@ -83,6 +98,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "c":
             return self._c_linear(x, self.weight, self.out_features, self.bias)
+        if self.kind == "int8":
+            return self._int8_linear(x, self.weight, self.bias)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

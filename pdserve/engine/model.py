@@ -7,6 +7,10 @@ batch (`StepInput`) and gets hidden states back; `compute_logits` turns chosen r
 Weights are fused at load time (q/k/v into one matrix, gate/up into one) so a decode step issues
 few large matmuls: at batch 1 the step is bound by reading the weights, and every extra op is
 pure Python overhead on top.
+
+`quantization="int8"` (opt-in) makes the projection linears (q/k/v, o, gate/up, down) int8
+weight-only (`linear_int8.py`); the embedding table and the LM head stay fp32 (see
+`QUANTIZE_LM_HEAD`), as do the norms and every activation.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ import torch.nn.functional as F
 from pdserve.engine.attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.linear import Linear
+
+# Whether int8 mode quantizes the LM head too. Measured on SmolLM2-135M (16 held-out prompts,
+# 32 greedy tokens, 2 threads): the int8 head took the mean KL to fp32 from 0.0035 to 0.0043 and
+# teacher-forced top-1 agreement from 97.9% to 97.5%, for batch-1 decode at 1.83x fp32's
+# speed instead of 1.52x. It is the tied embedding (a second, int8 copy) and sets the logits
+# directly, so it stays fp32.
+QUANTIZE_LM_HEAD = False
 
 
 @dataclass
@@ -64,8 +75,9 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 pack_weights: bool | None = None) -> None:
+                 pack_weights: bool | None = None, quantization: str = "none") -> None:
         self.cfg = cfg
+        self.quantization = quantization
         self.dtype = dtype
         self.device = torch.device(device)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
@@ -73,8 +85,10 @@ class LlamaModel:
         self.norm = w["model.norm.weight"]
         # The unpacked head, kept for drafters that reuse a slice of its rows (tied: the embedding).
         self.lm_head_weight = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head = Linear(self.lm_head_weight, pack=pack_weights)
-        self.layers = [self._fuse_layer(w, i, pack_weights) for i in range(cfg.num_hidden_layers)]
+        self.lm_head = Linear(self.lm_head_weight, pack=pack_weights,
+                              quantization=quantization if QUANTIZE_LM_HEAD else "none")
+        self.layers = [self._fuse_layer(w, i, pack_weights, quantization)
+                       for i in range(cfg.num_hidden_layers)]
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         inv_freq = _rope_inv_freq(cfg)
@@ -90,7 +104,8 @@ class LlamaModel:
         self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     @staticmethod
-    def _fuse_layer(w: dict[str, torch.Tensor], i: int, pack: bool | None) -> dict:
+    def _fuse_layer(w: dict[str, torch.Tensor], i: int, pack: bool | None,
+                    quantization: str = "none") -> dict:
         p = f"model.layers.{i}."
         qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
                          w[p + "self_attn.v_proj.weight"]], dim=0).contiguous()
@@ -103,12 +118,12 @@ class LlamaModel:
         return {
             "in_norm": w[p + "input_layernorm.weight"],
             "post_norm": w[p + "post_attention_layernorm.weight"],
-            "qkv": Linear(qkv, bias, pack=pack),
+            "qkv": Linear(qkv, bias, pack=pack, quantization=quantization),
             "q_norm": w.get(p + "self_attn.q_norm.weight"),
             "k_norm": w.get(p + "self_attn.k_norm.weight"),
-            "o": Linear(w[p + "self_attn.o_proj.weight"], pack=pack),
-            "gate_up": Linear(gate_up, pack=pack),
-            "down": Linear(w[p + "mlp.down_proj.weight"], pack=pack),
+            "o": Linear(w[p + "self_attn.o_proj.weight"], pack=pack, quantization=quantization),
+            "gate_up": Linear(gate_up, pack=pack, quantization=quantization),
+            "down": Linear(w[p + "mlp.down_proj.weight"], pack=pack, quantization=quantization),
         }
 
     def weight_bytes(self) -> int:

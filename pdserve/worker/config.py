@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.config import SPEC_METHODS, ConfigError
-from pdserve.engine.device import DTYPE_CHOICES, parse_device
+from pdserve.engine.device import DTYPE_CHOICES, check_quantization, parse_device
 from pdserve.kvstore import config as store_config
 from pdserve.kvstore.channel import check_cluster_id
 
@@ -36,6 +36,9 @@ class WorkerConfig:
     # within CUDA_VISIBLE_DEVICES; the launcher gives each worker of a host its own GPU).
     device: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU
+    # "none", or "int8": projection weights int8 per output channel (CPU and float32 only;
+    # opt-in, `pdserve bench quant` measures its accuracy). Part of the model id its KV carries.
+    quantization: str = "none"
     block_size_tokens: int = 16
     num_blocks: int = 1024
     max_num_seqs: int = 64
@@ -97,6 +100,7 @@ class WorkerConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got "
                               f"{self.dtype!r}")
         parse_device(self.device)  # a bad value raises, naming --device
+        check_quantization(self.quantization, self.device, self.dtype)
         if self.store_kind not in ("distributed", "simple"):
             raise ConfigError(f"store_kind must be 'distributed' or 'simple', got {self.store_kind!r}")
         if self.store_replicas < 1:

@@ -41,10 +41,11 @@ from pdserve.worker.service import WorkerService
 log = logging.getLogger(__name__)
 
 
-def model_id_for(model_path: str, dtype: str, name: str | None = None) -> str:
-    """The id KV keys carry: blocks of different weights or dtypes never mix."""
+def model_id_for(model_path: str, dtype: str, name: str | None = None,
+                 quantization: str = "none") -> str:
+    """The id KV keys carry: blocks of different weights, dtypes or quantizations never mix."""
     base = name or os.path.basename(os.path.normpath(model_path))
-    return f"{base}@{dtype}"
+    return f"{base}@{dtype}" + ("" if quantization == "none" else f"+{quantization}")
 
 
 def step_token_budget(cfg: WorkerConfig) -> int:
@@ -62,6 +63,7 @@ def step_token_budget(cfg: WorkerConfig) -> int:
 def build_engine(cfg: WorkerConfig) -> LLMEngine:
     engine = LLMEngine(EngineConfig(
         model_path=cfg.model_path, dtype=cfg.dtype, device=cfg.device,
+        quantization=cfg.quantization,
         cache=CacheConfig(block_size_tokens=cfg.block_size_tokens, num_blocks=cfg.num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=step_token_budget(cfg),
@@ -139,7 +141,7 @@ def run(cfg: WorkerConfig) -> int:
     engine = build_engine(cfg)
     loop = EngineLoop(engine, threads=lent_threads(cfg, engine)).start()
     # The dtype the engine resolved (auto: by device): KV of different dtypes never mixes.
-    model_id = model_id_for(cfg.model_path, engine.cfg.dtype, cfg.model_name)
+    model_id = model_id_for(cfg.model_path, engine.cfg.dtype, cfg.model_name, cfg.quantization)
     role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
     sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
               if cfg.progressive_kv else None)

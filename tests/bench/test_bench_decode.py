@@ -38,7 +38,7 @@ def test_quick_json_document(tiny_llama_dir: str, tmp_path, capsys) -> None:
     q = bench.QUICK
     assert doc["bench"] == "decode"
     assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["torch_threads"] >= 1
-    assert doc["model"] == {"path": tiny_llama_dir, "dtype": "float32",
+    assert doc["model"] == {"path": tiny_llama_dir, "dtype": "float32", "quantization": "none",
                             "weight_bytes": doc["model"]["weight_bytes"]}
     assert _positive(doc["model"]["weight_bytes"])
     st = doc["settings"]

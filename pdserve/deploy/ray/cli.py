@@ -62,7 +62,8 @@ def ray_spec(args: argparse.Namespace, model_path: str, spec_args: dict):
             raise ValueError(f"{flag} is not used with --backend ray: processes bind their Ray "
                              f"node's IP on free ports there, and log under --ray-dir")
     cluster = ClusterSpec(
-        model_path=model_path, dtype=args.dtype, router_port=args.port,
+        model_path=model_path, dtype=args.dtype, quantization=args.quantization,
+        router_port=args.port,
         http_port=None if args.no_http else args.http_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         num_blocks=args.num_blocks, ready_timeout_s=args.ready_timeout_s,

@@ -177,6 +177,7 @@ def worker_args(spec: RaySpec, role: str, address: str, ray_node_id: str, store:
     return ["worker", "--role", role, "--model", s.model_path, "--address", address,
             "--advertise-address", address, "--host-id", ray_node_id, "--store-address", store,
             "--dtype", s.dtype, "--num-blocks", str(s.num_blocks),
+            *(["--quantization", s.quantization] if s.quantization != "none" else []),
             "--block-size-tokens", str(s.block_size_tokens),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--threads", str(spec.worker_threads()), "--metrics-port", str(metrics_port),
