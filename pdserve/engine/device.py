@@ -3,10 +3,11 @@
 Owns the meaning of `--device auto|cpu|cuda|cuda:N` (`resolve_device`), the dtype a device
 defaults to (`default_dtype`, `resolve_dtype`: bfloat16 on a GPU, float32 on the CPU; an
 explicit dtype always wins), which `--quantization` runs with which device and dtype
-(`check_quantization`: int8 weights on the CPU in float32 only), finding a host's visible GPUs without torch (`visible_gpus`, from
-`CUDA_VISIBLE_DEVICES` and `nvidia-smi -L`), and the pure plan of one device per worker
-(`assign_devices`, `plan_worker_devices`). GPU indexes are always relative to the visible set,
-as CUDA numbers them inside a process that inherits `CUDA_VISIBLE_DEVICES`.
+(`check_quantization`: int8 weights on the CPU in float32 only), finding a host's visible GPUs
+without torch (`visible_gpus`, from `CUDA_VISIBLE_DEVICES` and `nvidia-smi -L`), and the pure
+plan of one device per worker (`assign_devices`, `plan_worker_devices`). GPU indexes are always
+relative to the visible set, as CUDA numbers them inside a process that inherits
+`CUDA_VISIBLE_DEVICES`.
 
 Torch is imported only inside `resolve_device` (`cuda_available`), so the launcher and the
 `serve` command import this module without it. Must not allocate on a device or load a model.
