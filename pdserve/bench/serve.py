@@ -44,6 +44,7 @@ class ServeBenchSettings:
     prefill_workers: int = 1
     decode_workers: int = 1
     threads_per_worker: int | None = None  # None: this machine's cores split evenly
+    quantization: str = "none"  # the workers' and the ceiling's (`pdserve serve --quantization`)
     share_cores: bool = True  # the workers lend each other idle cores, as `pdserve serve`
     core_sharing: str = "lend"  # how: `pdserve serve --core-sharing`
     decode_streams: str = "shared"  # the router's `--decode-streams`
@@ -69,6 +70,12 @@ class ServeBenchSettings:
             raise ValueError(f"--concurrency must be positive integers, got {self.concurrency}")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise ValueError(f"--threads-per-worker must be >= 1, got {self.threads_per_worker}")
+        from pdserve.engine.device import DeviceError, check_quantization
+
+        try:  # the cluster and the ceiling run on the CPU in float32
+            check_quantization(self.quantization, "cpu", "float32")
+        except DeviceError as e:
+            raise ValueError(str(e)) from None
         if not 0 < self.min_prompt_chars <= self.max_prompt_chars:
             raise ValueError("--min-prompt-chars must be > 0 and <= --max-prompt-chars")
         for flag, path in (("--vllm-python", self.vllm_python),
@@ -141,7 +148,8 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
     from pdserve.controller.cluster_spec import free_ports
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
 
-    spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
+    spec = ClusterSpec(model_path=model, quantization=s.quantization,
+                       router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=s.prefill_workers, decode_workers=s.decode_workers,
                        threads_per_worker=s.threads_per_worker, share_cores=s.share_cores,
                        core_sharing=s.core_sharing,
@@ -171,7 +179,8 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        "core_sharing": spec.core_sharing,
                        "decode_streams": s.decode_streams,
                        "max_threads": spec.worker_max_threads(),
-                       "controller": spec.controller, "dtype": spec.dtype},
+                       "controller": spec.controller, "dtype": spec.dtype,
+                       "quantization": spec.quantization},
             "levels": lv}
 
 
@@ -280,7 +289,8 @@ def run_bench(s: ServeBenchSettings, out_dir: str | None, ui: Ui) -> dict[str, A
     threads = pd["config"]["max_threads"]
     batches = sorted({lv["batch_size"] for lv in pd["levels"]})
     engine = engine_ceiling(model, {b: ids[:b] for b in batches}, s.max_tokens, threads,
-                            repeats=s.ceiling_repeats, progress=lambda what: ui(what, 0, 1))
+                            repeats=s.ceiling_repeats, quantization=s.quantization,
+                            progress=lambda what: ui(what, 0, 1))
     baselines = {}
     for kind, python in (("vllm", s.vllm_python), ("llamacpp", s.llamacpp_python)):
         if python:
@@ -289,7 +299,9 @@ def run_bench(s: ServeBenchSettings, out_dir: str | None, ui: Ui) -> dict[str, A
     by_batch = {e["batch_size"]: e for e in engine["levels"]}
     lengths = [len(p) for p in ids]
     return {
-        "bench": "serve", "model": os.path.basename(model.rstrip("/")), "model_path": model,
+        "bench": "serve", "model": os.path.basename(model.rstrip("/")) + (
+            "" if s.quantization == "none" else f" ({s.quantization} weights)"),
+        "model_path": model,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "python": platform.python_version(), "loadavg_1m_start": load_start,
                     "loadavg_1m_end": os.getloadavg()[0]},
@@ -333,6 +345,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--threads-per-worker", type=int, default=None,
                    help="compute threads per worker (default: the cores split evenly, as "
                         "`pdserve serve`); the engine ceiling uses the same count")
+    p.add_argument("--quantization", choices=("none", "int8"), default=d.quantization,
+                   help="the workers' weights (`pdserve serve --quantization`); the engine "
+                        "ceiling uses the same")
     p.add_argument("--no-share-cores", action="store_true",
                    help="workers keep their own threads: no cores lent while another idles "
                         "(`pdserve serve --no-share-cores`)")
@@ -364,8 +379,8 @@ def settings_from(args: argparse.Namespace) -> ServeBenchSettings:
         max_tokens=args.max_tokens, max_prompt_chars=args.max_prompt_chars, seed=args.seed,
         trace=args.trace, token_scale=args.token_scale, speedup=args.speedup,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-        threads_per_worker=args.threads_per_worker, share_cores=not args.no_share_cores,
-        core_sharing=args.core_sharing, decode_streams=args.decode_streams,
+        threads_per_worker=args.threads_per_worker, quantization=args.quantization,
+        share_cores=not args.no_share_cores, core_sharing=args.core_sharing, decode_streams=args.decode_streams,
         controller=not args.no_controller,
         max_predicted_ttft_s=args.max_predicted_ttft_s, ceiling_repeats=args.ceiling_repeats,
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python,

@@ -28,6 +28,7 @@ from pdserve.bench.serve_summary import engine_rate
 
 def engine_ceiling(model_path: str, prompts: dict[int, Sequence[Sequence[int]]], new_tokens: int,
                    threads: int, dtype: str = "float32", repeats: int = 2,
+                   quantization: str = "none",
                    progress: Callable[[str], None] = lambda what: None) -> dict[str, Any]:
     """The engine's decode tokens/s per batch size (batch b runs `prompts[b]`, b prompts) with
     `threads` torch threads: a warm-up run, then the median of `repeats` timed runs."""
@@ -38,7 +39,7 @@ def engine_ceiling(model_path: str, prompts: dict[int, Sequence[Sequence[int]]],
     longest = max(len(p) for ps in prompts.values() for p in ps)
     s = DecodeBenchSettings(batch_sizes=tuple(sorted(prompts)), prompt_tokens=longest,
                             new_tokens=new_tokens, prefill_tokens=longest, dtype=dtype,
-                            repeats=repeats)
+                            quantization=quantization, repeats=repeats)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -57,7 +58,8 @@ def engine_ceiling(model_path: str, prompts: dict[int, Sequence[Sequence[int]]],
             rows.append(engine_rate(b, new_tokens, times))
     finally:
         torch.set_num_threads(before)
-    return {"threads": threads, "dtype": dtype, "new_tokens": new_tokens,
+    return {"threads": threads, "dtype": dtype, "quantization": quantization,
+            "new_tokens": new_tokens,
             "repeats": repeats, "levels": rows}
 
 

@@ -84,6 +84,7 @@ def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
     (["--max-tokens", "0"], "--max-tokens"),
     (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
     (["--vllm-python", "/nonexistent/python"], "--vllm-python"),
+    (["--quantization", "int4"], "--quantization"),
 ])
 def test_bench_serve_bad_flag_names_it(flags, message):
     out = subprocess.run([*BENCH, *flags], capture_output=True, text=True, timeout=120,
