@@ -6,7 +6,10 @@ anew) and the build itself: `$CC` (default gcc) writes a temp file that is `os.r
 place, so concurrent processes never load a half-written library. Failures raise the caller's
 error type with the caller's name for the library (no compiler, a compile error), so each
 backend says in its own words why it falls back.
-Must not load or call the library: each backend (`kvcodec_cpu`, `paged_attn_cpu`) does.
+`load` opens a library and checks its ABI; `load_first` tries a backend's flag sets in turn
+and asks the library whether this CPU can run it (the linear kernels' shared start-up).
+Must not call a library's compute functions or declare their signatures: each backend
+(`kvcodec_cpu`, `paged_attn_cpu`, `linear_cpu`, `linear_int8`) does.
 """
 
 from __future__ import annotations
@@ -84,3 +87,25 @@ def load(source: Path, flags: tuple[str, ...], kind: str, what: str, error: type
         raise error(f"{what}: {path} has ABI {got}, want {abi}")
     return lib
 
+
+def load_first(source: Path, flag_sets: tuple[tuple[str, ...], ...], kind: str, what: str,
+               error: type[Exception], no_compiler: type[Exception], abi_symbol: str, abi: int,
+               supported_symbol: str):
+    """The library of `source` built with the first of `flag_sets` that builds and loads
+    (`load`), if its `supported_symbol()` says this CPU can run it: (library, None), else
+    (None, every reason, one per flag set tried). No compiler ends the search at once."""
+    errors: list[str] = []
+    for flags in flag_sets:
+        try:
+            lib = load(source, flags, kind, what, error, no_compiler, abi_symbol, abi)
+        except no_compiler as exc:
+            errors.append(str(exc))
+            break
+        except (error, OSError) as exc:
+            errors.append(str(exc))
+            continue
+        if not getattr(lib, supported_symbol)():
+            errors.append(f"{what}: this CPU has neither AVX-512F nor AVX2 with FMA")
+            break
+        return lib, None
+    return None, "; ".join(errors) or f"{what}: unavailable"

@@ -41,11 +41,6 @@ class _NoCompiler(KernelUnavailable):
     """No C compiler: other flag sets will not help either."""
 
 
-def _open(flags: tuple[str, ...]) -> ctypes.CDLL:
-    return cbuild.load(SOURCE, flags, "linear", _WHAT, KernelUnavailable, _NoCompiler,
-                       "lc_abi", ABI)
-
-
 def _load() -> ctypes.CDLL | None:
     global _lib, _error
     if _lib is not None or _error is not None:
@@ -53,26 +48,14 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is not None or _error is not None:
             return _lib
-        errors = []
-        for flags in FLAG_SETS:
-            try:
-                lib = _open(flags)
-            except _NoCompiler as exc:
-                errors.append(str(exc))
-                break
-            except (KernelUnavailable, OSError) as exc:
-                errors.append(str(exc))
-                continue
-            if not lib.lc_supported():
-                errors.append(f"{_WHAT}: this CPU has neither AVX-512F nor AVX2 with FMA")
-                break
+        lib, _error = cbuild.load_first(SOURCE, FLAG_SETS, "linear", _WHAT, KernelUnavailable,
+                                        _NoCompiler, "lc_abi", ABI, "lc_supported")
+        if lib is not None:
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             lib.sg_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
             lib.sg_linear.restype = ctypes.c_int
             _lib = lib
-            return lib
-        _error = "; ".join(errors) or f"{_WHAT}: unavailable"
-        return None
+        return lib
 
 
 def available() -> bool:

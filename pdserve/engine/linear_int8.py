@@ -63,28 +63,16 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is not None or _error is not None:
             return _lib
-        errors = []
-        for flags in FLAG_SETS:
-            try:
-                lib = cbuild.load(SOURCE, flags, "linear_int8", _WHAT, KernelUnavailable,
-                                  _NoCompiler, "li8_abi", ABI)
-            except _NoCompiler as exc:
-                errors.append(str(exc))
-                break
-            except (KernelUnavailable, OSError) as exc:
-                errors.append(str(exc))
-                continue
-            if not lib.li8_supported():
-                errors.append(f"{_WHAT}: this CPU has neither AVX-512F nor AVX2 with FMA")
-                break
+        lib, _error = cbuild.load_first(SOURCE, FLAG_SETS, "linear_int8", _WHAT,
+                                        KernelUnavailable, _NoCompiler, "li8_abi", ABI,
+                                        "li8_supported")
+        if lib is not None:
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             lib.li8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int,
                                        ctypes.c_int]
             lib.li8_linear.restype = ctypes.c_int
             _lib = lib
-            return lib
-        _error = "; ".join(errors) or f"{_WHAT}: unavailable"
-        return None
+        return lib
 
 
 def available() -> bool:

@@ -9,6 +9,9 @@ a dtype other than float32 must fail naming the field. Speed is never asserted.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -183,3 +186,31 @@ def test_int8_engine_follows_fp32_greedy(engines, chat_prompts):
     top1 = [t for d in tf for t in d["top1"]]
     assert sum(top1) / len(top1) >= 0.9  # measured 1.0
     assert max(k for d in tf for k in d["kl"]) < 0.1  # measured 0.014
+
+
+def test_without_a_compiler_int8_says_why_and_runs_on_the_fallback(tmp_path):
+    """No C compiler: the kernel is unavailable with the compiler named, and an int8 layer
+    still computes the dequantized product through the torch fallback, with a warning."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch\n"
+        "from pdserve.engine import linear_int8\n"
+        "from pdserve.engine.linear import Linear\n"
+        "assert not linear_int8.available()\n"
+        "print(linear_int8.unavailable_reason())\n"
+        "torch.manual_seed(0); w, x = torch.randn(24, 40), torch.randn(3, 40)\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    y = Linear(w, quantization='int8')(x)\n"
+        "q, s = linear_int8.quantize(w)\n"
+        "ref = x @ linear_int8.dequantize(q, s).T\n"
+        "assert (y - ref).abs().max() <= 1e-5 * ref.abs().max(), (y - ref).abs().max()\n"
+        "assert any('much slower' in str(m.message) for m in seen)\n")
+    env = {**os.environ, "CC": "/nonexistent-cc", "PDSERVE_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "C compiler '/nonexistent-cc' not found" in out.stdout
