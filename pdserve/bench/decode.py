@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
-from pdserve.bench.common import emit, number_list
+from pdserve.bench.common import emit, number_list, threads_problem, torch_threads
 from pdserve.engine.attention import describe_decode_path
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.device import (DeviceError, check_quantization, device_name, resolve_device,
@@ -356,13 +356,10 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         from pdserve.engine.loader import default_model_path
         args.model = default_model_path()
-    if args.threads is not None and args.threads <= 0:
-        print(f"pdserve bench decode: --threads must be positive, got {args.threads}",
-              file=sys.stderr)
+    problem = threads_problem("pdserve bench decode", args.threads)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     q = QUICK
     sizes = dict(batch_sizes=q.batch_sizes, prompt_tokens=q.prompt_tokens,
                  new_tokens=q.new_tokens, prefill_tokens=q.prefill_tokens, repeats=q.repeats,
@@ -370,17 +367,16 @@ def run(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_sizes, prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens, prefill_tokens=args.prefill_tokens, repeats=args.repeats)
     try:
-        device = resolve_device(args.device)
-        result = run_decode_bench(args.model, dtype=resolve_dtype(args.dtype, device),
-                                  device=device, progress=not args.no_progress,
-                                  attention_baseline=args.attention_baseline,
-                                  linear_baseline=args.linear_baseline,
-                                  quantization=args.quantization, **sizes)
+        with torch_threads(args.threads):
+            device = resolve_device(args.device)
+            result = run_decode_bench(args.model, dtype=resolve_dtype(args.dtype, device),
+                                      device=device, progress=not args.no_progress,
+                                      attention_baseline=args.attention_baseline,
+                                      linear_baseline=args.linear_baseline,
+                                      quantization=args.quantization, **sizes)
     except (BenchConfigError, DeviceError) as e:
         print(f"pdserve bench decode: {e}", file=sys.stderr)
         return 2
-    finally:
-        torch.set_num_threads(threads)  # in-process callers (tests) get their setting back
     return emit(result, json_out=args.json, out_dir=args.out, write_outputs=write_outputs,
                 print_tables=print_table)
 

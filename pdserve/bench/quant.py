@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.common import emit, number_list
+from pdserve.bench.common import emit, number_list, threads_problem, torch_threads
 from pdserve.core.errors import ConfigError as BenchConfigError
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.device import QUANTIZATION_CHOICES
@@ -277,24 +277,20 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         from pdserve.engine.loader import default_model_path
         args.model = default_model_path()
-    if args.threads is not None and args.threads <= 0:
-        print(f"pdserve bench quant: --threads must be positive, got {args.threads}",
-              file=sys.stderr)
+    problem = threads_problem("pdserve bench quant", args.threads)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     try:
         s = QUICK if args.quick else QuantBenchSettings(
             args.quantization, args.prompts, args.new_tokens, args.max_prompt_tokens,
             tuple(args.agree_at), tuple(args.batch_sizes), QuantBenchSettings.speed_prompt_tokens,
             args.speed_new_tokens, args.repeats)
-        result = run_quant_bench(args.model, s, progress=not args.no_progress)
+        with torch_threads(args.threads):
+            result = run_quant_bench(args.model, s, progress=not args.no_progress)
     except BenchConfigError as e:
         print(f"pdserve bench quant: {e}", file=sys.stderr)
         return 2
-    finally:
-        torch.set_num_threads(threads)
     return emit(result, json_out=args.json, out_dir=args.out, write_outputs=write_outputs,
                 print_tables=print_table)
 

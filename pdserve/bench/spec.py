@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
-from pdserve.bench.common import emit, number_list
+from pdserve.bench.common import emit, number_list, threads_problem, torch_threads
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -397,24 +397,21 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     if args.model is None:
         from pdserve.engine.loader import default_model_path
         args.model = default_model_path()
-    if args.threads is not None and args.threads <= 0:
-        print(f"pdserve bench spec: --threads must be positive, got {args.threads}", file=sys.stderr)
+    problem = threads_problem("pdserve bench spec", args.threads)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     sizes = QUICK if args.quick else dict(
         batch_sizes=args.batch_sizes, gamma=args.gamma, max_tokens=args.max_tokens,
         num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens)
-    threads = torch.get_num_threads()
     try:
         s = SpecBenchSettings(methods=args.methods, schedule=args.schedule,
                               repeats=1 if args.quick else args.repeats, **sizes)
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        result = run_spec_bench_doc(args.model, s, progress=not args.no_progress)
+        with torch_threads(args.threads):
+            result = run_spec_bench_doc(args.model, s, progress=not args.no_progress)
     except BenchConfigError as e:
         print(f"pdserve bench spec: {e}", file=sys.stderr)
         return 2
-    finally:
-        torch.set_num_threads(threads)  # in-process callers (tests) get their setting back
     emit(result, json_out=args.json, out_dir=args.out, write_outputs=spec_report.write_outputs,
          print_tables=spec_report.print_tables)
     return 0 if result["all_exact"] and not result["errors"] else 1
