@@ -110,23 +110,12 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
             raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
-        out = []
-        pop, block_hash, ref = self.free.popitem, self.block_hash, self.ref  # per block: local
-        for _ in range(n):
-            bid = pop(last=False)[0]
-            old = block_hash[bid]
-            if old is not None:
-                # Evict the least recently released cached block.
-                del self.by_hash[old]
-                block_hash[bid] = None
-                self.evictions += 1
-                self.events.append(REMOVED, old)
-            ref[bid] = 1
-            out.append(bid)
-        return out
+        one = self.allocate_one
+        return [one() for _ in range(n)]
 
     def allocate_one(self) -> int:
-        """`allocate(1)[0]`, for callers placing blocks one at a time."""
+        """One block, held once: a plain free block, else the least recently released cached
+        one, evicted (its hash leaves the index: a "removed" event)."""
         if not self.free:
             raise NoFreeBlocksError("need 1 block, 0 free")
         bid = self.free.popitem(last=False)[0]

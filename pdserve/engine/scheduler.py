@@ -89,9 +89,8 @@ class Scheduler:
         full = seq.prompt_len // self.block_size
         writes: list[tuple[int, int]] = []
         pool = self.pool
-        lookup, take, allocate, register = (pool.by_hash.get, pool.take_cached,
-                                            pool.allocate_one, pool.register)  # bound once
-        free = pool.free
+        lookup, take, allocate, register = (pool.lookup, pool.take_cached, pool.allocate_one,
+                                            pool.register)  # per block: bound once
         cache = self.enable_prefix_caching and not approximate
         table, hashes = seq.block_table, seq.block_hashes
         for i, (h, data) in enumerate(zip(block_hashes, has_data)):
@@ -99,7 +98,7 @@ class Scheduler:
             bid = lookup(h) if is_full else None
             if bid is not None:
                 take(bid)
-            elif data and free:
+            elif data and pool.num_free > 0:
                 bid = allocate()
                 writes.append((i, bid))
                 if is_full and cache:
