@@ -103,8 +103,8 @@ MISSING = {
                         "(the messages carry no send time): this hop is the router's mean "
                         "inter-token gap minus the engine's mean decode step",
     "router_to_client": "the router's HTTP layer keeps no metric (its ITL histogram is "
-                        "observed in the gRPC service, before the loopback call to the HTTP "
-                        "layer): this hop is the client's mean TPOT minus the router's mean "
+                        "observed in the gRPC service, before the HTTP layer renders its "
+                        "chunk): this hop is the client's mean TPOT minus the router's mean "
                         "inter-token gap",
 }
 

@@ -135,8 +135,9 @@ class RouterConfig:
     def _derive_bounds(self) -> None:
         """Fill in the bounds left None and check that admission refuses before any of them:
         rpc_threads >= max_in_flight + MIN_SPARE_THREADS, http_max_connections >= the same,
-        and max_concurrent_rpcs >= rpc_threads + http_max_connections (each HTTP request is one
-        loopback gRPC call). Then every refusal under overload is the router's own, with its
+        and max_concurrent_rpcs >= rpc_threads + http_max_connections (gRPC clients get room
+        for as many calls as HTTP has connections; HTTP requests run the same servicer in
+        process, on a pool of rpc_threads threads of their own). Then every refusal under overload is the router's own, with its
         retry hint, and the bounds past it only stop what admission could not answer."""
         n = self.max_in_flight
         burst = max(8 * n, MIN_BURST)

@@ -5,11 +5,13 @@ Owns the HTTP side: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/com
 JSON body saying why, from the router's own `health` when given), request bodies capped in
 size, and every error in OpenAI's shape (404 for unknown routes and models, 413 for oversized
 bodies, the gRPC status mapped otherwise: see `openai_schema.error_from_status`; a 503 carries
-`Retry-After` as a 429 does, and a loopback call that timed out waiting for a worker is a 503,
-not a gateway's 504).
-Each request is one call of the router's own gRPC `Generate` over loopback, so HTTP and gRPC
-clients get the same validation, routing and tokens; a client that goes away cancels that call,
-which cancels the decode on the worker and frees the request's KV.
+`Retry-After` as a 429 does, and a call that timed out waiting for a worker is a 503, not a
+gateway's 504).
+Each request is one call of the router's own gRPC `Generate`: in process when the router serves
+both (`LocalGeneration`: the servicer on a thread, no loopback stream to serialize every token
+into), over loopback gRPC otherwise; so HTTP and gRPC clients get the same validation, routing
+and tokens. A client that goes away cancels that call, which cancels the decode on the worker
+and frees the request's KV.
 With API keys configured, every `/v1` route (models included, unknown ones too) needs a known
 key before anything else is done, as vLLM's `--api-key`; `/health` and `/metrics` stay open.
 The gRPC service still decides the request's tenant from the key passed on.
@@ -45,6 +47,7 @@ from pdserve import rpc
 from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.router.auth import ApiKeys, AuthError
+from pdserve.router.local_call import LocalGeneration
 from pdserve.router.openai_format import Renderer, token_texts
 from pdserve.router.openai_schema import (ApiRequest, OpenAIError, bad, error_from_status,
                                           model_not_found, parse_chat, parse_completion,
@@ -134,7 +137,8 @@ async def _disconnected(request: Request) -> None:
 
 
 class OpenAIApp:
-    """The Starlette app and its gRPC loopback client; the event loop is uvicorn's."""
+    """The Starlette app and its client of the router's `Generate` (`generation`: called in
+    process; else a gRPC channel to `grpc_target`); the event loop is uvicorn's."""
 
     def __init__(self, grpc_target: str, model_names: tuple[str, ...], max_model_len: int,
                  tokenizer, vocab_size: int, *, max_body_bytes: int = 1 << 20,
@@ -142,8 +146,10 @@ class OpenAIApp:
                  extra_routes: Sequence[BaseRoute] = (),
                  health: Callable[[], tuple[bool, dict]] | None = None,
                  api_keys: ApiKeys | None = None,
-                 sampling_defaults: Mapping[str, float | int] | None = None) -> None:
+                 sampling_defaults: Mapping[str, float | int] | None = None,
+                 generation: LocalGeneration | None = None) -> None:
         self.grpc_target = grpc_target
+        self._generation = generation
         self.model_names = model_names  # the first is the id listed; the rest are accepted too
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_model_len = max_model_len
@@ -155,7 +161,7 @@ class OpenAIApp:
         self.token_text = token_texts(tokenizer)
         self.created = int(time.time())
         self._channel: grpc.aio.Channel | None = None
-        self._stub: api_pb2_grpc.GenerationStub | None = None
+        self._stub: api_pb2_grpc.GenerationStub | LocalGeneration | None = None
         self.routes: list[BaseRoute] = [
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -170,10 +176,12 @@ class OpenAIApp:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         self._channel = rpc.make_aio_channel(self.grpc_target)
-        self._stub = api_pb2_grpc.GenerationStub(self._channel)
+        self._stub = self._generation or api_pb2_grpc.GenerationStub(self._channel)
         try:
             yield
         finally:
+            if self._generation is not None:
+                self._generation.close()
             await self._channel.close(grace=None)
 
     # ---- errors -----------------------------------------------------------------------------

@@ -100,10 +100,12 @@ def loopback(address: str) -> str:
 
 def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
                extra_routes: Sequence = ()):
-    """The HTTP server (not started): an OpenAIApp calling this router's gRPC over loopback."""
+    """The HTTP server (not started): an OpenAIApp calling this router's `Generate` in process
+    (on a pool of `rpc_threads`, as gRPC calls are), its other gRPC services over loopback."""
     from starlette.responses import Response
     from starlette.routing import Route
 
+    from pdserve.router.local_call import LocalGeneration
     from pdserve.router.openai_api import HttpServer, OpenAIApp
 
     async def metrics(request):
@@ -119,7 +121,8 @@ def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
                     max_body_bytes=cfg.http_max_body_bytes,
                     request_timeout_s=cfg.request_timeout_s, extra_routes=extra_routes,
                     health=service.door.health, api_keys=service.api_keys,
-                    sampling_defaults=defaults)
+                    sampling_defaults=defaults,
+                    generation=LocalGeneration(service.Generate, cfg.rpc_threads))
     # Bounded (invariant 5): connections past this get a bare 503 from uvicorn; the config
     # keeps it above max_in_flight, so admission's 429 comes first.
     return HttpServer(app.app, cfg.http_host, cfg.http_port or 0,
@@ -179,7 +182,7 @@ def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
 def shut_down(cfg: RouterConfig, service: RouterService, server, health, http,
               signum: int) -> None:
     """Stop admitting and say NOT_SERVING at once (a load balancer moves away), let requests
-    in flight (gRPC, and HTTP through its loopback calls) finish within the grace, end the
+    in flight (gRPC, and HTTP through its in-process calls) finish within the grace, end the
     late ones with UNAVAILABLE "router shutting down", then stop both servers."""
     plan = shutdown_plan(time.monotonic(), cfg.shutdown_grace_s)
     door = service.door
