@@ -130,10 +130,8 @@ def step_parity(device: str, model_path: str, quick: bool, **_: Any) -> dict[str
     import torch
 
     from pdserve.bench.decode import load_hf
-    from pdserve.engine.attention import build_attention_metadata
     from pdserve.engine.config import CacheConfig, EngineConfig
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.model import StepInput
     from pdserve.engine.sampling import SamplingParams
 
     n_new = 8 if quick else 32
@@ -146,15 +144,9 @@ def step_parity(device: str, model_path: str, quick: bool, **_: Any) -> dict[str
         if dtype == "float32":
             ref = load_hf(model_path, "float32", device)
         ids = prompts[0]
-        table = engine.pool.allocate(-(-len(ids) // engine.block_size))
+        ours = engine.prompt_logits(ids).float()
         with torch.inference_mode():
-            step = StepInput(torch.tensor(ids, device=device),
-                             torch.arange(len(ids), device=device),
-                             build_attention_metadata([(0, len(ids), table)], engine.block_size,
-                                                      torch.device(device)))
-            ours = engine.model.compute_logits(engine.model.forward(step, engine.kv)).float()
             want = ref(torch.tensor([ids], device=device)).logits[0].float()
-        engine.pool.release(table)
         if dtype == "float32":
             err = ((ours - want).abs().max() / want.abs().max()).item()
             mine = engine.generate(prompts, SamplingParams(max_tokens=n_new, ignore_eos=True))

@@ -87,18 +87,7 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int
 
 def sequence_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Log-softmax of the logits at every position of `ids`, one forward through the cache."""
-    from pdserve.engine.attention import build_attention_metadata
-    from pdserve.engine.model import StepInput
-
-    table = engine.pool.allocate(-(-len(ids) // engine.block_size))
-    try:
-        step = StepInput(torch.tensor(ids), torch.arange(len(ids)),
-                         build_attention_metadata([(0, len(ids), table)], engine.block_size,
-                                                  torch.device("cpu")))
-        logits = engine.model.compute_logits(engine.model.forward(step, engine.kv))
-    finally:
-        engine.pool.release(table)
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(engine.prompt_logits(ids), dim=-1)
 
 
 def first_divergence(ref: list[int], out: list[int]) -> int:

@@ -545,6 +545,21 @@ class LLMEngine:
                 outs[o.request_id].extend(o.new_token_ids)
         return [outs[r] for r in rids]
 
+    def prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits [len(ids), vocab] at every position of `ids`, one prefill through the paged
+        cache in blocks held only for it (no request is queued; the prefix cache is untouched)."""
+        table = self.pool.allocate(-(-len(ids) // self.block_size))
+        device = torch.device(self.cfg.device)
+        try:
+            with torch.inference_mode():
+                step = StepInput(torch.tensor(ids, device=device),
+                                 torch.arange(len(ids), device=device),
+                                 build_attention_metadata([(0, len(ids), table)],
+                                                          self.block_size, device))
+                return self.model.compute_logits(self.model.forward(step, self.kv))
+        finally:
+            self.pool.release(table)
+
     def stats(self) -> dict[str, int | list[int]]:
         ps = self.pool.stats()
         out: dict[str, int | list[int]] = {

@@ -50,17 +50,7 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 
 def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits at every position of a single prefill, through the paged cache."""
-    from pdserve.engine.attention import build_attention_metadata
-    from pdserve.engine.model import StepInput
-
-    table = engine.pool.allocate(-(-len(ids) // engine.block_size))
-    try:
-        step = StepInput(torch.tensor(ids), torch.arange(len(ids)),
-                         build_attention_metadata([(0, len(ids), table)], engine.block_size,
-                                                  torch.device("cpu")))
-        return engine.model.compute_logits(engine.model.forward(step, engine.kv))
-    finally:
-        engine.pool.release(table)
+    return engine.prompt_logits(ids)
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
