@@ -7,7 +7,9 @@ place, so concurrent processes never load a half-written library. Failures raise
 error type with the caller's name for the library (no compiler, a compile error), so each
 backend says in its own words why it falls back.
 `load` opens a library and checks its ABI; `load_first` tries a backend's flag sets in turn
-and asks the library whether this CPU can run it (the linear kernels' shared start-up).
+and asks the library whether this CPU can run it, and `FirstUse` does that once, on first use
+from any thread, keeping the library or the reason there is none (the linear kernels' shared
+start-up).
 Must not call a library's compute functions or declare their signatures: each backend
 (`kvcodec_cpu`, `paged_attn_cpu`, `linear_cpu`, `linear_int8`) does.
 """
@@ -20,7 +22,9 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 
 def cache_dir(kind: str) -> Path:
@@ -109,3 +113,51 @@ def load_first(source: Path, flag_sets: tuple[tuple[str, ...], ...], kind: str, 
             break
         return lib, None
     return None, "; ".join(errors) or f"{what}: unavailable"
+
+
+class FirstUse:
+    """A backend's library, loaded by `load_first` on first use (once, whichever thread asks
+    first), or the reason it is not there. `declare(lib)` is the backend's: it sets the
+    signatures of the compute functions before the library is handed out."""
+
+    def __init__(self, source: Path, flag_sets: tuple[tuple[str, ...], ...], kind: str,
+                 what: str, error: type[Exception], no_compiler: type[Exception],
+                 abi_symbol: str, abi: int, supported_symbol: str,
+                 declare: Callable[[Any], None]) -> None:
+        self._args = (source, flag_sets, kind, what, error, no_compiler, abi_symbol, abi,
+                      supported_symbol)
+        self._what, self._error_type, self._supported = what, error, supported_symbol
+        self._declare = declare
+        self._lock = threading.Lock()
+        self._tried = False
+        self._lib: Any = None
+        self.error: str | None = None
+
+    def get(self):
+        """The library, or None (the reason in `error`)."""
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    lib, self.error = load_first(*self._args)
+                    if lib is not None:
+                        self._declare(lib)
+                    self._lib, self._tried = lib, True
+        return self._lib
+
+    def require(self):
+        """The library, or the backend's error saying why there is none."""
+        lib = self.get()
+        if lib is None:
+            raise self._error_type(self.error or self._what)
+        return lib
+
+    def available(self) -> bool:
+        return self.get() is not None
+
+    def unavailable_reason(self) -> str | None:
+        self.get()
+        return self.error
+
+    def isa(self) -> str:
+        """The instruction set the library runs on here: "avx512f" or "avx2"."""
+        return "avx512f" if getattr(self.require(), self._supported)() == 2 else "avx2"

@@ -14,7 +14,6 @@ caller keeps its other path.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
@@ -27,10 +26,6 @@ FLAG_SETS = (BASE_FLAGS + ("-fopenmp",), BASE_FLAGS)
 ABI = 2
 _WHAT = "linear C kernel"
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
-
 
 class KernelUnavailable(RuntimeError):
     """The C kernel cannot run here (no compiler, a build or load error, neither AVX-512F nor
@@ -41,45 +36,21 @@ class _NoCompiler(KernelUnavailable):
     """No C compiler: other flag sets will not help either."""
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    with _lock:
-        if _lib is not None or _error is not None:
-            return _lib
-        lib, _error = cbuild.load_first(SOURCE, FLAG_SETS, "linear", _WHAT, KernelUnavailable,
-                                        _NoCompiler, "lc_abi", ABI, "lc_supported")
-        if lib is not None:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.sg_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-            lib.sg_linear.restype = ctypes.c_int
-            _lib = lib
-        return lib
+def _declare(lib) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.sg_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.sg_linear.restype = ctypes.c_int
 
 
-def available() -> bool:
-    return _load() is not None
-
-
-def unavailable_reason() -> str | None:
-    _load()
-    return _error
-
-
-def isa() -> str:
-    """The instruction set the kernel runs on here: "avx512f" or "avx2"."""
-    lib = _load()
-    if lib is None:
-        raise KernelUnavailable(_error or _WHAT)
-    return "avx512f" if lib.lc_supported() == 2 else "avx2"
+_kernel = cbuild.FirstUse(SOURCE, FLAG_SETS, "linear", _WHAT, KernelUnavailable, _NoCompiler,
+                          "lc_abi", ABI, "lc_supported", _declare)
+available = _kernel.available
+unavailable_reason = _kernel.unavailable_reason
+isa = _kernel.isa  # the instruction set the kernel runs on here: "avx512f" or "avx2"
 
 
 def panel_width() -> int:
-    lib = _load()
-    if lib is None:
-        raise KernelUnavailable(_error or _WHAT)
-    return int(lib.lc_nr())
+    return int(_kernel.require().lc_nr())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -95,7 +66,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (fp32, CPU) times the packed weight: [..., out_features]."""
-    lib = _load()
+    lib = _kernel.get()
     assert lib is not None, "check available() first"
     k = packed.shape[1]
     lead = x.shape[:-1]

@@ -14,7 +14,6 @@ was 4 to 100 times slower than the fp32 kernel at decode batch sizes here.
 from __future__ import annotations
 
 import ctypes
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +28,6 @@ FLAG_SETS = (BASE_FLAGS + ("-fopenmp",), BASE_FLAGS)
 ABI = 1
 ISAS = {"avx2": 1, "avx512f": 2}
 _WHAT = "int8 linear C kernel"
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
 
 class KernelUnavailable(RuntimeError):
@@ -56,40 +51,17 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales[:, None]
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    with _lock:
-        if _lib is not None or _error is not None:
-            return _lib
-        lib, _error = cbuild.load_first(SOURCE, FLAG_SETS, "linear_int8", _WHAT,
-                                        KernelUnavailable, _NoCompiler, "li8_abi", ABI,
-                                        "li8_supported")
-        if lib is not None:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.li8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int,
-                                       ctypes.c_int]
-            lib.li8_linear.restype = ctypes.c_int
-            _lib = lib
-        return lib
+def _declare(lib) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.li8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.li8_linear.restype = ctypes.c_int
 
 
-def available() -> bool:
-    return _load() is not None
-
-
-def unavailable_reason() -> str | None:
-    _load()
-    return _error
-
-
-def isa() -> str:
-    """The instruction set the kernel picks here: "avx512f" or "avx2"."""
-    lib = _load()
-    if lib is None:
-        raise KernelUnavailable(_error or _WHAT)
-    return "avx512f" if lib.li8_supported() == 2 else "avx2"
+_kernel = cbuild.FirstUse(SOURCE, FLAG_SETS, "linear_int8", _WHAT, KernelUnavailable,
+                          _NoCompiler, "li8_abi", ABI, "li8_supported", _declare)
+available = _kernel.available
+unavailable_reason = _kernel.unavailable_reason
+isa = _kernel.isa  # the instruction set the kernel picks here: "avx512f" or "avx2"
 
 
 @dataclass(frozen=True)
@@ -113,7 +85,7 @@ def pack(weight: torch.Tensor, isa_name: str | None = None) -> PackedInt8:
     instruction set, for tests; None: the best here, or the torch fallback's layout)."""
     q, scales = quantize(weight)
     n, k = q.shape
-    lib = _load()
+    lib = _kernel.get()
     if lib is None:
         return PackedInt8(q, scales, n, 0)
     code = ISAS[isa_name] if isa_name else int(lib.li8_supported())
@@ -155,7 +127,7 @@ def linear(x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None) -> 
                           stacklevel=2)
         y = torch.ops.aten._weight_int8pack_mm(x2, w.data, w.scales)
     else:
-        lib = _load()
+        lib = _kernel.get()
         assert lib is not None
         m, k = x2.shape
         y = torch.empty(m, n, dtype=torch.float32)
