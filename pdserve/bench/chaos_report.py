@@ -5,11 +5,12 @@ Owns presentation only. Must not measure anything.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from rich.table import Table
+
+from pdserve.bench.common import write_json
 
 COLUMNS = ("fault", "killed", "requests", "in flight at kill", "sent after kill",
            "completed correct", "wrong", "lost",
@@ -73,10 +74,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    j = os.path.join(out_dir, "chaos.json")
-    with open(j, "w") as f:
-        json.dump(result, f, indent=2)
+    j = write_json(result, out_dir, "chaos.json")
     png = os.path.join(out_dir, "chaos.png")
     plot(result, png)
     md = os.path.join(out_dir, "chaos.md")

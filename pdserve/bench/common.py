@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +28,17 @@ def emit(result: dict[str, Any], *, json_out: bool, out_dir: str | None,
     for path in written:
         console.print(f"wrote {path}")
     return 0
+
+
+def write_json(result: dict[str, Any], out_dir: str, name: str) -> str:
+    """`result` as `out_dir/name` (indented, one trailing newline; the folder made if
+    missing); the path written."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    return path
 
 
 def number_list(flag: str, kind: type = int, example: str = "1,8,32"

@@ -7,7 +7,6 @@ PNG files. Must not measure anything.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.common import write_json
 from pdserve.engine.device import stated_bandwidth
 
 AIMS = {"aim_ratio_b1": (1, 1.5), "aim_ratio_b32": (32, 2.0)}  # name: (batch size, engine/HF)
@@ -167,11 +167,8 @@ def print_table(result: dict[str, Any], console: Any) -> None:
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
     from matplotlib.figure import Figure
 
-    os.makedirs(out_dir, exist_ok=True)
-    json_path, png_path = os.path.join(out_dir, "decode.json"), os.path.join(out_dir, "decode.png")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    json_path = write_json(result, out_dir, "decode.json")
+    png_path = os.path.join(out_dir, "decode.png")
     bs = [r["batch_size"] for r in result["decode"]]
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()

@@ -5,11 +5,12 @@ Owns presentation only. Must not measure anything.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from rich.table import Table
+
+from pdserve.bench.common import write_json
 
 
 def _pct(x: float | None) -> str:
@@ -76,9 +77,6 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    j, png = os.path.join(out_dir, "fluid.json"), os.path.join(out_dir, "fluid.png")
-    with open(j, "w") as f:
-        json.dump(result, f, indent=1)
+    j, png = write_json(result, out_dir, "fluid.json"), os.path.join(out_dir, "fluid.png")
     plot(result, png)
     return [j, png]

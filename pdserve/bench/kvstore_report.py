@@ -8,10 +8,10 @@ capacity, the ideal as a line). Must not compute figures: it reads the result do
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from pdserve.bench.common import write_json
 from pdserve.bench.kvstore_summary import BATCH_SYSTEMS
 
 MiB = 1 << 20
@@ -156,12 +156,8 @@ def _plot_trace(result: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, n) for n in
-             ("kvstore.json", "kvstore_bandwidth.png", "kvstore_trace.png")]
-    with open(paths[0], "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    paths = [write_json(result, out_dir, "kvstore.json")] + [
+        os.path.join(out_dir, n) for n in ("kvstore_bandwidth.png", "kvstore_trace.png")]
     _plot_bandwidth(result, paths[1])
     _plot_trace(result, paths[2])
     return paths

@@ -8,12 +8,13 @@ measure anything.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from pdserve.bench.common import write_json
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:
@@ -51,11 +52,8 @@ def print_table(result: dict[str, Any], console: Console) -> None:
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
     from matplotlib.figure import Figure
 
-    os.makedirs(out_dir, exist_ok=True)
-    json_path, png_path = os.path.join(out_dir, "quant.json"), os.path.join(out_dir, "quant.png")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    json_path = write_json(result, out_dir, "quant.json")
+    png_path = os.path.join(out_dir, "quant.png")
     q, g = result["quantization"], result["greedy"]
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax, bx = fig.subplots(1, 2)

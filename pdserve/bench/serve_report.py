@@ -9,9 +9,10 @@ result document carries them all.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from pdserve.bench.common import write_json
 
 
 def _f(x: float | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
@@ -133,12 +134,8 @@ def missing_metrics(result: dict[str, Any]) -> list[str]:
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
     from matplotlib.figure import Figure
 
-    os.makedirs(out_dir, exist_ok=True)
-    json_path = os.path.join(out_dir, "summary.json")
+    json_path = write_json(result, out_dir, "summary.json")
     png_path = os.path.join(out_dir, "bench_serve.png")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
     levels = [lv["concurrency"] for lv in result["pdserve"]["levels"]]
     x = list(range(len(levels)))
     fig = Figure(figsize=(13, 4.2), layout="constrained")

@@ -8,9 +8,10 @@ the result document.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from pdserve.bench.common import write_json
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -70,10 +71,6 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "speedup.png")]
-    with open(paths[0], "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    paths = [write_json(result, out_dir, "results.json"), os.path.join(out_dir, "speedup.png")]
     plot(result, paths[1])
     return paths
