@@ -210,11 +210,6 @@ class LocalGeneration:
     def Generate(self, request, timeout: float | None = None, metadata=()) -> LocalCall:
         return LocalCall(self, self._handler, request, timeout, metadata)
 
-    @property
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._live)
-
     def _started(self, call: LocalCall) -> None:
         with self._lock:
             self._live.add(call)
