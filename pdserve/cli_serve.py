@@ -113,6 +113,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     a.add_argument("--max-predicted-ttft-s", type=_nonneg_float, default=None,
                    help="the router refuses a request whose predicted time to first token is "
                         "longer (0: off; default: the router's, 10)")
+    a.add_argument("--max-local-prefill-tokens", type=_nonneg_int, default=None,
+                   help="a prompt a decode worker caches all but at most this many tokens of "
+                        "is prefilled and decoded there, skipping the prefill worker and the "
+                        "store (0: off; default: the router's, 64)")
     a.add_argument("--api-keys-file", default=None,
                    help="file of 'KEY TENANT' lines the router accepts; PDSERVE_API_KEYS="
                         "KEY:TENANT,... adds more (default: no auth)")
@@ -278,6 +282,7 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
                        itl_slo_ms=args.itl_slo_ms, max_in_flight=args.max_in_flight,
                        api_keys_file=args.api_keys_file,
                        max_predicted_ttft_s=args.max_predicted_ttft_s,
+                       max_local_prefill_tokens=args.max_local_prefill_tokens,
                        shutdown_grace_s=args.shutdown_grace_s, supervise=not args.no_supervise,
                        metrics_port=args.metrics_port, **extra)
     cluster = LocalCluster(spec)

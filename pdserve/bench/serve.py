@@ -50,6 +50,7 @@ class ServeBenchSettings:
     decode_streams: str = "shared"  # the router's `--decode-streams`
     controller: bool = True
     max_predicted_ttft_s: float | None = None  # None: the router's default
+    max_local_prefill_tokens: int | None = None  # None: the router's default
     ceiling_repeats: int = 3
     vllm_python: str = ""
     llamacpp_python: str = ""
@@ -155,7 +156,8 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        core_sharing=s.core_sharing,
                        router_args=("--decode-streams", s.decode_streams),
                        controller=s.controller,
-                       max_predicted_ttft_s=s.max_predicted_ttft_s, log_dir=log_dir,
+                       max_predicted_ttft_s=s.max_predicted_ttft_s,
+                       max_local_prefill_tokens=s.max_local_prefill_tokens, log_dir=log_dir,
                        supervise=True, ready_timeout_s=600)
     ui(f"pdserve: starting {spec.prefill_workers} prefill + {spec.decode_workers} decode "
        f"workers, router, controller", 0, 1)
@@ -359,6 +361,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-controller", action="store_true", help="start no controller")
     p.add_argument("--max-predicted-ttft-s", type=float, default=None,
                    help="the router's admission bound (0: off; default: the router's)")
+    p.add_argument("--max-local-prefill-tokens", type=int, default=None,
+                   help="the router's bound on a prompt's uncached tail that a decode worker "
+                        "caching the rest prefills itself (0: off; default: the router's)")
     p.add_argument("--ceiling-repeats", type=int, default=d.ceiling_repeats,
                    help="timed engine runs per batch size (after a warm-up)")
     p.add_argument("--vllm-python", default="", metavar="PATH",
@@ -382,7 +387,8 @@ def settings_from(args: argparse.Namespace) -> ServeBenchSettings:
         threads_per_worker=args.threads_per_worker, quantization=args.quantization,
         share_cores=not args.no_share_cores, core_sharing=args.core_sharing, decode_streams=args.decode_streams,
         controller=not args.no_controller,
-        max_predicted_ttft_s=args.max_predicted_ttft_s, ceiling_repeats=args.ceiling_repeats,
+        max_predicted_ttft_s=args.max_predicted_ttft_s,
+        max_local_prefill_tokens=args.max_local_prefill_tokens, ceiling_repeats=args.ceiling_repeats,
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python,
         ready_timeout_s=args.ready_timeout_s)
 

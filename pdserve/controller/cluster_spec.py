@@ -76,6 +76,7 @@ class ClusterSpec:
     max_in_flight: int | None = None
     api_keys_file: str | None = None
     max_predicted_ttft_s: float | None = None
+    max_local_prefill_tokens: int | None = None  # None: the router's default
     shutdown_grace_s: float = 30.0  # the router's grace on SIGTERM; stop() waits for it
     # The controller (pdserve.controller): flips roles and offloads prefill under SLO pressure.
     controller: bool = True

@@ -251,6 +251,7 @@ class LocalCluster:
         flags = [(f, v) for f, v in (("--max-in-flight", s.max_in_flight),
                                      ("--api-keys-file", s.api_keys_file),
                                      ("--max-predicted-ttft-s", s.max_predicted_ttft_s),
+                                     ("--max-local-prefill-tokens", s.max_local_prefill_tokens),
                                      ("--shutdown-grace-s", s.shutdown_grace_s)) if v is not None]
         # One request never holds more KV than a worker's pool: the router refuses longer
         # ones up front, and chat's default max_tokens (the rest of the context) fits.

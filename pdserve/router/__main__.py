@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-predicted-ttft-s", type=float, default=10.0,
                    help="refuse (RESOURCE_EXHAUSTED / 429, retry hint = the queue's drain time) "
                         "a request whose predicted time to first token is over this (0: off)")
+    p.add_argument("--max-local-prefill-tokens", type=int, default=64,
+                   help="a prompt a decode worker caches all but at most this many tokens of "
+                        "is prefilled and decoded there, skipping the prefill worker (0: off)")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: refuse new requests, let those in flight finish "
                         "within this many seconds, then stop")
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                            tenant_rate_rps=a.tenant_rate_rps, tenant_burst=a.tenant_burst,
                            api_keys_file=a.api_keys_file,
                            max_predicted_ttft_s=a.max_predicted_ttft_s,
+                           max_local_prefill_tokens=a.max_local_prefill_tokens,
                            shutdown_grace_s=a.shutdown_grace_s,
                            allow_special_tokens_in_messages=a.allow_special_tokens_in_messages)
     except ConfigError as e:

@@ -53,6 +53,13 @@ class RouterConfig:
     # Must equal the workers' block size: the router hashes prompts as their engines do (a
     # worker reporting another size counts as caching nothing).
     block_size_tokens: int = 16
+    # Conditional disaggregation (`local_prefill.py`): a prompt an ACTIVE decode worker caches
+    # all but at most this many tokens of (at least one block cached) is prefilled and decoded
+    # there, skipping the prefill worker and the store. 0: off. 64 tokens: a chat's next turn
+    # of a sentence or two; on the CPU default model they cost that worker's step about what
+    # its batch's decode costs, less than the hop and the KV's trip through the store
+    # (docs/benchmarks.md). NVIDIA Dynamo's router makes the same choice by a length bound.
+    max_local_prefill_tokens: int = 64
     # The store master(s) whose WatchEvents feed the index ("" = workers' caches only).
     store_address: str = ""
     kv_overlap_weight: float = 1.0  # KV-aware: weight of the prefill cost against queue load
@@ -108,6 +115,9 @@ class RouterConfig:
                               f"got {self.decode_routing!r}")
         if self.block_size_tokens < 1:
             raise ConfigError(f"block_size_tokens must be >= 1, got {self.block_size_tokens}")
+        if self.max_local_prefill_tokens < 0:
+            raise ConfigError(f"max_local_prefill_tokens: must be >= 0 (0: off), got "
+                              f"{self.max_local_prefill_tokens}")
         for f in ("kv_overlap_weight", "kv_fetch_weight", "kv_request_cost_tokens"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"{f} must be >= 0, got {getattr(self, f)}")

@@ -6,7 +6,8 @@ each `stats_interval_s`, in parallel; an answer is a `report` in the role it nam
 is a `missed` poll), the KV event feeds following membership, and `pick()`: build the policy's
 `RouteInput` from the ACTIVE members of a role (the prompt's chained block hashes looked up in
 the block index for KV-aware prefill), ask the policy, and count the choice in flight for the
-request's duration. Also `offload()`, the same for a prefill offloaded onto a decode worker;
+request's duration. Also `offload()`, the same for a prefill offloaded onto a decode worker,
+and `cached_local()`, for a prompt a decode worker caches all but a short tail of;
 and for admission, the prefill pool's measured rate (`prefill_rate`, from each prefill member's
 polled counters) and how much of a prompt is cached already (`cached_prefix_tokens`).
 
@@ -31,6 +32,7 @@ from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from pdserve.core.rates import RateMeter
 from pdserve.router.kv_feed import KvFeeds
+from pdserve.router.local_prefill import LocalCandidate, choose_cached_local
 from pdserve.router.membership import (
     DECODE, GONE, PREFILL, Health, Member, Membership, UnknownMemberError, reports_draining,
 )
@@ -297,6 +299,47 @@ class WorkerSet:
         finally:
             with self._lock:
                 self.membership.release(chosen[0], 0.0, prompt_tokens)
+
+    @contextmanager
+    def cached_local(self, prompt_ids: Sequence[int], salt: str, max_uncached_tokens: int,
+                     extra_tokens: int = 0):
+        """A decode worker whose prefix cache holds all but at most `max_uncached_tokens` of
+        this prompt, to prefill the rest itself (`local_prefill.choose_cached_local`): yields
+        (address, stub, choice), counted in flight until the block exits, or None (no KV
+        index, or no worker qualifies)."""
+        chosen = None
+        if self.feeds is not None and max_uncached_tokens > 0 and prompt_ids:
+            with self._lock:
+                addresses = [m.address for m in self.membership.pool(DECODE)]
+            if addresses:
+                # Outside the lock: hashing a long prompt takes time. The engine reuses whole
+                # blocks of all prompt tokens but the last (as in `_prefix`).
+                hashes = prompt_block_hashes(list(prompt_ids[:-1]), self.block_size_tokens, salt)
+                cached, _ = self.feeds.overlaps(hashes, self.block_size_tokens, addresses)
+                blocks = dict(zip(addresses, cached))
+                need = -(-(len(prompt_ids) + extra_tokens) // self.block_size_tokens)
+                with self._lock:
+                    pool = self.membership.pool(DECODE)
+                    candidates = [LocalCandidate(
+                        m.address, blocks.get(m.address, 0) * self.block_size_tokens,
+                        running=0 if m.stats is None else m.stats.num_running,
+                        waiting=0 if m.stats is None else m.stats.num_waiting,
+                        free_blocks=None if m.stats is None else m.stats.num_free_blocks)
+                        for m in pool]
+                    c = choose_cached_local(candidates, len(prompt_ids), max_uncached_tokens,
+                                            need)
+                    if c is not None:
+                        address = candidates[c.index].address
+                        self.membership.acquire(address, c.uncached_tokens)
+                        chosen = (address, self._stubs[address], c)
+        if chosen is None:
+            yield None
+            return
+        try:
+            yield chosen
+        finally:
+            with self._lock:
+                self.membership.release(chosen[0], chosen[2].uncached_tokens)
 
     # ---- the poller ----------------------------------------------------------------------------
     def poll_once(self) -> None:

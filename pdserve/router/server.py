@@ -56,11 +56,13 @@ def served_names(cfg: RouterConfig) -> tuple[str, ...]:
 def build_workers(cfg: RouterConfig) -> WorkerSet:
     """Both pools over one membership: the flags' workers are the first members. The prefill
     policy (with kv_aware, the block index fed by every member's and the store's event
-    streams) and the decode policy (over polled worker stats)."""
+    streams) and the decode policy (over polled worker stats). The index is also kept when
+    decode workers may prefill prompts they cache (`max_local_prefill_tokens`)."""
     weights = dict(overlap_weight=cfg.kv_overlap_weight, fetch_weight=cfg.kv_fetch_weight,
                    request_cost_tokens=cfg.kv_request_cost_tokens)
     name = cfg.prefill_policy()
-    feeds = KvFeeds((), cfg.store_address).start() if name == "kv_aware" else None
+    feeds = (KvFeeds((), cfg.store_address).start()
+             if name == "kv_aware" or cfg.max_local_prefill_tokens > 0 else None)
     return WorkerSet(cfg.prefill_addresses, cfg.decode_addresses,
                      prefill_policy=make_policy(name, seed=cfg.routing_seed, **weights),
                      decode_policy=make_policy(cfg.decode_routing, seed=cfg.routing_seed + 1,
@@ -85,7 +87,8 @@ def build_service(cfg: RouterConfig) -> RouterService:
     return RouterService(tokenizer, model_config, names, max_len, workers,
                          cfg.request_timeout_s, admission=admission, api_keys=api_keys,
                          metrics=RouterMetrics(names[0]), signals=RequestSignals(),
-                         decode_streams=cfg.decode_streams)
+                         decode_streams=cfg.decode_streams,
+                         max_local_prefill_tokens=cfg.max_local_prefill_tokens)
 
 
 def loopback(address: str) -> str:

@@ -11,7 +11,8 @@ has (the worker died) is resumed on another decode worker, which recomputes the 
 token the client got (`DecodeRequest.resume_token_ids`) and streams the rest. A request the
 controller's offload budgets allow is prefilled on a decode worker instead
 (`DecodeRequest.prefill_locally`), falling back to the normal path if refused; so is one no prefill
-worker can take.
+worker can take, and one a decode worker caches all but a short tail of (`local_prefill.py`:
+conditional disaggregation, on by default).
 Before all that, the door: the tenant from the API key (`auth`), admission and the shutdown
 gate (`lifecycle.Door`: in-flight, rate and predicted-TTFT bounds, RESOURCE_EXHAUSTED with a
 `retry-after` trailer; UNAVAILABLE once the router is shutting down) and the request's metrics
@@ -64,7 +65,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                  admission: Admission | None = None, api_keys: ApiKeys | None = None,
                  metrics: RouterMetrics | None = None, retry: RetryPolicy | None = None,
                  signals: RequestSignals | None = None,
-                 decode_streams: str = "shared") -> None:
+                 decode_streams: str = "shared", max_local_prefill_tokens: int = 0) -> None:
         if decode_streams not in DECODE_STREAMS:
             raise ValueError(f"decode_streams must be one of {DECODE_STREAMS}, "
                              f"got {decode_streams!r}")
@@ -82,6 +83,8 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self.workers = workers
         self.timeout_s = timeout_s
         self.door = Door(self.admission, workers, self.metrics, self.signals)
+        # A prompt a decode worker caches all but this many tokens of is prefilled there (0: off).
+        self.max_local_prefill_tokens = max_local_prefill_tokens
 
     def ListModels(self, request, context):
         # One entry per model, as /v1/models: its aliases are accepted, not listed.
@@ -193,6 +196,8 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self.door.admit_prefill(trip, prompt_ids, context)
         sampling = params_to_proto(params)
         text = OutputText(self.tokenizer, prompt_ids, params.stop)
+        if (yield from self._cached_local(context, rid, prompt_ids, sampling, text, trip)):
+            return
         if (yield from self._offload(context, rid, prompt_ids, sampling, text, trip)):
             return
         pre = self._prefill(context, rid, prompt_ids, sampling, trip)
@@ -298,28 +303,63 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             if chosen is None:
                 return False
             address, stub, chunk = chosen
-            self.door.picked(trip)
-            req = self._local_request(rid, prompt_ids, sampling, trip, chunk)
-            hop = _Hop()
-            trip.offloaded = True
-            try:
-                call = self._decode_call(address, stub, req, context)
-                if (yield from self._relay(context, rid, call, text, usage, hop, trip)):
-                    return True
-                self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
-                            "offload: decode stream ended without a finish reason")
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
-                    return True
-                if not hop.relayed and self._retry(context, trip, "offload", 1, address, e,
-                                                   False):
-                    trip.offloaded = False
-                    return False
-                if not self._resume(context, trip, address, e):
-                    self._failed(context, trip, e, "offload")
-        # Resumed outside the offload lease: the budget holds only while this worker serves it.
+            served = yield from self._local(context, rid, prompt_ids, sampling, text, usage,
+                                            trip, address, stub, chunk, "offload")
+        return (yield from self._local_resumed(context, rid, prompt_ids, sampling, text, usage,
+                                               trip, address, served))
+
+    def _cached_local(self, context, rid, prompt_ids, sampling, text: OutputText, trip: Trip):
+        """Prefill and decode on the decode worker that caches all but a short tail of the
+        prompt (`local_prefill.py`); True when served so (as `_offload`), False to take the
+        other paths."""
+        with self.workers.cached_local(prompt_ids, trip.tenant, self.max_local_prefill_tokens,
+                                       sampling.max_tokens) as chosen:
+            if chosen is None:
+                return False
+            address, stub, choice = chosen
+            # What the router's index says the worker holds: the worker computes the rest.
+            usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
+                                  cached_prompt_tokens=choice.cached_tokens)
+            served = yield from self._local(context, rid, prompt_ids, sampling, text, usage,
+                                            trip, address, stub, 0, "local_prefill")
+        return (yield from self._local_resumed(context, rid, prompt_ids, sampling, text, usage,
+                                               trip, address, served))
+
+    def _local(self, context, rid, prompt_ids, sampling, text: OutputText, usage, trip: Trip,
+               address: str, stub, chunk: int, what: str):
+        """The request on `address`, which prefills it itself (`chunk` tokens a step at most,
+        0: its step budget): True when served (or the client left), False when refused before
+        a token (take the normal path), None when its stream broke after some and it is to be
+        resumed elsewhere (after the caller's lease ends: it holds only while this worker
+        serves the request). An offload counts as offloaded work for the controller."""
+        self.door.picked(trip)
+        req = self._local_request(rid, prompt_ids, sampling, trip, chunk)
+        hop = _Hop()
+        trip.offloaded = what == "offload"
+        try:
+            call = self._decode_call(address, stub, req, context)
+            if (yield from self._relay(context, rid, call, text, usage, hop, trip)):
+                return True
+            self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
+                        f"{what}: decode stream ended without a finish reason")
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
+                return True
+            if not hop.relayed and self._retry(context, trip, what, 1, address, e, False):
+                trip.offloaded = False
+                return False
+            if not self._resume(context, trip, address, e):
+                self._failed(context, trip, e, what)
+        return None
+
+    def _local_resumed(self, context, rid, prompt_ids, sampling, text: OutputText, usage,
+                       trip: Trip, address: str, served: bool | None):
+        """`served` as `_local` said; None: resume on another decode worker, then True."""
+        if served is not None:
+            return served
         req = self._local_request(rid, prompt_ids, sampling, trip)
         yield from self._decode(context, req, text, usage, trip, dead=frozenset({address}))
+        return True
         return True
 
     def _decode_call(self, address: str, stub, req: wpb.DecodeRequest, context):

@@ -18,7 +18,10 @@ def cluster_spec(model_path: str, **overrides) -> ClusterSpec:
                     controller=False, controller_port=free_port(),
                     # Off unless a test is about it: a slow shared host would refuse requests
                     # of tests that overload on purpose for their predicted TTFT.
-                    max_predicted_ttft_s=0.0)
+                    max_predicted_ttft_s=0.0,
+                    # Off unless a test is about it (tests/e2e/test_local_prefill.py): a repeated
+                    # prompt would skip the prefill worker whose blocks and hits tests count.
+                    max_local_prefill_tokens=0)
     return ClusterSpec(model_path=model_path, **{**defaults, **overrides})
 
 

@@ -72,6 +72,7 @@ def ray_spec(args: argparse.Namespace, model_path: str, spec_args: dict):
         controller_mode=args.controller_mode, ttft_slo_ms=args.ttft_slo_ms,
         itl_slo_ms=args.itl_slo_ms, max_in_flight=args.max_in_flight,
         api_keys_file=args.api_keys_file, max_predicted_ttft_s=args.max_predicted_ttft_s,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
         shutdown_grace_s=args.shutdown_grace_s, supervise=not args.no_supervise,
         cluster_id=args.cluster, **spec_args)
     return RaySpec(

@@ -198,6 +198,7 @@ def router_args(spec: RaySpec, address: str, http: str | None, store: str) -> li
     flags = [(f, v) for f, v in (("--max-in-flight", s.max_in_flight),
                                  ("--api-keys-file", s.api_keys_file),
                                  ("--max-predicted-ttft-s", s.max_predicted_ttft_s),
+                                 ("--max-local-prefill-tokens", s.max_local_prefill_tokens),
                                  ("--shutdown-grace-s", s.shutdown_grace_s)) if v is not None]
     return ["router", "--model", s.model_path, "--address", address, "--prefill", "",
             "--decode", "", "--max-model-len-tokens", str(s.num_blocks * s.block_size_tokens),
