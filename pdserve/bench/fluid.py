@@ -187,6 +187,8 @@ def run_config(name: str, s: FluidBenchSettings, model: str, reqs, log_dir: str,
         controller=ctl is not None, controller_port=_free_port(), ttft_slo_ms=s.ttft_slo_ms,
         itl_slo_ms=s.itl_slo_ms, controller_args=ctl_args, ready_timeout_s=600,
         max_predicted_ttft_s=0.0,  # attainment counts every request: admission refuses none
+        # The controller's mechanisms alone move prefill onto decode workers here.
+        max_local_prefill_tokens=0,
         # Its workers stand for separate machines (`--cpu-quota`): none ever waits for another's
         # turn on this host's cores, whatever the default.
         core_sharing="lend")

@@ -212,6 +212,8 @@ def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
                     block_size_tokens=s.block_size_tokens, store_capacity_bytes=capacity,
                     routing=routing, http_port=None, log_dir=os.path.join(tmp, f"logs{k}"),
                     router_args=router_args, controller=False,  # routing alone is measured
+                    # ... of every prompt: none skips the prefill pool for the decode worker
+                    max_local_prefill_tokens=0,
                     max_predicted_ttft_s=0.0)  # open loop: every request measured, none refused
 
             with ExitStack() as stack:

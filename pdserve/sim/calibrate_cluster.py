@@ -76,7 +76,9 @@ def _one_p_one_d(model: str):
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
 
     return LocalCluster(ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
-                                    controller=False, ready_timeout_s=600, share_cores=False))
+                                    controller=False, ready_timeout_s=600, share_cores=False,
+                                    # every prompt through the prefill worker, as simulated
+                                    max_local_prefill_tokens=0))
 
 
 def _serving(cluster, batches: tuple[int, ...], prompts: tuple[int, ...], say) -> dict[str, Any]:

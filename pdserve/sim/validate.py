@@ -195,10 +195,13 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
 
     # Each worker on its own share of the cores, as the profile's `threads_per_worker` says:
-    # the simulator does not model cores lent between the workers of a host.
+    # the simulator does not model cores lent between the workers of a host. Nor does it model
+    # a decode worker prefilling a prompt it caches (the router's conditional disaggregation):
+    # every prompt takes the prefill worker, as simulated.
     spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=p, decode_workers=d, controller=False,
-                       routing=s["routing"], ready_timeout_s=600, share_cores=False)
+                       routing=s["routing"], ready_timeout_s=600, share_cores=False,
+                       max_local_prefill_tokens=0)
     before = os.getloadavg()[0]  # the cluster's own start-up raises the 1-minute average
     say(f"{p}P{d}D: starting the cluster (load average {before:.2f})")
     with LocalCluster(spec) as cluster:
