@@ -224,8 +224,13 @@ class WorkerSet:
         """(leading blocks of this prompt cached per worker, leading blocks in the store)."""
         if self.feeds is None or not isinstance(self.policies[PREFILL], KvAware) or not prompt_ids:
             return [0] * len(addresses), 0
-        # The engine reuses whole blocks of all prompt tokens but the last (same hashes as the
-        # prefill role's store lookup and the scheduler's prefix match).
+        return self._overlaps(addresses, prompt_ids, salt)
+
+    def _overlaps(self, addresses: list[str], prompt_ids: Sequence[int], salt: str
+                  ) -> tuple[list[int], int]:
+        """The index's answer for this prompt (hashing a long one takes time: not under the
+        lock). The engine reuses whole blocks of all prompt tokens but the last (same hashes as
+        the prefill role's store lookup and the scheduler's prefix match)."""
         hashes = prompt_block_hashes(list(prompt_ids[:-1]), self.block_size_tokens, salt)
         return self.feeds.overlaps(hashes, self.block_size_tokens, addresses)
 
@@ -291,14 +296,8 @@ class WorkerSet:
                 m = candidates[i]
                 self.membership.acquire(m.address, 0.0, prompt_tokens)
                 chosen = (m.address, self._stubs[m.address], m.offload_chunk)
-        if chosen is None:
-            yield None
-            return
-        try:
-            yield chosen
-        finally:
-            with self._lock:
-                self.membership.release(chosen[0], 0.0, prompt_tokens)
+        with self._released(chosen, 0.0, prompt_tokens) as out:
+            yield out
 
     @contextmanager
     def cached_local(self, prompt_ids: Sequence[int], salt: str, max_uncached_tokens: int,
@@ -312,10 +311,7 @@ class WorkerSet:
             with self._lock:
                 addresses = [m.address for m in self.membership.pool(DECODE)]
             if addresses:
-                # Outside the lock: hashing a long prompt takes time. The engine reuses whole
-                # blocks of all prompt tokens but the last (as in `_prefix`).
-                hashes = prompt_block_hashes(list(prompt_ids[:-1]), self.block_size_tokens, salt)
-                cached, _ = self.feeds.overlaps(hashes, self.block_size_tokens, addresses)
+                cached, _ = self._overlaps(addresses, prompt_ids, salt)  # outside the lock
                 blocks = dict(zip(addresses, cached))
                 need = -(-(len(prompt_ids) + extra_tokens) // self.block_size_tokens)
                 with self._lock:
@@ -332,6 +328,13 @@ class WorkerSet:
                         address = candidates[c.index].address
                         self.membership.acquire(address, c.uncached_tokens)
                         chosen = (address, self._stubs[address], c)
+        with self._released(chosen, chosen[2].uncached_tokens if chosen else 0.0) as out:
+            yield out
+
+    @contextmanager
+    def _released(self, chosen, tokens: float = 0.0, offload_tokens: int = 0):
+        """Yield `chosen` ((address, ...), acquired already with these counts, or None) and
+        release its counts when the block exits."""
         if chosen is None:
             yield None
             return
@@ -339,7 +342,7 @@ class WorkerSet:
             yield chosen
         finally:
             with self._lock:
-                self.membership.release(chosen[0], chosen[2].uncached_tokens)
+                self.membership.release(chosen[0], tokens, offload_tokens)
 
     # ---- the poller ----------------------------------------------------------------------------
     def poll_once(self) -> None:

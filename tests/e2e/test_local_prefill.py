@@ -5,11 +5,13 @@ prefill worker as before."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from pdserve import rpc
 from pdserve.controller.launcher import LocalCluster
+from pdserve.core.block_hash import prompt_block_hashes
+from pdserve.proto import worker_pb2 as wpb
+from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from tests.e2e.conftest import cluster_spec
 from tests.e2e.test_cluster import generate, worker_stats, workers
 
@@ -48,9 +50,18 @@ def counts(cluster):
     return sp.prompt_tokens_computed, sd.local_prefill_requests, sd.local_prefill_tokens
 
 
-def settle():
-    """The decode worker's prefix-cache events reach the router's index over a stream."""
-    time.sleep(1.0)
+def settle(cluster, tokens):
+    """Wait until the decode worker has published every full block of `tokens` on its KV event
+    stream, the one the router's index follows (the router reads the same batches)."""
+    want = set(prompt_block_hashes(list(tokens), 16, ""))
+    decode = workers(cluster, "decode")[0]
+    with rpc.make_channel(decode) as ch:
+        for batch in wpb_grpc.WorkerStub(ch).WatchKvEvents(wpb.WatchKvEventsRequest(),
+                                                           timeout=30):
+            want -= {bytes(e.block_hash) for e in batch.events
+                     if e.kind == wpb.KV_EVENT_KIND_STORED}
+            if not want:
+                return
 
 
 def test_a_next_turn_is_prefilled_on_the_decode_worker_with_the_same_tokens(cluster, hf):
@@ -61,7 +72,7 @@ def test_a_next_turn_is_prefilled_on_the_decode_worker_with_the_same_tokens(clus
     mid = counts(cluster)
     assert mid[0] - before[0] == len(first) and mid[1] == before[1]  # the normal path
     assert usage1.cached_prompt_tokens == 0
-    settle()
+    settle(cluster, first + out1[:-1])  # the last token's KV is never computed
 
     # The next turn: the conversation so far (prompt and answer) and a few new tokens. The
     # decode worker holds every full block of it but the tail.
@@ -78,8 +89,8 @@ def test_a_next_turn_is_prefilled_on_the_decode_worker_with_the_same_tokens(clus
 
 def test_a_long_new_tail_or_a_cold_prompt_takes_the_prefill_worker(cluster, hf):
     base = list(range(600, 632))  # 2 full blocks
-    run(cluster, base)
-    settle()
+    out = run(cluster, base)[0]
+    settle(cluster, base + out[:-1])
     before = counts(cluster)
     long_tail = base + list(range(700, 780))  # 80 new tokens: over the bound of 64
     out, usage = run(cluster, long_tail)
