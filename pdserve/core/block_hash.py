@@ -16,10 +16,14 @@ from collections.abc import Iterator, Sequence
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str = "") -> bytes:
     """The hash of one block: its parent's hash (the salt for the first block) and its tokens."""
+    return _hash_text(parent, ",".join(map(str, token_ids)).encode(), salt)
+
+
+def _hash_text(parent: bytes | None, text: bytes, salt: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or salt.encode())
     h.update(b"|")
-    h.update(",".join(map(str, token_ids)).encode())
+    h.update(text)
     return h.digest()
 
 
@@ -28,13 +32,21 @@ def iter_block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "",
                       end_block: int | None = None) -> Iterator[bytes]:
     """Chained hashes of the full blocks `first`, `first + 1`, ... of `token_ids` (up to
     `end_block`, exclusive); `parent` is the hash of block `first - 1` (None when `first` is 0).
-    Lazy, so a prefix lookup stops hashing at its first miss."""
+    Lazy, so a prefix lookup stops hashing at its first miss.
+
+    A container of token ids may spell a block itself: `token_ids.block_text(start, end)`,
+    if it has one, must return exactly the bytes `hash_block` hashes for
+    `token_ids[start:end]` (the ids in decimal, comma-separated), only faster."""
     if block_size <= 0:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n_full = len(token_ids) // block_size
     end = n_full if end_block is None else min(end_block, n_full)
+    text_of = getattr(token_ids, "block_text", None)
     for i in range(first, end):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
+        if text_of is None:
+            parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
+        else:
+            parent = _hash_text(parent, text_of(i * block_size, (i + 1) * block_size), salt)
         yield parent
 
 

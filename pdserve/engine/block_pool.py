@@ -108,10 +108,19 @@ class BlockPool:
         self.ref[block_id] += 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
-        one = self.allocate_one
-        return [one() for _ in range(n)]
+        """n blocks, each as `allocate_one` takes it (one loop: a prompt takes dozens)."""
+        free = self.free
+        if n > len(free):
+            raise NoFreeBlocksError(f"need {n} blocks, {len(free)} free")
+        popitem, block_hash, ref = free.popitem, self.block_hash, self.ref
+        out = []
+        for _ in range(n):
+            bid = popitem(last=False)[0]
+            if block_hash[bid] is not None:
+                self._evict(bid)
+            ref[bid] = 1
+            out.append(bid)
+        return out
 
     def allocate_one(self) -> int:
         """One block, held once: a plain free block, else the least recently released cached
@@ -119,14 +128,50 @@ class BlockPool:
         if not self.free:
             raise NoFreeBlocksError("need 1 block, 0 free")
         bid = self.free.popitem(last=False)[0]
-        old = self.block_hash[bid]
-        if old is not None:
-            del self.by_hash[old]
-            self.block_hash[bid] = None
-            self.evictions += 1
-            self.events.append(REMOVED, old)
+        if self.block_hash[bid] is not None:
+            self._evict(bid)
         self.ref[bid] = 1
         return bid
+
+    def _evict(self, bid: int) -> None:
+        old = self.block_hash[bid]
+        del self.by_hash[old]
+        self.block_hash[bid] = None
+        self.evictions += 1
+        self.events.append(REMOVED, old)
+
+    def place(self, hashes: list[bytes], has_data: list[bool], n_full: int,
+              cache: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """Hold the leading run of a prompt's blocks that can be placed here, in order: a full
+        block (index < `n_full`) the cache holds by its hash is taken; else one with data
+        (`has_data[i]`) gets a free block, registered under its hash when full and `cache`.
+        Stops at the first that can be neither. Returns (the blocks held, (index, block id) of
+        those whose data the caller writes). The same as `lookup`, `take_cached`,
+        `allocate_one` and `register` per block, in one loop."""
+        by_hash, free, ref, block_hash = self.by_hash, self.free, self.ref, self.block_hash
+        popitem, events = free.popitem, self.events
+        table: list[int] = []
+        writes: list[tuple[int, int]] = []
+        for i, (h, data) in enumerate(zip(hashes, has_data)):
+            bid = by_hash.get(h) if i < n_full else None
+            if bid is not None:
+                if ref[bid] == 0:
+                    del free[bid]
+                ref[bid] += 1
+            elif data and free:
+                bid = popitem(last=False)[0]
+                if block_hash[bid] is not None:
+                    self._evict(bid)
+                ref[bid] = 1
+                writes.append((i, bid))
+                if i < n_full and cache and h not in by_hash:
+                    block_hash[bid] = h
+                    by_hash[h] = bid
+                    events.append(STORED, h)
+            else:
+                break
+            table.append(bid)
+        return table, writes
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one hold on each block; blocks are released tail first so a prompt's

@@ -87,27 +87,10 @@ class Scheduler:
         the prefix cache and makes it decode drafts on them until the exact KV lands."""
         self._check_room()  # before taking blocks, so that a refusal holds none
         full = seq.prompt_len // self.block_size
-        writes: list[tuple[int, int]] = []
-        pool = self.pool
-        lookup, take, allocate, register = (pool.lookup, pool.take_cached, pool.allocate_one,
-                                            pool.register)  # per block: bound once
-        cache = self.enable_prefix_caching and not approximate
-        table, hashes = seq.block_table, seq.block_hashes
-        for i, (h, data) in enumerate(zip(block_hashes, has_data)):
-            is_full = i < full
-            bid = lookup(h) if is_full else None
-            if bid is not None:
-                take(bid)
-            elif data and pool.num_free > 0:
-                bid = allocate()
-                writes.append((i, bid))
-                if is_full and cache:
-                    register(bid, h)
-            else:
-                break
-            table.append(bid)
-            if is_full:
-                hashes.append(h)
+        table, writes = self.pool.place(block_hashes, has_data, full,
+                                        self.enable_prefix_caching and not approximate)
+        seq.block_table.extend(table)
+        seq.block_hashes.extend(block_hashes[:min(len(table), full)])
         # A trailing partial block is only valid up to the prompt's end; it is never treated
         # as cached (no hash is registered for it).
         seq.num_computed = min(len(seq.block_table) * self.block_size, seq.prompt_len)

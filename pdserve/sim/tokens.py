@@ -5,7 +5,8 @@ sequence's token ids. A synthesized prompt is a few runs (one id per trace block
 equal tokens), so storing it as (id, count) runs spares building and copying a list of every
 token per request and per worker it visits; tokens appended later (the outputs) go to a plain
 list. It reads as the list it stands for: `len`, indexing, slices (plain lists), iteration,
-`append`, `extend`, `del` of a slice, equality with a list. Must not know what the ids mean.
+`append`, `extend`, `del` of a slice, equality with a list; and `block_text`, a block as
+`core.block_hash` spells it. Must not know what the ids mean.
 """
 
 from __future__ import annotations
@@ -72,6 +73,27 @@ class RunTokens:
         if not 0 <= i < len(self):
             raise IndexError("RunTokens index out of range")
         return self._tail[i - n] if i >= n else self._values[bisect_right(self._ends, i)]
+
+    def block_text(self, start: int, stop: int) -> bytes:
+        """`b",".join` of the ids in [start, stop) in decimal, as `core.block_hash` spells a
+        block, built a run at a time (a run of c ids v is "v," c times) instead of id by id.
+        The ids are ints (a simulator's)."""
+        n, parts = self._n, []
+        if start < min(stop, n):
+            j = bisect_right(self._ends, start)
+            pos, hi = start, min(stop, n)
+            while pos < hi:
+                end = min(self._ends[j], hi)
+                parts.append(f"{self._values[j]}," * (end - pos))
+                pos = end
+                j += 1
+        if stop > n:
+            seg = self._tail[max(0, start - n):stop - n]
+            if seg and seg.count(seg[0]) == len(seg):  # outputs: one sampled id repeated
+                parts.append(f"{seg[0]}," * len(seg))
+            elif seg:
+                parts.append(",".join(map(str, seg)) + ",")
+        return "".join(parts)[:-1].encode()
 
     def append(self, token: int) -> None:
         self._tail.append(token)

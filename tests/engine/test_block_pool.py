@@ -239,3 +239,56 @@ def test_event_log_is_bounded_and_asks_for_a_resync_when_events_were_lost():
     events, lost = pool.events.since(2)
     assert not lost and [e.seq for e in events] == [3, 4, 5]
     assert pool.events.wait(4, timeout_s=0.01) and not pool.events.wait(5, timeout_s=0.01)
+
+
+def test_placing_a_prompts_blocks_in_one_call_matches_placing_them_one_by_one():
+    """`place` (the hand-over's loop inside the pool) leaves the pool, the blocks held, the
+    blocks to write and the event log exactly as the per-block calls would, through hits,
+    evictions, blocks without data and a pool that runs dry."""
+    import random
+
+    def one_by_one(pool, hashes, has_data, n_full, cache):
+        table, writes = [], []
+        for i, (h, data) in enumerate(zip(hashes, has_data)):
+            bid = pool.lookup(h) if i < n_full else None
+            if bid is not None:
+                pool.take_cached(bid)
+            elif data and pool.num_free > 0:
+                bid = pool.allocate_one()
+                writes.append((i, bid))
+                if i < n_full and cache:
+                    pool.register(bid, h)
+            else:
+                break
+            table.append(bid)
+        return table, writes
+
+    def state(pool):
+        return (pool.ref, pool.block_hash, pool.by_hash, list(pool.free), pool.evictions,
+                [(e.kind, e.block_hash) for e in pool.events.since(0)[0]])
+
+    BS = 4
+    rng = random.Random(5)
+    evictions = hits = 0
+    bases = [[rng.randrange(4) for _ in range(6 * BS + 2)] for _ in range(5)]
+    for trial in range(60):
+        a, b = BlockPool(12), BlockPool(12)
+        held_a, held_b = [], []
+        for _ in range(25):
+            base = bases[rng.randrange(len(bases))]  # a few shared prompts, cut anywhere
+            prompt = base[:rng.randrange(1, len(base) + 1)]
+            hashes = prompt_block_hashes(prompt, BS, include_partial=True)
+            has_data = [rng.random() < 0.9 for _ in hashes]
+            n_full, cache = len(prompt) // BS, rng.random() < 0.8
+            got = a.place(hashes, has_data, n_full, cache)
+            want = one_by_one(b, hashes, has_data, n_full, cache)
+            assert got == want and state(a) == state(b), trial
+            hits += len(got[0]) - len(got[1])
+            held_a.append(got[0])
+            held_b.append(want[0])
+            while held_a and (rng.random() < 0.5 or a.num_free < 3):
+                k = rng.randrange(len(held_a))
+                a.release(held_a.pop(k))
+                b.release(held_b.pop(k))
+        evictions += a.evictions
+    assert hits > 100 and evictions > 100  # the cases that differ from a plain allocation ran

@@ -151,9 +151,11 @@ def test_trace_derived_hashes_name_blocks_as_hashing_their_tokens_would():
 
 def test_run_tokens_read_and_change_as_the_list_they_stand_for():
     """The compact token ids the simulator hands the scheduler behave as a plain list under
-    every operation the scheduler uses: length, indexing, slices, append, extend, cuts."""
+    every operation the scheduler uses: length, indexing, slices, append, extend, cuts, and
+    the text a block is hashed from."""
     import random
 
+    from pdserve.core.block_hash import iter_block_hashes
     from pdserve.sim.engine_model import prompt_tokens_of
     from pdserve.sim.tokens import RunTokens
 
@@ -183,8 +185,12 @@ def test_run_tokens_read_and_change_as_the_list_they_stand_for():
                 copy = toks.copy()
                 copy.append(7)
                 assert toks == plain and copy == plain + [7]
+            a, b = sorted((rng.randrange(0, len(plain) + 1), rng.randrange(0, len(plain) + 1)))
+            assert toks.block_text(a, b) == ",".join(map(str, plain[a:b])).encode()
         with pytest.raises(IndexError):
             toks[len(plain)]
+        # Blocks are named alike whichever way the ids are held.
+        assert list(iter_block_hashes(toks, 4, "t")) == list(iter_block_hashes(plain, 4, "t"))
     assert prompt_tokens_of((3, 9), 1100, 4) == [5] * 512 + [11] * 512 + [-4] * 76
 
 
