@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", choices=LINKS, default="per_worker")
     p.add_argument("--workers-per-host", type=int, default=None,
                    help="workers sharing one host's cores, for a CPU profile (host_cores)")
+    p.add_argument("--max-local-prefill-tokens", type=int,
+                   default=SimConfig.max_local_prefill_tokens,
+                   help="a decode worker caching all but this many tokens of a prompt prefills "
+                        "it itself (conditional disaggregation, the router's default; 0: off)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-itl-ms", type=float, default=200.0)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
@@ -76,7 +80,8 @@ def config_from(args) -> SimConfig:
         policy=PolicyConfig(), block_size=args.block_size, kv_blocks=args.kv_blocks,
         store_capacity_blocks=args.store_blocks, transport=args.transport, link=args.link,
         slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed,
-        workers_per_host=args.workers_per_host)
+        workers_per_host=args.workers_per_host,
+        max_local_prefill_tokens=args.max_local_prefill_tokens)
 
 
 def _progress():

@@ -47,7 +47,9 @@ class Cluster:
         self.kv_blocks = cfg.kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
         self.router = SimRouter(cfg, {f"w{i:0{width}d}": r for i, r in enumerate(roles)})
         # The KV index follows the prefix caches of prefill workers, the only ones it is asked
-        # about (a worker turning prefill is resynced from its cache: `_feed`).
+        # about for routing (a worker turning prefill is resynced from its cache: `_feed`);
+        # for conditional disaggregation, decode workers' caches are read where they are, the
+        # answer the index would give (`_decode_cached`).
         feed = self.router.kv_aware
         self.workers: dict[str, SimWorker] = {}
         for i, role in enumerate(roles):
@@ -79,6 +81,8 @@ class Cluster:
         self.known: dict[int, list[bytes]] = {}  # full blocks' hashes, until the prompt is queued
         self.held: dict[int, tuple[str, float, int]] = {}  # router's in-flight count to release
         self.own: dict[int, int] = {}  # prefill work queued in admission
+        self.offloaded: set[int] = set()  # prefilled on a decode worker within its budget
+        self._decode_caches: tuple = (None, [])  # the decode pool and its workers' engines
         self.store_hits: dict[int, tuple[int, int]] = {}
         self.unresolved = n
         self.arrived = 0
@@ -87,7 +91,7 @@ class Cluster:
         self.last_flip_s: dict[str, float] = {}
         self.failed_at: dict[str, float] = {}  # flips failed (drain timeout): when
         self.counts = {"flips": 0, "failed_flips": 0, "drain_s": 0.0, "switch_s": 0.0,
-                       "offloaded": 0,
+                       "offloaded": 0, "local_prefills": 0,
                        "kv_transfers": 0, "kv_bytes": 0, "store_fetch_blocks": 0}
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -165,16 +169,23 @@ class Cluster:
                 self._reject(i, e.reason)
                 return
             self.own[i] = own
+        local = (router.cached_local(self._decode_cached(hashes, r.prompt_tokens),
+                                     r.prompt_tokens, r.output_tokens,
+                                     self.cfg.max_local_prefill_tokens)
+                 if self.cfg.max_local_prefill_tokens > 0 else None)
+        if local is not None:  # conditional disaggregation: it caches all but a short tail
+            address, tokens = local
+            self.held[i] = (address, tokens, 0)
+            self.counts["local_prefills"] += 1
+            self._on_decode(i, address, prompt)
+            return
         chosen = router.offload(r.prompt_tokens)
         if chosen is not None:
             address, chunk = chosen
-            w = self.workers[address]
             self.held[i] = (address, 0.0, r.prompt_tokens)
-            self.report.prefill_worker[i] = self.report.decode_worker[i] = address
             self.counts["offloaded"] += 1
-            known = self.known.pop(i)
-            self._join(w, lambda: w.engine.add(str(i), prompt, r.output_tokens,
-                                               max_chunk_tokens=chunk, known_hashes=known))
+            self.offloaded.add(i)
+            self._on_decode(i, address, prompt, chunk)
             return
         try:
             address, tokens = router.pick(PREFILL, r.prompt_tokens, 0, hashes)
@@ -198,6 +209,22 @@ class Cluster:
         else:
             self._to_prefill(w, i)
 
+    def _decode_cached(self, hashes: list[bytes], prompt_tokens: int) -> dict[str, int]:
+        """{ACTIVE decode worker: leading blocks of `hashes` its prefix cache holds} for those
+        that can leave at most `max_local_prefill_tokens` uncached: they hold the chain up to
+        its block `m` (so block `m` itself); a worker without it cannot qualify and is left
+        out (a lookup per worker, not a walk of each one's chain)."""
+        bs, limit = self.cfg.block_size, self.cfg.max_local_prefill_tokens
+        m = max(0, -(-(prompt_tokens - limit) // bs) - 1)
+        if m >= len(hashes):
+            return {}
+        h = hashes[m]
+        pool = self.router.pool(DECODE)  # the same list until the membership changes
+        if self._decode_caches[0] is not pool:
+            self._decode_caches = (pool, [(a, self.workers[a].engine) for a in pool])
+        return {a: engine.cached_blocks(hashes) for a, engine in self._decode_caches[1]
+                if engine.pool.lookup(h) is not None}
+
     def _prefill_on_decode(self, i: int, prompt: list[int]) -> bool:
         """No prefill worker: a decode worker takes the whole request (False: none can)."""
         r = self.reqs[i]
@@ -205,12 +232,17 @@ class Cluster:
             address, tokens = self.router.pick(DECODE, r.prompt_tokens, r.output_tokens)
         except NoWorkerError:
             return False
-        w = self.workers[address]
         self.held[i] = (address, tokens, 0)
+        self._on_decode(i, address, prompt)
+        return True
+
+    def _on_decode(self, i: int, address: str, prompt: list[int], chunk: int = 0) -> None:
+        """The request prefills and decodes on decode worker `address` (its counts held)."""
+        r, w = self.reqs[i], self.workers[address]
         self.report.prefill_worker[i] = self.report.decode_worker[i] = address
         known = self.known.pop(i)
-        self._join(w, lambda: w.engine.add(str(i), prompt, r.output_tokens, known_hashes=known))
-        return True
+        self._join(w, lambda: w.engine.add(str(i), prompt, r.output_tokens,
+                                           max_chunk_tokens=chunk, known_hashes=known))
 
     def _to_prefill(self, w: SimWorker, i: int) -> None:
         local, in_store = self.store_hits.pop(i, (0, 0))
@@ -270,7 +302,8 @@ class Cluster:
         self._prefilled(i)
         if self.ctl is not None:
             self.ctl.finished(now, now - r.arrival_s, rep.ttft_s[i], r.prompt_tokens,
-                              r.output_tokens, rep.prefill_worker[i] == rep.decode_worker[i])
+                              r.output_tokens, i in self.offloaded)
+        self.offloaded.discard(i)
         self.prompt.pop(i, None)
         self.hashes.pop(i, None)
         self.known.pop(i, None)

@@ -13,6 +13,7 @@ from pdserve.controller.config import ControllerConfig
 from pdserve.controller.policy import PolicyConfig
 from pdserve.core.errors import ConfigError
 from pdserve.router.admission import AdmissionConfig
+from pdserve.router.config import RouterConfig
 from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
 
 LINKS = ("per_worker", "shared")
@@ -32,6 +33,9 @@ class SimConfig:
     # flight; a simulated cluster of many workers is given room by default).
     admission: AdmissionConfig = field(
         default_factory=lambda: AdmissionConfig(max_in_flight=10_000_000))
+    # Conditional disaggregation, as the live router's default: a decode worker caching all
+    # but at most this many tokens of a prompt prefills the rest itself (0: never).
+    max_local_prefill_tokens: int = RouterConfig.max_local_prefill_tokens
     controller: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     tick_s: float = 1.0  # controller decision period
@@ -75,6 +79,7 @@ class SimConfig:
         need(self.decode_policy in DECODE_POLICIES, "decode_policy",
              f"must be one of {', '.join(DECODE_POLICIES)}")
         need(self.failed_readmit_s >= 0, "failed_readmit_s", "must be >= 0")
+        need(self.max_local_prefill_tokens >= 0, "max_local_prefill_tokens", "must be >= 0")
         for name in ("tick_s", "drain_timeout_s", "window_s", "pressure_window_s",
                      "stats_interval_s",
                      "slo_ttft_ms", "slo_itl_ms"):

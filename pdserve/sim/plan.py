@@ -128,7 +128,9 @@ def _sim_config(c: Candidate, s: dict[str, Any]):
                      prefill_policy=c.prefill_policy, controller=c.controller,
                      policy=PolicyConfig(**c.policy), slo_ttft_ms=s["ttft_slo_ms"],
                      slo_itl_ms=s["itl_slo_ms"], transport=s["transport"],
-                     block_size=s.get("block_size", 16), seed=s["seed"])
+                     block_size=s.get("block_size", 16), seed=s["seed"],
+                     max_local_prefill_tokens=s.get("max_local_prefill_tokens",
+                                                    SimConfig.max_local_prefill_tokens))
 
 
 def run_candidate(c: Candidate, requests: list, profile_name: str,
@@ -214,6 +216,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16,
                    help="KV block size in tokens (default 16; 512 is the Mooncake trace's own "
                         "prefix granularity and costs a 32nd of the block work)")
+    p.add_argument("--max-local-prefill-tokens", type=int, default=64,
+                   help="conditional disaggregation as the router does it (its default 64; "
+                        "0: every prompt takes a prefill worker)")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-policy sweep")
     p.add_argument("--no-controller", action="store_true", help="skip the controller sweep")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
@@ -228,6 +233,8 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
     for name in ("workers", "workers_per_copy", "jobs", "block_size"):
         if getattr(a, name) < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be >= 1")
+    if a.max_local_prefill_tokens < 0:
+        raise PlanError("--max-local-prefill-tokens must be >= 0")
     if a.workers < 2:
         raise PlanError("--workers must be >= 2 (one prefill and one decode worker)")
     for name in ("ttft_slo_ms", "itl_slo_ms", "duration_s", "rate"):
@@ -242,7 +249,8 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "itl_slo_ms": a.itl_slo_ms, "profile": profile, "duration_s": a.duration_s,
             "workers_per_copy": a.workers_per_copy, "rate": a.rate, "transport": a.transport,
             "routing": not a.no_routing, "controller": not a.no_controller, "jobs": a.jobs,
-            "block_size": a.block_size, "seed": a.seed}
+            "block_size": a.block_size, "seed": a.seed,
+            "max_local_prefill_tokens": a.max_local_prefill_tokens}
 
 
 def run_command(args: argparse.Namespace, tag: str, settings, work, errors: tuple,

@@ -3,7 +3,8 @@ cores, fed the way the router's worker set (`router/pool.py`) feeds them.
 
 Owns the simulated router's state: the `Membership` table, one policy per role (`make_policy`),
 `Admission`, the `KvIndex` (sources: each worker's prefix cache and the store), the prefill
-rate meter, and a cache of each member's `WorkerLoad` rebuilt only when that member changes
+rate meter, the conditional-disaggregation choice (`cached_local`, through
+`local_prefill.choose_cached_local`), and a cache of each member's `WorkerLoad` rebuilt only when that member changes
 (acquire, release, a stats report), so a choice among a thousand workers costs the policy's
 own work and little more. Must not score or choose itself: `pick` builds the `RouteInput`
 (field by field as `WorkerSet._input` does) and the policy decides.
@@ -16,6 +17,7 @@ import dataclasses
 from pdserve.core.rates import RateMeter
 from pdserve.router.admission import Admission
 from pdserve.router.kv_index import CLEARED, REMOVED, STORED, KvEvent, KvIndex, store_source
+from pdserve.router.local_prefill import LocalCandidate, choose_cached_local
 from pdserve.router.membership import (ACTIVE, DECODE, PREFILL, Membership, reports_draining)
 from pdserve.router.policy import (DecodeChooser, KvAware, LoadOrder, NoWorkerError,
                                    RouteDecision, RouteInput, WorkerLoad, choose_offload,
@@ -201,6 +203,35 @@ class SimRouter:
         self.membership.acquire(address, tokens)
         self._touch(address)
         return address, tokens
+
+    def cached_local(self, cached: dict[str, int], prompt_tokens: int, extra_tokens: int,
+                     max_uncached_tokens: int) -> tuple[str, int] | None:
+        """A decode worker caching all but at most `max_uncached_tokens` of the prompt, to
+        prefill the rest itself: (address, tokens counted in flight: the uncached ones), or
+        None. `cached`: the leading blocks of the prompt that decode workers cache (those not
+        named cache none), the index's answer `WorkerSet.cached_local` asks for. Candidates
+        are the ACTIVE decode workers caching some, in the pool's order (`choose_cached_local`
+        passes over the others)."""
+        if max_uncached_tokens <= 0 or not cached:
+            return None
+        bs = self.block_size
+        candidates = []
+        for a in self.pool(DECODE):
+            n = cached.get(a)
+            if n:
+                s = self.membership.get(a).stats
+                candidates.append(LocalCandidate(
+                    a, n * bs, running=0 if s is None else s.num_running,
+                    waiting=0 if s is None else s.num_waiting,
+                    free_blocks=None if s is None else s.num_free_blocks))
+        need = -(-(prompt_tokens + extra_tokens) // bs)
+        c = choose_cached_local(candidates, prompt_tokens, max_uncached_tokens, need)
+        if c is None:
+            return None
+        address = candidates[c.index].address
+        self.membership.acquire(address, c.uncached_tokens)
+        self._touch(address)
+        return address, c.uncached_tokens
 
     def offload(self, prompt_tokens: int) -> tuple[str, int] | None:
         """A decode worker to prefill the prompt itself within its budget (address, chunk)."""

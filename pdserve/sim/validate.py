@@ -195,9 +195,9 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
 
     # Each worker on its own share of the cores, as the profile's `threads_per_worker` says:
-    # the simulator does not model cores lent between the workers of a host. Nor does it model
-    # a decode worker prefilling a prompt it caches (the router's conditional disaggregation):
-    # every prompt takes the prefill worker, as simulated.
+    # the simulator does not model cores lent between the workers of a host. Conditional
+    # disaggregation (a decode worker prefilling a prompt it caches) is off on both sides:
+    # every prompt takes the prefill worker, whose model is what this compares.
     spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=p, decode_workers=d, controller=False,
                        routing=s["routing"], ready_timeout_s=600, share_cores=False,
@@ -251,7 +251,7 @@ def sim_side(sims, p: int, d: int, profile, s: dict[str, Any], background: float
 
     cfg = SimConfig(prefill_workers=p, decode_workers=d, prefill_policy=s["routing_policy"],
                     max_num_batched_tokens=s["max_num_batched_tokens"], max_num_seqs=64,
-                    transport="shm", seed=s["seed"],
+                    transport="shm", seed=s["seed"], max_local_prefill_tokens=0,
                     workers_per_host=(p + d if s.get("workers_per_host") is None
                                       else s["workers_per_host"] or None),
                     host_background_threads=background)

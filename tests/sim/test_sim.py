@@ -83,6 +83,26 @@ def test_prefixes_cached_by_another_worker_come_from_the_store():
     assert with_store["prompt_tokens_computed"] < without["prompt_tokens_computed"]
 
 
+def test_a_decode_worker_caching_all_but_a_short_tail_prefills_it_itself():
+    """Conditional disaggregation, as the router's default: the same prompt again meets the
+    decode worker that holds its blocks from the first time; it computes the 26-token tail
+    itself (no prefill worker, no KV transfer before it decodes), so it ends sooner."""
+    reqs = [SimRequest("first", 0.0, 1050, 20, (100, 101, 102)),
+            SimRequest("again", 10.0, 1050, 20, (100, 101, 102))]
+    kw = dict(prefill_workers=1, decode_workers=2, block_size=512)
+    on = run(SimConfig(**kw), reqs)  # the default: 64 uncached tokens at most
+    off = run(SimConfig(max_local_prefill_tokens=0, **kw), reqs)
+    assert SimConfig().max_local_prefill_tokens == 64
+    assert on.counts["local_prefills"] == 1 and off.counts["local_prefills"] == 0
+    assert on.status == off.status == ["ok", "ok"]
+    # The second request stays on the decode worker that decoded the first.
+    assert on.prefill_worker[1] == on.decode_worker[1] == on.decode_worker[0] != "w0000"
+    assert off.prefill_worker[1] == "w0000" != off.decode_worker[1]
+    assert on.counts["kv_transfers"] == off.counts["kv_transfers"] - 1
+    assert on.end_s[1] - on.ttft_s[1] < off.end_s[1] - off.ttft_s[1]
+    assert on.summary()["prompt_tokens_computed"] == off.summary()["prompt_tokens_computed"]
+
+
 def test_decode_runs_give_the_times_single_steps_give(monkeypatch):
     reqs = load_trace("synthetic:poisson:rate=8,n=80,in=600,out=90", seed=3)
     cfg = SimConfig(prefill_workers=1, decode_workers=2, block_size=16)
@@ -131,6 +151,8 @@ def test_bad_settings_name_the_field():
         SimConfig(prefill_policy="nearest")
     with pytest.raises(SimConfigError, match="link"):
         SimConfig(link="bus")
+    with pytest.raises(SimConfigError, match="max_local_prefill_tokens"):
+        SimConfig(max_local_prefill_tokens=-1)
 
 
 def test_cli_runs_a_trace_and_writes_the_report(tmp_path):
@@ -175,6 +197,40 @@ def test_the_kv_index_holds_each_prefill_workers_cache_also_after_a_flip():
             assert all(index.holds(a, h) for h in cached)
         else:
             assert index.size(a) == 0
+
+
+def test_only_decode_workers_that_cannot_qualify_are_left_out_of_the_local_prefill_choice():
+    """For conditional disaggregation the simulator reads the decode workers' caches only
+    where the prompt's block m (the last one a qualifying worker must hold) is cached: the
+    choice is the one made from every decode worker's cached prefix."""
+    import random
+
+    from pdserve.sim.cluster import Cluster
+    from pdserve.sim.engine_model import prompt_hashes_of
+
+    rng = random.Random(6)
+    c = Cluster(SimConfig(prefill_workers=1, decode_workers=6, block_size=16, kv_blocks=40),
+                [], H100)
+    decode = c.router.pool("decode")
+    chosen = 0
+    for step in range(300):
+        ids = (1, 2, 3)  # one conversation's prefix ids: every prompt is a prefix of it
+        w = c.workers[rng.choice(decode)]
+        n = rng.randrange(16, 1500)
+        w.engine.import_cached(prompt_hashes_of(ids, n, 0, 16))
+        prompt = rng.randrange(2, 1600)
+        hashes = prompt_hashes_of(ids, prompt, 0, 16)[:(prompt - 1) // 16]
+        full = {a: c.workers[a].engine.cached_blocks(hashes) for a in decode}
+        pruned = c._decode_cached(hashes, prompt)
+        assert all(full[a] == n for a, n in pruned.items())
+        got = [c.router.cached_local(x, prompt, 10, c.cfg.max_local_prefill_tokens)
+               for x in (full, pruned)]
+        for g in got:
+            if g is not None:
+                c.router.release(*g)
+        assert got[0] == got[1], step
+        chosen += got[0] is not None
+    assert chosen > 20
 
 
 def test_a_flip_whose_drain_outlasts_its_timeout_fails_and_the_worker_is_readmitted():

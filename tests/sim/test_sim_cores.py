@@ -261,3 +261,64 @@ def test_kv_aware_choices_match_the_live_worker_set_with_cached_prefixes():
         assert reused > 20  # the cached prefixes counted in many of the choices
     finally:
         live.close()
+
+
+def test_conditional_disaggregation_choices_match_the_live_worker_set():
+    """Decode workers cache prefixes of the prompts (and report their batches and free
+    blocks); the choice of a decode worker to prefill a short uncached tail itself, and what
+    it is counted for, are the same live and in the simulator."""
+    from pdserve.core.block_hash import prompt_block_hashes
+    from pdserve.router.kv_feed import KvFeeds
+    from pdserve.router.kv_index import STORED, KvEvent
+    from pdserve.sim.router import MODEL_ID
+
+    decode = ["d0", "d1", "d2", "d3"]
+    roles = {"p0": "prefill", **{a: "decode" for a in decode}}
+    feeds = KvFeeds()  # never started: the test feeds its index, as the streams would
+    live = WorkerSet(["p0"], decode, prefill_policy=make_policy("kv_aware", seed=5),
+                     decode_policy=make_policy("free_kv", seed=6), block_size_tokens=16,
+                     feeds=feeds, stats_interval_s=0)
+    for a in roles:
+        feeds.block_sizes[a] = 16
+        feeds.model_ids[a] = MODEL_ID
+    sim = SimRouter(SimConfig(prefill_workers=1, decode_workers=4, seed=5), roles)
+    rng = random.Random(4)
+    convs = [list(range(s * 1000, s * 1000 + 400)) for s in range(1, 5)]
+    held, local = [], 0
+    try:
+        for step in range(150):
+            prompt = rng.choice(convs)[:rng.randrange(17, 400)]
+            hashes = prompt_block_hashes(prompt[:-1], 16)
+            if rng.random() < 0.5:  # a decode worker caches a prefix of it
+                event = KvEvent(rng.choice(decode), STORED,
+                                tuple(hashes[:rng.randrange(len(hashes) + 1)]))
+                feeds.index.apply(event)
+                sim.index.apply(event)
+            if rng.random() < 0.3:
+                a = rng.choice(decode)
+                stats = _stats(rng, "decode")
+                live.report(a, stats, now=0.0, asked_s=0.0)
+                sim.report(a, "decode", stats, 0.0)
+            out, limit = rng.randrange(1, 300), rng.choice((0, 16, 64, 200))
+            ctx = live.cached_local(prompt, "", limit, out)
+            chosen = ctx.__enter__()
+            cached = {a: n for a in decode if (n := sim.index.overlap(a, hashes))}
+            got = sim.cached_local(cached, len(prompt), out, limit)
+            if chosen is None:
+                ctx.__exit__(None, None, None)
+                assert got is None, f"step {step}"
+                continue
+            address, _, choice = chosen
+            assert got == (address, choice.uncached_tokens), f"step {step}"
+            local += 1
+            held.append((ctx, address, choice.uncached_tokens))
+            if rng.random() < 0.6:
+                ctx, address, tokens = held.pop(rng.randrange(len(held)))
+                ctx.__exit__(None, None, None)
+                sim.release(address, tokens)
+            live_members = {m.address: (m.in_flight, m.in_flight_tokens) for m in live.members()}
+            assert live_members == {m.address: (m.in_flight, m.in_flight_tokens)
+                                    for m in sim.members()}
+        assert local > 15
+    finally:
+        live.close()
