@@ -203,26 +203,30 @@ class KvAware:
         often hold the same shared prefix) and a score is made only for a count's best."""
         workers, ow, rc = inp.workers, self.overlap_weight, self.request_cost_tokens
         parts_of: dict[int, tuple[int, int, int, float, float]] = {}
-        best: dict[int, tuple[tuple[float, int, int], float]] = {}
+        weighted: dict[int, float] = {}  # count -> overlap_weight x work
+        best: dict[int, list] = {}  # count -> [cost, in flight, index, load] of its cheapest
         held: set[int] = set()
         for i, c in cached.items():
             w = workers[i]
             if c <= 0 or not w.healthy:
                 continue
             held.add(i)
-            parts = parts_of.get(c)
-            if parts is None:
+            base = weighted.get(c)
+            if base is None:
                 local, fetch, compute = _parts(inp, c)
                 work = compute + self.fetch_weight * fetch * inp.block_size_tokens
-                parts = parts_of[c] = (local, fetch, compute, work, ow * work)
-            load = w.in_flight_tokens + rc * w.in_flight  # `load_of`
-            key = (parts[4] + load, w.in_flight, i)
+                parts_of[c] = (local, fetch, compute, work)
+                base = weighted[c] = ow * work
+            n = w.in_flight
+            load = w.in_flight_tokens + rc * n  # `load_of`
+            cost = base + load
             b = best.get(c)
-            if b is None or key < b[0]:
-                best[c] = (key, load)
+            # Ranked by (cost, in flight, index); the indices come in no set order.
+            if b is None or cost < b[0] or (cost == b[0] and (n, i) < (b[1], b[2])):
+                best[c] = [cost, n, i, load]
         out = []
-        for c, ((cost, _, i), load) in best.items():
-            local, fetch, compute, work, _ = parts_of[c]
+        for c, (cost, _, i, load) in best.items():
+            local, fetch, compute, work = parts_of[c]
             out.append(WorkerScore(i, local, fetch, compute, work, load, cost))
         return out, held
 

@@ -82,7 +82,7 @@ class Cluster:
         self.held: dict[int, tuple[str, float, int]] = {}  # router's in-flight count to release
         self.own: dict[int, int] = {}  # prefill work queued in admission
         self.offloaded: set[int] = set()  # prefilled on a decode worker within its budget
-        self._decode_caches: tuple = (None, [])  # the decode pool and its workers' engines
+        self._decode_caches: tuple = (None, [])  # the decode pool; its engines and their caches
         self.store_hits: dict[int, tuple[int, int]] = {}
         self.unresolved = n
         self.arrived = 0
@@ -221,9 +221,10 @@ class Cluster:
         h = hashes[m]
         pool = self.router.pool(DECODE)  # the same list until the membership changes
         if self._decode_caches[0] is not pool:
-            self._decode_caches = (pool, [(a, self.workers[a].engine) for a in pool])
-        return {a: engine.cached_blocks(hashes) for a, engine in self._decode_caches[1]
-                if engine.pool.lookup(h) is not None}
+            self._decode_caches = (pool, [(a, self.workers[a].engine,
+                                           self.workers[a].engine.pool.by_hash) for a in pool])
+        return {a: engine.cached_blocks(hashes) for a, engine, cached in self._decode_caches[1]
+                if h in cached}
 
     def _prefill_on_decode(self, i: int, prompt: list[int]) -> bool:
         """No prefill worker: a decode worker takes the whole request (False: none can)."""
