@@ -170,8 +170,14 @@ class EngineModel:
         return events
 
     def cached_blocks(self, hashes) -> int:
-        """Leading blocks of the chain the local prefix cache holds."""
-        return leading_run(hashes, lambda h: self.pool.lookup(h) is not None)
+        """Leading blocks of the chain the local prefix cache holds (`BlockPool.lookup` of
+        each, up to the first miss; read from its map: asked for every hand-over)."""
+        cached, n = self.pool.by_hash, 0
+        for h in hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
 
     def import_cached(self, hashes) -> int:
         """Full blocks fetched from the store into the local prefix cache (unheld, evictable)."""
@@ -302,7 +308,8 @@ class EngineModel:
                 seq.block_table.extend(allocate(need))
             seq.token_ids.extend(sampled)
             advance(seq, k)
-            if len(seq.token_ids) - seq.prompt_len >= seq.params.max_tokens:
+            # Still one token behind: its tokens number num_computed + 1.
+            if seq.num_computed + 1 - seq.prompt_len >= seq.params.max_tokens:
                 sched.finish(seq, self._length)
                 sched.free(seq)
                 del self.seqs[seq.request_id]
