@@ -168,6 +168,14 @@ def test_cli_runs_a_trace_and_writes_the_report(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["requests"]["ttft_s"]) == 60
+    assert report["config"]["max_local_prefill_tokens"] == 64  # the router's default
+    off = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "sim", "run", "--trace", MOONCAKE, "--limit", "5",
+         "--block-size", "512", "--max-local-prefill-tokens", "0", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0, off.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["max_local_prefill_tokens"] == 0
 
 
 def test_cli_refuses_a_bad_trace_naming_it():
