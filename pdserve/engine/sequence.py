@@ -25,7 +25,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: equal only to itself (queues search it by identity)
 class Sequence:
     request_id: str
     prompt_ids: list[int]
