@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.core.errors import ConfigError
+from pdserve.sim.config import SimConfig
 from pdserve.sim.profile import load_profile
 
 DEFAULT_TTFT_SLO_MS = 2000.0  # a chat reply starts within 2 s
@@ -122,7 +123,6 @@ def routing_candidates(best: Candidate) -> list[Candidate]:
 # ---- running --------------------------------------------------------------------------------
 def _sim_config(c: Candidate, s: dict[str, Any]):
     from pdserve.controller.policy import PolicyConfig
-    from pdserve.sim.config import SimConfig
 
     return SimConfig(prefill_workers=c.prefill_workers, decode_workers=c.decode_workers,
                      prefill_policy=c.prefill_policy, controller=c.controller,
@@ -216,9 +216,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16,
                    help="KV block size in tokens (default 16; 512 is the Mooncake trace's own "
                         "prefix granularity and costs a 32nd of the block work)")
-    p.add_argument("--max-local-prefill-tokens", type=int, default=64,
-                   help="conditional disaggregation as the router does it (its default 64; "
-                        "0: every prompt takes a prefill worker)")
+    p.add_argument("--max-local-prefill-tokens", type=int,
+                   default=SimConfig.max_local_prefill_tokens,
+                   help="conditional disaggregation as the router does it (its default, "
+                        "%(default)s; 0: every prompt takes a prefill worker)")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-policy sweep")
     p.add_argument("--no-controller", action="store_true", help="skip the controller sweep")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
