@@ -18,9 +18,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Protocol
 
 # Block naming is shared with the router and the simulator; re-exported for the engine's callers.
 from pdserve.core.block_hash import hash_block, prompt_block_hashes  # noqa: F401
+from pdserve.core.errors import NoFreeBlocksError  # noqa: F401 - raised here, re-exported
 
 
 STORED = "stored"
@@ -32,6 +34,10 @@ class BlockEvent:
     seq: int
     kind: str  # STORED or REMOVED
     block_hash: bytes
+
+
+class EventSink(Protocol):
+    def append(self, kind: str, block_hash: bytes) -> None: ...
 
 
 class BlockEventLog:
@@ -71,10 +77,6 @@ class BlockEventLog:
             return self._cond.wait_for(lambda: self.last_seq > seq, timeout=timeout_s)
 
 
-class NoFreeBlocksError(RuntimeError):
-    """The pool has fewer free blocks than asked for (the scheduler checks first)."""
-
-
 @dataclass
 class PoolStats:
     num_blocks: int
@@ -92,7 +94,8 @@ class BlockPool:
         # Blocks with ref 0, oldest first: a plain free block or a cached one to evict last-used-first.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.evictions = 0
-        self.events = BlockEventLog(max_events)
+        # Where the changes go: a `BlockEventLog`, or what else takes `append(kind, hash)`.
+        self.events: EventSink = BlockEventLog(max_events)
 
     @property
     def num_free(self) -> int:
@@ -135,6 +138,7 @@ class BlockPool:
 
     def _evict(self, bid: int) -> None:
         old = self.block_hash[bid]
+        assert old is not None  # only cached blocks are evicted
         del self.by_hash[old]
         self.block_hash[bid] = None
         self.evictions += 1

@@ -46,6 +46,7 @@ class Scheduler:
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
         self.prompt_tokens_computed = 0  # run through the model, not served from a cache
+        self.preemptions = 0  # sequences sent back to waiting to free their blocks
 
     def add(self, seq: Sequence) -> None:
         if len(seq.known_hashes) > len(seq.prompt_ids) // self.block_size:
@@ -117,6 +118,7 @@ class Scheduler:
         return min(n, seq.max_chunk_tokens) if seq.max_chunk_tokens > 0 else n
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.running.remove(seq)
         self.free(seq)
         self._reset_to_recompute(seq)

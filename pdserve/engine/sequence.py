@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.core import finish
+from pdserve.core.errors import QueueFullError  # noqa: F401 - re-exported
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.outputs import ModelRunnerOutput, StopRules
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound (mapped to RESOURCE_EXHAUSTED / HTTP 429)."""
+# A sequence's token ids: a list, or what reads as one (`len`, indexing and slices, iteration,
+# `append`, `extend`, `del` of a tail, `copy`), as the simulator's compact `RunTokens` does.
+TokenIds = Any
 
 
 class SeqStatus(enum.Enum):
@@ -28,13 +31,13 @@ class SeqStatus(enum.Enum):
 @dataclass(eq=False)  # an entity: equal only to itself (queues search it by identity)
 class Sequence:
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: TokenIds
     params: SamplingParams
     salt: str = ""
     stop_rules: StopRules = StopRules()
     prefill_only: bool = False  # prefill role: stop after the first token, keep the KV for export
     max_chunk_tokens: int = 0  # most of its own tokens per step (0: only the step budget bounds it)
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: TokenIds = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks registered so far
@@ -49,7 +52,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # For drafters that read the target's hidden states: the last rows computed (a tensor
     # [w, d], positions hidden_end - w .. hidden_end - 1), kept by the engine.
-    hidden: object = None
+    hidden: Any = None
     hidden_end: int = 0
     # Progressive KV: >0 while the prompt's KV is anchor precision (approximate). Tokens from
     # this index on are drafts decoded on it, never emitted; `paused` stops scheduling when

@@ -128,7 +128,7 @@ class KvIndex:
         holding = where.get(h)
         if holding is None:
             where[h] = source
-        elif type(holding) is str:
+        elif isinstance(holding, str):
             where[h] = {holding, source}
         else:
             holding.add(source)
@@ -139,7 +139,7 @@ class KvIndex:
             return
         where = self._where
         holding = where[h]
-        if type(holding) is str:
+        if isinstance(holding, str):
             del where[h]
             return
         holding.discard(source)
@@ -169,20 +169,17 @@ class KvIndex:
         """{source: overlap} for every source whose overlap with the chained `hashes` is at
         least one (the others' is zero): the work is the holders of each leading block, not
         the number of sources (with `by_hash`; else a pass over the sources)."""
+        chain: Sequence[bytes] = hashes if isinstance(hashes, Sequence) else list(hashes)
         if not self.by_hash:
-            hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
-            return {s: n for s in self._blocks if (n := self.overlap(s, hashes))}
-        if self._scanned:
-            hashes = hashes if isinstance(hashes, Sequence) else list(hashes)
+            return {s: n for s in self._blocks if (n := self.overlap(s, chain))}
         out: dict[str, int] = {}
         live: set[str] | None = None
         n = 0
-        for h in hashes:
-            holding = self._where.get(h)
-            if holding is None:
+        for h in chain:
+            found = self._where.get(h)
+            if found is None:
                 break
-            if type(holding) is str:
-                holding = {holding}
+            holding = {found} if isinstance(found, str) else found
             nxt = set(holding) if live is None else live & holding
             if live is not None:
                 for s in live - nxt:
@@ -194,7 +191,7 @@ class KvIndex:
         for s in live or ():
             out[s] = n
         for s in self._scanned:
-            if n := self.overlap(s, hashes):
+            if n := self.overlap(s, chain):
                 out[s] = n
         return out
 

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from pdserve.core.errors import UnknownMemberError  # noqa: F401 - raised here, re-exported
 
 ACTIVE = "active"
 DRAINING = "draining"
@@ -31,12 +34,6 @@ PREFILL = "prefill"
 DECODE = "decode"
 ROLES = (PREFILL, DECODE)
 
-
-class UnknownMemberError(KeyError):
-    """An address the router does not know (mapped to NOT_FOUND by the control API)."""
-
-    def __str__(self) -> str:  # KeyError's own str() quotes the message
-        return str(self.args[0]) if self.args else "unknown worker"
 
 
 class InvalidBudgetError(ValueError):
@@ -55,7 +52,7 @@ class Member:
     offload_tokens: int = 0  # prompt tokens of offloaded (locally prefilled) requests in flight
     offload_budget: int = 0  # the most offload_tokens the controller allows (0: no offload)
     offload_chunk: int = 0  # prompt tokens per engine step for each offloaded request
-    stats: object | None = None  # the last WorkerStats it reported; None before the first
+    stats: Any = None  # the last WorkerStats it reported (or alike); None before the first
     last_seen_s: float | None = None  # when it last answered a poll; None: never
     missed: int = 0  # consecutive polls it did not answer
     reason: str = ""  # why it is in this state, for operators
@@ -193,7 +190,7 @@ class Membership:
             m.state, m.role = ACTIVE, role
         return m
 
-    def report(self, address: str, role: str, now: float, stats: object | None = None,
+    def report(self, address: str, role: str, now: float, stats: Any = None,
                asked_s: float | None = None) -> Member | None:
         """A successful poll, asked at `asked_s`: it answered in `role`. None if the address
         was forgotten meanwhile (a poll answer that arrived late).

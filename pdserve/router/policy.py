@@ -29,16 +29,15 @@ of the prompt), so a choice among a thousand workers does not score them all.
 
 from __future__ import annotations
 
+import builtins
 import math
 import random
 from bisect import bisect_right, insort
 from dataclasses import dataclass, field, replace
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import Protocol
 
-
-class NoWorkerError(RuntimeError):
-    """No healthy worker of the needed role (mapped to UNAVAILABLE)."""
+from pdserve.core.errors import NoWorkerError  # noqa: F401 - raised here, re-exported
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class RouteInput:
     """One request's routing question. Block counts are of full blocks of the reusable prompt
     (all tokens but the last: one token is always computed)."""
 
-    workers: tuple[WorkerLoad, ...]
+    workers: Sequence[WorkerLoad]  # a tuple, or a list the caller keeps current
     prompt_tokens: int = 0
     block_size_tokens: int = 16
     store_cached_blocks: int = 0  # leading blocks of this prompt in the shared store
@@ -174,7 +173,7 @@ class KvAware:
     request_cost_tokens: float = 64.0
     temperature: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
-    name: ClassVar[str] = "kv_aware"
+    name = "kv_aware"  # (a class attribute: not a field)
 
     def __post_init__(self) -> None:
         for f in ("overlap_weight", "fetch_weight", "request_cost_tokens", "temperature"):
@@ -202,7 +201,7 @@ class KvAware:
         and work depend only on the count, so they are computed once per count (many workers
         often hold the same shared prefix) and a score is made only for a count's best."""
         workers, ow, rc = inp.workers, self.overlap_weight, self.request_cost_tokens
-        parts_of: dict[int, tuple[int, int, int, float, float]] = {}
+        parts_of: dict[int, tuple[int, int, int, float]] = {}
         weighted: dict[int, float] = {}  # count -> overlap_weight x work
         best: dict[int, list] = {}  # count -> [cost, in flight, index, load] of its cheapest
         held: set[int] = set()
@@ -282,8 +281,8 @@ class LoadOrder:
     discards a worker that stops being a healthy candidate."""
 
     def __init__(self) -> None:
-        self._keys: list[tuple[float, int, int]] = []
-        self._of: dict[int, tuple[float, int, int]] = {}
+        self._keys: list[tuple[float, float, int]] = []
+        self._of: dict[int, tuple[float, float, int]] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -303,7 +302,7 @@ class LoadOrder:
         if old is not None:
             self._remove(old)
 
-    def _remove(self, key: tuple[float, int, int]) -> None:
+    def _remove(self, key: tuple[float, float, int]) -> None:
         del self._keys[bisect_right(self._keys, key) - 1]
 
     def first(self) -> int | None:
@@ -312,7 +311,7 @@ class LoadOrder:
     def __iter__(self):
         return (key[2] for key in self._keys)
 
-    def cheapest(self, cost_of, skip: set[int]) -> int | None:
+    def cheapest(self, cost_of, skip: builtins.set[int]) -> int | None:
         """The index with the least (cost_of(load), in flight, index), not in `skip`;
         `cost_of` must not decrease as load grows. Within one load value the order's first is
         that value's best; the next values are tried only while their cost can still tie

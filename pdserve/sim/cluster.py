@@ -12,6 +12,7 @@ admit, schedule or decide itself: the real cores do (through `router.SimRouter`,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pdserve.controller.signals import Slo
 from pdserve.router.admission import Overloaded
@@ -29,6 +30,9 @@ from pdserve.sim.router import SimRouter
 from pdserve.sim.trace import SimRequest
 from pdserve.sim.worker import DRAINING as W_DRAINING
 from pdserve.sim.worker import SERVING, STARTING, SWITCHING, SimWorker
+
+if TYPE_CHECKING:
+    from pdserve.engine.sequence import TokenIds
 
 
 # With every request arrived and nothing stepping or moving for this long, the run is stuck:
@@ -76,7 +80,7 @@ class Cluster:
             ttft_s=[None] * n, end_s=[None] * n, status=["unfinished"] * n,
             prefill_worker=[""] * n, decode_worker=[""] * n,
             slo_ttft_s=self.slo.ttft_s, slo_itl_s=self.slo.itl_s, workers=len(roles))
-        self.prompt: dict[int, list[int]] = {}
+        self.prompt: dict[int, TokenIds] = {}
         self.hashes: dict[int, list[bytes]] = {}
         self.known: dict[int, list[bytes]] = {}  # full blocks' hashes, until the prompt is queued
         self.held: dict[int, tuple[str, float, int]] = {}  # router's in-flight count to release
@@ -107,9 +111,10 @@ class Cluster:
                 self.router.set_state(a, DRAINING, None, "starting", 0.0)
                 q.push(self.profile.startup_s, "ready", a)
         self._roles()
-        handlers = {"arrive": self._arrive, "step": self._step, "link": self._link,
-                    "poll": self._poll, "tick": self._tick, "switched": self._switched,
-                    "ready": self._ready, "drain_deadline": self._drain_deadline}
+        handlers: dict[str, Callable[[Any], None]] = {
+            "arrive": self._arrive, "step": self._step, "link": self._link, "poll": self._poll,
+            "tick": self._tick, "switched": self._switched, "ready": self._ready,
+            "drain_deadline": self._drain_deadline}
         every = 1 << 16
         periodic = ("poll", "tick")
         while q and self.unresolved > 0 and not self.stalled:
@@ -174,10 +179,9 @@ class Cluster:
                                      self.cfg.max_local_prefill_tokens)
                  if self.cfg.max_local_prefill_tokens > 0 else None)
         if local is not None:  # conditional disaggregation: it caches all but a short tail
-            address, tokens = local
-            self.held[i] = (address, tokens, 0)
+            self.held[i] = (local[0], local[1], 0)
             self.counts["local_prefills"] += 1
-            self._on_decode(i, address, prompt)
+            self._on_decode(i, local[0], prompt)
             return
         chosen = router.offload(r.prompt_tokens)
         if chosen is not None:
@@ -199,13 +203,13 @@ class Cluster:
         self.held[i] = (address, tokens, 0)
         self.report.prefill_worker[i] = address
         w = self.workers[address]
-        local = w.engine.cached_blocks(hashes)
+        here = w.engine.cached_blocks(hashes)
         in_store = self.store.leading(hashes) if self.store.capacity else 0
-        self.store_hits[i] = (local, in_store)
-        if in_store > local:
+        self.store_hits[i] = (here, in_store)
+        if in_store > here:
             w.inbound += 1
-            self.counts["store_fetch_blocks"] += in_store - local
-            self._send(self.links[address], ("fetch", i, address), (in_store - local) * self.bpt)
+            self.counts["store_fetch_blocks"] += in_store - here
+            self._send(self.links[address], ("fetch", i, address), (in_store - here) * self.bpt)
         else:
             self._to_prefill(w, i)
 
@@ -226,7 +230,7 @@ class Cluster:
         return {a: engine.cached_blocks(hashes) for a, engine, cached in self._decode_caches[1]
                 if h in cached}
 
-    def _prefill_on_decode(self, i: int, prompt: list[int]) -> bool:
+    def _prefill_on_decode(self, i: int, prompt: TokenIds) -> bool:
         """No prefill worker: a decode worker takes the whole request (False: none can)."""
         r = self.reqs[i]
         try:
@@ -237,7 +241,7 @@ class Cluster:
         self._on_decode(i, address, prompt)
         return True
 
-    def _on_decode(self, i: int, address: str, prompt: list[int], chunk: int = 0) -> None:
+    def _on_decode(self, i: int, address: str, prompt: TokenIds, chunk: int = 0) -> None:
         """The request prefills and decodes on decode worker `address` (its counts held)."""
         r, w = self.reqs[i], self.workers[address]
         self.report.prefill_worker[i] = self.report.decode_worker[i] = address
@@ -302,7 +306,9 @@ class Cluster:
         self.router.admission.release("")
         self._prefilled(i)
         if self.ctl is not None:
-            self.ctl.finished(now, now - r.arrival_s, rep.ttft_s[i], r.prompt_tokens,
+            ttft = rep.ttft_s[i]
+            assert ttft is not None  # it made its first token before it ended
+            self.ctl.finished(now, now - r.arrival_s, ttft, r.prompt_tokens,
                               r.output_tokens, i in self.offloaded)
         self.offloaded.discard(i)
         self.prompt.pop(i, None)
@@ -379,9 +385,9 @@ class Cluster:
                 w.finished += 1
                 self._finish(i)
         if self.router.kv_aware:
-            events = w.engine.block_events()
-            if events:
-                self.router.worker_events(address, events)
+            changes = w.engine.block_events()
+            if changes:
+                self.router.worker_events(address, changes)
         self._wake(w)
 
     # ---- polls, the controller and flips -------------------------------------------------------
@@ -407,6 +413,7 @@ class Cluster:
                 self._wake(w)
         switching = {a: w.to_role for a, w in self.workers.items()
                      if w.state in (W_DRAINING, SWITCHING) and w.to_role}
+        assert self.ctl is not None  # ticks are scheduled only with a controller
         d = self.ctl.tick(now, switching, self.last_flip_s)
         self.router.set_budgets({b.address: (b.max_tokens, b.chunk_tokens) for b in d.budgets})
         for f in d.flips:
@@ -444,6 +451,7 @@ class Cluster:
 
     def _switched(self, address: str) -> None:
         w, now = self.workers[address], self.q.now
+        assert w.to_role is not None  # a switch starts with its target role
         w.role, w.state, w.to_role = w.to_role, SERVING, None
         w.switches += 1
         self.counts["flips"] += 1

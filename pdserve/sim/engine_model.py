@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import itertools
 from hashlib import blake2b
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.sim.profile import attn_pairs
 from pdserve.sim.tokens import RunTokens
 from pdserve.sim.trace import HASH_BLOCK_TOKENS
+
+if TYPE_CHECKING:
+    from pdserve.engine.sequence import TokenIds
 
 SAMPLED_TOKEN = 1  # the simulator's sampled token: only its count and position matter
 
@@ -149,14 +152,14 @@ class EngineModel:
         self.parked: dict[str, Any] = {}  # prefill-only sequences done, KV held for export
 
     # ---- requests in ---------------------------------------------------------------------------
-    def _seq(self, rid: str, prompt: list[int], output_tokens: int, **kw):
+    def _seq(self, rid: str, prompt: TokenIds, output_tokens: int, **kw):
         seq = self._Sequence(rid, prompt, self._Params(max_tokens=output_tokens,
                                                        ignore_eos=True),
                              token_ids=prompt.copy(), **kw)  # a `RunTokens` stays compact
         self.seqs[rid] = seq
         return seq
 
-    def add(self, rid: str, prompt: list[int], output_tokens: int, *, prefill_only: bool = False,
+    def add(self, rid: str, prompt: TokenIds, output_tokens: int, *, prefill_only: bool = False,
             max_chunk_tokens: int = 0, known_hashes=()) -> None:
         """Queue a prompt; `known_hashes` (its full blocks' chained hashes, if the caller has
         them) spare the scheduler hashing its token ids."""
@@ -193,7 +196,7 @@ class EngineModel:
             placed += 1
         return placed
 
-    def add_prefilled(self, rid: str, prompt: list[int], hashes, output_tokens: int) -> bool:
+    def add_prefilled(self, rid: str, prompt: TokenIds, hashes, output_tokens: int) -> bool:
         """Join a request prefilled elsewhere (its first token made there) through the
         scheduler's `add_prefilled`; its full blocks' `hashes` name the KV that arrived (all of
         it). False if the first token already ended it (nothing is queued)."""

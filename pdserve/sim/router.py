@@ -13,6 +13,7 @@ own work and little more. Must not score or choose itself: `pick` builds the `Ro
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from pdserve.core.rates import RateMeter
 from pdserve.router.admission import Admission
@@ -175,6 +176,7 @@ class SimRouter:
         addresses = self.pool(role)
         if not addresses:
             raise NoWorkerError(f"no active {role} worker")
+        workers: Sequence[WorkerLoad]
         if self._sparse[role]:
             workers = self._view(role)[1]
         else:

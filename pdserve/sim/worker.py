@@ -131,6 +131,7 @@ class SimWorker:
             self.steps += k
             return [(rid, "done") for rid in self.engine.run_decode(k)], dur
         step, self.step = self.step, None
+        assert step is not None  # a step ends only after one started
         self.steps += 1
         if step.prefill_tokens == 0:
             self.decode_steps += 1

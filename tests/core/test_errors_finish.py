@@ -33,3 +33,17 @@ def test_finish_reasons_round_trip_through_the_wire():
         assert finish_to_proto(str(reason)) == finish_to_proto(reason)  # plain strings too
     assert finish.STOP == "stop" and f"{finish.LENGTH}" == "length"
     assert finish.ABORT not in finish.COMPLETED
+
+
+def test_the_cores_errors_are_one_class_each_wherever_imported():
+    from pdserve.core import errors
+    from pdserve.engine import block_pool, scheduler, sequence
+    from pdserve.router import membership, policy
+
+    assert block_pool.NoFreeBlocksError is errors.NoFreeBlocksError
+    assert scheduler.QueueFullError is sequence.QueueFullError is errors.QueueFullError
+    assert policy.NoWorkerError is errors.NoWorkerError
+    assert membership.UnknownMemberError is errors.UnknownMemberError
+    assert str(errors.UnknownMemberError("no worker d9")) == "no worker d9"  # not quoted
+    assert issubclass(errors.UnknownMemberError, KeyError)
+    assert issubclass(errors.QueueFullError, RuntimeError)

@@ -144,18 +144,10 @@ def test_chunk_cap_on_a_prompt_next_to_running_decodes_keeps_every_token(tiny_ll
 def test_preemption_under_a_tiny_pool_keeps_every_output(tiny_llama_dir, reference):
     # 12 blocks of 4 tokens: the longest request alone needs 8, all of them together need 30.
     engine = make_engine(tiny_llama_dir, num_blocks=12, max_num_batched_tokens=16)
-    preempted = []
-    schedule = engine.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        preempted.extend(s.request_id for s in batch.preempted)
-        return batch
-    engine.scheduler.schedule = spy
     params = [GREEDY, SAMPLED] * 3
     rids = [engine.add_request(None, p, sp) for p, sp in zip(PROMPTS, params)]
     outs = run(engine)
-    assert preempted, "the pool was meant to run out"
+    assert engine.scheduler.preemptions > 0, "the pool was meant to run out"
     for rid, p, sp in zip(rids, PROMPTS, params):
         assert outs[rid] == reference(p, sp)
     assert_all_free(engine)
