@@ -32,6 +32,21 @@ def clean() -> None:
     shutil.rmtree(ROOT / "build" / "mypyc", ignore_errors=True)
 
 
+def headers_missing() -> str | None:
+    """Why an extension cannot be built with this interpreter, or None."""
+    import sysconfig
+
+    include = sysconfig.get_paths()["include"]
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        v = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        return (f"no Python.h in {include}: the Python headers are needed "
+                f"(Debian/Ubuntu: apt install python{v}-dev)")
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        return f"no C compiler ({cc}) on PATH"
+    return None
+
+
 def build(jobs: int) -> None:
     sys.path.insert(0, str(ROOT))
     from mypyc.build import mypycify
@@ -63,12 +78,20 @@ def build(jobs: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clean", action="store_true", help="remove the compiled modules")
+    p.add_argument("--check", action="store_true",
+                   help="only check that this interpreter can build extensions (exit 2 if not)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
     if args.clean:
         clean()
-    else:
-        build(args.jobs)
+        return 0
+    why = headers_missing()
+    if why is not None:
+        print(f"scripts/compile.py: cannot compile: {why}", file=sys.stderr)
+        return 2
+    if args.check:
+        return 0
+    build(args.jobs)
     return 0
 
 

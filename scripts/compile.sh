@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/python.sh
 if [ "${1:-}" != "--clean" ]; then
-  "$PYTHON" -m pip install --disable-pip-version-check -q 'mypy>=1.13' 'setuptools>=68'
+  "$PYTHON" scripts/compile.py --check  # the Python headers and gcc, before installing mypy
+  # mypy pinned to the version the compiled build is tested with.
+  "$PYTHON" -m pip install --disable-pip-version-check -q 'mypy==2.4.1' 'setuptools>=68'
 fi
 exec "$PYTHON" scripts/compile.py "$@"
