@@ -5,8 +5,8 @@ Owns the simulated router's state: the `Membership` table, one policy per role (
 `Admission`, the `KvIndex` (sources: each worker's prefix cache and the store), the prefill
 rate meter, the conditional-disaggregation choice (`cached_local`, through
 `local_prefill.choose_cached_local`), and a cache of each member's `WorkerLoad` rebuilt only
-when that member changes (acquire, release, a stats report), so a choice among a thousand workers costs the policy's
-own work and little more. Must not score or choose itself: `pick` builds the `RouteInput`
+when that member changes (acquire, release, a stats report), so a choice among a thousand
+workers costs the policy's own work and little more. Must not score or choose itself: `pick` builds the `RouteInput`
 (field by field as `WorkerSet._input` does) and the policy decides.
 """
 
