@@ -69,6 +69,11 @@ class KvStore:
         self.evicted = 0
         self.puts = 0
 
+    def overlap(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the chain the store holds (untouched: what the router's index of
+        the store answers)."""
+        return leading_run(hashes, self.blocks.__contains__)
+
     def leading(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of the chain the store holds (touched: recently used)."""
         n = leading_run(hashes, self.blocks.__contains__)

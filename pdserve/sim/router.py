@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.core.rates import RateMeter
 from pdserve.router.admission import Admission
@@ -25,13 +26,22 @@ from pdserve.router.policy import (DecodeChooser, KvAware, LoadOrder, NoWorkerEr
                                    make_policy)
 from pdserve.sim.config import SimConfig
 
+if TYPE_CHECKING:
+    from pdserve.sim.network import KvStore as StoreView
+
 MODEL_ID = "sim"
 STORE = store_source(MODEL_ID)
 
 
 class SimRouter:
-    def __init__(self, cfg: SimConfig, addresses: dict[str, str], now: float = 0.0) -> None:
+    def __init__(self, cfg: SimConfig, addresses: dict[str, str], now: float = 0.0,
+                 store: StoreView | None = None) -> None:
         self.cfg = cfg
+        # The shared store's blocks: a source of the index fed by `store_events`, or (`store`
+        # given) read where they are. The two answer alike: events reach the index as the
+        # store changes, and its bound per source is past any store's capacity here. Reading
+        # the store spares the index a second copy of millions of blocks.
+        self.store = store
         self.membership = Membership()
         self.policies = {PREFILL: make_policy(cfg.prefill_policy, seed=cfg.seed),
                          DECODE: make_policy(cfg.decode_policy, seed=cfg.seed + 1)}
@@ -42,7 +52,7 @@ class SimRouter:
         # takes most new blocks, is asked directly instead.
         self.index = KvIndex(max_blocks_per_source=10_000_000,
                              max_sources=len(addresses) + 1, by_hash=len(addresses) > 64,
-                             scanned=(STORE,))
+                             scanned=(STORE,) if store is None else ())
         self.rates = RateMeter()
         self.block_size = cfg.block_size
         self._loads: dict[str, WorkerLoad] = {}
@@ -156,6 +166,9 @@ class SimRouter:
         self.kv_event(address, STORED, hashes)
 
     def store_events(self, stored, evicted) -> None:
+        """The store stored and evicted these blocks (read where they are with `store`)."""
+        if self.store is not None:
+            return
         self.kv_event(STORE, STORED, stored)
         self.kv_event(STORE, REMOVED, evicted)
 
@@ -168,7 +181,7 @@ class SimRouter:
             return {}, 0
         at = self._view(PREFILL)[0]
         held = self.index.holders(hashes)
-        store = held.pop(STORE, 0)
+        store = held.pop(STORE, 0) if self.store is None else self.store.overlap(hashes)
         return {at[a]: c for a, c in held.items() if a in at}, store
 
     def route_input(self, role: str, prompt_tokens: int, extra_tokens: int
