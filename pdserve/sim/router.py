@@ -2,12 +2,13 @@
 cores, fed the way the router's worker set (`router/pool.py`) feeds them.
 
 Owns the simulated router's state: the `Membership` table, one policy per role (`make_policy`),
-`Admission`, the `KvIndex` (sources: each worker's prefix cache and the store), the prefill
-rate meter, the conditional-disaggregation choice (`cached_local`, through
-`local_prefill.choose_cached_local`), and a cache of each member's `WorkerLoad` rebuilt only
-when that member changes (acquire, release, a stats report), so a choice among a thousand
-workers costs the policy's own work and little more. Must not score or choose itself: `pick` builds the `RouteInput`
-(field by field as `WorkerSet._input` does) and the policy decides.
+`Admission`, the `KvIndex` (sources: each worker's prefix cache, and the store unless the store
+is read where it is), the prefill rate meter, the conditional-disaggregation choice
+(`cached_local`, through `local_prefill.choose_cached_local`), and a cache of each member's
+`WorkerLoad` rebuilt only when that member changes (acquire, release, a stats report), so a
+choice among a thousand workers costs the policy's own work and little more. Must not score or
+choose itself: `pick` builds the `RouteInput` (field by field as `WorkerSet._input` does) and
+the policy decides.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ class SimRouter:
                  store: StoreView | None = None) -> None:
         self.cfg = cfg
         # The shared store's blocks: a source of the index fed by `store_events`, or (`store`
-        # given) read where they are. The two answer alike: events reach the index as the
-        # store changes, and its bound per source is past any store's capacity here. Reading
-        # the store spares the index a second copy of millions of blocks.
+        # given) read where they are. The two answer alike (events reach the index as the store
+        # changes) while the store holds no more than the index's bound per source, the store's
+        # default capacity; reading the store spares the index a second copy of its blocks.
         self.store = store
         self.membership = Membership()
         self.policies = {PREFILL: make_policy(cfg.prefill_policy, seed=cfg.seed),
@@ -79,9 +80,8 @@ class SimRouter:
                 and old.in_flight_tokens == m.in_flight_tokens and old.free_blocks == free
                 and old.running == running and old.waiting == waiting):
             return  # the same load (a poll of an unchanged worker): views and orders hold
-        w = self._loads[address] = WorkerLoad(
-            m.address, m.in_flight, True, m.in_flight_tokens, 0,
-            free_blocks=free, running=running, waiting=waiting)
+        w = self._loads[address] = WorkerLoad(  # positional: no keywords to parse
+            m.address, m.in_flight, True, m.in_flight_tokens, 0, free, running, waiting)
         for role, (at, loads, orders) in self._views.items():
             i = at.get(address)
             if i is not None:
