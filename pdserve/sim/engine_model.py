@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from pdserve.engine.sequence import TokenIds
 
 SAMPLED_TOKEN = 1  # the simulator's sampled token: only its count and position matter
+# Sampling parameters by output length, shared by every engine and request of that length
+# (frozen, so sharing is safe; one per length a trace has).
+_PARAMS: dict[int, Any] = {}
 
 
 def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
@@ -178,8 +181,11 @@ class EngineModel:
 
     # ---- requests in ---------------------------------------------------------------------------
     def _seq(self, rid: str, prompt: TokenIds, output_tokens: int, **kw):
-        seq = self._Sequence(rid, prompt, self._Params(max_tokens=output_tokens,
-                                                       ignore_eos=True),
+        params = _PARAMS.get(output_tokens)
+        if params is None:
+            params = _PARAMS[output_tokens] = self._Params(max_tokens=output_tokens,
+                                                           ignore_eos=True)
+        seq = self._Sequence(rid, prompt, params,
                              token_ids=prompt.copy(), **kw)  # a `RunTokens` stays compact
         self.seqs[rid] = seq
         return seq

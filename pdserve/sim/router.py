@@ -206,7 +206,8 @@ class SimRouter:
         policy = self.policies[role]
         if role == PREFILL and self.kv_aware:
             cached, store = self.prefix(hashes)
-            inp = dataclasses.replace(inp, store_cached_blocks=store)
+            inp = RouteInput(inp.workers, inp.prompt_tokens, inp.block_size_tokens, store,
+                             inp.need_blocks)  # as `dataclasses.replace` would, more cheaply
             d = policy.decide_sparse(inp, cached, *self._view(role)[2])
         elif self._sparse[role]:
             d = policy.decide_sparse(inp, *self._view(role)[2])
