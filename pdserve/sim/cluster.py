@@ -57,19 +57,12 @@ class Cluster:
         # for conditional disaggregation, decode workers' caches are read where they are, the
         # answer the index would give (`_decode_cached`).
         feed = self.router.kv_aware
-        # How many decode workers' prefix caches hold each hash (those of every worker in the
-        # decode role, kept by their pools' recorders): most prompts' deciding block is in
-        # none, which `_decode_cached` then knows without asking each worker.
-        self.decode_held: dict[bytes, int] = {}
-        self._count_decode = cfg.max_local_prefill_tokens > 0  # the only reader
         self.workers: dict[str, SimWorker] = {}
         for i, role in enumerate(roles):
             a = f"w{i:0{width}d}"
             engine = EngineModel(self.kv_blocks, cfg.block_size, cfg.max_num_seqs,
                                  cfg.max_num_batched_tokens, cfg.max_waiting,
                                  cfg.prefix_caching, record_events=feed and role == PREFILL)
-            if role == DECODE and self._count_decode:
-                engine.recorder.count_in(self.decode_held, [])
             self.workers[a] = SimWorker(a, role, engine, STARTING if cfg.cold_start else SERVING)
         self.host = HostShare.of(profile, cfg.workers_per_host, list(self.workers),
                                  cfg.host_background_threads)
@@ -225,15 +218,12 @@ class Cluster:
         """{ACTIVE decode worker: leading blocks of `hashes` its prefix cache holds} for those
         that can leave at most `max_local_prefill_tokens` uncached: they hold the chain up to
         its block `m` (so block `m` itself); a worker without it cannot qualify and is left
-        out (a lookup per worker, not a walk of each one's chain; none when no decode worker
-        holds it)."""
+        out (a lookup per worker, not a walk of each one's chain)."""
         bs, limit = self.cfg.block_size, self.cfg.max_local_prefill_tokens
         m = max(0, -(-(prompt_tokens - limit) // bs) - 1)
         if m >= len(hashes):
             return {}
         h = hashes[m]
-        if h not in self.decode_held:
-            return {}
         pool = self.router.pool(DECODE)  # the same list until the membership changes
         if self._decode_caches[0] is not pool:
             self._decode_caches = (pool, [(a, self.workers[a].engine,
@@ -467,9 +457,6 @@ class Cluster:
         self.counts["flips"] += 1
         self.last_flip_s[address] = now
         self.router.set_state(address, ACTIVE, w.role, f"switched to {w.role}", now)
-        if self._count_decode:
-            w.engine.recorder.count_in(self.decode_held if w.role == DECODE else None,
-                                       w.engine.pool.cached_hashes())
         self._feed(w)
         self._roles()
         self._wake(w)

@@ -28,7 +28,6 @@ import itertools
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
-from pdserve.router.kv_index import STORED
 from pdserve.sim.profile import attn_pairs
 from pdserve.sim.tokens import RunTokens
 from pdserve.sim.trace import HASH_BLOCK_TOKENS
@@ -102,41 +101,17 @@ def leading_run(items, holds) -> int:
 
 class _Recorder:
     """Stands in for the block pool's `BlockEventLog` (`append(kind, hash)`): keeps the events
-    for the router's KV index, or (`keep` False) drops them; and with `held` (a map shared by
-    several pools), counts in it how many of those pools cache each hash."""
+    for the router's KV index, or (`keep` False) drops them."""
 
-    __slots__ = ("events", "keep", "held")
+    __slots__ = ("events", "keep")
 
     def __init__(self, keep: bool) -> None:
         self.events: list[tuple[str, bytes]] = []
         self.keep = keep
-        self.held: dict[bytes, int] | None = None
 
     def append(self, kind: str, block_hash: bytes) -> None:
         if self.keep:
             self.events.append((kind, block_hash))
-        held = self.held
-        if held is not None:
-            if kind == STORED:  # the pool's kinds are the index's
-                held[block_hash] = held.get(block_hash, 0) + 1
-            elif (n := held[block_hash]) > 1:
-                held[block_hash] = n - 1
-            else:
-                del held[block_hash]
-
-    def count_in(self, held: dict[bytes, int] | None, cached: list[bytes]) -> None:
-        """Count this pool's `cached` hashes in `held` from now on instead of where they were
-        counted (None: nowhere)."""
-        if self.held is not None:
-            for h in cached:
-                if (n := self.held[h]) > 1:
-                    self.held[h] = n - 1
-                else:
-                    del self.held[h]
-        self.held = held
-        if held is not None:
-            for h in cached:
-                held[h] = held.get(h, 0) + 1
 
 
 class PlannedStep:

@@ -76,7 +76,7 @@ class KvStore:
 
     def leading(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of the chain the store holds (touched: recently used)."""
-        n = leading_run(hashes, self.blocks.__contains__)
+        n = self.overlap(hashes)
         for h in hashes[:n]:
             self.blocks.move_to_end(h)
         return n
