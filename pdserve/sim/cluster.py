@@ -50,6 +50,10 @@ class Cluster:
         width = max(4, len(str(len(roles))))
         self.kv_blocks = cfg.kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
         self.store = KvStore(cfg.store_capacity_blocks)
+        # Every block stored by a decode-role worker's cache since the set was last rebuilt from
+        # the decode pool's caches (a superset of what they hold): a block not in it is held by
+        # no decode worker, and `_decode_cached` need not ask every decode cache about it.
+        self._decode_seen: set[bytes] = set()
         self.router = SimRouter(cfg, {f"w{i:0{width}d}": r for i, r in enumerate(roles)},
                                 store=self.store)
         # The KV index follows the prefix caches of prefill workers, the only ones it is asked
@@ -64,6 +68,7 @@ class Cluster:
                                  cfg.max_num_batched_tokens, cfg.max_waiting,
                                  cfg.prefix_caching, record_events=feed and role == PREFILL)
             self.workers[a] = SimWorker(a, role, engine, STARTING if cfg.cold_start else SERVING)
+            engine.recorder.seen = self._decode_seen if role == DECODE else None
         self.host = HostShare.of(profile, cfg.workers_per_host, list(self.workers),
                                  cfg.host_background_threads)
         shared = Link("shared")
@@ -225,9 +230,15 @@ class Cluster:
             return {}
         h = hashes[m]
         pool = self.router.pool(DECODE)  # the same list until the membership changes
-        if self._decode_caches[0] is not pool:
+        seen = self._decode_seen
+        if self._decode_caches[0] is not pool or len(seen) > 4 * self.kv_blocks * len(pool):
             self._decode_caches = (pool, [(a, self.workers[a].engine,
                                            self.workers[a].engine.pool.by_hash) for a in pool])
+            seen.clear()  # rebuilt from what the pool holds now (and bounded so)
+            for _, _, cached in self._decode_caches[1]:
+                seen.update(cached)
+        if h not in seen:
+            return {}
         return {a: engine.cached_blocks(hashes) for a, engine, cached in self._decode_caches[1]
                 if h in cached}
 
@@ -463,7 +474,9 @@ class Cluster:
 
     def _feed(self, w: SimWorker) -> None:
         """The index follows `w`'s prefix cache while it prefills: from a snapshot when it
-        turns prefill (as a router resyncs), and not at all while it decodes."""
+        turns prefill (as a router resyncs), and not at all while it decodes; the decode pool's
+        seen set follows it while it decodes (rebuilt when the pool changes)."""
+        w.engine.recorder.seen = self._decode_seen if w.role == DECODE else None
         if self.router.kv_aware:
             w.engine.recorder.keep = w.role == PREFILL
             w.engine.block_events()  # changes already in the snapshot, or not followed

@@ -101,17 +101,23 @@ def leading_run(items, holds) -> int:
 
 class _Recorder:
     """Stands in for the block pool's `BlockEventLog` (`append(kind, hash)`): keeps the events
-    for the router's KV index, or (`keep` False) drops them."""
+    for the router's KV index, or (`keep` False) drops them; and, given a `seen` set, adds
+    every hash the pool stores to it (never removes: the set names a superset of the blocks
+    the pool holds, for whoever must ask many pools whether any holds a block)."""
 
-    __slots__ = ("events", "keep")
+    __slots__ = ("events", "keep", "seen")
 
     def __init__(self, keep: bool) -> None:
         self.events: list[tuple[str, bytes]] = []
         self.keep = keep
+        self.seen: set[bytes] | None = None
 
     def append(self, kind: str, block_hash: bytes) -> None:
         if self.keep:
             self.events.append((kind, block_hash))
+        seen = self.seen
+        if seen is not None and kind == "stored":  # block_pool.STORED
+            seen.add(block_hash)
 
 
 class PlannedStep:

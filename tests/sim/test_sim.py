@@ -241,6 +241,24 @@ def test_only_decode_workers_that_cannot_qualify_are_left_out_of_the_local_prefi
     assert chosen > 20
 
 
+def test_the_decode_pools_seen_set_names_every_block_a_decode_worker_holds_also_after_flips():
+    """`_decode_cached` skips the decode caches for a block outside the seen set, so the set
+    must hold every block any decode worker caches, including workers that turned decode."""
+    from pdserve.sim.cluster import Cluster
+
+    reqs = load_trace("synthetic:poisson:rate=12,n=400,in=200,out=2000", seed=4)
+    c = Cluster(SimConfig(prefill_workers=3, decode_workers=1, controller=True, block_size=16,
+                          kv_blocks=400), reqs, H100)
+    c.run()
+    turned = [w for w in c.workers.values() if w.switches and w.role == "decode"]
+    assert turned  # prefill workers turned decode
+    decode = [w for w in c.workers.values() if w.role == "decode"]
+    assert all(w.engine.pool.by_hash and w.engine.pool.by_hash.keys() <= c._decode_seen
+               for w in decode)
+    assert not any(w.engine.recorder.seen is not None for w in c.workers.values()
+                   if w.role == "prefill")
+
+
 def test_a_flip_whose_drain_outlasts_its_timeout_fails_and_the_worker_is_readmitted():
     reqs = load_trace("synthetic:poisson:rate=12,n=400,in=6000,out=200", seed=4)
     cfg = dict(prefill_workers=1, decode_workers=3, controller=True, block_size=64)
