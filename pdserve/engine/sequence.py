@@ -88,6 +88,13 @@ class ScheduledBatch:
     num_new: list[int]  # tokens each sequence runs this step (its drafts included)
     preempted: list[Sequence]
 
+    # Spelled out: a generated `__init__` runs interpreted even where this module is compiled.
+    def __init__(self, seqs: list[Sequence], num_new: list[int],
+                 preempted: list[Sequence]) -> None:
+        self.seqs = seqs
+        self.num_new = num_new
+        self.preempted = preempted
+
     @property
     def empty(self) -> bool:
         return not self.seqs

@@ -40,7 +40,14 @@ from typing import Protocol
 from pdserve.core.errors import NoWorkerError  # noqa: F401 - raised here, re-exported
 
 
-@dataclass(frozen=True)
+# The records below are values: built for one choice and never changed (build a new one, or
+# `dataclasses.replace`). Each spells out its `__init__`: one the dataclass decorator generates
+# runs as interpreted Python even where this module is compiled, ten times the cost of the
+# compiled one, and the simulator builds millions (so they are not `frozen`, which would
+# forbid that `__init__`'s assignments; they hash by value all the same).
+
+
+@dataclass(unsafe_hash=True)  # hashed by value, as when it was frozen
 class WorkerLoad:
     """The router's view of one worker at the moment of a choice."""
 
@@ -54,8 +61,20 @@ class WorkerLoad:
     running: int = 0  # requests in the worker's running batch
     waiting: int = 0  # requests queued for admission
 
+    def __init__(self, address: str, in_flight: int, healthy: bool = True,
+                 in_flight_tokens: float = 0, cached_blocks: int = 0,
+                 free_blocks: int | None = None, running: int = 0, waiting: int = 0) -> None:
+        self.address = address
+        self.in_flight = in_flight
+        self.healthy = healthy
+        self.in_flight_tokens = in_flight_tokens
+        self.cached_blocks = cached_blocks
+        self.free_blocks = free_blocks
+        self.running = running
+        self.waiting = waiting
 
-@dataclass(frozen=True)
+
+@dataclass(unsafe_hash=True)  # hashed by value, as when it was frozen
 class RouteInput:
     """One request's routing question. Block counts are of full blocks of the reusable prompt
     (all tokens but the last: one token is always computed)."""
@@ -66,8 +85,17 @@ class RouteInput:
     store_cached_blocks: int = 0  # leading blocks of this prompt in the shared store
     need_blocks: int = 0  # KV blocks the request will hold on a decode worker
 
+    def __init__(self, workers: Sequence[WorkerLoad], prompt_tokens: int = 0,
+                 block_size_tokens: int = 16, store_cached_blocks: int = 0,
+                 need_blocks: int = 0) -> None:
+        self.workers = workers
+        self.prompt_tokens = prompt_tokens
+        self.block_size_tokens = block_size_tokens
+        self.store_cached_blocks = store_cached_blocks
+        self.need_blocks = need_blocks
 
-@dataclass(frozen=True)
+
+@dataclass(unsafe_hash=True)  # hashed by value, as when it was frozen
 class WorkerScore:
     """Why a worker got its cost (KV-aware): for logs and tests."""
 
@@ -79,8 +107,18 @@ class WorkerScore:
     load_tokens: float  # queue load in token units
     cost: float
 
+    def __init__(self, index: int, local_blocks: int, fetch_blocks: int, compute_tokens: int,
+                 work_tokens: float, load_tokens: float, cost: float) -> None:
+        self.index = index
+        self.local_blocks = local_blocks
+        self.fetch_blocks = fetch_blocks
+        self.compute_tokens = compute_tokens
+        self.work_tokens = work_tokens
+        self.load_tokens = load_tokens
+        self.cost = cost
 
-@dataclass(frozen=True)
+
+@dataclass(unsafe_hash=True)  # hashed by value, as when it was frozen
 class RouteDecision:
     index: int
     scores: tuple[WorkerScore, ...] = ()  # KV-aware only, one per healthy worker
@@ -88,6 +126,13 @@ class RouteDecision:
     # fetch_weight x fetched tokens); the pool adds it to the worker's in-flight tokens.
     work_tokens: float | None = None
     fits: bool | None = None  # decode only: the chosen worker reported room for the request
+
+    def __init__(self, index: int, scores: tuple[WorkerScore, ...] = (),
+                 work_tokens: float | None = None, fits: bool | None = None) -> None:
+        self.index = index
+        self.scores = scores
+        self.work_tokens = work_tokens
+        self.fits = fits
 
 
 def _live(workers) -> list[int]:
