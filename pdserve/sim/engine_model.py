@@ -46,17 +46,19 @@ def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
     """Token ids of a prompt whose `HASH_BLOCK_TOKENS`-token blocks carry `block_hashes`
     (token value: the block's id + 2; blocks past the ids get `-unique`, never shared), as
     runs (`RunTokens`: one per block, not a list of every token)."""
-    runs: list[tuple[int, int]] = []
-    left = prompt_tokens
+    values: list[int] = []
+    ends: list[int] = []
+    end = 0
     for h in block_hashes:
-        if left <= 0:
+        if end >= prompt_tokens:
             break
-        n = min(HASH_BLOCK_TOKENS, left)
-        runs.append((h + 2, n))
-        left -= n
-    if left > 0:
-        runs.append((-unique, left))
-    return RunTokens(runs)
+        end = min(end + HASH_BLOCK_TOKENS, prompt_tokens)
+        values.append(h + 2)
+        ends.append(end)
+    if end < prompt_tokens:
+        values.append(-unique)
+        ends.append(prompt_tokens)
+    return RunTokens.from_ends(values, ends)
 
 
 def prompt_hashes_of(block_hashes: tuple[int, ...], prompt_tokens: int, unique: int,

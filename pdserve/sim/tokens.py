@@ -34,6 +34,15 @@ class RunTokens:
         self._n = n
         self._tail: list[int] = []
 
+    @classmethod
+    def from_ends(cls, values: list[int], ends: list[int]) -> RunTokens:
+        """The runs given as their ids and cumulative ends (increasing, after 0), taken as they
+        are (not copied): what `RunTokens(runs)` builds, without a pair per run."""
+        out = RunTokens.__new__(RunTokens)  # (mypyc: not cls.__new__)
+        out._values, out._ends, out._n = values, ends, ends[-1] if ends else 0
+        out._tail = []
+        return out
+
     def copy(self) -> RunTokens:
         out = RunTokens.__new__(RunTokens)
         out._values, out._ends, out._n = self._values, self._ends, self._n  # never mutated
