@@ -96,6 +96,31 @@ def test_events_pop_in_time_order_and_ties_in_the_order_pushed():
     assert q.now == 2.0
     with pytest.raises(ValueError, match="before now"):
         q.push(1.0, "late")
+    with pytest.raises(ValueError, match="before now"):
+        q.push(float("nan"), "never")
+
+
+def test_events_pop_as_a_heap_of_time_and_push_order_would_with_many_ties():
+    import heapq
+    import random
+
+    rng = random.Random(5)
+    q, ref, seq = EventQueue(), [], 0
+    for _ in range(3000):
+        if ref and rng.random() < 0.45:
+            at, _, kind, payload = heapq.heappop(ref)
+            assert q.peek_time() == at
+            assert q.pop() == (at, kind, payload) and q.now == at
+        else:
+            at = q.now + rng.choice((0.0, 0.0, 0.5, 1.0, rng.random()))
+            seq += 1
+            q.push(at, "k", seq)
+            heapq.heappush(ref, (at, seq, "k", seq))
+        assert len(q) == len(ref)
+    while ref:
+        at, _, kind, payload = heapq.heappop(ref)
+        assert q.pop() == (at, kind, payload)
+    assert len(q) == 0 and q.peek_time() is None
 
 
 def test_transfers_on_one_link_share_its_bandwidth_fairly():
