@@ -125,10 +125,10 @@ class KvIndex:
         if not self.by_hash or source in self._scanned:
             return True
         where = self._where
-        holding = where.get(h)
-        if holding is None:
-            where[h] = source
-        elif isinstance(holding, str):
+        holding = where.setdefault(h, source)  # one lookup for a block new to the map
+        if holding is source:
+            return True
+        if isinstance(holding, str):
             where[h] = {holding, source}
         else:
             holding.add(source)
@@ -138,13 +138,11 @@ class KvIndex:
         if not self.by_hash or source in self._scanned:
             return
         where = self._where
-        holding = where[h]
+        holding = where.pop(h)  # one lookup for a block held by one source (the most)
         if isinstance(holding, str):
-            del where[h]
             return
         holding.discard(source)
-        if len(holding) == 1:
-            where[h] = next(iter(holding))
+        where[h] = next(iter(holding)) if len(holding) == 1 else holding
 
     def apply_all(self, events: Iterable[KvEvent]) -> None:
         for e in events:
