@@ -86,11 +86,13 @@ class KvStore:
         if self.capacity <= 0:
             return [], []
         new, gone = [], []
+        blocks = self.blocks
         for h in hashes:
-            if h in self.blocks:
-                self.blocks.move_to_end(h)
+            n = len(blocks)
+            blocks[h] = None  # a new block goes last; one already held stays where it is
+            if len(blocks) == n:
+                blocks.move_to_end(h)
                 continue
-            self.blocks[h] = None
             new.append(h)
             self.puts += 1
         while len(self.blocks) > self.capacity:
