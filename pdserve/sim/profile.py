@@ -134,7 +134,8 @@ class StepProfile:
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """A prefill chunk of `new_tokens` uncached tokens on top of `cached_tokens` of context"""
-        _check_counts(new_tokens=new_tokens, cached_tokens=cached_tokens)
+        if new_tokens < 0 or cached_tokens < 0:  # (checked so: called for every step)
+            _check_counts(new_tokens=new_tokens, cached_tokens=cached_tokens)
         if new_tokens == 0:
             return 0.0
         return self.step_s(prefill_tokens=new_tokens,
@@ -143,7 +144,8 @@ class StepProfile:
 
     def decode_s(self, batch: int, context_tokens: int) -> float:
         """One decode step of `batch` sequences holding `context_tokens` tokens in total."""
-        _check_counts(batch=batch, context_tokens=context_tokens)
+        if batch < 0 or context_tokens < 0:
+            _check_counts(batch=batch, context_tokens=context_tokens)
         if batch == 0:
             return 0.0
         return self.step_s(decode_batch=batch, decode_ctx=context_tokens,
@@ -152,8 +154,10 @@ class StepProfile:
     def mixed_s(self, prefill_tokens: int, decode_batch: int, context_tokens: int,
                 prefill_cached_tokens: int = 0) -> float:
         """One step carrying a prefill chunk and a decode batch (`context_tokens`: the decodes')."""
-        _check_counts(prefill_tokens=prefill_tokens, decode_batch=decode_batch,
-                      context_tokens=context_tokens, prefill_cached_tokens=prefill_cached_tokens)
+        if min(prefill_tokens, decode_batch, context_tokens, prefill_cached_tokens) < 0:
+            _check_counts(prefill_tokens=prefill_tokens, decode_batch=decode_batch,
+                          context_tokens=context_tokens,
+                          prefill_cached_tokens=prefill_cached_tokens)
         if prefill_tokens == 0 and decode_batch == 0:
             return 0.0
         return self.step_s(prefill_tokens=prefill_tokens,
@@ -163,7 +167,8 @@ class StepProfile:
 
     def transfer_s(self, nbytes: int, transport: str) -> float:
         """Uncontended time to move `nbytes` over `transport` (one of `self.transports`)."""
-        _check_counts(nbytes=nbytes)
+        if nbytes < 0:
+            _check_counts(nbytes=nbytes)
         link = self.transports.get(transport)
         if link is None:
             raise ProfileError(f"transport {transport!r} is not in this profile "

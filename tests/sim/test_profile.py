@@ -62,6 +62,12 @@ def test_bad_json_names_the_problem():
         make_profile().transfer_s(1, "rdma")
     with pytest.raises(ProfileError, match="batch"):
         make_profile().decode_s(-1, 0)
+    for call, name in ((lambda p: p.decode_s(1, -5), "context_tokens"),
+                       (lambda p: p.prefill_s(4, -1), "cached_tokens"),
+                       (lambda p: p.mixed_s(4, 1, 10, -2), "prefill_cached_tokens"),
+                       (lambda p: p.transfer_s(-1, "rdma"), "nbytes")):
+        with pytest.raises(ProfileError, match=f"{name} must be >= 0"):
+            call(make_profile())
     with pytest.raises(ProfileError, match="neither a file nor a shipped profile"):
         load_profile("no-such-profile")
 
