@@ -28,6 +28,7 @@ import itertools
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
+from pdserve.router.kv_index import STORED
 from pdserve.sim.profile import attn_pairs
 from pdserve.sim.tokens import RunTokens
 from pdserve.sim.trace import HASH_BLOCK_TOKENS
@@ -118,7 +119,7 @@ class _Recorder:
         if self.keep:
             self.events.append((kind, block_hash))
         seen = self.seen
-        if seen is not None and kind == "stored":  # block_pool.STORED
+        if seen is not None and kind == STORED:  # the pool's kinds are the index's
             seen.add(block_hash)
 
 
