@@ -2,7 +2,8 @@
 
 Owns one measurement of the simulator (not of a cluster): for each case, the wall and CPU
 seconds of `simulate`, events processed and events per second, engine steps modelled (a decode
-run of k steps is one event), requests per second of wall time. Cases:
+run of k steps is one event), requests per second of wall time, and the run's pace (wall time
+against simulated time, sampled as it goes; by quarter in the table, drawn in `sim_report`). Cases:
 - `100k`: a 100,000-request synthetic Poisson trace (prompt 512, output 128 tokens on average)
   on 8 prefill + 8 decode workers with KV-aware routing;
 - `1000w`: 1,000 workers (750 prefill, 250 decode) on the Mooncake conversation trace at its
@@ -55,8 +56,18 @@ def _mooncake(path: str) -> str:
 def measure(name: str, cfg, requests, profile, progress=None) -> dict[str, Any]:
     from pdserve.sim.run import simulate
 
+    # The run's pace: [simulated s, wall s since the start, requests done] each time the
+    # simulator reports progress (every 65,536 events, and at the end).
+    pace: list[list[float]] = []
+    started = time.perf_counter()
+
+    def sample(now_s: float, done: int, total: int) -> None:
+        pace.append([round(now_s, 6), round(time.perf_counter() - started, 6), done])
+        if progress is not None:
+            progress(now_s, done, total)
+
     cpu0 = time.process_time()
-    report = simulate(cfg, requests, profile, progress=progress)
+    report = simulate(cfg, requests, profile, progress=sample)
     cpu = time.process_time() - cpu0
     s = report.summary()
     return {"case": name, "requests": len(requests), "workers": s["workers"],
@@ -66,7 +77,30 @@ def measure(name: str, cfg, requests, profile, progress=None) -> dict[str, Any]:
             "events_per_cpu_s": s["events"] / max(cpu, 1e-9),
             "requests_per_s": len(requests) / max(report.wall_s, 1e-9),
             "finished": s["finished"], "slo_attainment": s["slo_attainment"],
-            "ttft_mean_s": s["ttft_s"]["mean"], "itl_mean_s": s["itl_s"]["mean"]}
+            "ttft_mean_s": s["ttft_s"]["mean"], "itl_mean_s": s["itl_s"]["mean"],
+            "quarters_wall_per_sim_s": quarters(pace, s["sim_end_s"]), "pace": pace}
+
+
+def wall_at(pace: list[list[float]], sim_s: float) -> float:
+    """Wall seconds the run had taken when the simulation reached `sim_s` (linear between
+    the samples of `pace`; the start is (0, 0))."""
+    prev_sim, prev_wall = 0.0, 0.0
+    for now_s, wall_s, _ in pace:
+        if now_s >= sim_s:
+            if now_s <= prev_sim:
+                return wall_s
+            return prev_wall + (wall_s - prev_wall) * (sim_s - prev_sim) / (now_s - prev_sim)
+        prev_sim, prev_wall = now_s, wall_s
+    return prev_wall
+
+
+def quarters(pace: list[list[float]], end_s: float) -> list[float]:
+    """Wall seconds per simulated second in each quarter of the simulated span [0, end_s]."""
+    if end_s <= 0 or not pace:
+        return [0.0] * 4
+    cuts = [end_s * q / 4 for q in range(5)]
+    walls = [wall_at(pace, c) for c in cuts]
+    return [(walls[q + 1] - walls[q]) / (cuts[q + 1] - cuts[q]) for q in range(4)]
 
 
 def run_bench(s: SimBenchSettings, progress=None) -> dict[str, Any]:
@@ -118,11 +152,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--duration-s", type=float, default=d.duration_s,
                    help="simulated seconds of the 1000w case (the hour: 3600)")
     p.add_argument("--policy", default=d.policy)
+    p.add_argument("--trace", default=d.mooncake,
+                   help="the Mooncake JSONL trace of the 1000w case "
+                        "(default: ../shared/traces/mooncake_conversation_trace.jsonl)")
     p.add_argument("--quick", action="store_true",
                    help="CI size: 10,000 requests and 60 simulated seconds")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None, help="write sim_bench.json here")
+    p.add_argument("--out", default=None, help="write sim_bench.json and sim_bench.png here")
     return p
 
 
@@ -133,6 +170,8 @@ def settings_of(args) -> SimBenchSettings:
             raise ValueError(f"--cases: unknown case {c!r} (100k, 1000w)")
     if args.requests < 1 or args.workers < 2 or args.workers_per_copy < 1:
         raise ValueError("--requests, --workers (>= 2) and --workers-per-copy must be positive")
+    if args.trace and not os.path.isfile(args.trace):
+        raise ValueError(f"--trace: no such file {args.trace!r}")
     if not args.duration_s > 0:
         raise ValueError(f"--duration-s must be > 0, got {args.duration_s}")
     return SimBenchSettings(
@@ -140,40 +179,12 @@ def settings_of(args) -> SimBenchSettings:
         requests=min(args.requests, 10_000) if args.quick else args.requests,
         workers=args.workers, workers_per_copy=args.workers_per_copy,
         duration_s=min(args.duration_s, 60.0) if args.quick else args.duration_s,
-        policy=args.policy, seed=args.seed)
+        policy=args.policy, mooncake=args.trace, seed=args.seed)
 
 
 def _progress(now_s: float, done: int, total: int) -> None:
     print(f"\rsim {now_s:9.1f} s simulated | {done}/{total} requests", end="",
           file=sys.stderr, flush=True)
-
-
-def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
-    import json
-
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "sim_bench.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    return [path]
-
-
-def print_tables(result: dict[str, Any], console) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"pdserve bench sim ({result['profile']}, "
-                    f"{result['machine']['cpus']} CPUs, "
-                    f"{result['compiled_modules']} hot modules compiled)")
-    for col in ("case", "requests", "workers", "simulated s", "wall s", "CPU s", "events",
-                "steps", "events/s", "requests/s", "hour wall s (projected)"):
-        t.add_column(col, justify="right")
-    for r in result["rows"]:
-        proj = r.get("projected_hour_wall_s")
-        t.add_row(r["case"], f"{r['requests']:,}", str(r["workers"]),
-                  f"{r['simulated_s']:.0f}", f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}",
-                  f"{r['events']:,}", f"{r['steps']:,}", f"{r['events_per_s']:,.0f}",
-                  f"{r['requests_per_s']:,.0f}", "-" if proj is None else f"{proj:,.0f}")
-    console.print(t)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,5 +195,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = run_bench(s, progress=_progress)
     print(file=sys.stderr)
+    from pdserve.bench.sim_report import print_tables, write_outputs
+
     return emit(result, json_out=args.json, out_dir=args.out, write_outputs=write_outputs,
                 print_tables=print_tables)
