@@ -13,8 +13,7 @@ import os
 from typing import Any
 
 from pdserve.bench.common import write_json
-
-HOUR_S = 3600.0
+from pdserve.bench.sim import HOUR_S
 # What each case's aim allows: the hour of 1,000 workers in 600 s of wall time; 100,000
 # requests in 60 s.
 HOUR_AIM_S, REQUESTS_AIM_S = 600.0, 60.0
@@ -87,8 +86,8 @@ def plot(result: dict[str, Any], path: str) -> None:
                    label=f"mean ({r['wall_s']:.0f} s wall for {r['simulated_s']:.0f} s)")
         aim = aim_pace(r)
         if aim is not None:
-            what = ("aim: the hour in 600 s" if r["case"] == "1000w"
-                    else "aim: 100,000 requests in 60 s")
+            what = (f"aim: the hour in {HOUR_AIM_S:.0f} s" if r["case"] == "1000w"
+                    else f"aim: 100,000 requests in {REQUESTS_AIM_S:.0f} s")
             ax.axhline(aim, color="green", linestyle=":", label=what)
         ax.set_ylim(bottom=0)
         ax.set_title(f"{r['case']}: {r['requests']:,} requests, {r['workers']} workers, "
