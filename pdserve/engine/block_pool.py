@@ -168,7 +168,8 @@ class BlockPool:
                     self._evict(bid)
                 ref[bid] = 1
                 writes.append((i, bid))
-                if i < n_full and cache and h not in by_hash:
+                # Not cached here (looked up above), and evicting removed only another hash.
+                if i < n_full and cache:
                     block_hash[bid] = h
                     by_hash[h] = bid
                     events.append(STORED, h)
@@ -192,10 +193,11 @@ class BlockPool:
 
     def register(self, block_id: int, h: bytes) -> None:
         """Mark a held, fully written block as caching the prefix `h`."""
-        if self.block_hash[block_id] is not None or h in self.by_hash:
-            return  # already cached (maybe by another block holding the same content)
+        if self.block_hash[block_id] is not None:
+            return  # already cached
+        if self.by_hash.setdefault(h, block_id) != block_id:
+            return  # cached by another block holding the same content
         self.block_hash[block_id] = h
-        self.by_hash[h] = block_id
         self.events.append(STORED, h)
 
     def cached_hashes(self) -> list[bytes]:

@@ -118,10 +118,11 @@ class KvIndex:
 
     def _store(self, blocks: OrderedDict, source: str, h: bytes) -> bool:
         """Mark `h` stored (most recently) by `source`; whether it is new there."""
-        if h in blocks:
+        n = len(blocks)
+        blocks[h] = None  # a new hash goes last; one already held stays where it is
+        if len(blocks) == n:
             blocks.move_to_end(h)
             return False
-        blocks[h] = None
         if not self.by_hash or source in self._scanned:
             return True
         where = self._where
