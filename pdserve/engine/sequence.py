@@ -63,9 +63,13 @@ class Sequence:
     verifying_anchor: bool = False
     # len(prompt_ids), kept: read for every sequence at every step (the prompt never changes).
     prompt_len: int = field(init=False, repr=False, compare=False)
+    # params.max_tokens, kept: a simulator's bulk decode reads it for every running sequence
+    # at every run (one attribute here, where the compiled build reads a field, not a dict).
+    max_tokens: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.prompt_ids)
+        self.max_tokens = self.params.max_tokens
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
 

@@ -289,7 +289,7 @@ class EngineModel:
             done, n = seq.num_computed, len(seq.token_ids)
             if (seq.paused or done != n - 1 or seq.spec_token_ids or done < seq.prompt_len):
                 return 0, 0, 0
-            left = seq.params.max_tokens - (n - seq.prompt_len)
+            left = seq.max_tokens - (n - seq.prompt_len)
             if left < k:
                 k = left
             ctx += done
@@ -327,7 +327,7 @@ class EngineModel:
             seq.token_ids.extend(sampled)
             advance(seq, k)
             # Still one token behind: its tokens number num_computed + 1.
-            if seq.num_computed + 1 - seq.prompt_len >= seq.params.max_tokens:
+            if seq.num_computed + 1 - seq.prompt_len >= seq.max_tokens:
                 sched.finish(seq, self._length)
                 sched.free(seq)
                 del self.seqs[seq.request_id]
