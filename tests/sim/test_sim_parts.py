@@ -146,6 +146,22 @@ def test_the_store_evicts_the_least_recently_used():
     assert KvStore(0).put([b"a"]) == ([], [])
 
 
+def test_a_fetch_after_the_routers_question_answers_for_the_store_as_it_is_then():
+    store = KvStore(4)
+    store.put([b"a", b"b"])
+    chain = [b"a", b"b", b"c"]
+    assert store.overlap(chain) == 2  # the router asks; the fetch reuses the answer
+    assert store.leading(chain) == 2
+    assert list(store.blocks) == [b"a", b"b"]
+    assert store.overlap(chain) == 2
+    store.put([b"c"])  # stored in between: the fetch walks the chain again
+    assert store.leading(chain) == 3
+    assert store.overlap(chain) == 3
+    store.put([b"d", b"e"])  # evicts a: the chain's first block is gone
+    assert store.leading(chain) == 0
+    assert store.leading([b"b", b"c"]) == 2  # another chain is walked, not answered from memo
+
+
 def test_trace_derived_hashes_name_blocks_as_hashing_their_tokens_would():
     """Blocks named from the trace's ids are equal exactly when the synthesized tokens' hashes
     are (shared ids, a prompt cut inside a trace block, the unique tail, block sizes that do
