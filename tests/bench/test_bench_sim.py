@@ -85,3 +85,16 @@ def test_bench_sim_reports_both_cases_with_their_pace_and_a_plot(tmp_path):
 def test_bad_flags_are_refused_by_name(argv, field):
     code, out, err = run_cli(*argv)
     assert code == 2 and field in err and out == ""
+
+
+def test_the_tables_say_when_the_simulator_ran_interpreted():
+    from pdserve.compiled import MODULES, compiled
+
+    code, out, err = run_cli("--cases", "100k", "--requests", "300")
+    assert code == 0, err
+    assert "pace: wall seconds per simulated second" in out
+    interpreted = len(MODULES) - len(compiled())
+    assert ("scripts/compile.sh" in out) == (interpreted > 0)
+    if interpreted:
+        assert f"{interpreted} of the {len(MODULES)} hot modules ran interpreted" in out
+
