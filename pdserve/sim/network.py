@@ -71,7 +71,7 @@ class KvStore:
         # The last `overlap` asked: (its chain, the answer, `changes` then). A request's chain
         # is asked about by the router and then fetched (`leading`) with nothing stored in
         # between; the second walk of a 10-million-block table is spared.
-        self.changes = 0  # puts and touches so far
+        self.changes = 0  # puts so far (a touch reorders blocks and changes no answer)
         self._last: tuple[Sequence[bytes] | None, int, int] = (None, 0, -1)
 
     def overlap(self, hashes: Sequence[bytes]) -> int:
@@ -86,7 +86,6 @@ class KvStore:
         chain, n, changes = self._last
         if chain is not hashes or changes != self.changes:
             n = self.overlap(hashes)
-        self.changes += 1
         for h in hashes[:n]:
             self.blocks.move_to_end(h)
         return n
