@@ -69,8 +69,8 @@ def print_tables(result: dict[str, Any], console) -> None:
     ran, of = (int(x) for x in result["compiled_modules"].split("/"))
     if ran < of:
         console.print(f"{of - ran} of the {of} hot modules ran interpreted: `bash "
-                      f"scripts/compile.sh` compiles them (the same decisions, 1.4-1.9x the "
-                      f"speed; the aims were measured compiled).")
+                      f"scripts/compile.sh` compiles them (the same decisions, faster; the "
+                      f"aims were measured compiled).")
 
 
 def plot(result: dict[str, Any], path: str) -> None:
