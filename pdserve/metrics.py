@@ -11,7 +11,8 @@ num_requests_running / num_requests_waiting, kv_cache_usage_perc (a fraction in 
 prefix_cache_queries / prefix_cache_hits (in tokens), prompt_tokens / generation_tokens,
 request_success (by finish_reason); plus pdserve's own: requests_rejected (by reason),
 request_retries_total (the router's re-routes, resumes and prefill fallbacks, by hop and
-status), and the
+status), auth_failures_total (calls refused for a missing or wrong credential, by service and
+reason; in every process's registry), and the
 transfer counters kv_blocks_put / kv_blocks_fetched / kv_store_reads (by transport). The
 spec-decode counters exist from the start and stay at zero until speculative decoding lands.
 """
@@ -25,6 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                    HistogramMetricFamily)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, start_http_server
+
+from pdserve.security.failures import AuthFailureCollector
 
 __all__ = ["BucketCounts", "RouterMetrics", "WorkerCollector", "CONTENT_TYPE_LATEST", "render",
            "serve_worker"]
@@ -76,6 +79,7 @@ class RouterMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
+        r.register(AuthFailureCollector())
         label = ["model_name"]
         self.ttft = Histogram("pdserve:time_to_first_token_seconds",
                               "Time from arrival to the first token.", label,
@@ -238,5 +242,6 @@ def serve_worker(collector: WorkerCollector, host: str, port: int):
     """Serves `/metrics` for a worker on host:port (0: a free port); returns (server, port)."""
     registry = CollectorRegistry()
     registry.register(collector)
+    registry.register(AuthFailureCollector())
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server, server.server_port

@@ -1,18 +1,25 @@
 """Small gRPC helpers shared by every pdserve service and client.
 
-Owns the server and channel options (message size limits), registering a servicer so that bytes
+Owns the server and channel options (message size limits), the three kinds of listener and the
+channels to them (internal: mutual TLS with the cluster's certificates; control: TLS, each call
+authenticated; public: the client APIs, plaintext or the operator's TLS), registering a
+servicer so that every call passes its listener's `Guard` before the handler runs and bytes
 that do not parse as its request get INVALID_ARGUMENT naming the method (gRPC's own answer is
-INTERNAL), standard health checking and server reflection, waiting for a service to become
-healthy, and a service process's wait for SIGTERM.
-Must not know any pdserve service: it takes service names as strings and never imports stubs.
+INTERNAL), standard health checking and server reflection (and a plaintext port serving health
+alone, for probes that cannot speak TLS), waiting for a service to become healthy, and a
+service process's wait for SIGTERM.
+Must not know any pdserve service or decide who may call: it takes service names as strings,
+never imports stubs, and asks `pdserve.security` for credentials and verdicts.
 """
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import grpc
@@ -21,6 +28,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.lifecycle import StopSignals
+from pdserve.security import tls as security
+from pdserve.security.guard import CONTROL, INTERNAL, Guard
+
+__all__ = ["CONTROL", "INTERNAL", "PUBLIC", "Guard", "PublicTls", "add_health_and_reflection",
+           "add_servicer", "bind", "bind_public", "caller", "make_channel",
+           "make_public_aio_channel", "make_public_channel", "make_server", "run_until_signal",
+           "serve_health", "wait_healthy"]
+
+PUBLIC = "public"  # a channel's peer: the router's client APIs
+ANY = security.ANY  # a channel's peer: any server of the cluster (health probes)
+# Who the call being handled came from ("key:NAME", "cert:KIND/NAME"), for audit lines.
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("pdserve_caller", default="")
 
 # KV blocks of a long prompt run to tens of MiB per message in the first (copying) store
 # transport; gRPC's 4 MiB default would reject them. 256 MiB bounds one message (invariant 5).
@@ -83,13 +102,34 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
     return parse
 
 
-def _guarded(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """`handler` with a deserializer that cannot fail and a behaviour that answers bytes that
-    did not parse with INVALID_ARGUMENT naming `method` ("/package.Service/Method")."""
+def caller() -> str:
+    """Who made the call this handler serves ("key:NAME" or "cert:KIND/NAME"; "" when nothing
+    was proven, as with --insecure-internal)."""
+    return _CALLER.get()
+
+
+def _guarded(method: str, handler: grpc.RpcMethodHandler,
+             guard: Guard | None) -> grpc.RpcMethodHandler:
+    """`handler` behind `guard` (a refused call never reaches it: UNAUTHENTICATED or
+    PERMISSION_DENIED with the reason), with a deserializer that cannot fail and a behaviour
+    that answers bytes that did not parse with INVALID_ARGUMENT naming `method`
+    ("/package.Service/Method")."""
 
     def refuse(bad: _Undecodable, context: grpc.ServicerContext) -> None:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"{method}: the request does not parse: {bad.reason}")
+
+    def admit(context: grpc.ServicerContext) -> contextvars.Token | None:
+        if guard is None:
+            return None
+        verdict = guard.check(method, context)
+        if verdict.refused:
+            context.abort(getattr(grpc.StatusCode, verdict.code), verdict.message)
+        return _CALLER.set(verdict.who)
+
+    def leave(token: contextvars.Token | None) -> None:
+        if token is not None:
+            _CALLER.reset(token)
 
     if handler.request_streaming:
         name = "stream_stream" if handler.response_streaming else "stream_unary"
@@ -101,15 +141,23 @@ def _guarded(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
                     if isinstance(r, _Undecodable):
                         refuse(r, context)
                     yield r
-            return behaviour(checked(), context, *rest)
+            token = admit(context)
+            try:
+                return behaviour(checked(), context, *rest)
+            finally:
+                leave(token)
     else:
         name = "unary_stream" if handler.response_streaming else "unary_unary"
         behaviour = getattr(handler, name)
 
         def wrapped(request, context, *rest):
-            if isinstance(request, _Undecodable):
-                refuse(request, context)
-            return behaviour(request, context, *rest)
+            token = admit(context)
+            try:
+                if isinstance(request, _Undecodable):
+                    refuse(request, context)
+                return behaviour(request, context, *rest)
+            finally:
+                leave(token)
 
     return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
                             **{name: wrapped})
@@ -118,8 +166,9 @@ def _guarded(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
 class _GuardedGeneric(grpc.GenericRpcHandler):
     """A generic handler whose method handlers are `_guarded`; one wrap per method, kept."""
 
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+    def __init__(self, inner: grpc.GenericRpcHandler, guard: Guard | None) -> None:
         self._inner = inner
+        self._guard = guard
         self._lock = threading.Lock()
         self._cache: dict[str, grpc.RpcMethodHandler] = {}  # bounded: the service's methods
 
@@ -132,7 +181,7 @@ class _GuardedGeneric(grpc.GenericRpcHandler):
         handler = self._inner.service(handler_call_details)
         if handler is None:  # not one of the inner handler's methods: never cached
             return None
-        handler = _guarded(method, handler)
+        handler = _guarded(method, handler, self._guard)
         with self._lock:
             self._cache[method] = handler
         return handler
@@ -141,25 +190,35 @@ class _GuardedGeneric(grpc.GenericRpcHandler):
 class _GuardingRegistrar:
     """Stands in for the server while a generated `add_*Servicer_to_server` registers."""
 
-    def __init__(self, server: grpc.Server) -> None:
+    def __init__(self, server: grpc.Server, guard: Guard | None) -> None:
         self._server = server
+        self._guard = guard
 
     def add_generic_rpc_handlers(self, handlers) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_GuardedGeneric(h) for h in handlers))
+        self._server.add_generic_rpc_handlers(
+            tuple(_GuardedGeneric(h, self._guard) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
         self._server.add_registered_method_handlers(
-            service, {m: _guarded(f"/{service}/{m}", h) for m, h in handlers.items()})
+            service, {m: _guarded(f"/{service}/{m}", h, self._guard)
+                      for m, h in handlers.items()})
+
+
+_NO_GUARD = object()
 
 
 def add_servicer(server: grpc.Server, add_to_server: Callable[[Any, Any], None],
-                 servicer: Any) -> None:
+                 servicer: Any, guard: Guard | None | object = _NO_GUARD) -> None:
     """Registers `servicer` through its generated `add_to_server` (e.g.
-    `api_pb2_grpc.add_GenerationServicer_to_server`) so that request bytes that do not parse
-    get INVALID_ARGUMENT ("/pdserve.v1.Generation/Generate: the request does not parse: ...")
-    instead of gRPC's INTERNAL "Exception deserializing request!"; the servicer never sees them.
+    `api_pb2_grpc.add_GenerationServicer_to_server`) behind `guard`: a cluster-internal
+    service names its listener's `Guard`; only a public client API passes None (its own
+    handler checks API keys). Request bytes that do not parse get INVALID_ARGUMENT
+    ("/pdserve.v1.Generation/Generate: the request does not parse: ...") instead of gRPC's
+    INTERNAL "Exception deserializing request!"; the servicer never sees them.
     """
-    add_to_server(servicer, _GuardingRegistrar(server))
+    if guard is _NO_GUARD:
+        raise TypeError("add_servicer: say which Guard checks the calls (None: a public API)")
+    add_to_server(servicer, _GuardingRegistrar(server, guard))  # type: ignore[arg-type]
 
 
 def add_health_and_reflection(
@@ -182,24 +241,211 @@ def add_health_and_reflection(
     return servicer
 
 
-def make_channel(address: str) -> grpc.Channel:
-    """An insecure channel to `address` ("host:port") with pdserve's message size limits."""
-    return grpc.insecure_channel(address, options=_OPTIONS)
+@dataclass(frozen=True)
+class PublicTls:
+    """TLS of the client APIs (`--tls-cert`, `--tls-key`, and `--tls-client-ca` to require
+    client certificates from that CA): files, re-read on change as the internal ones are."""
+
+    cert_path: str
+    key_path: str
+    client_ca_path: str = ""
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        def load():
+            ca = read(self.client_ca_path) if self.client_ca_path else None
+            return grpc.ssl_server_certificate_configuration(
+                [(read(self.key_path), read(self.cert_path))], root_certificates=ca)
+
+        paths = [p for p in (self.cert_path, self.key_path, self.client_ca_path) if p]
+        stamp = lambda: tuple(security.file_stamp(p) for p in paths)  # noqa: E731
+        seen = [stamp()]
+
+        def fetch():
+            try:
+                now = stamp()
+                if now == seen[0]:
+                    return None
+                config = load()
+            except (OSError, ValueError):
+                return None  # mid-rotation: keep serving the last good pair
+            seen[0] = now
+            return config
+
+        return grpc.dynamic_ssl_server_credentials(
+            load(), fetch, require_client_authentication=bool(self.client_ca_path))
 
 
-def make_aio_channel(address: str) -> grpc.aio.Channel:
-    """As make_channel, for asyncio callers; create it inside the event loop that uses it."""
+def make_public_channel(address: str, root_pem: bytes | None = None,
+                        server_name: str | None = None) -> grpc.Channel:
+    """A channel to the router's client APIs: plaintext, or TLS trusting `root_pem` (the
+    system's roots when b"") checked against `server_name` (default: the address's host)."""
+    if root_pem is None:
+        return grpc.insecure_channel(address, options=_OPTIONS)
+    options = list(_OPTIONS) + ([("grpc.ssl_target_name_override", server_name)]
+                                if server_name else [])
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_pem or None),
+                               options=options)
+
+
+def make_public_aio_channel(address: str) -> grpc.aio.Channel:
+    """As make_public_channel (plaintext), for asyncio callers; create it inside the event
+    loop that uses it."""
     return grpc.aio.insecure_channel(address, options=_OPTIONS)
 
 
-def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
-    """Polls the health service at `address` until `service` is SERVING.
+def make_channel(address: str, peer: str, options: Iterable[tuple[str, Any]] = (),
+                 security_: security.Security | None = None) -> grpc.Channel:
+    """A channel to a cluster-internal server of kind `peer` ("worker", "master", ...; ANY
+    when any cluster server will do, PUBLIC for the client APIs) at `address`, as this
+    process's internal TLS says (`pdserve.security.tls.current()`, or `security_`): mutual
+    TLS, the server's certificate checked to be `peer`'s whatever the address, and rebuilt
+    when the certificates on disk change; or plaintext with --insecure-internal."""
+    if peer == PUBLIC:
+        return make_public_channel(address)
+    opts = [*_OPTIONS, *options]
+    sec = security_ or security.current()
+    if sec.insecure:
+        return grpc.insecure_channel(address, options=opts)
+    return _RotatingChannel(address, peer, sec, opts)
+
+
+class _RotatingChannel(grpc.Channel):
+    """A secure channel that moves to new credentials when the certificates change: the next
+    call after a change goes through a channel built with them (calls in flight finish on the
+    old one, which is dropped, not closed). Stubs keep working across the change: each
+    multi-callable looks the current channel up when called."""
+
+    def __init__(self, address: str, peer: str, sec, options: list) -> None:
+        self._address, self._peer, self._sec, self._options = address, peer, sec, options
+        self._lock = threading.Lock()
+        self._generation = -1
+        self._inner: grpc.Channel | None = None
+        self._closed = False
+        self.current()
+
+    def current(self) -> grpc.Channel:
+        generation = self._sec.generation()
+        inner = self._inner
+        if inner is not None and generation == self._generation:
+            return inner
+        with self._lock:
+            if self._closed:
+                raise ValueError("Cannot invoke RPC on closed channel!")
+            if self._inner is None or generation != self._generation:
+                creds, opts, generation = self._sec.channel_credentials(self._peer)
+                self._inner = grpc.secure_channel(self._address, creds,
+                                                  options=[*self._options, *opts])
+                self._generation = generation
+            return self._inner
+
+    def _callable(self, kind: str, method: str, *args, **kwargs) -> "_RotatingCallable":
+        return _RotatingCallable(self, kind, method, args, kwargs)
+
+    def unary_unary(self, method, *args, **kwargs):
+        return self._callable("unary_unary", method, *args, **kwargs)
+
+    def unary_stream(self, method, *args, **kwargs):
+        return self._callable("unary_stream", method, *args, **kwargs)
+
+    def stream_unary(self, method, *args, **kwargs):
+        return self._callable("stream_unary", method, *args, **kwargs)
+
+    def stream_stream(self, method, *args, **kwargs):
+        return self._callable("stream_stream", method, *args, **kwargs)
+
+    def subscribe(self, callback, try_to_connect=False):
+        self.current().subscribe(callback, try_to_connect=try_to_connect)
+
+    def unsubscribe(self, callback):
+        if self._inner is not None:
+            self._inner.unsubscribe(callback)
+
+    def close(self):
+        with self._lock:
+            self._closed = True
+            inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class _RotatingCallable:
+    """A multi-callable bound to whichever channel is current when it is called."""
+
+    __slots__ = ("_channel", "_kind", "_method", "_args", "_kwargs", "_generation", "_inner")
+
+    def __init__(self, channel: _RotatingChannel, kind: str, method: str, args, kwargs):
+        self._channel, self._kind, self._method = channel, kind, method
+        self._args, self._kwargs = args, kwargs
+        self._generation = None
+        self._inner = None
+
+    def _current(self):
+        inner = self._channel.current()
+        if self._inner is None or self._generation is not inner:
+            self._inner = getattr(inner, self._kind)(self._method, *self._args, **self._kwargs)
+            self._generation = inner
+        return self._inner
+
+    def __call__(self, *args, **kwargs):
+        return self._current()(*args, **kwargs)
+
+    def __getattr__(self, name):  # with_call, future
+        return getattr(self._current(), name)
+
+
+def bind(server: grpc.Server, address: str, kind: str, plane: str = INTERNAL) -> int:
+    """Listen on `address` as a server of `kind`: INTERNAL requires a cluster certificate of
+    every client; CONTROL takes TLS without one (its Guard authenticates each call); both
+    plaintext with --insecure-internal. The port bound; RuntimeError if it cannot be."""
+    sec = security.current()
+    if sec.insecure:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(
+        address, sec.server_credentials(kind, require_client_cert=plane == INTERNAL))
+
+
+def bind_public(server: grpc.Server, address: str, public_tls: PublicTls | None) -> int:
+    """Listen on `address` for the client APIs: plaintext, or TLS with the operator's files."""
+    if public_tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, public_tls.server_credentials())
+
+
+def serve_health(health_servicer: health.HealthServicer, address: str
+                 ) -> tuple[grpc.Server, int]:
+    """A plaintext listener at `address` serving only `grpc.health.v1` from `health_servicer`
+    (a Kubernetes gRPC probe speaks no TLS; health says SERVING or not, nothing else), started.
+    (server, port); RuntimeError if the address cannot be bound."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[
+        ("grpc.so_reuseport", 0)], maximum_concurrent_rpcs=16)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    server.start()
+    return server, port
+
+
+def wait_healthy(address: str, timeout_s: float, service: str = "", peer: str = ANY,
+                 security_: security.Security | None = None) -> None:
+    """Polls the health service at `address` (a server of kind `peer`; PUBLIC: the client
+    APIs in plaintext) until `service` is SERVING (as `security_`, default this process's
+    setting).
 
     Raises TimeoutError naming the address (and the last status or error seen) after `timeout_s`.
     """
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with make_channel(address) as channel:
+    with make_channel(address, peer, security_=security_) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service=service)
         while True:
@@ -250,14 +496,18 @@ def wait_for_signal(poll_s: float = 0.5) -> int:
 
 
 def run_until_signal(server: grpc.Server, health: health.HealthServicer, address: str,
-                     ready_line: Callable[[str], str], grace_s: float = 2.0) -> int:
-    """Bind `address`, start, print the ready line, serve until SIGTERM/SIGINT, stop gracefully.
+                     ready_line: Callable[[str], str], kind: str, grace_s: float = 2.0,
+                     plane: str = INTERNAL, health_address: str | None = None) -> int:
+    """Bind `address` as a server of `kind` (`bind`), and `health_address` for plaintext
+    probes when given; start, print the ready line, serve until SIGTERM/SIGINT, stop
+    gracefully.
 
-    Returns a process exit code: 1 if the address cannot be bound, else 0.
+    Returns a process exit code: 1 if an address cannot be bound, else 0.
     """
     catch_stop_signals()
     try:
-        port = server.add_insecure_port(address)
+        port = bind(server, address, kind, plane)
+        probe = serve_health(health, health_address)[0] if health_address else None
     except RuntimeError as e:
         print(f"cannot bind {address}: {e}", file=sys.stderr, flush=True)
         return 1
@@ -266,4 +516,6 @@ def run_until_signal(server: grpc.Server, health: health.HealthServicer, address
     wait_for_signal()
     health.enter_graceful_shutdown()
     server.stop(grace=grace_s).wait()
+    if probe is not None:
+        probe.stop(grace=None)
     return 0

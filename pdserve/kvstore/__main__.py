@@ -12,6 +12,8 @@ from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.core.errors import ConfigError
 from pdserve.kvstore.config import StoreConfig
 from pdserve.kvstore.service import ServeError, serve
+from pdserve.core.identity import MASTER
+from pdserve.security import cli as security_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         "--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s,
         help="seconds in-flight RPCs may still run after SIGTERM",
     )
+    security_cli.add_flags(parser, health=False)
     args = parser.parse_args(argv)
+    security_cli.configure(args, MASTER, parser)
     try:
         config = StoreConfig(
             address=args.address,

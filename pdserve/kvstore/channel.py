@@ -18,6 +18,7 @@ import grpc
 
 from pdserve import rpc
 from pdserve.core.errors import ConfigError
+from pdserve.core.identity import MASTER
 
 CLUSTER_ID_METADATA = "pdserve-cluster-id"
 MISMATCH_METADATA = "pdserve-cluster-mismatch"
@@ -79,9 +80,6 @@ def leader_hint(e: grpc.RpcError) -> str:
 
 
 def make_store_channel(address: str) -> grpc.Channel:
-    """An insecure channel to a master with pdserve's message limits and fast reconnection."""
-    return grpc.insecure_channel(address, options=[
-        ("grpc.max_send_message_length", rpc.MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", rpc.MAX_MESSAGE_BYTES),
-        *_RECONNECT_OPTIONS,
-    ])
+    """A channel to a store master (mutual TLS unless internal TLS is off: `rpc.make_channel`)
+    with pdserve's message limits and fast reconnection."""
+    return rpc.make_channel(address, MASTER, options=_RECONNECT_OPTIONS)

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health
 
 from pdserve import rpc
+from pdserve.core.identity import MASTER
 from pdserve.kvstore.config import StoreConfig, parse_address
 from pdserve.kvstore.store import ChecksumMismatch, MemoryStore, ObjectMeta, StoreFullError
 from pdserve.proto import kvstore_pb2 as pb
@@ -118,10 +119,11 @@ def start(config: StoreConfig) -> RunningStore:
     host, _ = parse_address(config.address)
     server = rpc.make_server(config.max_workers)
     servicer = KVStoreServicer(MemoryStore(config.capacity_bytes))
-    rpc.add_servicer(server, pb_grpc.add_KVStoreServicer_to_server, servicer)
+    # The single-process store is the store's master and data at once: it serves as "master".
+    rpc.add_servicer(server, pb_grpc.add_KVStoreServicer_to_server, servicer, rpc.Guard(MASTER))
     health_servicer = rpc.add_health_and_reflection(server, [SERVICE_NAME])
     try:
-        port = server.add_insecure_port(config.address)
+        port = rpc.bind(server, config.address, MASTER)
     except RuntimeError as e:  # grpc raises RuntimeError when the bind fails
         raise ServeError(f"cannot listen on {config.address}: {e}") from e
     if port == 0:

@@ -18,6 +18,7 @@ from typing import Callable
 import grpc
 
 from pdserve import rpc
+from pdserve.core.identity import ROUTER, WORKER
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 
@@ -54,7 +55,7 @@ class Registrar:
     def _wait_until_serving(self) -> bool:
         while not self._stop.is_set():
             try:
-                rpc.wait_healthy(self.local, timeout_s=1.0)
+                rpc.wait_healthy(self.local, timeout_s=1.0, peer=WORKER)
                 return True
             except TimeoutError:
                 continue
@@ -63,7 +64,7 @@ class Registrar:
     def _run(self, router: str) -> None:
         if not self._wait_until_serving():
             return
-        channel = rpc.make_channel(router)
+        channel = rpc.make_channel(router, ROUTER)
         retry_s = _FIRST_RETRY_S
         last_ok: bool | None = None  # logged on a change only, not once per heartbeat or retry
         try:
@@ -80,7 +81,7 @@ class Registrar:
                     # A fresh channel: gRPC's own reconnect backoff grows to minutes, far past
                     # ours, and would hide a router that is back.
                     channel.close()
-                    channel = rpc.make_channel(router)
+                    channel = rpc.make_channel(router, ROUTER)
                     self._stop.wait(retry_s)
                     retry_s = min(retry_s * 2, self.heartbeat_s)
                     continue

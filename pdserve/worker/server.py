@@ -19,6 +19,7 @@ import sys
 import torch
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.decode_worker.publish import PromptPublisher
 from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -121,7 +122,7 @@ def store_refusal(store) -> str | None:
     return None
 
 
-def run(cfg: WorkerConfig) -> int:
+def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
     rpc.catch_stop_signals()  # a SIGTERM while the weights load still shuts down cleanly
     try:  # before anything starts: `--device cuda` on a host without CUDA is a one-line error
         cfg = dataclasses.replace(cfg, device=resolve_device(cfg.device))
@@ -151,7 +152,7 @@ def run(cfg: WorkerConfig) -> int:
                                        publisher=publisher),
                             role, model_id)
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-    rpc.add_servicer(server, pb_grpc.add_WorkerServicer_to_server, service)
+    rpc.add_servicer(server, pb_grpc.add_WorkerServicer_to_server, service, rpc.Guard(WORKER))
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Worker"])
     metrics_note, metrics_server = "", None
     if cfg.metrics_port >= 0:
@@ -170,7 +171,7 @@ def run(cfg: WorkerConfig) -> int:
         server, health, cfg.address,
         lambda where: f"pdserve.worker ready on {where} role={cfg.role} model={model_id}"
                       f" device={engine.cfg.device}"
-                      f"{metrics_note}")
+                      f"{metrics_note}", WORKER, health_address=health_address)
     if registrar is not None:
         registrar.stop()
     if metrics_server is not None:

@@ -19,6 +19,8 @@ from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve import rpc
 from pdserve.kvstore.channel import check_cluster_id
 from pdserve.core.errors import ConfigError
+from pdserve.core.identity import MASTER
+from pdserve.security import cli as security_cli
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.master.model import ClusterIdConflict
 
@@ -39,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--low-watermark", type=float, default=MasterConfig.low_watermark)
     p.add_argument("--cluster-id", default="",
                    help="the cluster this master serves (kept in its journal; '': any)")
+    security_cli.add_flags(p)
     a = p.parse_args(argv)
+    security_cli.configure(a, MASTER, p)
     if bool(a.journal_dir) == bool(a.redis_url):
         p.error("give exactly one of --journal-dir or --redis-url")
     try:
@@ -94,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=maintain, name="master-maintenance", daemon=True).start()
     server = rpc.make_server(32)
-    rpc.add_servicer(server, pb_grpc.add_KVMasterServicer_to_server, service)
+    rpc.add_servicer(server, pb_grpc.add_KVMasterServicer_to_server, service, rpc.Guard(MASTER))
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.KVMaster"])
     code = rpc.run_until_signal(server, health, a.address,
                                 lambda where: f"pdserve.kvstore.master ready on {where} "
-                                              f"leader={service.is_leader()}")
+                                              f"leader={service.is_leader()}", MASTER,
+                                health_address=a.health_address)
     stop.set()
     if election is not None and service.is_leader():
         election.release()
