@@ -106,7 +106,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         req.chat.messages.append(api_pb2.ChatMessage(role="user", content=args.prompt))
     else:
         req.prompt = args.prompt
-    with rpc.make_channel(args.address) as ch:
+    root = None
+    if args.ca_cert is not None:  # the router serves its client APIs over TLS
+        with open(args.ca_cert, "rb") as f:
+            root = f.read()
+    with rpc.make_public_channel(args.address, root) as ch:
         stub = api_pb2_grpc.GenerationStub(ch)
         try:
             for resp in stub.Generate(req, timeout=args.timeout_s):
@@ -148,7 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None)
     g.add_argument("--address", default="127.0.0.1:50051")
     g.add_argument("--timeout-s", type=float, default=600.0)
+    g.add_argument("--ca-cert", default=None,
+                   help="the router's client port speaks TLS: trust this CA's certificate "
+                        "('' for the system's)")
     g.set_defaults(func=cmd_generate)
+    sub.add_parser("certs", help="make and renew a cluster's TLS folder (pdserve certs --help)",
+                   add_help=False)  # dispatched in main()
 
     for kind, (_, what) in PROCESSES.items():  # dispatched in main(), listed here for --help
         sub.add_parser(kind, help=f"{what} (one process; flags: pdserve {kind} --help, or "
@@ -183,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.entrypoints import run
 
         return run(argv[0], argv[1:])
+    if argv[:1] == ["certs"]:
+        from pdserve.security.cli import main as certs_main
+
+        return certs_main(argv[1:])
     if argv[:1] and argv[0] in COMMANDS:  # imported only now, with its flags
         return run_lazy("pdserve", argv[0], COMMANDS[argv[0]], argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHES:

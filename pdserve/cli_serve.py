@@ -121,8 +121,22 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="file of 'KEY TENANT' lines the router accepts; PDSERVE_API_KEYS="
                         "KEY:TENANT,... adds more (default: no auth)")
     a.add_argument("--admin-keys-file", default=None,
-                   help="file of 'KEY [NAME]' lines the controller requires of every operator "
-                        "call (`pdserve ctl --admin-key`; default: none required)")
+                   help="file of 'KEY [NAME]' lines: keys that may steer the cluster without "
+                        "its operator certificate (the controller, `pdserve ctl --admin-key`, "
+                        "and the router's control API; default: none)")
+    t = s.add_argument_group("TLS")
+    t.add_argument("--tls-dir", default=None,
+                   help="the cluster's TLS folder (a CA and a certificate per component; "
+                        "`pdserve certs init DIR`); default: a new CA made at start in the log "
+                        "folder and renewed while serving")
+    t.add_argument("--insecure-internal", action="store_true",
+                   help="no TLS inside the cluster: internal calls in plaintext, "
+                        "unauthenticated (only on a network you trust)")
+    t.add_argument("--tls-cert", default=None, help="serve the client APIs (gRPC and HTTP) "
+                                                    "over TLS with this certificate")
+    t.add_argument("--tls-key", default=None, help="the private key of --tls-cert")
+    t.add_argument("--tls-client-ca", default=None,
+                   help="require client certificates from this CA on the client APIs")
     a.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="text in chat messages that spells a control token (e.g. <|im_start|>) "
                         "becomes that token (default: encoded as text)")
@@ -157,9 +171,11 @@ def passthrough_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
         router.append("--allow-special-tokens-in-messages")
     controller: list[str] = []
     if args.admin_keys_file:
-        controller += ["--admin-keys-file", os.path.abspath(args.admin_keys_file)]
-        if args.api_keys_file:  # tenant keys are then told apart: PERMISSION_DENIED
-            controller += ["--api-keys-file", os.path.abspath(args.api_keys_file)]
+        admin = ["--admin-keys-file", os.path.abspath(args.admin_keys_file)]
+        router += admin
+        controller += admin
+    if args.api_keys_file:  # tenant keys are told apart from others: PERMISSION_DENIED
+        controller += ["--api-keys-file", os.path.abspath(args.api_keys_file)]
     return {"router_args": tuple(router), "controller_args": tuple(controller)}
 
 
@@ -181,17 +197,22 @@ def input_problem(args: argparse.Namespace) -> str | None:
             return f"{e} (or pass --model PATH)"
     if args.draft is not None and not os.path.isdir(args.draft):
         return f"--draft {args.draft}: no such folder (train one with `pdserve train-draft`)"
-    if args.api_keys_file is not None:
-        from pdserve.router.auth import ApiKeys, KeyFileError
+    from pdserve.router.auth import ApiKeys
+    from pdserve.security.keys import AdminKeys, KeyFileError
 
+    for flag, path, load in (("--api-keys-file", args.api_keys_file, ApiKeys.load),
+                             ("--admin-keys-file", args.admin_keys_file, AdminKeys.load)):
+        if path is None:
+            continue
         try:
-            ApiKeys.load(args.api_keys_file)
+            load(path)
         except OSError as e:
-            return f"--api-keys-file {args.api_keys_file}: {e.strerror}"
+            return f"{flag} {path}: {e.strerror}"
         except KeyFileError as e:
-            return f"--api-keys-file: {e}"
-    if args.admin_keys_file is not None and not os.path.isfile(args.admin_keys_file):
-        return f"--admin-keys-file {args.admin_keys_file}: no such file"
+            return f"{flag}: {e}"
+    problem = tls_problem(args)
+    if problem:
+        return problem
     from pdserve.engine.device import DeviceError, check_quantization
 
     try:
@@ -200,6 +221,31 @@ def input_problem(args: argparse.Namespace) -> str | None:
         return str(e)
     if args.backend == "local":
         return device_problem(args)
+    return None
+
+
+def tls_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the TLS flags, naming the flag; None when nothing is."""
+    if args.tls_dir and args.insecure_internal:
+        return "--tls-dir and --insecure-internal exclude each other"
+    if args.tls_dir:
+        from pdserve.core.identity import KINDS
+        from pdserve.security import pki, tls
+
+        folder = tls.TlsFolder(args.tls_dir)
+        try:
+            for kind in KINDS:  # every process of the cluster starts from this folder
+                folder.material(kind)
+        except pki.PkiError as e:
+            return f"--tls-dir: {e}"
+    if bool(args.tls_cert) != bool(args.tls_key):
+        return "--tls-cert and --tls-key: give both or neither"
+    if args.tls_client_ca and not args.tls_cert:
+        return "--tls-client-ca needs --tls-cert and --tls-key"
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                       ("--tls-client-ca", args.tls_client_ca)):
+        if path and not os.path.isfile(path):
+            return f"{flag} {path}: no such file"
     return None
 
 
@@ -261,6 +307,7 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
     from rich.console import Console
 
     from pdserve import logctx
+    from pdserve.controller import runfile
     from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
     from pdserve.lifecycle import StopSignals
 
@@ -284,7 +331,10 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
                        max_predicted_ttft_s=args.max_predicted_ttft_s,
                        max_local_prefill_tokens=args.max_local_prefill_tokens,
                        shutdown_grace_s=args.shutdown_grace_s, supervise=not args.no_supervise,
-                       metrics_port=args.metrics_port, **extra)
+                       metrics_port=args.metrics_port, tls_dir=args.tls_dir,
+                       insecure_internal=args.insecure_internal,
+                       tls_cert=args.tls_cert or "", tls_key=args.tls_key or "",
+                       tls_client_ca=args.tls_client_ca or "", **extra)
     cluster = LocalCluster(spec)
 
     # Ctrl-C or SIGTERM, while starting or serving, stops every child in order. The children
@@ -294,16 +344,25 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
         with console.status(f"starting store, {spec.prefill_workers} prefill and "
                             f"{spec.decode_workers} decode workers, router ({spec.model_path})"):
             cluster.start()
-        http = f", OpenAI API on http://{cluster.http_address}/v1" if cluster.http_address else ""
+        scheme = "https" if spec.tls_cert else "http"
+        http = (f", OpenAI API on {scheme}://{cluster.http_address}/v1"
+                if cluster.http_address else "")
         ctl = (f", controller on {cluster.controller_address} ({spec.controller_mode}; "
-               f"`pdserve ctl --address {cluster.controller_address} status`)"
-               if cluster.controller_address else "")
+               f"`pdserve ctl status`)" if cluster.controller_address else "")
+        tls_note = ("internal TLS off (--insecure-internal)" if cluster.security.insecure else
+                    f"internal mutual TLS, certificates in {cluster.security.folder.path}")
+        runfile.write({"cluster_id": cluster.cluster_id, "router": cluster.router_address,
+                       "router_control": cluster.router_control_address,
+                       "controller": cluster.controller_address or "",
+                       "tls_dir": "" if cluster.security.insecure
+                       else cluster.security.folder.path, "pid": os.getpid()})
         console.print(f"[bold green]pdserve ready[/]: gRPC on {cluster.router_address}{http}"
-                      f"{ctl}, metrics on {cluster.metrics_url} (logs in {cluster.log_dir}); "
-                      f"Ctrl-C stops it")
+                      f"{ctl}, metrics on {cluster.metrics_url} (logs in {cluster.log_dir}; "
+                      f"{tls_note}); Ctrl-C stops it")
         notes = "".join(f" {k}={v}" for k, v in (("http", cluster.http_address),
                                                  ("metrics", cluster.metrics_url),
                                                  ("controller", cluster.controller_address),
+                                                 ("control", cluster.router_control_address),
                                                  ("cluster", cluster.cluster_id)) if v)
         print(f"pdserve ready on {cluster.router_address}{notes}", flush=True)
         while not cluster.cancel.wait(0.5):  # a timed wait lets the signal handler run
@@ -316,4 +375,5 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
         return 1
     finally:
         cluster.stop()
+        runfile.remove(cluster.cluster_id)
     return 0

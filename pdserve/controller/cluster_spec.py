@@ -86,6 +86,17 @@ class ClusterSpec:
     itl_slo_ms: float = 200.0
     controller_args: tuple[str, ...] = ()  # more flags (e.g. --cooldown-s 5)
     cluster_id: str = ""  # "": a random one at start
+    # Internal TLS (`pdserve.security`): the cluster's TLS folder (a CA and a certificate per
+    # kind); None: this process's own setting when it has one (PDSERVE_TLS_DIR), else a new
+    # CA made at start in the log folder, renewed while the cluster runs. insecure_internal:
+    # no TLS inside the cluster (plaintext; an explicit opt-in).
+    tls_dir: str | None = None
+    insecure_internal: bool = False
+    router_control_port: int | None = None  # the router's control listener; None: a free port
+    # TLS of the router's client APIs (gRPC and HTTP): files; "" for plaintext.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     # Restart children that die (`pdserve serve` turns it on; tests that kill children on
     # purpose keep it off), and the launcher's own /metrics (0: a free port; None: none).
     supervise: bool = False
@@ -111,6 +122,10 @@ class ClusterSpec:
             check_quantization(self.quantization, device, self.dtype)
         if not self.shutdown_grace_s >= 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.tls_dir and self.insecure_internal:
+            raise ConfigError("tls_dir and insecure_internal exclude each other")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key: give both or neither")
         if self.core_sharing not in CORE_SHARING:
             raise ConfigError(f"core_sharing must be one of {', '.join(CORE_SHARING)}, got "
                               f"{self.core_sharing!r}")
@@ -133,7 +148,7 @@ class ClusterSpec:
         """This spec with its cluster id and every internal port fixed (free ports where
         unset), so that a restarted child comes back at the same address."""
         n = self.prefill_workers + self.decode_workers
-        ports = iter(free_ports(n + 3))
+        ports = iter(free_ports(n + 4))
         pick = (lambda p: p or next(ports))
         workers = self.worker_ports or (
             tuple(self.worker_base_port + i for i in range(n)) if self.worker_base_port
@@ -143,6 +158,7 @@ class ClusterSpec:
         return dataclasses.replace(
             self, store_port=pick(self.store_port), worker_ports=workers, worker_devices=devices,
             controller_port=pick(self.controller_port),
+            router_control_port=pick(self.router_control_port),
             http_port=None if self.http_port is None else pick(self.http_port),
             cluster_id=self.cluster_id or uuid.uuid4().hex[:12])
 

@@ -3,8 +3,10 @@
 Owns what an operator types and sees: rich tables, or `--json` on every command; errors as one
 clear line and a non-zero exit (an unreachable controller, an unknown worker, a refused key),
 never a traceback. Talks only to the controller's gRPC API (`--address`, default
-$PDSERVE_CONTROLLER_ADDRESS or 127.0.0.1:50052) with `--admin-key` (or $PDSERVE_ADMIN_KEY).
-Must not import torch or talk to workers or the router directly.
+$PDSERVE_CONTROLLER_ADDRESS, else the cluster `pdserve serve` runs on this machine
+(`runfile`), else 127.0.0.1:50052) over TLS, as the cluster's operator (`--tls-dir`, default
+$PDSERVE_TLS_DIR or that cluster's folder) or with `--admin-key` ($PDSERVE_ADMIN_KEY) and the
+CA to trust (`--ca-cert`). Must not import torch or talk to workers or the router directly.
 """
 
 from __future__ import annotations
@@ -20,12 +22,21 @@ ROLE_CHOICES = ("prefill", "decode")
 
 def add_parser(sub) -> argparse.ArgumentParser:
     c = sub.add_parser("ctl", help="see and steer the controller (roles, rebalance, pins, mode)")
-    c.add_argument("--address", default=os.environ.get("PDSERVE_CONTROLLER_ADDRESS",
-                                                       DEFAULT_ADDRESS),
-                   help="the controller (default $PDSERVE_CONTROLLER_ADDRESS or "
-                        f"{DEFAULT_ADDRESS})")
+    c.add_argument("--address", default=os.environ.get("PDSERVE_CONTROLLER_ADDRESS"),
+                   help="the controller (default $PDSERVE_CONTROLLER_ADDRESS, else the one "
+                        f"`pdserve serve` runs here, else {DEFAULT_ADDRESS})")
     c.add_argument("--admin-key", default=os.environ.get("PDSERVE_ADMIN_KEY"),
-                   help="an admin key when the controller requires one ($PDSERVE_ADMIN_KEY)")
+                   help="an admin key ($PDSERVE_ADMIN_KEY); with --ca-cert, no certificate "
+                        "is needed")
+    c.add_argument("--tls-dir", default=os.environ.get("PDSERVE_TLS_DIR"),
+                   help="the cluster's TLS folder, to call as its operator (default "
+                        "$PDSERVE_TLS_DIR, else the folder of the cluster `pdserve serve` runs "
+                        "here)")
+    c.add_argument("--ca-cert", default=None,
+                   help="the cluster CA's certificate, to reach the controller with an admin "
+                        "key and no certificate of your own")
+    c.add_argument("--insecure-internal", action="store_true",
+                   help="the cluster runs without internal TLS: plaintext")
     c.add_argument("--json", action="store_true", help="print JSON instead of tables")
     c.add_argument("--timeout-s", type=float, default=10.0, help="per call, drains excepted")
     cs = c.add_subparsers(dest="ctl", required=True)
@@ -62,7 +73,12 @@ def run(args: argparse.Namespace) -> int:
     roles = {"prefill": wpb.ROLE_PREFILL, "decode": wpb.ROLE_DECODE}
     meta = (("authorization", f"Bearer {args.admin_key}"),) if args.admin_key else ()
     long_s = args.timeout_s + 3600  # flips wait for drains (bounded by the drain timeout)
-    with rpc.make_channel(args.address) as ch:
+    try:
+        ch = _channel(args)
+    except (OSError, ValueError) as e:
+        print(f"pdserve ctl: {e}", file=sys.stderr)
+        return 2
+    with ch:
         stub = pb_grpc.ControllerStub(ch)
         try:
             if args.ctl == "status":
@@ -96,6 +112,35 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.controller import ctl_view
 
     return ctl_view.show(args.ctl, resp, dry_run=getattr(args, "dry_run", False))
+
+
+def _channel(args: argparse.Namespace):
+    """The channel to the controller: as the operator of a TLS folder, with an admin key
+    trusting `--ca-cert`, or plaintext; the address and folder default to the cluster
+    `pdserve serve` runs here."""
+    import grpc
+
+    from pdserve import rpc
+    from pdserve.controller import runfile
+    from pdserve.core.identity import CONTROLLER, OPERATOR, server_name
+    from pdserve.security import tls
+
+    here = runfile.read()
+    args.address = args.address or here.get("controller") or DEFAULT_ADDRESS
+    if args.insecure_internal:
+        tls.configure(tls.Insecure())
+        return rpc.make_channel(args.address, CONTROLLER)
+    if args.ca_cert and not args.tls_dir:
+        with open(args.ca_cert, "rb") as f:
+            ca = f.read()
+        return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(ca), options=[
+            ("grpc.ssl_target_name_override", server_name(CONTROLLER))])
+    folder = args.tls_dir or here.get("tls_dir")
+    if not folder:
+        raise ValueError("no credentials: give --tls-dir DIR (the cluster's TLS folder), or "
+                         "--admin-key KEY with --ca-cert FILE; no `pdserve serve` runs here")
+    tls.configure(tls.MutualTls(tls.TlsFolder(folder), OPERATOR))
+    return rpc.make_channel(args.address, CONTROLLER)
 
 
 def _error(args: argparse.Namespace, e) -> int:

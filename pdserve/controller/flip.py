@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
@@ -63,7 +64,7 @@ class Flipper:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = rpc.make_channel(address)
+                ch = self._channels[address] = rpc.make_channel(address, WORKER)
         return wpb_grpc.WorkerStub(ch)
 
     def flip(self, address: str, to_role: str, drain_timeout_s: float,

@@ -7,6 +7,10 @@ declared up only when its gRPC health check says SERVING. Internal ports (store 
 workers, metrics, controller) are free ports picked at start unless given; the router's client
 ports are checked free before anything starts. Every cluster gets an id (`--cluster-id`, in the
 storage node's id and so in its shared-memory segment names), so clusters can share a host.
+Every child gets the cluster's internal TLS (`--tls-dir`, or `--insecure-internal` when the
+spec says so): a CA and certificates made at start in the log folder unless a folder is given
+or this process already has one; the launcher itself calls the children as the cluster's
+operator, and renews the certificates it made while the cluster runs.
 With `ClusterSpec.supervise` (on in `pdserve serve`), a child that dies is restarted with the
 same arguments (`supervise.py`; the router with the workers' current roles) and the launcher
 serves its own Prometheus endpoint. `stop()` ends supervision, then stops the router (within
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import re
 import signal
@@ -29,12 +34,19 @@ from dataclasses import dataclass, field
 
 from pdserve import rpc
 from pdserve.controller.cluster_spec import ClusterSpec, check_free, free_ports
+from pdserve.core.identity import CONTROLLER, MASTER, OPERATOR, ROUTER, WORKER
+from pdserve.security import cli as security_cli
+from pdserve.security import pki, tls
 from pdserve.controller.supervise import Supervision, SupervisionCollector, tail
 from pdserve.lifecycle import child_env
 
 __all__ = ["ClusterSpec", "LocalCluster"]
 
+log = logging.getLogger(__name__)
+
 SHM_DIR = "/dev/shm"  # where the storage node keeps its segment files (its default)
+# The kind serving each child's probe address (the router's: its control listener).
+_PEER = {"master": MASTER, "worker": WORKER, "router": ROUTER, "controller": CONTROLLER}
 
 
 @dataclass(eq=False)
@@ -45,6 +57,9 @@ class Child:
     proc: subprocess.Popen
     log_path: str
     argv: list[str]
+    # Where the launcher checks it is up (its health), and which kind serves there: a
+    # router's control listener (its client port may speak the operator's TLS).
+    probe: str = ""
     started_s: float = 0.0  # time.monotonic() at its (re)start
     stopping: bool = False  # the launcher stops it on purpose: never restarted
 
@@ -63,6 +78,10 @@ class LocalCluster:
     supervision: Supervision | None = None
     # Set (e.g. by a signal handler) to abandon a start in progress: StartCancelled.
     cancel: threading.Event = field(default_factory=threading.Event)
+    # This cluster's internal TLS as its operator (or Insecure), fixed by start().
+    security: object = None
+    owns_ca: bool = False  # the CA was made here: renew its certificates while running
+    _stopped: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _metrics_server: object = None
 
@@ -73,6 +92,10 @@ class LocalCluster:
     @property
     def router_address(self) -> str:
         return f"{self.spec.host}:{self.spec.router_port}"
+
+    @property
+    def router_control_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.router_control_port}"
 
     @property
     def store_address(self) -> str:
@@ -90,9 +113,11 @@ class LocalCluster:
     def _cluster_id_args(self) -> list[str]:
         return ["--cluster-id", self.spec.cluster_id]
 
-    def _spawn(self, name: str, kind: str, address: str, args: list[str]) -> Child:
+    def _spawn(self, name: str, kind: str, address: str, args: list[str], probe: str = ""
+               ) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
-        child = Child(name, kind, address, None, log_path, args)  # type: ignore[arg-type]
+        child = Child(name, kind, address, None, log_path, args,  # type: ignore[arg-type]
+                      probe or address)
         self._popen(child, "wb")
         with self._lock:
             self.children.append(child)
@@ -103,7 +128,8 @@ class LocalCluster:
             log.write(note.encode())
             log.flush()
             child.proc = subprocess.Popen(
-                [sys.executable, "-m", *child.argv], stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", *child.argv, *security_cli.forward(self.security)],
+                stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=child_env(), start_new_session=True)
         child.started_s = time.monotonic()
 
@@ -136,7 +162,7 @@ class LocalCluster:
         for c in [c for c in self.supervised() if c.kind == "worker"]:
             roles[c.address] = c.argv[c.argv.index("--role") + 1]
             try:
-                with rpc.make_channel(c.address) as ch:
+                with rpc.make_channel(c.address, WORKER) as ch:
                     r = wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=timeout_s)
                 roles[c.address] = {wpb.ROLE_PREFILL: "prefill",
                                     wpb.ROLE_DECODE: "decode"}.get(r.role, roles[c.address])
@@ -157,7 +183,7 @@ class LocalCluster:
                     raise RuntimeError(f"{c.name} exited with {c.proc.returncode} before it was "
                                        f"ready; its log ({c.log_path}) ends:\n{tail(c.log_path)}")
                 try:
-                    rpc.wait_healthy(c.address, timeout_s=1.0)
+                    rpc.wait_healthy(c.probe, timeout_s=1.0, peer=_PEER[c.kind])
                     break
                 except TimeoutError:
                     if time.monotonic() > deadline:
@@ -169,7 +195,7 @@ class LocalCluster:
         from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
 
         deadline = time.monotonic() + self.spec.ready_timeout_s
-        with rpc.make_channel(master_addr) as ch:
+        with rpc.make_channel(master_addr, MASTER) as ch:
             stub = pb_grpc.KVMasterStub(ch)
             while stub.Stats(pb.MasterStatsRequest(), timeout=5).nodes_alive < len(nodes):
                 self._check_cancel()
@@ -188,6 +214,7 @@ class LocalCluster:
         self.spec = s = self.spec.resolved()
         self.log_dir = s.log_dir or tempfile.mkdtemp(prefix="pdserve-")
         os.makedirs(self.log_dir, exist_ok=True)
+        self.security = self._internal_tls()
         try:
             # The store: a master (metadata, journaled under the log dir, one journal per
             # cluster id so a later `serve` with the same --log-dir starts afresh) and one
@@ -218,7 +245,7 @@ class LocalCluster:
                     *self._core_args(s.worker_devices[i]),
                     "--metrics-port", str(metrics_ports[i]),
                     # Its heartbeat re-registers it with a restarted router.
-                    "--register-with", self.router_address, *self._cluster_id_args(),
+                    "--register-with", self.router_control_address, *self._cluster_id_args(),
                     *(["--progressive-kv", "true"] if s.progressive_kv else []),
                     *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
                        "--num-speculative-tokens", str(s.num_speculative_tokens),
@@ -229,7 +256,8 @@ class LocalCluster:
             self._wait_store_nodes(self.store_address, [node])
             self._wait(workers)
             router = self._spawn("router", "router", self.router_address,
-                                 self._router_argv(dict(zip((w.address for w in workers), roles))))
+                                 self._router_argv(dict(zip((w.address for w in workers), roles))),
+                                 probe=self.router_control_address)
             self._wait([router])
             if s.http_port is not None:
                 self.http_address = self._ready_field(router, "http")
@@ -239,6 +267,9 @@ class LocalCluster:
                 self._serve_metrics()
             if s.supervise:
                 self.supervision = Supervision(self, s.restart_policy).start()
+            if self.owns_ca:
+                threading.Thread(target=self._renew_loop, name="renew-certificates",
+                                 daemon=True).start()
         except BaseException:
             self.stop()
             raise
@@ -256,6 +287,7 @@ class LocalCluster:
         # One request never holds more KV than a worker's pool: the router refuses longer
         # ones up front, and chat's default max_tokens (the rest of the context) fits.
         return ["pdserve.router", "--model", s.model_path, "--address", self.router_address,
+                "--control-address", self.router_control_address, *self._public_tls_args(),
                 "--prefill", ",".join(a for a, r in roles.items() if r == "prefill"),
                 "--decode", ",".join(a for a, r in roles.items() if r == "decode"),
                 "--max-model-len-tokens", str(s.num_blocks * s.block_size_tokens),
@@ -283,7 +315,7 @@ class LocalCluster:
         address = f"{s.host}:{s.controller_port}"
         [metrics_port] = free_ports(1)
         child = self._spawn("controller", "controller", address, [
-            "pdserve.controller", "--router", self.router_address, "--address", address,
+            "pdserve.controller", "--router", self.router_control_address, "--address", address,
             "--mode", s.controller_mode, "--ttft-slo-ms", str(s.ttft_slo_ms),
             "--itl-slo-ms", str(s.itl_slo_ms), "--audit-log", self.audit_log,
             "--metrics-port", str(metrics_port), *self._offload_args(), *s.controller_args,
@@ -307,12 +339,14 @@ class LocalCluster:
         and `extra_args` (e.g. admission bounds, an API key file); returns its address once
         healthy. `stop()` stops it with the rest."""
         address = f"{self.spec.host}:{port}"
+        control = f"{self.spec.host}:{free_ports(1)[0]}"
         child = self._spawn(name, "router", address, [
             "pdserve.router", "--model", self.spec.model_path, "--address", address,
+            "--control-address", control,
             "--prefill", ",".join(self.worker_addresses("prefill")),
             "--decode", ",".join(self.worker_addresses("decode")), *self.routing_args(routing),
             "--max-model-len-tokens", str(self.spec.num_blocks * self.spec.block_size_tokens),
-            *self.spec.router_args, *extra_args])
+            *self.spec.router_args, *extra_args], probe=control)
         self._wait([child])
         return address
 
@@ -342,6 +376,49 @@ class LocalCluster:
                                    f"({child.log_path}) ends:\n{tail(child.log_path)}")
             time.sleep(0.05)
 
+    def _internal_tls(self):
+        """The cluster's internal TLS, as its operator: the spec's folder, else this process's
+        own setting (PDSERVE_TLS_DIR), else a new CA and certificates in the log folder (made
+        here, so renewed here). This process calls the children with it."""
+        s = self.spec
+        if s.insecure_internal:
+            return tls.configure(tls.Insecure())
+        if s.tls_dir:
+            return tls.configure(tls.MutualTls(tls.TlsFolder(s.tls_dir), OPERATOR))
+        try:
+            mine = tls.current()
+        except tls.NotConfigured:
+            mine = None
+        if isinstance(mine, tls.MutualTls) and mine.kind == OPERATOR:
+            return mine
+        folder = os.path.join(self.log_dir, "tls")
+        pki.init_folder(folder, s.cluster_id)
+        self.owns_ca = True
+        return tls.configure(tls.MutualTls(tls.TlsFolder(folder), OPERATOR))
+
+    def _renew_loop(self, every_s: float = 60.0) -> None:
+        while not self._stopped.wait(every_s):
+            try:
+                renewed = self.renew_certificates()
+            except (OSError, ValueError) as e:  # try again at the next look
+                log.warning("renewing the cluster's certificates failed: %s", e)
+                continue
+            if renewed:
+                log.info("renewed the certificates of %s", ", ".join(renewed))
+
+    def renew_certificates(self) -> list[str]:
+        """Re-issue the certificates this launcher made once 2/3 of their life has passed
+        (supervision calls this; the children re-read them); the kinds renewed."""
+        if not self.owns_ca:
+            return []
+        return pki.renew_folder(self.security.folder.path)
+
+    def _public_tls_args(self) -> list[str]:
+        s = self.spec
+        pairs = (("--tls-cert", s.tls_cert), ("--tls-key", s.tls_key),
+                 ("--tls-client-ca", s.tls_client_ca))
+        return [x for flag, path in pairs if path for x in (flag, os.path.abspath(path))]
+
     def _offload_args(self) -> list[str]:
         """Workers taking turns on this host's CPU cores have no slack to lend each other: a
         prefill on a decode worker only takes turns from the prefill worker (in a c32 burst
@@ -364,6 +441,7 @@ class LocalCluster:
         """Supervision first (an intended stop is never a restart), then the router, given the
         shutdown grace to finish its requests, then the controller, the workers, the storage
         node (it unlinks its segment) and the master, each kind within `timeout_s`."""
+        self._stopped.set()
         if self.supervision is not None:
             self.supervision.pause()
         with self._lock:

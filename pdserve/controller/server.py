@@ -3,14 +3,14 @@ reflection, and Prometheus metrics.
 
 Owns mapping operator calls onto `service.Controller` and its answers and errors onto gRPC
 (unknown worker NOT_FOUND, a bad split INVALID_ARGUMENT naming the field, a worker already
-switching ABORTED), and the operator check: with admin keys configured every call needs
-`authorization: Bearer <admin key>`; a tenant's API key is PERMISSION_DENIED, anything else
-UNAUTHENTICATED. Must not decide anything.
+switching ABORTED), and its listener: TLS whose `Guard` admits an operator's certificate or
+an admin key (`authorization: Bearer <admin key>`); a tenant's API key or a component's
+certificate is PERMISSION_DENIED, nothing UNAUTHENTICATED; each action's audit line names who.
+Must not decide anything.
 """
 
 from __future__ import annotations
 
-import hmac
 import sys
 
 import grpc
@@ -23,29 +23,13 @@ from pdserve.proto import controller_pb2 as pb
 from pdserve.proto import controller_pb2_grpc as pb_grpc
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
+from pdserve.core.identity import CONTROLLER, ROUTER
 from pdserve.router.auth import ApiKeys
+from pdserve.security.keys import AdminKeys
 
 MODE_OF = {"active": pb.CONTROLLER_MODE_ACTIVE, "advisory": pb.CONTROLLER_MODE_ADVISORY,
            "off": pb.CONTROLLER_MODE_OFF}
 MODE_NAMES = {v: k for k, v in MODE_OF.items()}
-
-
-def load_admin_keys(path: str | None) -> frozenset[str]:
-    """Admin keys from a file of `KEY [NAME]` lines (`#` comments); KeyFileError-like
-    ValueError naming the line."""
-    if not path:
-        return frozenset()
-    keys = set()
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            key = line.split()[0]
-            if len(key) < 8:
-                raise ValueError(f"{path}:{n}: keys must be at least 8 characters")
-            keys.add(key)
-    return frozenset(keys)
 
 
 def _outcome(o: FlipOutcome) -> pb.FlipResult:
@@ -55,29 +39,14 @@ def _outcome(o: FlipOutcome) -> pb.FlipResult:
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
-    def __init__(self, controller: Controller, admin_keys: frozenset[str] = frozenset(),
-                 tenant_keys: ApiKeys | None = None) -> None:
-        self.c = controller
-        self.admin_keys = admin_keys
-        self.tenant_keys = tenant_keys or ApiKeys({})
+    """Operator calls onto the controller. Who may call is the listener's Guard's business
+    (`pdserve.security`): by the time a method runs the caller is an operator, by admin key or
+    certificate, and `rpc.caller()` names it for the audit log."""
 
-    def _authorize(self, context) -> None:
-        if not self.admin_keys:
-            return
-        auth = dict(context.invocation_metadata() or ()).get("authorization", "")
-        scheme, _, key = auth.partition(" ")
-        key = key.strip().encode()
-        if scheme.lower() == "bearer" and key:
-            if any(hmac.compare_digest(k.encode(), key) for k in self.admin_keys):
-                return
-            if any(hmac.compare_digest(k.encode(), key) for k in self.tenant_keys.keys):
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              "a tenant API key cannot steer the cluster; use an admin key")
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      "an admin key is required: send 'authorization: Bearer <admin key>'")
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
 
     def _call(self, context, fn):
-        self._authorize(context)
         try:
             return fn()
         except UnknownWorker as e:
@@ -137,12 +106,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def SetRole(self, request, context):
         role = self._role(request.role, context)
         return self._call(context, lambda: _outcome(
-            self.c.set_role(request.address, role, request.drain_timeout_s)))
+            self.c.set_role(request.address, role, request.drain_timeout_s, rpc.caller())))
 
     def Rebalance(self, request, context):
         def run():
             plan, results = self.c.rebalance(request.prefill, request.decode, request.dry_run,
-                                             request.drain_timeout_s)
+                                             request.drain_timeout_s, rpc.caller())
             return pb.RebalanceResponse(
                 plan=[pb.PlannedFlip(address=f.address, from_role=ROLES[f.from_role],
                                      to_role=ROLES[f.to_role]) for f in plan],
@@ -150,17 +119,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return self._call(context, run)
 
     def Release(self, request, context):
-        return self._call(context, lambda: pb.ReleaseResponse(had_target=self.c.release()))
+        return self._call(context, lambda: pb.ReleaseResponse(had_target=self.c.release(rpc.caller())))
 
     def Pin(self, request, context):
         def run():
-            self.c.pin(request.address, True)
+            self.c.pin(request.address, True, rpc.caller())
             return pb.PinWorkerResponse(address=request.address, pinned=True)
         return self._call(context, run)
 
     def Unpin(self, request, context):
         def run():
-            self.c.pin(request.address, False)
+            self.c.pin(request.address, False, rpc.caller())
             return pb.PinWorkerResponse(address=request.address, pinned=False)
         return self._call(context, run)
 
@@ -169,25 +138,24 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "mode: must be active, advisory or off")
         return self._call(context, lambda: pb.SetModeResponse(
-            previous=MODE_OF[self.c.set_mode(MODE_NAMES[request.mode])], mode=request.mode))
+            previous=MODE_OF[self.c.set_mode(MODE_NAMES[request.mode], rpc.caller())], mode=request.mode))
 
 
-def run(cfg: ControllerConfig) -> int:
+def run(cfg: ControllerConfig, health_address: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT; an exit code."""
-    from pdserve.router.auth import KeyFileError
-
     rpc.catch_stop_signals()
     try:
-        admin = load_admin_keys(cfg.admin_keys_file)
+        admin = AdminKeys.load(cfg.admin_keys_file)
         tenants = ApiKeys.load(cfg.api_keys_file)
-    except (ValueError, KeyFileError, OSError) as e:
+    except (ValueError, OSError) as e:  # KeyFileError names the line
         print(f"pdserve.controller: {e}", file=sys.stderr, flush=True)
         return 2
-    channel = rpc.make_channel(cfg.router_address)
+    channel = rpc.make_channel(cfg.router_address, ROUTER)
     controller = Controller(cfg, rpb_grpc.RouterControlStub(channel))
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=64)
+    guard = rpc.Guard(CONTROLLER, rpc.CONTROL, admin, is_tenant_key=tenants.holds)
     rpc.add_servicer(server, pb_grpc.add_ControllerServicer_to_server,
-                     ControllerServicer(controller, admin, tenants))
+                     ControllerServicer(controller), guard)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Controller"])
     note, metrics_server = "", None
     if cfg.metrics_port >= 0:
@@ -201,7 +169,8 @@ def run(cfg: ControllerConfig) -> int:
     code = rpc.run_until_signal(
         server, health, cfg.address,
         lambda where: f"pdserve.controller ready on {where} mode={cfg.mode} "
-                      f"router={cfg.router_address}{note}")
+                      f"router={cfg.router_address}{note}", CONTROLLER, plane=rpc.CONTROL,
+        health_address=health_address)
     controller.stop()
     if metrics_server is not None:
         metrics_server.shutdown()

@@ -30,6 +30,9 @@ from pdserve.controller.policy import (DECODE, GONE, PREFILL, ControllerInput, D
 from pdserve.controller.signals import Slo
 from pdserve.controller.view import ClusterView, Meters, cluster_view
 from pdserve.proto import router_pb2 as rpb
+
+# Who an automatic action's audit line names: the controller's own policy.
+AUTOMATIC = "policy"
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 
 log = logging.getLogger(__name__)
@@ -204,8 +207,8 @@ class Controller:
                                   "role": role})
 
     # ---- flips ------------------------------------------------------------------------------
-    def _flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float
-              ) -> FlipOutcome:
+    def _flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
+              by: str = AUTOMATIC) -> FlipOutcome:
         out = self.flipper.flip(address, to_role, drain_timeout_s, reason)
         now = self.clock()
         with self._lock:
@@ -219,7 +222,8 @@ class Controller:
                 self.flips[address] = FlipRecord(now, f"{reason}; failed: {out.error}", False)
                 self.failed_at[address] = now
                 self.metrics.role_switch_failures.labels(out.from_role, out.to_role).inc()
-        self.audit.write({"event": "flip", "t": time.time(), "reason": reason, **asdict(out)})
+        self.audit.write({"event": "flip", "t": time.time(), "reason": reason, "by": by,
+                          **asdict(out)})
         return out
 
     def start_flip(self, address: str, to_role: str, reason: str) -> threading.Thread:
@@ -249,7 +253,8 @@ class Controller:
             raise UnknownWorker(f"unknown worker {address!r}; known: "
                                 f"{', '.join(sorted(workers)) or 'none'}")
 
-    def set_role(self, address: str, role: str, drain_timeout_s: float = 0.0) -> FlipOutcome:
+    def set_role(self, address: str, role: str, drain_timeout_s: float = 0.0,
+                 by: str = "") -> FlipOutcome:
         view, workers = self._workers()
         self._known(address, workers)
         counts = {PREFILL: 0, DECODE: 0}
@@ -260,10 +265,10 @@ class Controller:
             # A manual flip is the operator's split from now on, until released.
             self.target = (counts[PREFILL], counts[DECODE])
         return self._flip(address, role, "operator set-role",
-                          drain_timeout_s or self.cfg.drain_timeout_s)
+                          drain_timeout_s or self.cfg.drain_timeout_s, by)
 
-    def rebalance(self, prefill: int, decode: int, dry_run: bool, drain_timeout_s: float = 0.0
-                  ) -> tuple[tuple, list[FlipOutcome]]:
+    def rebalance(self, prefill: int, decode: int, dry_run: bool, drain_timeout_s: float = 0.0,
+                  by: str = "") -> tuple[tuple, list[FlipOutcome]]:
         view, _ = self._workers()
         plan = plan_rebalance(view.workers, prefill, decode)  # ValueError names the field
         if dry_run:
@@ -271,29 +276,30 @@ class Controller:
         with self._lock:
             self.target = (prefill, decode)
         self.audit.write({"event": "rebalance", "t": time.time(), "prefill": prefill,
-                          "decode": decode, "plan": [asdict(f) for f in plan]})
+                          "decode": decode, "plan": [asdict(f) for f in plan], "by": by})
         results = [self._flip(f.address, f.to_role, f"operator rebalance to {prefill}:{decode}",
-                              drain_timeout_s or self.cfg.drain_timeout_s) for f in plan]
+                              drain_timeout_s or self.cfg.drain_timeout_s, by) for f in plan]
         return plan, results
 
-    def release(self) -> bool:
+    def release(self, by: str = "") -> bool:
         with self._lock:
             had, self.target = self.target is not None, None
-        self.audit.write({"event": "release", "t": time.time(), "had_target": had})
+        self.audit.write({"event": "release", "t": time.time(), "had_target": had, "by": by})
         return had
 
-    def pin(self, address: str, pinned: bool) -> None:
+    def pin(self, address: str, pinned: bool, by: str = "") -> None:
         _, workers = self._workers()
         self._known(address, workers)
         with self._lock:
             (self.pinned.add if pinned else self.pinned.discard)(address)
         self.audit.write({"event": "pin" if pinned else "unpin", "t": time.time(),
-                          "address": address})
+                          "address": address, "by": by})
 
-    def set_mode(self, mode: str) -> str:
+    def set_mode(self, mode: str, by: str = "") -> str:
         with self._lock:
             previous, self.mode = self.mode, mode
-        self.audit.write({"event": "mode", "t": time.time(), "from": previous, "to": mode})
+        self.audit.write({"event": "mode", "t": time.time(), "from": previous, "to": mode,
+                          "by": by})
         if mode != "active":
             self._set_budgets(())
         return previous

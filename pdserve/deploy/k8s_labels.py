@@ -149,10 +149,11 @@ class KubePods:
 def router_members(router: str, timeout_s: float = 5.0) -> list[tuple[str, str]]:
     """(address, "prefill" | "decode" | "") of every worker the router knows."""
     from pdserve import rpc
+    from pdserve.core.identity import ROUTER
     from pdserve.proto import router_pb2, router_pb2_grpc, worker_pb2
 
     names = {worker_pb2.ROLE_PREFILL: "prefill", worker_pb2.ROLE_DECODE: "decode"}
-    with rpc.make_channel(router) as channel:
+    with rpc.make_channel(router, ROUTER) as channel:
         resp = router_pb2_grpc.RouterControlStub(channel).ListWorkers(
             router_pb2.ListWorkersRequest(), timeout=timeout_s)
     return [(w.address, names.get(w.role, "")) for w in resp.workers]
@@ -201,7 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-file", default=os.path.join(_SA_DIR, "token"))
     p.add_argument("--ca-file", default=os.path.join(_SA_DIR, "ca.crt"))
     p.add_argument("--once", action="store_true", help="one round, then exit")
+    from pdserve.core.identity import CONTROLLER
+    from pdserve.security import cli as security_cli
+
+    security_cli.add_flags(p, health=False)
     a = p.parse_args(argv)
+    # It runs beside the controller, with the controller's certificate.
+    security_cli.configure(a, CONTROLLER, p)
     if a.initial_prefill < 0 or a.interval_s <= 0:
         p.error("--initial-prefill must be >= 0 and --interval-s > 0")
     api_url = a.api_url or _in_cluster_api()

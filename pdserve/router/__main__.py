@@ -9,6 +9,8 @@ import sys
 from pdserve import logctx
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.core.errors import ConfigError
+from pdserve.core.identity import ROUTER
+from pdserve.security import cli as security_cli
 from pdserve.router.config import DECODE_STREAMS, ROUTING_CHOICES, RouterConfig
 from pdserve.router.policy import DECODE_POLICIES
 
@@ -25,7 +27,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated prefill workers to start with (more may register)")
     p.add_argument("--decode", default="",
                    help="comma-separated decode workers to start with (more may register)")
-    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--address", default="127.0.0.1:50051", help="the client APIs (gRPC)")
+    p.add_argument("--control-address", default="127.0.0.1:0",
+                   help="the control API for workers, the controller and operators (TLS, each "
+                        "call authenticated; port 0: a free one, printed as control=)")
+    p.add_argument("--admin-keys-file", default=None,
+                   help="file of 'KEY [NAME]' lines: keys that may use the control API")
+    p.add_argument("--tls-cert", default="", help="TLS certificate of the client APIs")
+    p.add_argument("--tls-key", default="", help="its private key")
+    p.add_argument("--tls-client-ca", default="",
+                   help="require client certificates from this CA on the client APIs")
     p.add_argument("--model-name", default=None)
     p.add_argument("--max-model-len-tokens", type=int, default=None)
     p.add_argument("--rpc-threads", type=int, default=None,
@@ -79,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="text in chat messages that spells a control token (e.g. <|im_start|>) "
                         "becomes that token (default: encoded as text)")
+    security_cli.add_flags(p)
     a = p.parse_args(argv)
     logctx.configure(logging.INFO)
+    security_cli.configure(a, ROUTER, p)
     try:
         cfg = RouterConfig(model_path=a.model, prefill_addresses=_addresses(a.prefill),
                            decode_addresses=_addresses(a.decode), address=a.address,
+                           control_address=a.control_address, admin_keys_file=a.admin_keys_file,
+                           tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                            model_name=a.model_name, max_model_len_tokens=a.max_model_len_tokens,
                            rpc_threads=a.rpc_threads, max_concurrent_rpcs=a.max_concurrent_rpcs,
                            http_host=a.http_host, http_port=a.http_port,
@@ -107,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     from pdserve.router.server import run
 
-    return run(cfg)
+    return run(cfg, health_address=a.health_address)
 
 
 if __name__ == "__main__":

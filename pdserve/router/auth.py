@@ -15,15 +15,21 @@ import os
 import re
 from dataclasses import dataclass
 
+from pdserve.security.access import NO_CREDENTIAL, UNKNOWN_KEY
+from pdserve.security.keys import KeyFileError
+
+__all__ = ["ApiKeys", "AuthError", "KeyFileError"]
+
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class AuthError(Exception):
-    """Missing or unknown API key (gRPC UNAUTHENTICATED, HTTP 401)."""
+    """Missing or unknown API key (gRPC UNAUTHENTICATED, HTTP 401); `reason` is the failure
+    counter's label (`pdserve.security.access`)."""
 
-
-class KeyFileError(ValueError):
-    """The key file or variable is malformed; the message names the line."""
+    def __init__(self, message: str, reason: str = UNKNOWN_KEY) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -63,12 +69,19 @@ class ApiKeys:
             raise KeyFileError(f"{where}: tenant must match [A-Za-z0-9._-]{{1,64}}")
         keys[key] = tenant
 
+    def holds(self, key: str) -> bool:
+        """Whether `key` is one of the tenants' keys (constant-time compare)."""
+        found = False
+        for known in self.keys:
+            found |= hmac.compare_digest(known.encode(), key.encode())
+        return found
+
     def tenant_of(self, authorization: str | None, cache_salt: str = "") -> str:
         """The tenant for a request with this `authorization` header value; AuthError."""
         if not self.keys:
             return f"salt:{cache_salt}" if cache_salt else ""
         if not authorization:
-            raise AuthError("missing API key: send 'authorization: Bearer <key>'")
+            raise AuthError("missing API key: send 'authorization: Bearer <key>'", NO_CREDENTIAL)
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise AuthError("authorization must be 'Bearer <key>'")

@@ -6,6 +6,7 @@ start anything: `server.py` builds the process from it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pdserve.core.errors import ConfigError
@@ -32,7 +33,18 @@ class RouterConfig:
     # RouterControl). A worker reporting another role than its list says is moved by its poll.
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
-    address: str = "127.0.0.1:50051"
+    address: str = "127.0.0.1:50051"  # the client APIs (gRPC Generation)
+    # RouterControl (membership, offload budgets, signals): its own listener, TLS, every call
+    # authenticated (a cluster identity or an admin key). Port 0: a free one (`control=` in
+    # the ready line). Keep it off the public network: workers and the controller reach it.
+    control_address: str = "127.0.0.1:0"
+    # `KEY [NAME]` lines: keys that may steer the router's control API without a certificate.
+    admin_keys_file: str | None = None
+    # TLS of the client APIs (gRPC and HTTP): certificate and key files, and a CA whose client
+    # certificates are then required. "": plaintext.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     model_name: str | None = None  # the id clients send in `model`; defaults to the file's name
     dtype: str = "float32"
     max_model_len_tokens: int | None = None
@@ -98,6 +110,17 @@ class RouterConfig:
     allow_special_tokens_in_messages: bool = False
 
     def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca: needs tls_cert and tls_key")
+        for f in ("tls_cert", "tls_key", "tls_client_ca", "admin_keys_file"):
+            path = getattr(self, f)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{f}: no such file {path!r}")
+        if ":" not in self.control_address:
+            raise ConfigError(f"control_address: expected host:port, got "
+                              f"{self.control_address!r}")
         for f in ("prefill_addresses", "decode_addresses"):
             bad = [a for a in getattr(self, f) if not a or ":" not in a]
             if bad:

@@ -10,6 +10,7 @@ Must not route requests or decide transitions: `pool.WorkerSet` carries out memb
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
@@ -27,6 +29,8 @@ from pdserve.router.membership import (
     ACTIVE, DRAINING, FAILED, GONE, InvalidBudgetError, Member, UnknownMemberError,
 )
 from pdserve.router.pool import PROTO_OF_ROLE, ROLE_OF_PROTO, WorkerSet
+
+log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 30.0
 MAX_SAMPLES = 4096
@@ -132,7 +136,7 @@ class RouterControlServicer(rpb_grpc.RouterControlServicer):
         stats = None
         if role is None:  # ask the worker which role it hosts
             try:
-                with rpc.make_channel(request.address) as ch:
+                with rpc.make_channel(request.address, WORKER) as ch:
                     stats = wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(),
                                                              timeout=REGISTER_TIMEOUT_S)
             except grpc.RpcError as e:
@@ -160,6 +164,8 @@ class RouterControlServicer(rpb_grpc.RouterControlServicer):
                                        request.reason)
         except UnknownMemberError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, f"address: {e}")
+        log.info("control: %s set to %s (%s) by %s", request.address, state,
+                 request.reason or "no reason given", rpc.caller() or "an unauthenticated caller")
         return member_proto(m, self.clock())
 
     def SetOffloadBudgets(self, request, context):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve import rpc
+from pdserve.core.identity import MASTER, WORKER
 from pdserve.kvstore.client import Plane, parse_key
 from pdserve.proto import kvmaster_pb2 as mpb
 from pdserve.proto import kvmaster_pb2_grpc as mpb_grpc
@@ -199,7 +200,7 @@ class KvFeeds:
         warned = False
         while not feed.stop.is_set():
             try:
-                with rpc.make_channel(address) as ch:
+                with rpc.make_channel(address, WORKER) as ch:
                     call = wpb_grpc.WorkerStub(ch).WatchKvEvents(wpb.WatchKvEventsRequest())
                     for batch in self._stream(call, feed):
                         self._apply_worker(address, batch, feed)
@@ -238,7 +239,7 @@ class KvFeeds:
                 self._reset_store()
                 after, fresh = 0, False
             try:
-                with rpc.make_channel(address) as ch:
+                with rpc.make_channel(address, MASTER) as ch:
                     call = mpb_grpc.KVMasterStub(ch).WatchEvents(
                         mpb.WatchEventsRequest(after_seq=after))
                     for ev in self._stream(call):

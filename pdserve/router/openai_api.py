@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -47,6 +48,8 @@ from pdserve import rpc
 from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.router.auth import ApiKeys, AuthError
+from pdserve.security import failures
+from pdserve.security.access import NO_CREDENTIAL
 from pdserve.router.local_call import LocalGeneration
 from pdserve.router.openai_format import Renderer, token_texts
 from pdserve.router.openai_schema import (ApiRequest, OpenAIError, bad, error_from_status,
@@ -117,9 +120,11 @@ class _KeyGate:
             try:
                 if len(values) != 1:
                     raise AuthError("missing API key: send 'authorization: Bearer <key>'"
-                                    if not values else "send one authorization header")
+                                    if not values else "send one authorization header",
+                                    NO_CREDENTIAL)
                 self.keys.tenant_of(values[0].decode("latin-1"))
             except AuthError as e:
+                failures.record("http", e.reason)
                 await error_response(OpenAIError(401, str(e), code="invalid_api_key"))(
                     scope, receive, send)
                 return
@@ -175,14 +180,17 @@ class OpenAIApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
-        self._channel = rpc.make_aio_channel(self.grpc_target)
+        # Over loopback only when not handed the router's own calls (a standalone app).
+        if self._generation is None or self.health_of is None:
+            self._channel = rpc.make_public_aio_channel(self.grpc_target)
         self._stub = self._generation or api_pb2_grpc.GenerationStub(self._channel)
         try:
             yield
         finally:
             if self._generation is not None:
                 self._generation.close()
-            await self._channel.close(grace=None)
+            if self._channel is not None:
+                await self._channel.close(grace=None)
 
     # ---- errors -----------------------------------------------------------------------------
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
@@ -388,13 +396,31 @@ class HttpServer:
     """uvicorn serving an ASGI app on its own thread and event loop, next to the gRPC server."""
 
     def __init__(self, app, host: str, port: int, *, max_connections: int = 1024,
-                 graceful_s: int = 2) -> None:
+                 graceful_s: int = 2, tls=None) -> None:
+        """`tls`: a `rpc.PublicTls` to serve HTTPS with (its files re-read when they change;
+        a client CA makes client certificates required), or None for plain HTTP."""
         self.host = host
         self.port = port
+        ssl_args = {} if tls is None else dict(
+            ssl_certfile=tls.cert_path, ssl_keyfile=tls.key_path,
+            ssl_ca_certs=tls.client_ca_path or None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.client_ca_path else ssl.CERT_NONE)
         self._config = uvicorn.Config(app, http="h11", loop="asyncio", lifespan="on",
                                       log_config=None, access_log=False,
                                       limit_concurrency=max_connections,
-                                      timeout_graceful_shutdown=graceful_s)
+                                      timeout_graceful_shutdown=graceful_s, **ssl_args)
+        if tls is not None:
+            from uvicorn.config import create_ssl_context
+
+            from pdserve.security.tls import follow_files
+
+            self._config.load()
+            build = lambda: create_ssl_context(  # noqa: E731
+                self._config.ssl_certfile, self._config.ssl_keyfile, None,
+                self._config.ssl_version, self._config.ssl_cert_reqs, self._config.ssl_ca_certs,
+                self._config.ssl_ciphers)
+            follow_files(self._config.ssl, build,
+                         [p for p in (tls.cert_path, tls.key_path, tls.client_ca_path) if p])
         self._server = uvicorn.Server(self._config)
         self._thread: threading.Thread | None = None
         self.address = ""

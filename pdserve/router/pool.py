@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import grpc
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
@@ -183,7 +184,7 @@ class WorkerSet:
         old = self._channels.pop(address, None)
         if old is not None:
             old.close()
-        self._channels[address] = ch = rpc.make_channel(address)
+        self._channels[address] = ch = rpc.make_channel(address, WORKER)
         self._stubs[address] = wpb_grpc.WorkerStub(ch)
         if self.feeds is not None:
             self.feeds.add(address)

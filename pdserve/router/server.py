@@ -1,10 +1,13 @@
 """Builds the router process.
 
 Owns the wiring: tokenizer and model config (no weights), the workers it routes to (membership,
-both pools), the gRPC server (Generation, RouterControl, and health that says SERVING exactly
-while a request can be served: `membership.health_of`), the OpenAI-compatible HTTP server
-beside it (when configured; its `/health` tells the same truth with the reason), both sized
-above admission's bound (`config.RouterConfig._derive_bounds`), and the graceful shutdown:
+both pools), the public gRPC server (Generation, ListModels, health that says SERVING exactly
+while a request can be served: `membership.health_of`, and reflection of those alone), the
+control listener beside it (RouterControl: TLS, every call authenticated by its `Guard`, a
+cluster identity or an admin key; never on the public port), the OpenAI-compatible HTTP server
+(when configured; its `/health` tells the same truth with the reason), the public ports' TLS
+when given, all sized above admission's bound (`config.RouterConfig._derive_bounds`), and the
+graceful shutdown:
 on SIGTERM/SIGINT refuse new requests and say NOT_SERVING at once, let those in flight finish
 within the grace, end the rest with UNAVAILABLE "router shutting down", stop, exit 0.
 Must not hold request logic: `service.py`, `lifecycle.py`, `control.py` and `pool.py` do.
@@ -19,6 +22,8 @@ import time
 from collections.abc import Sequence
 
 from pdserve import rpc
+from pdserve.core.identity import ROUTER
+from pdserve.security.keys import AdminKeys
 from pdserve.engine.checkpoint_config import load_model_config
 from pdserve.engine.model_files import recommended_sampling
 from pdserve.engine.tokenizer import Tokenizer
@@ -41,6 +46,10 @@ log = logging.getLogger(__name__)
 
 # Services whose health follows membership: SERVING only while a request can be served.
 _ROUTING_SERVICES = ("", "pdserve.v1.Generation")
+# The control listener carries membership calls (a heartbeat per worker per few seconds) and
+# the controller's polls: a few threads, and a bound past which gRPC refuses at once.
+_CONTROL_THREADS = 8
+_CONTROL_MAX_RPCS = 64
 
 
 def served_names(cfg: RouterConfig) -> tuple[str, ...]:
@@ -129,26 +138,47 @@ def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
     # Bounded (invariant 5): connections past this get a bare 503 from uvicorn; the config
     # keeps it above max_in_flight, so admission's 429 comes first.
     return HttpServer(app.app, cfg.http_host, cfg.http_port or 0,
-                      max_connections=cfg.http_max_connections)
+                      max_connections=cfg.http_max_connections, tls=public_tls(cfg))
 
 
-def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
+def public_tls(cfg: RouterConfig) -> rpc.PublicTls | None:
+    if not cfg.tls_cert:
+        return None
+    return rpc.PublicTls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+
+
+def build_control(cfg: RouterConfig, service: RouterService, admin_keys: AdminKeys):
+    """The control listener's server (not bound): RouterControl behind a control-plane Guard
+    (a tenant's API key is told PERMISSION_DENIED), with health and reflection."""
+    server = rpc.make_server(_CONTROL_THREADS, maximum_concurrent_rpcs=_CONTROL_MAX_RPCS)
+    guard = rpc.Guard(ROUTER, rpc.CONTROL, admin_keys,
+                      is_tenant_key=service.api_keys.holds)
+    rpc.add_servicer(server, router_pb2_grpc.add_RouterControlServicer_to_server,
+                     RouterControlServicer(service.workers, service.signals), guard)
+    health = rpc.add_health_and_reflection(server, ["pdserve.v1.RouterControl"])
+    return server, health
+
+
+def run(cfg: RouterConfig, extra_routes: Sequence = (), health_address: str | None = None
+        ) -> int:
     """Serve gRPC (and HTTP when cfg.http_port is set) until SIGTERM/SIGINT; an exit code."""
     from pdserve.router.openai_api import HttpStartError
 
     rpc.catch_stop_signals()
     try:
         service = build_service(cfg)
-    except (KeyFileError, OSError) as e:  # a bad key file: say which line, do not serve
+        admin_keys = AdminKeys.load(cfg.admin_keys_file)
+    except (KeyFileError, ValueError, OSError) as e:  # a bad key file: which line, no serving
         print(f"pdserve.router: {e}", file=sys.stderr, flush=True)
         return 2
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
                              max_receive_message_bytes=grpc_receive_bytes(cfg.http_max_body_bytes))
-    rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, service)
-    rpc.add_servicer(server, router_pb2_grpc.add_RouterControlServicer_to_server,
-                     RouterControlServicer(service.workers, service.signals))
-    health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation",
-                                                    "pdserve.v1.RouterControl"])
+    rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, service, None)
+    health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
+    # The plaintext probe port (`health_address`) serves this servicer: it also says whether
+    # the control listener serves (a Kubernetes startup probe), without exposing that service.
+    health.set("pdserve.v1.RouterControl", health_pb2.HealthCheckResponse.SERVING)
+    control, control_health = build_control(cfg, service, admin_keys)
 
     def follow(serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -157,14 +187,21 @@ def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
             health.set(name, status)
 
     service.workers.watch(follow)
+    probe = None
     try:
-        port = server.add_insecure_port(cfg.address)
+        port = rpc.bind_public(server, cfg.address, public_tls(cfg))
+        control_port = rpc.bind(control, cfg.control_address, ROUTER, rpc.CONTROL)
+        if health_address:  # the public health (SERVING while a request can be served)
+            probe = rpc.serve_health(health, health_address)[0]
     except RuntimeError as e:
-        print(f"cannot bind {cfg.address}: {e}", file=sys.stderr, flush=True)
+        print(f"cannot bind {cfg.address} or {cfg.control_address}: {e}", file=sys.stderr,
+              flush=True)
         service.workers.close()
         return 1
     server.start()
+    control.start()
     where = f"{cfg.address.rsplit(':', 1)[0]}:{port}"
+    control_where = f"{cfg.control_address.rsplit(':', 1)[0]}:{control_port}"
     http = None
     try:
         if cfg.http_port is not None:
@@ -173,12 +210,18 @@ def run(cfg: RouterConfig, extra_routes: Sequence = ()) -> int:
     except HttpStartError as e:
         print(str(e), file=sys.stderr, flush=True)
         server.stop(grace=None)
+        control.stop(grace=None)
         service.workers.close()
         return 1
     http_note = f" http={http.address}" if http is not None else ""
-    print(f"pdserve.router ready on {where} model={service.model_names[0]}{http_note}", flush=True)
+    print(f"pdserve.router ready on {where} model={service.model_names[0]}{http_note} "
+          f"control={control_where}", flush=True)
     signum = rpc.wait_for_signal()
+    control_health.enter_graceful_shutdown()
     shut_down(cfg, service, server, health, http, signum)
+    control.stop(grace=1.0).wait()
+    if probe is not None:
+        probe.stop(grace=None)
     return 0
 
 

@@ -38,6 +38,7 @@ from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.router.admission import Admission
 from pdserve.router.auth import ApiKeys, AuthError
+from pdserve.security import failures
 from pdserve.router.control import RequestSignals
 from pdserve.router.config import DECODE_STREAMS
 from pdserve.router.decode_mux import DecodeMuxes
@@ -101,6 +102,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             return self.api_keys.tenant_of(auth, request.cache_salt)
         except AuthError as e:
             self.metrics.rejected("unauthenticated")
+            failures.record("pdserve.v1.Generation", e.reason)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
 
     def Generate(self, request, context):

@@ -109,7 +109,7 @@ def cluster_times(model: str, served_batches: tuple[int, ...], served_prompts: t
         say(f"cluster start-up: {startup:.1f} s")
         serving = _serving(cluster, served_batches, served_prompts, say)
         flipper = Flipper(router_pb2_grpc.RouterControlStub(
-            rpc.make_channel(cluster.router_address)))
+            rpc.make_channel(cluster.router_control_address, "router")))
         addr = cluster.worker_addresses("decode")[0]
         flips = [flipper.flip(addr, role, drain_timeout_s=60.0, reason="calibration")
                  for role in ("prefill", "decode")]
