@@ -8,6 +8,7 @@ Needs `ucxx` (PyPI `ucxx-cu12`, in the test extra); skips and says so where it i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,11 +28,25 @@ from pdserve.kvstore.node.ucx_protocol import (
 )
 from pdserve.kvstore.transport.base import Extent, RemoteNotFound, RemoteOutOfRange
 from pdserve.kvstore.transport.ucx import ucx_available
+from pdserve.security import tls
 from tests.helpers import free_port
 from tests.kvstore.test_dist_store import MIB, _env, start_master, stop, wait_nodes
 
 needs_ucx = pytest.mark.skipif(not ucx_available(),
                                reason="ucxx is not installed (pip install ucxx-cu12)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plaintext_cluster():
+    """UCX has no TLS: it runs only with internal TLS off (`--insecure-internal`), so these
+    processes and this one run without it; the setting is put back after the module."""
+    saved = {k: os.environ.pop(k, None) for k in (tls.TLS_DIR_ENV, tls.INSECURE_ENV)}
+    os.environ[tls.INSECURE_ENV] = "1"
+    tls.reset()
+    yield
+    os.environ.pop(tls.INSECURE_ENV, None)
+    os.environ.update({k: v for k, v in saved.items() if v is not None})
+    tls.reset()
 
 
 def test_protocol_round_trips_and_rejects_garbage():

@@ -1,43 +1,42 @@
 """The storage node's data plane: byte ranges of its segments and SSD objects over raw TCP.
 
 Owns the listening socket, one thread per connection (at most `max_connections`; one more gets
-a BUSY reply and is closed), and executing requests of the `protocol`: payloads are received with
-`recv_into` straight into the segment's memory and sent from it with `sendmsg`, so a byte is
-copied only by the kernel. Every header is validated; a bad request gets an error status and the
-server keeps serving, a malformed or truncated frame closes that connection only.
+a BUSY reply and is closed), admitting each connection (under mutual TLS: the handshake, in the
+connection's thread within the frame timeout, then `access.decide` on the peer certificate's
+kind, before any request is read; a refusal is counted in `failures` and closes that connection
+only; with `--insecure-internal`: plaintext, anyone who reaches the port), and executing
+requests of the `protocol`: payloads are received with `recv_into` straight into the segment's
+memory and sent from it (`sendmsg`; under TLS decrypted into it and encrypted from it), so a
+byte is copied only by the kernel or the cipher. Every header is validated; a bad request gets
+an error status and the server keeps serving, a malformed or truncated frame closes that
+connection only.
 Must not know keys, allocation or leases: the master decides which range is whose, so two
 writers never share a range and no locking is needed here. A WRITE cut off mid-payload leaves
-its range partly written; the master never commits such a put, so nobody reads it.
+its range partly written; the master never commits such a put, so nobody reads it. Must not
+decide who may connect (`security.access` does).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+import time
 from typing import Callable
 
+from pdserve.core.identity import NODE
 from pdserve.kvstore.node.protocol import (
-    MAX_ERROR_BYTES,
-    MAX_NAME_BYTES,
-    PAYLOAD_OPS,
-    REQUEST,
-    Op,
-    ProtocolError,
-    Status,
-    decode_request,
-    encode_reply,
-    recv_exact,
-    send_all,
+    MAX_ERROR_BYTES, MAX_NAME_BYTES, PAYLOAD_OPS, REQUEST, Op, ProtocolError, Status,
+    decode_request, encode_reply, recv_exact, send_all, send_file,
 )
 from pdserve.kvstore.node.segment import SegmentError, ShmSegment
 from pdserve.kvstore.node.ssd import (
-    InvalidObjectId,
-    SsdError,
-    SsdFullError,
-    SsdObjectNotFound,
-    SsdTier,
+    InvalidObjectId, SsdError, SsdFullError, SsdObjectNotFound, SsdTier,
 )
+from pdserve.security import access, failures, pki, tls
+
+log = logging.getLogger(__name__)
 
 # SSD payloads pass through a per-connection scratch buffer of this size (the file is not mapped).
 SSD_CHUNK_BYTES = 4 << 20
@@ -45,6 +44,12 @@ SSD_CHUNK_BYTES = 4 << 20
 # bigger one closes the connection instead, so a lying header cannot pin a thread for long.
 MAX_DRAIN_BYTES = 1 << 30
 _OPS = frozenset(int(op) for op in Op)
+# Under TLS a BUSY reply needs a handshake: on at most this many extra threads (never on the
+# accept loop, which a silent client would stall), each within BUSY_TIMEOUT_S; past them a
+# connection beyond the limit is closed unanswered.
+BUSY_HANDSHAKES, BUSY_TIMEOUT_S = 4, 1.0
+TLS_HANDSHAKE = "tls_handshake"  # the failure counter's reason for a handshake that failed
+REFUSAL_LOG_INTERVAL_S = 60.0  # one log line per reason per minute; the counter counts all
 
 
 class _Reject(Exception):
@@ -66,10 +71,13 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class DataServer:
-    """Serves `segments` (by segment id) and optionally an SSD tier on `address` ("host:port")."""
+    """Serves `segments` (by segment id) and optionally an SSD tier on `address` ("host:port"),
+    as `security` says (default: this process's setting, `tls.current()`): mutual TLS
+    presenting the node certificate, or plaintext."""
 
     def __init__(self, segments: dict[str, ShmSegment], ssd: SsdTier | None, address: str,
-                 max_connections: int = 64, frame_timeout_s: float = 30.0):
+                 max_connections: int = 64, frame_timeout_s: float = 30.0,
+                 security: tls.Security | None = None):
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         if not frame_timeout_s > 0:
@@ -78,7 +86,11 @@ class DataServer:
         self._ssd = ssd
         self._address = parse_address(address)
         self._frame_timeout_s = frame_timeout_s
+        self.security = security if security is not None else tls.current()
+        self._tls: tls.MutualTls | None = None if self.security.insecure else self.security
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._busy = threading.BoundedSemaphore(BUSY_HANDSHAKES)
+        self._logged: dict[str, float] = {}  # refusal reason -> when last logged
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -124,7 +136,9 @@ class DataServer:
             conns, threads = list(self._conns), list(self._threads)
         for conn in conns:
             try:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+                # Wakes a thread blocked in recv or a handshake. socket's own shutdown: an
+                # SSLSocket's would drop its TLS state under the thread still using it.
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)
             except OSError:
                 pass
         for t in threads:
@@ -146,53 +160,116 @@ class DataServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # listener shut down by stop()
-            if not self._slots.acquire(blocking=False):
-                self._refuse(conn)
-                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=self._serve_connection, args=(conn,),
-                                 name="kv-data-conn", daemon=True)
-            with self._lock:
-                self._conns.add(conn)
-                self._threads.add(t)
-            t.start()
+            if self._slots.acquire(blocking=False):
+                self._spawn(self._serve_connection, conn, self._slots, self._frame_timeout_s)
+            elif self._tls is None:
+                self._refuse(conn)  # plaintext: answered at once
+                conn.close()
+            elif self._busy.acquire(blocking=False):
+                self._spawn(self._refuse, conn, self._busy, BUSY_TIMEOUT_S)
+            else:
+                conn.close()
 
-    @staticmethod
-    def _refuse(conn: socket.socket) -> None:
-        message = b"too many connections"
-        try:
-            conn.settimeout(1.0)
-            send_all(conn, encode_reply(Status.BUSY, len(message)), message)
-        except OSError:
-            pass
-        conn.close()
+    def _spawn(self, body: Callable[[socket.socket], None], conn: socket.socket,
+               slots: threading.BoundedSemaphore, handshake_s: float) -> None:
+        """Runs `body(conn)` on a thread of its own once the peer is admitted; `slots` is
+        released when it ends. Under TLS `conn` is wrapped here (no I/O: the handshake is the
+        thread's), so `stop()` sees the object the thread uses from the start."""
+        if self._tls is not None:
+            try:
+                conn = self._tls.server_context(NODE).wrap_socket(
+                    conn, server_side=True, do_handshake_on_connect=False)
+            except (OSError, pki.PkiError) as e:  # unreadable certificates: refuse, keep going
+                log.error("data plane: cannot serve TLS: %s", e)
+                conn.close()
+                slots.release()
+                return
+        t = threading.Thread(target=self._run, args=(body, conn, slots, handshake_s),
+                             name="kv-data-conn", daemon=True)
+        with self._lock:
+            self._conns.add(conn)
+            self._threads.add(t)
+        t.start()
 
-    def _serve_connection(self, conn: socket.socket) -> None:
-        header = bytearray(REQUEST.size)
-        scratch: list[bytearray] = []  # SSD chunk buffer, made on first use
+    def _run(self, body: Callable[[socket.socket], None], conn: socket.socket,
+             slots: threading.BoundedSemaphore, handshake_s: float) -> None:
         try:
-            while not self._stopping.is_set():
-                conn.settimeout(None)  # idle between requests: a pooled connection may wait long
-                first = conn.recv_into(header, REQUEST.size)
-                if first == 0:
-                    return  # clean close between frames
-                conn.settimeout(self._frame_timeout_s)  # a started frame must finish in time
-                recv_exact(conn, memoryview(header)[first:])
-                try:
-                    self._handle(conn, header, scratch)
-                except _Reject as r:
-                    message = str(r).encode()[:MAX_ERROR_BYTES]
-                    send_all(conn, encode_reply(r.status, len(message)), message)
-                    if r.close:
-                        return
+            if self._admit(conn, handshake_s):
+                body(conn)
         except (OSError, ProtocolError):
-            return  # truncated frame, timeout or reset: this connection only
+            pass  # truncated frame, timeout or reset: this connection only
         finally:
             conn.close()
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
-            self._slots.release()
+            slots.release()
+
+    def _admit(self, conn: socket.socket, handshake_s: float) -> bool:
+        """Plaintext: yes. TLS: the handshake within `handshake_s` (the client's certificate
+        checked against the cluster CA), then the peer's kind against the data plane's rule; a
+        refusal is counted, and a certificate of the wrong kind answered DENIED. Nothing is
+        read before."""
+        if self._tls is None:
+            return True
+        conn.settimeout(handshake_s)  # a silent client cannot pin this thread
+        try:
+            conn.do_handshake()  # type: ignore[attr-defined]
+        except OSError as e:  # ssl.SSLError, a timeout, a reset
+            if not self._stopping.is_set():
+                why = getattr(e, "reason", None) or e
+                self._refused(conn, TLS_HANDSHAKE, f"TLS handshake failed: {why}")
+            return False
+        verdict = access.decide(access.DATA_PLANE, "*",
+                                access.Caller(identity=tls.peer_identity(conn)))
+        if verdict.allowed:
+            return True
+        self._refused(conn, verdict.reason, verdict.message)
+        self._refuse(conn, Status.DENIED, verdict.message.encode()[:MAX_ERROR_BYTES])
+        return False
+
+    def _refused(self, conn: socket.socket, reason: str, why: str) -> None:
+        failures.record(access.DATA_PLANE, reason)
+        now = time.monotonic()
+        with self._lock:
+            if now - self._logged.get(reason, -1e9) < REFUSAL_LOG_INTERVAL_S:
+                return
+            self._logged[reason] = now
+        try:
+            peer = "%s:%s" % conn.getpeername()[:2]
+        except OSError:
+            peer = "a peer"
+        log.warning("data plane: refused %s (%s): %s (the next %.0fs of these are counted, "
+                    "not logged)", peer, reason, why, REFUSAL_LOG_INTERVAL_S)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, status: Status = Status.BUSY,
+                message: bytes = b"too many connections") -> None:
+        """Answers `status` unasked, best effort (the caller closes the connection)."""
+        try:
+            conn.settimeout(BUSY_TIMEOUT_S)
+            send_all(conn, encode_reply(status, len(message)), message)
+        except OSError:
+            pass  # the peer went already: it is refused either way
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        header = bytearray(REQUEST.size)
+        scratch: list[bytearray] = []  # SSD chunk buffer, made on first use
+        while not self._stopping.is_set():
+            conn.settimeout(None)  # idle between requests: a pooled connection may wait long
+            first = conn.recv_into(header, REQUEST.size)
+            if first == 0:
+                return  # clean close between frames
+            conn.settimeout(self._frame_timeout_s)  # a started frame must finish in time
+            recv_exact(conn, memoryview(header)[first:])
+            try:
+                self._handle(conn, header, scratch)
+            except _Reject as r:
+                message = str(r).encode()[:MAX_ERROR_BYTES]
+                send_all(conn, encode_reply(r.status, len(message)), message)
+                if r.close:
+                    return
 
     # ---- one request ------------------------------------------------------------------------
 
@@ -235,7 +312,7 @@ class DataServer:
         elif op is Op.SSD_WRITE:
             self._ssd_write(conn, name, offset, length, scratch)
         elif op is Op.SSD_READ:
-            self._ssd_read(conn, name, offset, length)
+            self._ssd_read(conn, name, offset, length, scratch)
         else:
             assert op is Op.SSD_REMOVE
             self._ssd_call(lambda ssd: ssd.remove(name))
@@ -295,7 +372,8 @@ class DataServer:
             writer.abort()  # a no-op after commit
         send_all(conn, encode_reply(Status.OK))
 
-    def _ssd_read(self, conn: socket.socket, obj_id: str, offset: int, length: int) -> None:
+    def _ssd_read(self, conn: socket.socket, obj_id: str, offset: int, length: int,
+                  scratch: list[bytearray]) -> None:
         f = self._ssd_call(lambda ssd: ssd.open(obj_id))
         with f:
             size = os.fstat(f.fileno()).st_size  # of the version opened, even if replaced since
@@ -303,8 +381,8 @@ class DataServer:
                 raise _Reject(Status.OUT_OF_RANGE, f"range [{offset}, {offset + length}) "
                                                    f"outside SSD object {obj_id!r} of {size} bytes")
             send_all(conn, encode_reply(Status.OK, length))
-            if length:
-                conn.sendfile(f, offset, length)  # kernel copy page cache -> socket
+            if length:  # TLS must see the bytes: they pass through the scratch buffer
+                send_file(conn, f, offset, length, self._scratch(scratch) if self._tls else None)
 
     @staticmethod
     def _scratch(scratch: list[bytearray]) -> memoryview:

@@ -1,7 +1,10 @@
 """The storage node's data protocol: frame layouts and the socket loops that move them.
 
 Owns the byte format shared by `data_server` (node side) and `transport.tcp` (client side), and
-the two copy-free socket helpers both use. Must not know segments, SSD files or connection pools.
+the copy-free socket helpers both use (receive into, send from, send a file range), on a plain
+socket or a TLS one (`ssl.SSLSocket`: the data plane under mutual TLS). Must not know segments,
+SSD files, connection pools or who may connect (`data_server` admits a TLS peer before any
+frame is read).
 
 A request is a 24-byte header, then the name, then (WRITE and SSD_WRITE only) the payload:
 
@@ -20,7 +23,7 @@ A reply is a 16-byte header, then `length` bytes: the data of a READ/SSD_READ wh
 else a UTF-8 error message (status != OK):
 
     0       1     status: 0 OK, 1 BAD_REQUEST, 2 NOT_FOUND, 3 OUT_OF_RANGE, 4 NO_SPACE, 5 BUSY,
-                  6 INTERNAL
+                  6 INTERNAL, 7 DENIED
     1       7     zero
     8       8     length
 
@@ -29,12 +32,19 @@ reused for any number of requests. Frames the server cannot resynchronise after 
 version, unknown op, a name too long) get a BAD_REQUEST reply and the connection is closed; other
 errors (unknown segment, out of range, SSD full) keep it open, after the server has drained a
 WRITE's payload.
+
+Under mutual TLS the same frames travel inside the TLS stream. A peer whose certificate is of a
+kind the data plane does not admit gets one DENIED reply, unasked, right after the handshake
+(the message says which kind and what is admitted), and the connection is closed; one whose
+handshake fails gets nothing.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 import socket
+import ssl
 import struct
 
 MAGIC = b"KV"
@@ -43,6 +53,10 @@ REQUEST = struct.Struct("<2sBBHxxQQ")
 REPLY = struct.Struct("<BxxxxxxxQ")
 MAX_NAME_BYTES = 1024
 MAX_ERROR_BYTES = 4096
+# Under TLS, buffers up to this many bytes in all are joined and sent as one record (a header
+# and a small payload: one write, one TCP segment); a bigger payload goes out from its own
+# memory after the header, never copied.
+TLS_JOIN_BYTES = 64 << 10
 
 
 class Op(enum.IntEnum):
@@ -66,6 +80,7 @@ class Status(enum.IntEnum):
     NO_SPACE = 4
     BUSY = 5
     INTERNAL = 6
+    DENIED = 7  # mutual TLS: the peer's kind may not use the data plane
 
 
 class ProtocolError(Exception):
@@ -103,18 +118,26 @@ def encode_reply(status: int, length: int = 0) -> bytes:
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fills `view` from `sock` (recv_into, no intermediate bytes); ConnectionClosed on EOF."""
+    """Fills `view` from `sock` (recv_into, no intermediate bytes: TLS decrypts into `view`
+    itself); ConnectionClosed on EOF."""
+    # An SSLSocket takes no flags; it returns at most one TLS record (16 KiB) per call.
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     got, want = 0, len(view)
     while got < want:
-        n = sock.recv_into(view[got:], want - got, socket.MSG_WAITALL)
+        n = sock.recv_into(view[got:], want - got, flags)
         if n == 0:
             raise ConnectionClosed(f"peer closed after {got} of {want} bytes", got)
         got += n
 
 
 def send_all(sock: socket.socket, *buffers: bytes | memoryview) -> None:
-    """Sends every buffer in order with scatter-gather `sendmsg` (no joining copy)."""
+    """Sends every buffer in order: scatter-gather `sendmsg` on a plain socket (no joining
+    copy); on a TLS socket, which has no `sendmsg`, `sendall` per buffer (TLS encrypts from
+    the buffer itself), small ones joined first."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    if isinstance(sock, ssl.SSLSocket):
+        _send_all_tls(sock, views)
+        return
     while views:
         sent = sock.sendmsg(views)
         # Drop what went out; a short send leaves the tail of one buffer.
@@ -123,3 +146,31 @@ def send_all(sock: socket.socket, *buffers: bytes | memoryview) -> None:
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+
+
+def send_file(sock: socket.socket, f, offset: int, length: int,
+              scratch: memoryview | None = None) -> None:
+    """Sends `length` bytes of file `f` from `offset`: `sendfile` on a plain socket (a kernel
+    copy, page cache to socket); on a TLS socket, which must see the bytes to encrypt them,
+    read into `scratch` piece by piece and sent from it (SSLSocket.sendfile would go 8 KiB at
+    a time)."""
+    if not isinstance(sock, ssl.SSLSocket):
+        sock.sendfile(f, offset, length)
+        return
+    assert scratch is not None, "a TLS socket needs a scratch buffer"
+    end = offset + length
+    while offset < end:
+        n = os.preadv(f.fileno(), [scratch[:min(len(scratch), end - offset)]], offset)
+        if n <= 0:
+            raise OSError(f"the file ended at {offset} of {end} bytes while sent")
+        send_all(sock, scratch[:n])
+        offset += n
+
+
+def _send_all_tls(sock: ssl.SSLSocket, views: list[memoryview]) -> None:
+    if sum(len(v) for v in views) <= TLS_JOIN_BYTES:
+        views = [memoryview(b"".join(views))] if len(views) > 1 else views
+    elif len(views) > 2:  # header and name joined; the payload (last) sent in place
+        views = [memoryview(b"".join(views[:-1])), views[-1]]
+    for view in views:
+        sock.sendall(view)

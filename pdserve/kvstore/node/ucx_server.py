@@ -6,6 +6,9 @@ the bytes; with no RDMA hardware, a listener connection moves them over TCP). On
 is served here: SSD objects are files the TCP data server reads and writes. Like the TCP server,
 it must not know keys, allocation or leases, and a bad request gets an error status while the
 node keeps serving; a malformed control message closes that endpoint only.
+UCX here has no TLS: anyone who reaches the listener reads and writes the segment in plaintext.
+So it serves only where internal TLS is off (`--insecure-internal`); under mutual TLS it
+refuses to start. Must not run in a cluster that encrypts.
 """
 
 from __future__ import annotations
@@ -23,15 +26,21 @@ from pdserve.kvstore.node.ucx_protocol import (
     encode_reply,
 )
 from pdserve.kvstore.transport import ucx_loop
+from pdserve.kvstore.transport.ucx import PLAINTEXT_ONLY
+from pdserve.security import tls
 
 log = logging.getLogger(__name__)
 
 
 class UcxDataServer:
-    """Serves `segments` (by segment id) to UCX endpoints on `port` (0: any free port)."""
+    """Serves `segments` (by segment id) to UCX endpoints on `port` (0: any free port), only
+    where `security` (default: this process's setting) is `--insecure-internal`; else
+    PermissionError."""
 
     def __init__(self, segments: dict[str, ShmSegment], host: str, port: int = 0,
-                 max_connections: int = 64) -> None:
+                 max_connections: int = 64, security: tls.Security | None = None) -> None:
+        if not (security if security is not None else tls.current()).insecure:
+            raise PermissionError(f"ucx_port: {PLAINTEXT_ONLY}")
         self._segments = dict(segments)
         self._host = host
         self._port = port

@@ -1,11 +1,15 @@
-"""Cross-host transport over the node data protocol on plain TCP (works everywhere).
+"""Cross-host transport over the node data protocol on TCP (works everywhere), in mutual TLS.
 
 Owns a small pool of persistent connections per node address (at most
-`max_connections_per_node` in use at once; callers beyond that wait up to `io_timeout_s`), the
-request/reply exchange (`sendmsg` of header and payload straight from the caller's buffer,
-`recv_into` straight into the caller's buffer) and the retry rule: a broken connection is
-replaced once, then the call raises TransportError. Must not map memory or know keys; error
-replies from the node are raised as typed `RemoteError`s and never retried (they would recur).
+`max_connections_per_node` in use at once; callers beyond that wait up to `io_timeout_s`), each
+opened as this process's internal TLS says (mutual TLS: this process's certificate presented,
+the node's checked to be a node's of the cluster whatever the address, the handshake within
+`connect_timeout_s`; with `--insecure-internal`, plaintext), the request/reply exchange
+(header and payload sent straight from the caller's buffer, received straight into it; TLS
+encrypts from and decrypts into it) and the retry rule: a broken connection is replaced once,
+then the call raises TransportError. Must not map memory or know keys; error replies from the
+node (DENIED included: this process's kind may not use the data plane) are raised as typed
+`RemoteError`s and never retried (they would recur).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import socket
 import threading
 
+from pdserve.core.identity import NODE, server_name
 from pdserve.kvstore.node.protocol import (
     MAX_ERROR_BYTES,
     REPLY,
@@ -30,9 +35,10 @@ from pdserve.kvstore.transport.base import (
     byte_view,
     remote_error,
 )
+from pdserve.security import tls
 
 # After these replies the node has closed (or will close) the connection.
-_CLOSING_STATUSES = frozenset({Status.BAD_REQUEST, Status.BUSY})
+_CLOSING_STATUSES = frozenset({Status.BAD_REQUEST, Status.BUSY, Status.DENIED})
 
 
 class _Pool:
@@ -45,12 +51,13 @@ class _Pool:
 
 
 class TcpTransport:
-    """Writes and reads extents on any node through its data server; thread-safe."""
+    """Writes and reads extents on any node through its data server; thread-safe. `security`:
+    how to connect (default: this process's setting, `tls.current()`, read once here)."""
 
     kind = "tcp"
 
     def __init__(self, max_connections_per_node: int = 4, connect_timeout_s: float = 5.0,
-                 io_timeout_s: float = 30.0):
+                 io_timeout_s: float = 30.0, security: tls.Security | None = None):
         if max_connections_per_node < 1:
             raise ValueError(
                 f"max_connections_per_node must be >= 1, got {max_connections_per_node}")
@@ -60,6 +67,7 @@ class TcpTransport:
         self._max_connections = max_connections_per_node
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
+        self.security = security if security is not None else tls.current()
         self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -122,9 +130,13 @@ class TcpTransport:
         host, sep, port = address.rpartition(":")
         if not sep or not port.isdigit():
             raise TransportError(f"data address must be 'host:port', got {address!r}")
+        # The context first: a fresh one after the certificates rotate on disk.
+        context = None if self.security.insecure else self.security.client_context()
         sock = socket.create_connection((host.strip("[]"), int(port)),
                                         timeout=self._connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if context is not None:  # the handshake, within the connect timeout; closed if it fails
+            sock = context.wrap_socket(sock, server_hostname=server_name(NODE))
         sock.settimeout(self._io_timeout_s)
         return sock
 

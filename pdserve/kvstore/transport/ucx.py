@@ -6,6 +6,9 @@ Owns the answer to "can this process use UCX?" and the client side of the node's
 matches tag messages in posting order), payloads sent from and received into the caller's
 buffer with no copy in Python. `ucxx` (PyPI `ucxx-cu12`) is optional: it is imported lazily,
 only here and in the node's UCX server; `PDSERVE_UCX=0` turns the transport off.
+UCX here has no TLS: its bytes and requests travel in plaintext, unauthenticated, so a
+`UcxTransport` is made only where internal TLS is off (`--insecure-internal`); `ucx_allowed`
+says whether that is so. Must not carry bytes of a cluster that runs mutual TLS.
 
 Facts measured on the CPU-only build machines (no RDMA): a listener connection carries its bytes
 over TCP, about 1 GB/s between two Python processes, so the plain TCP transport is faster there;
@@ -35,6 +38,7 @@ from pdserve.kvstore.transport.base import (
     byte_view,
     remote_error,
 )
+from pdserve.security import tls
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,6 +50,17 @@ def ucxx_importable() -> bool:
 def ucx_available() -> bool:
     """Whether this process may use the UCX transport: `ucxx` installed and not turned off."""
     return os.environ.get("PDSERVE_UCX", "1") != "0" and ucxx_importable()
+
+
+PLAINTEXT_ONLY = ("UCX carries KV bytes in plaintext and unauthenticated, and internal TLS is "
+                  "on: UCX runs only with --insecure-internal")
+
+
+def ucx_allowed(security: tls.Security | None = None) -> bool:
+    """Whether UCX may carry this process's bytes: internal TLS off (`security`, default this
+    process's setting) and UCX available."""
+    security = security if security is not None else tls.current()
+    return security.insecure and ucx_available()
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -66,7 +81,10 @@ class UcxTransport:
 
     kind = "ucx"
 
-    def __init__(self, connect_timeout_s: float = 5.0, request_timeout_s: float = 60.0) -> None:
+    def __init__(self, connect_timeout_s: float = 5.0, request_timeout_s: float = 60.0,
+                 security: tls.Security | None = None) -> None:
+        if not (security if security is not None else tls.current()).insecure:
+            raise TransportUnavailable(f"UcxTransport unavailable: {PLAINTEXT_ONLY}")
         if not ucx_available():
             raise TransportUnavailable("UcxTransport unavailable: ucxx is not installed "
                                        "(pip install ucxx-cu12) or PDSERVE_UCX=0")

@@ -32,11 +32,19 @@ from pdserve.kvstore.transport.base import (
 )
 from pdserve.kvstore.transport.shm import ShmTransport
 from pdserve.kvstore.transport.tcp import TcpTransport
+from pdserve.security import tls
 
 from .conftest import MiB, wait_until
 
 SEGMENT_BYTES = 16 * MiB
 SIZES = (4096, 65536 + 7, MiB, 8 * MiB)
+
+
+@pytest.fixture(autouse=True)
+def plaintext():
+    """These tests speak the data plane's raw frames: internal TLS off for them (the suite's
+    conftest puts the setting back). Its TLS side: test_data_tls.py and test_node_tls.py."""
+    tls.configure(tls.Insecure())
 
 
 @pytest.fixture

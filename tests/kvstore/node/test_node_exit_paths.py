@@ -31,8 +31,8 @@ def _run(args, **kw) -> subprocess.CompletedProcess:
 
 
 def test_an_exception_during_start_up_leaves_no_segment_file(shm_dir):
-    p = _run(node_args("node-ucx", "127.0.0.1:0", MiB, shm_dir, "--ucx-port", "0"),
-             env={"PDSERVE_UCX": "0"})
+    p = _run(node_args("node-ucx", "127.0.0.1:0", MiB, shm_dir, "--ucx-port", "0",
+                       "--insecure-internal"), env={"PDSERVE_UCX": "0", "PDSERVE_TLS_DIR": ""})
     assert p.returncode == 1 and "ucx_port is set" in p.stderr
     assert os.listdir(shm_dir) == []
 

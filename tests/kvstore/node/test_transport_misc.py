@@ -20,7 +20,7 @@ from pdserve.kvstore.transport.measure import measure_bandwidth
 from pdserve.kvstore.transport.select import pick_transport
 from pdserve.kvstore.transport.shm import ShmTransport
 from pdserve.kvstore.transport.tcp import TcpTransport
-from pdserve.kvstore.transport.ucx import UcxTransport, ucx_available
+from pdserve.kvstore.transport.ucx import UcxTransport, ucx_allowed, ucx_available
 
 from .conftest import MiB
 
@@ -28,13 +28,15 @@ from .conftest import MiB
 def test_pick_transport():
     assert pick_transport("h1", "h1") == "shm"
     assert pick_transport("h1", "h2", ucx=False) == "tcp"
-    assert pick_transport("h1", "h2", ucx=True) == "ucx"
-    assert pick_transport("h1", "h1", tier="ssd", ucx=True) == "tcp"
-    assert pick_transport("h1", "h2") == ("ucx" if ucx_available() else "tcp")
+    assert pick_transport("h1", "h2", ucx=True, insecure=True) == "ucx"
+    # UCX carries KV in plaintext: never while internal TLS is on.
+    assert pick_transport("h1", "h2", ucx=True, insecure=False) == "tcp"
+    assert pick_transport("h1", "h1", tier="ssd", ucx=True, insecure=True) == "tcp"
+    assert pick_transport("h1", "h2") == ("ucx" if ucx_allowed() else "tcp")
 
 
 def test_pick_transport_needs_a_node_that_serves_ucx():
-    assert pick_transport("h1", "h2", ucx=True, node_serves_ucx=False) == "tcp"
+    assert pick_transport("h1", "h2", ucx=True, node_serves_ucx=False, insecure=True) == "tcp"
 
 
 def test_ucx_transport_can_be_turned_off(monkeypatch):
