@@ -5,7 +5,8 @@ Owns starting it (`ray start`, a temporary --temp-dir, every port Ray would othe
 fixed default picked free, a small object store) and stopping only its own processes: every
 process it starts carries a marker variable in its environment (inherited by Ray's daemons, its
 workers and what they start), and teardown signals exactly the processes that carry it. `ray
-stop` would stop every Ray on the machine, other people's included. Must not know pdserve.
+stop` would stop every Ray on the machine, other people's included. Its processes inherit no
+internal-TLS setting from the test session's environment. Must not know pdserve otherwise.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class LocalRay:
         # Ray's memory monitor kills workers when the whole (shared) machine runs low.
         self.env["RAY_memory_monitor_refresh_ms"] = "0"
         self.env.pop("RAY_ADDRESS", None)
+        # No TLS setting to inherit (a test session's own folder): whatever Ray runs gets its
+        # credentials from what it is handed, as on a real cluster.
+        for name in ("PDSERVE_TLS_DIR", "PDSERVE_INSECURE_INTERNAL"):
+            self.env.pop(name, None)
         self.port = 0
         self.log = os.path.join(self.temp_dir, "ray-start.log")
 

@@ -6,14 +6,18 @@ drives it:
   worker on the other node (per-role custom resources, checked by the actors' Ray node ids), one
   storage node on each of them, the master, router and controller together; a greedy request
   through the router gives the single-process engine's tokens, its KV read from the store.
+- Internal mutual TLS is on by default: the driver keeps the CA (its state folder), each
+  actor's folder on its node holds ca.crt and its own kind's certificate and key only (key
+  0600), a plaintext caller gets nowhere, and `pdserve ray renew-certs` gives every process a
+  new certificate that it uses without a restart.
 - kill -9 of the decode worker's process: its actor restarts it, `pdserve ray status` shows the
   restart and a new pid, and the cluster serves the same tokens again.
 - `ray.kill` of the prefill worker's actor: its process dies with it, status shows the actor
   dead, and the router serves the same tokens without it (the decode worker prefills).
 - `pdserve serve` again under the same name (foreground) sweeps the earlier run (every one of
   its processes gone), serves the same tokens; `pdserve ray down` then leaves no process with
-  the cluster's name in its command line, no actor, no placement group and no segment file,
-  and the foreground `serve` notices and exits 0.
+  the cluster's name in its command line, no actor, no placement group, no segment file and no
+  member's key, and the foreground `serve` notices and exits 0.
 - With no Ray cluster at the address, serve says so and how to start one, and starts nothing;
   with a resource no node has, it names the worker and the resource and leaves nothing behind.
 """
@@ -25,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -32,11 +37,18 @@ import uuid
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
 from pdserve.controller.cluster_spec import free_ports
+from pdserve.core.identity import OPERATOR, ROUTER, WORKER
+from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
+from pdserve.proto import router_pb2 as rpb
+from pdserve.proto import router_pb2_grpc as rpb_grpc
+from pdserve.proto import worker_pb2 as wpb
+from pdserve.proto import worker_pb2_grpc as wpb_grpc
+from pdserve.security import tls
 from tests.deploy.ray_local import LocalRay
-from tests.e2e.test_cluster import generate, worker_stats
 from tests.helpers import REPO_ROOT
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pdserve[ray]')")
@@ -50,6 +62,8 @@ def ray_cluster():
     if shutil.which("ray") is None:
         pytest.skip("the `ray` command is not on PATH (pip install 'pdserve[ray]')")
     cluster = LocalRay(str(REPO_ROOT)).start()
+    # The driver keeps each cluster's CA under the user's state folder: the test's own.
+    cluster.env["PDSERVE_STATE_DIR"] = os.path.join(cluster.temp_dir, "state")
     try:
         ray.init(address=cluster.address, namespace="pdserve", log_to_driver=False,
                  logging_level="WARNING")
@@ -70,9 +84,11 @@ def expected_tokens(tiny_llama_dir) -> list[int]:
 
 
 def cli(cluster: LocalRay, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    """`pdserve *args`; `ray status|down` with the test cluster's Ray address and --ray-dir."""
+    """`pdserve *args`; `ray ...` with the test cluster's Ray address (and --ray-dir)."""
     if args[0] == "ray":
-        args = (*args, "--address", cluster.address, "--ray-dir", cluster.pdserve_dir)
+        args = (*args, "--address", cluster.address)
+        if args[1] in ("status", "down"):
+            args = (*args, "--ray-dir", cluster.pdserve_dir)
     return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], cwd=REPO_ROOT,
                           env=cluster.env, capture_output=True, text=True, timeout=timeout_s)
 
@@ -134,39 +150,90 @@ def alive(pid: int) -> bool:
 def test_serve_on_two_ray_nodes_survives_kills_and_comes_down_clean(
         ray_cluster, tiny_llama_dir, expected_tokens):
     name = "t" + uuid.uuid4().hex[:8]
+    # This process calls the cluster's internal ports as its operator, with the certificate
+    # the driver keeps beside the CA (made by the first serve of the name).
+    folder = os.path.join(ray_cluster.env["PDSERVE_STATE_DIR"], "ray", name, "tls")
     try:
-        serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name)
+        serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name, folder)
     finally:  # a failure above must not leave placement groups that starve the next test
+        tls.reset()  # the suite's own setting again
         cli(ray_cluster, "ray", "down", "--cluster", name)
 
 
-def router_sees_active(router: str, address: str) -> bool:
-    """The router's membership has `address` ACTIVE again (its poll or heartbeat came)."""
-    from pdserve.proto import router_pb2 as rpb
-    from tests.e2e.test_membership import members
+def generate(router: str, token_ids: list[int], max_tokens: int) -> list[int]:
+    """One greedy Generate through the router's client port (plaintext): its token ids."""
+    req = api_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True))
+    req.token_ids.ids.extend(token_ids)
+    ids: list[int] = []
+    with rpc.make_channel(router, rpc.PUBLIC) as ch:
+        for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300):
+            ids.extend(r.token_ids)
+    return ids
 
-    m = members(router).get(address)
+
+def worker_stats(address: str) -> wpb.WorkerStats:
+    with rpc.make_channel(address, WORKER) as ch:
+        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=30)
+
+
+def router_members(control: str) -> dict[str, rpb.WorkerMember]:
+    """The router's membership, asked on its control listener."""
+    with rpc.make_channel(control, ROUTER) as ch:
+        r = rpb_grpc.RouterControlStub(ch).ListWorkers(rpb.ListWorkersRequest(), timeout=10)
+    return {m.address: m for m in r.workers}
+
+
+def router_sees_active(control: str, address: str) -> bool:
+    """The router's membership has `address` ACTIVE again (its poll or heartbeat came)."""
+    m = router_members(control).get(address)
     return m is not None and m.state == rpb.MEMBER_STATE_ACTIVE
 
 
-def membership_text(router: str) -> str:
+def membership_text(control: str) -> str:
     """Each member's address, role, state, missed polls and reason, as the router says."""
-    from pdserve.proto import router_pb2 as rpb
-    from pdserve.proto import worker_pb2 as wpb
-    from tests.e2e.test_membership import members
-
     return "; ".join(f"{a} role={wpb.Role.Name(m.role)} state={rpb.MemberState.Name(m.state)} "
                      f"missed_polls={m.missed_polls} "
                      f"last_seen_age_s={m.last_seen_age_s:.1f} in_flight={m.in_flight} "
-                     f"reason={m.reason!r}" for a, m in members(router).items())
+                     f"reason={m.reason!r}" for a, m in router_members(control).items())
 
 
-def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name: str) -> None:
+def assert_each_member_holds_only_its_own_key(members: dict, driver_folder: str,
+                                              nodes_folder: str) -> None:
+    """Every member's folder on its node: ca.crt and its own kind's certificate and key (key
+    0600, folder 0700), never another kind's key nor the CA's, which stays with the driver."""
+    assert os.path.isfile(os.path.join(driver_folder, "ca.key"))
+    assert stat.S_IMODE(os.stat(driver_folder).st_mode) == 0o700
+    for member, st in members.items():
+        kind, folder = st["kind"], st["tls_dir"]
+        assert st["tls"] == "mutual" and st["cert_not_after"], (member, st)
+        assert folder == os.path.join(nodes_folder, "tls", member), st
+        assert sorted(os.listdir(folder)) == sorted(["ca.crt", f"{kind}.crt", f"{kind}.key"]), (
+            member, os.listdir(folder))
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700, member
+        assert stat.S_IMODE(os.stat(os.path.join(folder, f"{kind}.key")).st_mode) == 0o600
+    decode = members["decode-1"]["tls_dir"]
+    assert os.path.isfile(os.path.join(decode, "worker.key"))
+    assert not os.path.exists(os.path.join(decode, "master.key"))
+
+
+def cert_serial(folder: str, kind: str) -> int:
+    from pdserve.security import pki
+
+    with open(os.path.join(folder, f"{kind}.crt"), "rb") as f:
+        return pki.info(f.read()).serial
+
+
+def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name: str,
+                             folder: str) -> None:
     r = cli(ray_cluster, *serve_args(ray_cluster, tiny_llama_dir, name), "--detach",
             timeout_s=300)
     assert r.returncode == 0, r.stderr
     ready = ready_fields(r.stdout.strip().splitlines()[-1])
     assert ready["cluster"] == name and ready["backend"] == "ray" and "controller" in ready
+    assert "internal mutual TLS" in r.stderr and folder in r.stderr, r.stderr
+    control = ready["control"]
+    tls.configure(tls.MutualTls(tls.TlsFolder(folder), OPERATOR))
 
     # Placement: prefill on the head, decode on the other node, a storage node on each.
     members = status(ray_cluster, name)["members"]
@@ -182,11 +249,29 @@ def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name:
     assert {m: s["health"] for m, s in members.items() if s["kind"] != "node"} == dict.fromkeys(
         ("master", "router", "controller", "prefill-0", "decode-1"), "SERVING")
 
+    # Closed inside: each member holds only its own kind's key; plaintext gets nowhere.
+    assert_each_member_holds_only_its_own_key(members, folder,
+                                              os.path.join(ray_cluster.pdserve_dir, name))
+    for address in (members["master"]["address"], decode["address"], control):
+        with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as err:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, address
+
     # Same tokens as one process; the decode worker read the prompt's KV from the store.
-    ids, *_ = generate(ready["router"], token_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = generate(ready["router"], PROMPT, MAX_TOKENS)
     assert ids == expected_tokens
     stats = worker_stats(decode["address"])
     assert stats.kv_blocks_fetched >= 2 and sum(stats.kv_store_reads_by_transport.values()) >= 2
+
+    # New certificates for every process, from the driver's CA, used without a restart.
+    before = {m: cert_serial(s["tls_dir"], s["kind"]) for m, s in members.items()}
+    renewed = cli(ray_cluster, "ray", "renew-certs", "--cluster", name)
+    assert renewed.returncode == 0, renewed.stdout + renewed.stderr
+    assert sorted(line.split(":")[0] for line in renewed.stdout.splitlines()) == sorted(members)
+    assert all(cert_serial(s["tls_dir"], s["kind"]) != before[m] for m, s in members.items())
+    assert all(s["restarts"] == 0 for s in status(ray_cluster, name)["members"].values())
+    time.sleep(1.5)  # a process looks at its files at most once a second
+    assert generate(ready["router"], PROMPT, MAX_TOKENS) == expected_tokens
 
     # kill -9 of a worker's process: its actor restarts it (same address), status says so.
     os.kill(decode["pid"], signal.SIGKILL)
@@ -194,15 +279,14 @@ def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name:
                                   else None)(status(ray_cluster, name)["members"]["decode-1"]),
                          90, "decode-1 restarted")
     assert restarted["pid"] != decode["pid"] and restarted["exit_code"] == -signal.SIGKILL
-    rpc.wait_healthy(decode["address"], timeout_s=120)
-    wait_for(lambda: router_sees_active(ready["router"], decode["address"]), 60,
+    rpc.wait_healthy(decode["address"], timeout_s=120, peer=WORKER)
+    wait_for(lambda: router_sees_active(control, decode["address"]), 60,
              "the router to take decode-1 back")
     try:
-        ids, *_ = generate(ready["router"], token_ids=PROMPT, max_tokens=MAX_TOKENS,
-                           ignore_eos=True)
+        ids = generate(ready["router"], PROMPT, MAX_TOKENS)
     except grpc.RpcError as e:  # say what the router's membership was right after
         raise AssertionError(f"{e.code().name} {e.details()}; the router's members then: "
-                             f"{membership_text(ready['router'])}") from e
+                             f"{membership_text(control)}") from e
     assert ids == expected_tokens
 
     # ray.kill of a worker's actor: its process dies with it; status shows the actor dead.
@@ -212,8 +296,8 @@ def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name:
     assert text.returncode == 0, text.stderr
     row = next(line for line in text.stdout.splitlines() if line.startswith("prefill-0 "))
     assert "actor dead" in row, text.stdout
-    ids, *_ = generate(ready["router"], token_ids=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
-    assert ids == expected_tokens
+    assert "internal mutual TLS, certificates valid until" in text.stdout, text.stdout
+    assert generate(ready["router"], PROMPT, MAX_TOKENS) == expected_tokens
 
     # The same name again, in the foreground: the earlier run is swept first.
     old = cluster_pids(name)
@@ -229,9 +313,7 @@ def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name:
         assert not [p for p in old if alive(p)]
         members = status(ray_cluster, name)["members"]
         assert members["prefill-0"]["state"] == "running"
-        ids, *_ = generate(again["router"], token_ids=PROMPT, max_tokens=MAX_TOKENS,
-                           ignore_eos=True)
-        assert ids == expected_tokens
+        assert generate(again["router"], PROMPT, MAX_TOKENS) == expected_tokens
 
         # Down: nothing of the cluster is left, and the foreground serve ends by itself.
         down = cli(ray_cluster, "ray", "down", "--cluster", name)
@@ -248,6 +330,8 @@ def serve_kill_and_come_down(ray_cluster, tiny_llama_dir, expected_tokens, name:
     assert [g for g in ray.util.placement_group_table().values()
             if g["name"].startswith(f"pdserve-{name}-") and g["state"] != "REMOVED"] == []
     assert glob.glob(f"/dev/shm/pdserve-{name}-*") == []
+    assert glob.glob(os.path.join(ray_cluster.pdserve_dir, name, "tls", "*")) == []
+    assert os.path.isfile(os.path.join(folder, "ca.key"))  # kept for the next serve
     assert "nothing on this Ray cluster" in status_text(ray_cluster, name)
 
 

@@ -1,6 +1,9 @@
 """pdserve on Ray without a Ray cluster: the pure plan (names read back unambiguously, what a
-cluster is expected to hold, status rows, command lines, the spec's checks naming the flag),
-the sweep of processes an actor left behind (real processes), and the KubeRay manifest
+cluster is expected to hold, status rows, command lines with the router's control address and
+each member's own TLS folder or `--insecure-internal`, the spec's checks naming the flag), the
+driver's certificates (its CA made once per cluster name, a bundle per member holding only its
+kind's key) and an actor's writing of them, the sweep of processes an actor left behind (real
+processes, and the TLS folders), and the KubeRay manifest
 (`deploy/ray/raycluster.yaml`: the CRD's structure, the image, the shm volumes, and a head
 command that the real CLI parses into a spec whose resources the pods provide).
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
 import time
@@ -17,11 +21,13 @@ import tomllib
 
 import pytest
 import yaml
+from cryptography import x509
 
 from pdserve.controller.cluster_spec import ClusterSpec
-from pdserve.deploy.ray import plan
-from pdserve.deploy.ray.actor import pid_dir, sweep_node
+from pdserve.deploy.ray import certs, plan
+from pdserve.deploy.ray.actor import ProcessHost, pid_dir, sweep_node
 from pdserve.deploy.ray.plan import GroupInfo, RaySpec, RaySpecError
+from pdserve.security import pki, tls
 from tests.helpers import REPO_ROOT
 
 NODE_A, NODE_B = "a1" * 28, "b2" * 28  # Ray node ids are 56 hex digits
@@ -61,24 +67,85 @@ def test_expected_members_come_from_the_placement_groups():
     assert rows["prefill-0"][2] == "actor dead"
 
 
+ROUTER, HTTP, CONTROL, STORE = "10.0.0.1:7000", "10.0.0.1:8000", "10.0.0.1:7100", "10.0.0.1:6000"
+
+
+def flags_of(argv: list[str]) -> dict[str, str]:
+    """--flag value pairs (a flag without a value maps to "")."""
+    out, i = {}, 1
+    while i < len(argv):
+        takes = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        out[argv[i]] = argv[i + 1] if takes else ""
+        i += 2 if takes else 1
+    return out
+
+
+def command_lines(s: RaySpec) -> dict[str, list[str]]:
+    """Every member's command line, as backend.py writes them."""
+    return {"master": plan.master_args(s, "10.0.0.1:6000", "/j"),
+            plan.store_member(NODE_B): plan.node_args(s, NODE_B, "10.0.0.2", STORE),
+            "decode-1": plan.worker_args(s, "decode-1", "decode", "10.0.0.2:5000", NODE_B,
+                                         STORE, CONTROL, 5001),
+            "router": plan.router_args(s, ROUTER, HTTP, CONTROL, STORE),
+            "controller": plan.controller_args(s, "10.0.0.1:9000", CONTROL, "/a", 9001)}
+
+
 def test_command_lines_bind_the_node_ip_and_use_the_node_as_host_id():
     s = spec(worker_cpus=3)
-    worker = plan.worker_args(s, "decode", "10.0.0.2:5000", NODE_B, "10.0.0.1:6000",
-                              "10.0.0.1:7000", 5001)
-    flags = dict(zip(worker[1::2], worker[2::2]))
+    lines = command_lines(s)
+    worker = lines["decode-1"]
+    flags = flags_of(worker)
     assert worker[0] == "worker" and flags["--role"] == "decode"
     assert flags["--address"] == flags["--advertise-address"] == "10.0.0.2:5000"
     assert flags["--host-id"] == NODE_B and flags["--threads"] == "3"
-    assert flags["--register-with"] == "10.0.0.1:7000" and flags["--cluster-id"] == "c1"
-    node = plan.node_args(s, NODE_B, "10.0.0.2", "10.0.0.1:6000")
-    flags = dict(zip(node[1::2], node[2::2]))
+    assert flags["--cluster-id"] == "c1"
+    flags = flags_of(lines[plan.store_member(NODE_B)])
     assert flags["--host-id"] == NODE_B and flags["--data-address"] == "10.0.0.2:0"
     assert flags["--node-id"] == plan.store_node_id("c1", NODE_B)
-    router = plan.router_args(s, "10.0.0.1:7000", "10.0.0.1:8000", "10.0.0.1:6000")
-    flags = dict(zip(router[1::2], router[2::2]))
+    flags = flags_of(lines["router"])
     # Pools start empty: a restarted router learns every worker's current role from it.
     assert flags["--prefill"] == flags["--decode"] == ""
     assert flags["--http-host"] == "10.0.0.1" and flags["--http-port"] == "8000"
+    assert flags["--address"] == ROUTER
+
+
+def test_workers_and_the_controller_reach_the_routers_control_listener():
+    lines = command_lines(spec())
+    assert flags_of(lines["router"])["--control-address"] == CONTROL
+    assert flags_of(lines["decode-1"])["--register-with"] == CONTROL
+    assert flags_of(lines["controller"])["--router"] == CONTROL
+    assert plan.probe_peer("router") == "router" and plan.probe_peer("decode-1") == "worker"
+    assert plan.probe_peer(plan.store_member(NODE_B)) is None  # a ready line, no gRPC
+    line = plan.ready_line(ROUTER, HTTP, "10.0.0.1:9000", "c1", CONTROL)
+    assert line == (f"pdserve ready on {ROUTER} http={HTTP} controller=10.0.0.1:9000 "
+                    f"control={CONTROL} cluster=c1 backend=ray")
+
+
+def test_every_command_line_carries_its_own_members_tls_folder():
+    s = spec(base_dir="/srv/pd")
+    for member, argv in command_lines(s).items():
+        flags = flags_of(argv)
+        assert flags["--tls-dir"] == f"/srv/pd/c1/tls/{member}", member
+        assert "--insecure-internal" not in flags, member
+        assert flags["--tls-dir"] == plan.member_tls_dir("/srv/pd", "c1", member)
+    assert len({flags_of(a)["--tls-dir"] for a in command_lines(s).values()}) == 5
+
+
+def test_insecure_internal_is_passed_to_every_process_and_no_folder():
+    s = spec(cluster=ClusterSpec(model_path="/m", cluster_id="c1", insecure_internal=True))
+    for member, argv in command_lines(s).items():
+        assert "--insecure-internal" in argv, member
+        assert "--tls-dir" not in argv, member
+
+
+def test_the_client_ports_tls_files_reach_the_router_only():
+    s = spec(cluster=ClusterSpec(model_path="/m", cluster_id="c1", tls_cert="/c.pem",
+                                 tls_key="/k.pem"))
+    lines = command_lines(s)
+    flags = flags_of(lines["router"])
+    assert flags["--tls-cert"] == "/c.pem" and flags["--tls-key"] == "/k.pem"
+    assert "--tls-client-ca" not in flags
+    assert not [m for m, a in lines.items() if m != "router" and "--tls-cert" in a]
 
 
 def test_bundles_and_the_checks_that_name_the_flag():
@@ -113,6 +180,88 @@ def test_local_only_flags_are_refused_with_the_ray_backend():
         ray_spec(args, "/m", {})
 
 
+def test_the_driver_makes_the_ca_once_and_issues_each_member_its_own_kind(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path / "state"))
+    folder = certs.state_folder("c1")
+    assert folder == str(tmp_path / "state" / "ray" / "c1" / "tls")
+    with pytest.raises(certs.CertError, match=f"no CA of cluster c1 in {folder}"):
+        certs.issuer("c1", None, make=False)  # renew-certs before any serve
+    issuer = certs.issuer("c1", None)
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(folder, "ca.key")).st_mode) == 0o600
+    with open(os.path.join(folder, "ca.crt"), "rb") as f:
+        ca = f.read()
+    assert certs.issuer("c1", None).folder == folder  # a re-run keeps the CA
+    with open(os.path.join(folder, "ca.crt"), "rb") as f:
+        assert f.read() == ca
+
+    bundle = issuer.bundle("decode-1", "worker")
+    assert sorted(bundle) == ["ca.crt", "worker.crt", "worker.key"]  # no CA key, no other kind
+    assert bundle["ca.crt"] == ca
+    info = pki.info(bundle["worker.crt"])
+    assert str(info.identity) == "worker/decode-1"
+    lifetime = info.not_after - info.not_before
+    assert abs(lifetime.total_seconds() - certs.LIFETIME_S - 300) < 60  # 5 min backdated
+    x509.load_pem_x509_certificate(bundle["worker.crt"]).verify_directly_issued_by(
+        x509.load_pem_x509_certificate(ca))
+    assert issuer.bundle("decode-1", "worker")["worker.key"] != bundle["worker.key"]
+
+
+def test_a_users_folder_without_the_ca_key_hands_out_its_own_certificates(tmp_path):
+    folder = tmp_path / "mine"
+    pki.init_folder(str(folder), "c1")
+    os.unlink(folder / "ca.key")
+    issuer = certs.issuer("c1", str(folder))
+    assert issuer.folder == str(folder) and not issuer.has_ca_key
+    bundle = issuer.bundle("master", "master")
+    assert bundle == {n: (folder / n).read_bytes() for n in ("ca.crt", "master.crt",
+                                                             "master.key")}
+    with pytest.raises(certs.CertError, match="--tls-dir .*: no ca.crt"):
+        certs.issuer("c1", str(tmp_path / "empty"))
+
+
+def test_an_actor_writes_only_its_own_kinds_bundle_key_0600(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(tmp_path / "state"))
+    issuer = certs.issuer("c1", None)
+    host = ProcessHost.__new__(ProcessHost)  # its file handling alone, without Ray
+    host.member, host.kind = "prefill-0", "worker"
+    host.tls_dir = plan.member_tls_dir(str(tmp_path / "node"), "c1", "prefill-0")
+    host._write_tls(issuer.bundle("prefill-0", "worker"))
+    assert sorted(os.listdir(host.tls_dir)) == ["ca.crt", "worker.crt", "worker.key"]
+    assert stat.S_IMODE(os.stat(host.tls_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(host.tls_dir, "worker.key")).st_mode) == 0o600
+    tls.TlsFolder(host.tls_dir).material("worker")  # the process can use it
+    with pytest.raises(ValueError, match="a worker's TLS bundle is ca.crt, worker.crt and "
+                                         "worker.key, got ca.crt, master.crt, master.key"):
+        host._write_tls(issuer.bundle("master", "master"))
+    # Renewing with another CA's certificate would cut it off from the others: refused.
+    host.tls = "mutual"
+    other = certs.issuer("c2", None)
+    with pytest.raises(ValueError, match="another CA than the cluster's"):
+        host.renew_tls(other.bundle("prefill-0", "worker"))
+    assert tls.TlsFolder(host.tls_dir).material("worker").ca_pem == (
+        issuer.bundle("x", "worker")["ca.crt"])
+
+
+def test_the_tls_flags_of_serve_reach_the_spec(tmp_path, monkeypatch):
+    from pdserve.cli import build_parser
+    from pdserve.deploy.ray.cli import ray_spec
+
+    monkeypatch.delenv("PDSERVE_TLS_DIR", raising=False)
+    monkeypatch.delenv("PDSERVE_INSECURE_INTERNAL", raising=False)
+    parse = build_parser().parse_args
+    assert ray_spec(parse(["serve", "--backend", "ray"]), "/m", {}).cluster.tls_dir is None
+    s = ray_spec(parse(["serve", "--backend", "ray", "--insecure-internal"]), "/m", {})
+    assert s.cluster.insecure_internal and "--insecure-internal" in plan.master_args(s, "a", "j")
+    monkeypatch.chdir(tmp_path)
+    s = ray_spec(parse(["serve", "--backend", "ray", "--tls-dir", "rel"]), "/m", {})
+    assert s.cluster.tls_dir == str(tmp_path / "rel") and not s.cluster.insecure_internal
+    monkeypatch.setenv("PDSERVE_INSECURE_INTERNAL", "1")
+    with pytest.raises(ValueError, match="--tls-dir and --insecure-internal exclude"):
+        ray_spec(parse(["serve", "--backend", "ray", "--tls-dir", "rel"]), "/m", {})
+
+
 def _sleeper(marker: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *marker, "-c", "import time; time.sleep(60)"],
                             start_new_session=True)
@@ -128,6 +277,12 @@ def test_sweep_stops_recorded_processes_of_its_cluster_only(tmp_path):
                 f"pdserve-{plan.store_node_id('c1', NODE_B)}.0123abcd.dram0"]
     for name in segments:
         (shm / name).write_bytes(b"x")
+    keys = [os.path.join(plan.member_tls_dir(base, c, "decode-1"), "worker.key")
+            for c in ("c1", "c1x")]
+    for key in keys:
+        os.makedirs(os.path.dirname(key))
+        with open(key, "w") as f:
+            f.write("k")
     try:
         os.makedirs(pid_dir(base, "c1", node))
         for member, p in (("decode-1", mine), ("prefill-0", other)):
@@ -139,6 +294,8 @@ def test_sweep_stops_recorded_processes_of_its_cluster_only(tmp_path):
         assert other.poll() is None
         assert os.listdir(pid_dir(base, "c1", node)) == []
         assert sorted(os.listdir(shm)) == segments[1:]  # only this node's segment
+        assert not os.path.exists(plan.tls_root(base, "c1"))  # the members' keys
+        assert os.path.exists(keys[1])  # another cluster's
     finally:
         for p in (mine, other):
             p.kill()

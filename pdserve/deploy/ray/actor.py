@@ -8,6 +8,13 @@ alone would leave it running), its log file, a pid file the sweep reads after an
 process that dies while the actor lives is restarted under `supervisor.RestartPolicy` (backoff,
 give-up on a crash loop), its exits and restarts reported by `status()`.
 
+Internal TLS: `start` receives the member's bundle (`certs.bundle_names`: ca.crt and its own
+kind's certificate and key, nothing else) and writes it to the member's folder on this node
+(`plan.member_tls_dir`; 0700, the key 0600), which the process gets as `--tls-dir`; this
+actor's own calls (health, the master's Stats, the router's ListWorkers) go out with the same
+certificate (`tls.configure` of the actor's process). `renew_tls` rewrites the files in place:
+the process re-reads them within a second, no restart. `stop` removes the folder.
+
 One thread spawns every incarnation and lives as long as the actor: the process's parent-death
 signal (`pdserve.lifecycle`) fires when the spawning *thread* exits, so the process also ends
 when the actor's process does (killed, or its node lost), without waiting for a sweep.
@@ -22,6 +29,7 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +42,8 @@ from concurrent.futures import Future
 from pdserve.controller.cluster_spec import free_ports
 from pdserve.controller.supervise import tail
 from pdserve.controller.supervisor import GIVE_UP, RESTART, RestartPolicy, Run, decide
-from pdserve.deploy.ray.plan import cluster_marker, store_node_id
+from pdserve.deploy.ray.plan import (cluster_marker, member_tls_dir, probe_peer, store_node_id,
+                                     tls_root)
 from pdserve.lifecycle import child_env
 
 
@@ -54,8 +63,12 @@ class ProcessHost:
         self.gpu_ids = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
         self.policy, self.poll_s = policy, poll_s
         self.pid_file = os.path.join(pid_dir(base_dir, cluster_id, self.node_id), f"{member}.pid")
+        self.tls_dir = member_tls_dir(base_dir, cluster_id, member)
+        self.tls = ""  # "mutual" or "insecure", once started
+        self.cert_not_after = ""  # ISO time its certificate ends
         self.argv: list[str] = []
         self.address = ""
+        self.probe = ""  # where it answers health (the router: its control listener)
         self.log_path = ""
         self.proc: subprocess.Popen | None = None
         self.state = "new"  # new, starting, running, restarting, exited, gave up, stopped
@@ -80,16 +93,21 @@ class ProcessHost:
 
     # The process.
 
-    def start(self, args: list[str], address: str, run_dir: str) -> dict:
-        """Start `pdserve <args>`; `address` is where it answers health checks ("" for a
-        storage node, which prints a ready line instead)."""
+    def start(self, args: list[str], address: str, run_dir: str, probe: str = "",
+              tls_files: dict[str, bytes] | None = None) -> dict:
+        """Start `pdserve <args>`; `address` is where it serves ("" for a storage node, which
+        prints a ready line instead), `probe` where it answers health checks (default: its
+        address). `tls_files`: its TLS bundle, written to its folder before it starts; None
+        with `--insecure-internal`. (An argument of this call, not of the constructor: Ray
+        keeps a detached actor's constructor arguments for its whole life.)"""
         with self._lock:
             if self.state != "new":
                 raise RuntimeError(f"{self.member} was started already ({self.state})")
+            self._use_tls(tls_files)
             self.state = "starting"
             self.argv = [sys.executable, *cluster_marker(self.cluster_id), "-m", "pdserve.cli",
                          *args]
-            self.address = address
+            self.address, self.probe = address, probe or address
             self.log_path = os.path.join(run_dir, "logs", f"{self.member}.log")
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         os.makedirs(os.path.dirname(self.pid_file), exist_ok=True)
@@ -112,9 +130,9 @@ class ProcessHost:
                 raise RuntimeError(f"{self.member} exited with {code} before it was ready; its "
                                    f"log ({self.log_path} on {self.ip}) ends:\n"
                                    f"{tail(self.log_path)}")
-            if self.address:
+            if self.probe:
                 try:
-                    rpc.wait_healthy(self.address, timeout_s=1.0)
+                    rpc.wait_healthy(self.probe, timeout_s=1.0, peer=probe_peer(self.member))
                     return self.status()
                 except TimeoutError:
                     pass
@@ -135,21 +153,23 @@ class ProcessHost:
                    "exit_code": self.exit_code, "restarts": self.restarts,
                    "reason": self.reason, "address": self.address, "node_id": self.node_id,
                    "ip": self.ip, "log": self.log_path, "gpu_ids": self.gpu_ids,
-                   "actor_pid": os.getpid()}
+                   "actor_pid": os.getpid(), "tls": self.tls,
+                   "tls_dir": self.tls_dir if self.tls == "mutual" else "",
+                   "cert_not_after": self.cert_not_after}
         out["health"] = self._health() if out["state"] == "running" else ""
         return out
 
     def _health(self) -> str:
         """Its gRPC health now (SERVING, NOT_SERVING, or no answer); a storage node, which
         serves no gRPC: whether it printed its ready line."""
-        if not self.address:
+        if not self.probe:
             return "ready" if self._log_has('"event": "ready"') else "starting"
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         from pdserve import rpc
 
-        with rpc.make_channel(self.address) as ch:
+        with rpc.make_channel(self.probe, probe_peer(self.member)) as ch:
             try:
                 r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                          timeout=1.0)
@@ -166,6 +186,55 @@ class ProcessHost:
             self.exit_code = proc.returncode
         with contextlib.suppress(OSError):
             os.unlink(self.pid_file)
+        shutil.rmtree(self.tls_dir, ignore_errors=True)  # its key stays nowhere
+        return self.status()
+
+    # Internal TLS.
+
+    def _use_tls(self, files: dict[str, bytes] | None) -> None:
+        """Write the bundle to this member's folder and make it this actor's own setting."""
+        from pdserve.security import tls
+
+        if files is None:
+            tls.configure(tls.Insecure())
+            self.tls = "insecure"
+            return
+        self._write_tls(files)
+        tls.configure(tls.MutualTls(tls.TlsFolder(self.tls_dir), self.kind))
+        self.tls = "mutual"
+
+    def _write_tls(self, files: dict[str, bytes]) -> None:
+        from pdserve.deploy.ray.certs import bundle_names
+        from pdserve.security import pki
+
+        ca, cert, key = bundle_names(self.kind)
+        if set(files) != {ca, cert, key}:  # another kind's key never lands on this node
+            raise ValueError(f"{self.member}: a {self.kind}'s TLS bundle is {ca}, {cert} and "
+                             f"{key}, got {', '.join(sorted(files))}")
+        os.makedirs(os.path.dirname(self.tls_dir), mode=0o700, exist_ok=True)
+        os.makedirs(self.tls_dir, mode=0o700, exist_ok=True)
+        os.chmod(self.tls_dir, 0o700)
+        # The key before its certificate: a reader that sees a new certificate with the old key
+        # keeps what it had until both match (`tls.TlsFolder`).
+        pki.write_atomic(os.path.join(self.tls_dir, ca), files[ca], 0o644)
+        pki.write_atomic(os.path.join(self.tls_dir, key), files[key], 0o600)
+        pki.write_atomic(os.path.join(self.tls_dir, cert), files[cert], 0o644)
+        self.cert_not_after = pki.info(files[cert]).not_after.isoformat()
+
+    def renew_tls(self, files: dict[str, bytes]) -> dict:
+        """Replace this member's certificate and key (same CA); its process and this actor
+        use them from their next connection on. Its status."""
+        if self.tls != "mutual":
+            state = self.tls or "not started"
+            raise RuntimeError(f"{self.member} runs without internal TLS ({state}): nothing "
+                               f"to renew")
+        from pdserve.security import pki
+
+        ca = pki.read(os.path.join(self.tls_dir, pki.CA_CERT))
+        if files.get(pki.CA_CERT) != ca:  # the others would refuse it: keep the working one
+            raise ValueError(f"{self.member}: the new certificate is from another CA than the "
+                             f"cluster's (served with another TLS folder?)")
+        self._write_tls(files)
         return self.status()
 
     # Kind-specific questions, asked on this node (the driver may not reach internal addresses).
@@ -175,16 +244,17 @@ class ProcessHost:
         from pdserve.proto import kvmaster_pb2 as pb
         from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
 
-        with rpc.make_channel(self.address) as ch:
+        with rpc.make_channel(self.probe, probe_peer(self.member)) as ch:
             return pb_grpc.KVMasterStub(ch).Stats(pb.MasterStatsRequest(), timeout=5).nodes_alive
 
     def router_members(self) -> list[tuple[str, str]]:
-        """(address, state name) of every worker the router knows."""
+        """(address, state name) of every worker the router knows (asked on its control
+        listener, with the router's own certificate)."""
         from pdserve import rpc
         from pdserve.proto import router_pb2 as rpb
         from pdserve.proto import router_pb2_grpc as rpb_grpc
 
-        with rpc.make_channel(self.address) as ch:
+        with rpc.make_channel(self.probe, probe_peer(self.member)) as ch:
             r = rpb_grpc.RouterControlStub(ch).ListWorkers(rpb.ListWorkersRequest(), timeout=5)
         return [(w.address, rpb.MemberState.Name(w.state)) for w in r.workers]
 
@@ -285,8 +355,9 @@ def _kill_group(proc: subprocess.Popen, timeout_s: float) -> None:
 def sweep_node(base_dir: str, cluster_id: str, ray_node_id: str, timeout_s: float = 10.0,
                shm_dir: str = "/dev/shm") -> list[int]:
     """Stop the processes this cluster's actors left on this node (recorded by pid, checked by
-    the cluster marker in their command line, so a reused pid is never touched) and its
-    storage node's segment files; the pids stopped."""
+    the cluster marker in their command line, so a reused pid is never touched), and remove
+    its members' TLS folders and its storage node's segment files; the pids stopped. Runs
+    once every actor of the cluster is gone."""
     directory = pid_dir(base_dir, cluster_id, ray_node_id)
     marker = ("\0".join(cluster_marker(cluster_id)) + "\0").encode()
     found = []
@@ -312,6 +383,8 @@ def sweep_node(base_dir: str, cluster_id: str, ray_node_id: str, timeout_s: floa
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if os.path.exists(f"/proc/{pid}"):
                 os.killpg(pid, signal.SIGKILL)
+    # The members' TLS folders (their keys): every actor of the cluster is gone by now.
+    shutil.rmtree(tls_root(base_dir, cluster_id), ignore_errors=True)
     # A storage node killed past its stop could not unlink its segment (names as the node's).
     segment = re.compile(rf"pdserve-{re.escape(store_node_id(cluster_id, ray_node_id))}"
                          rf"\.[0-9a-f]{{8}}\.dram\d+")

@@ -7,8 +7,10 @@ name left (named actors, placement groups, processes recorded by pid), the place
 per worker with its CPU/GPU bundle), one detached named actor per process (`actor.ProcessHost`;
 storage nodes pinned to each Ray node that hosts a worker), the start order and readiness
 (master; storage nodes registered; workers serving and registered with the router; the router
-serving; the controller), and the stop order (router within its grace, controller, workers,
-storage nodes, master; then the actors, the groups, a sweep of every node).
+serving; the controller), handing each actor its TLS bundle as it starts its process (from
+`certs.Issuer`: the driver's CA never leaves the driver's machine), renewing the bundles of a
+running cluster (`renew_certs`), and the stop order (router within its grace, controller,
+workers, storage nodes, master; then the actors, the groups, a sweep of every node).
 
 Must not write command lines or names (`plan.py`) nor run the processes (`actor.py`).
 """
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.deploy.ray import plan
+from pdserve.deploy.ray import certs, plan
 from pdserve.deploy.ray.actor import ProcessHost, sweep_node
 from pdserve.deploy.ray.plan import NAMESPACE, RaySpec, full_name, kind_of, member_of
 
@@ -114,6 +116,8 @@ class Deployment:
     router: str  # host:port of the router's gRPC API
     http: str | None  # host:port of its OpenAI HTTP API
     controller: str | None
+    control: str = ""  # host:port of the router's control API
+    tls_dir: str = ""  # the driver's TLS folder (the operator's certificate); "": insecure
     members: dict[str, dict] = field(default_factory=dict)  # member -> its status at start
 
 
@@ -121,19 +125,23 @@ def up(spec: RaySpec, say: Callable[[str], None] = lambda _: None,
        cancel: threading.Event = _NEVER) -> Deployment:
     """Place and start every process; the addresses once the router serves every worker.
     On any failure everything started is torn down and RayStartError says what failed
-    (StartCancelled once `cancel` is set)."""
+    (StartCancelled once `cancel` is set). Internal TLS (unless the spec is insecure): the
+    CA of the spec's `tls_dir`, else the driver's own folder of this cluster name."""
     cid = spec.cluster_id
+    issuer = None if spec.cluster.insecure_internal else certs.issuer(
+        cid, spec.cluster.tls_dir, say=say)
     swept = down(cid, spec.base_dir, grace_s=0.0)
     if any(swept.values()):
         say(f"swept an earlier run of cluster {cid}: {swept}")
     try:
-        return _up(spec, say, cancel)
+        return _up(spec, issuer, say, cancel)
     except BaseException:
         down(cid, spec.base_dir, grace_s=0.0)
         raise
 
 
-def _up(spec: RaySpec, say: Callable[[str], None], cancel: threading.Event) -> Deployment:
+def _up(spec: RaySpec, issuer: certs.Issuer | None, say: Callable[[str], None],
+        cancel: threading.Event) -> Deployment:
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
@@ -179,14 +187,15 @@ def _up(spec: RaySpec, say: Callable[[str], None], cancel: threading.Event) -> D
             plan.store_member(node_id), NodeAffinitySchedulingStrategy(node_id, soft=False),
             num_cpus=0)
     info = dict(zip(hosts, get([h.node.remote() for h in hosts.values()], timeout, "actors")))
-    ports = dict(zip(hosts, get([h.free_ports.remote(2) for h in hosts.values()], timeout,
+    ports = dict(zip(hosts, get([h.free_ports.remote(3) for h in hosts.values()], timeout,
                                  "free ports")))
 
     def addr(member: str, port: int) -> str:
         return f"{info[member]['ip']}:{port}"
 
-    def start(member: str, args: list[str], address: str):
-        return hosts[member].start.remote(args, address, run_dir)
+    def start(member: str, args: list[str], address: str, probe: str = ""):
+        files = None if issuer is None else issuer.bundle(member, kind_of(member))
+        return hosts[member].start.remote(args, address, run_dir, probe, files)
 
     def ready(members: list[str], what: str) -> None:
         get([hosts[m].wait_ready.remote(timeout) for m in members], timeout + 30, what)
@@ -204,12 +213,14 @@ def _up(spec: RaySpec, say: Callable[[str], None], cancel: threading.Event) -> D
 
     router = addr("router", s.router_port or ports["router"][0])
     http = None if s.http_port is None else addr("router", s.http_port or ports["router"][1])
-    refs = [start("router", plan.router_args(spec, router, http, master), router)]
+    control = addr("router", s.router_control_port or ports["router"][2])
+    refs = [start("router", plan.router_args(spec, router, http, control, master), router,
+                  control)]
     addresses = {m: addr(m, ports[m][0]) for m in workers}
     for member, role in spec.worker_members():
         a = addresses[member]
-        refs.append(start(member, plan.worker_args(spec, role, a, info[member]["node_id"],
-                                                   master, router, ports[member][1]), a))
+        refs.append(start(member, plan.worker_args(spec, member, role, a, info[member]["node_id"],
+                                                   master, control, ports[member][1]), a))
     get(refs, 60, "router and workers")
     say(f"loading the model on {len(workers)} workers")
     ready(workers, "workers")
@@ -219,16 +230,17 @@ def _up(spec: RaySpec, say: Callable[[str], None], cancel: threading.Event) -> D
         members = dict(get(hosts["router"].router_members.remote(), 30, "router"))
         return all(members.get(a) == "MEMBER_STATE_ACTIVE" for a in addresses.values())
 
-    _until(all_joined, timeout, f"every worker registered with the router at {router}", cancel)
+    _until(all_joined, timeout, f"every worker registered with the router at {control}", cancel)
     controller = None
     if s.controller:
         controller = addr("controller", s.controller_port or ports["controller"][0])
         get(start("controller", plan.controller_args(
-            spec, controller, router, os.path.join(run_dir, "controller-audit.jsonl"),
+            spec, controller, control, os.path.join(run_dir, "controller-audit.jsonl"),
             ports["controller"][1]), controller), 60, "controller")
         ready(["controller"], "controller")
     statuses = get([h.status.remote() for h in hosts.values()], 30, "status")
-    return Deployment(cid, router, http, controller, dict(zip(hosts, statuses)))
+    return Deployment(cid, router, http, controller, control,
+                      "" if issuer is None else issuer.folder, dict(zip(hosts, statuses)))
 
 
 def _wait_groups(groups: dict, timeout_s: float, cancel: threading.Event) -> None:
@@ -341,3 +353,23 @@ def clusters() -> list[str]:
     suffix = "-" + plan.CONTROL_PG
     return sorted(n[len("pdserve-"):-len(suffix)] for n in names
                   if n.startswith("pdserve-") and n.endswith(suffix))
+
+
+def renew_certs(cluster_id: str, issuer: certs.Issuer, timeout_s: float = 30.0
+                ) -> dict[str, str]:
+    """Hand every live member of the cluster a new bundle from `issuer`; its process uses it
+    from its next connection on (no restart). Member -> when its new certificate ends, or
+    "error: ..." naming why it was not renewed."""
+    import ray
+
+    refs = {m: h.renew_tls.remote(issuer.bundle(m, kind_of(m)))
+            for m, h in _hosts(cluster_id).items()}
+    out = {}
+    for member, ref in refs.items():
+        try:
+            out[member] = ray.get(ref, timeout=timeout_s)["cert_not_after"]
+        except ray.exceptions.GetTimeoutError:
+            out[member] = f"error: no answer within {timeout_s:g}s"
+        except ray.exceptions.RayError as e:
+            out[member] = f"error: {_ray_error(e)}"
+    return out

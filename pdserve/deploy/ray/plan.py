@@ -5,8 +5,12 @@ bundle and custom resources per role, the control processes' bundles, the storag
 the naming rule (actor and placement group `pdserve-<cluster>-<member>`, namespace `pdserve`;
 `member_of` reads a name back unambiguously), the command line of every process
 (`pdserve master|node|worker|router|controller ...`, the same flags the local launcher passes,
-bound to the Ray node's IP), which members a cluster is expected to have given its placement
-groups (so a dead actor still shows in a status), and the status table's rows.
+bound to the Ray node's IP: the router's client port and its control listener, which the
+workers register with and the controller steers; and the internal TLS of each: `--tls-dir` the
+member's own folder on its node, `member_tls_dir`, or `--insecure-internal` when the spec says
+so), where each process answers health and which kind serves there (`probe_peer`), which
+members a cluster is expected to have given its placement groups (so a dead actor still shows
+in a status), and the status table's rows.
 
 Must not import Ray, start anything or read a clock: `backend.py` does the I/O.
 """
@@ -14,6 +18,7 @@ Must not import Ray, start anything or read a clock: `backend.py` does the I/O.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +49,8 @@ class RaySpec:
     control_cpus: float = 0.5  # per control process (master, router, controller)
     control_resources: Mapping[str, float] = field(default_factory=dict)  # per control bundle
     store_dram_bytes: int = 1 << 30  # each storage node's shared-memory DRAM segment
-    base_dir: str = "/tmp/pdserve-ray"  # on every Ray node: logs, journal, pid files
+    # On every Ray node: logs, journal, pid files, each member's TLS folder.
+    base_dir: str = "/tmp/pdserve-ray"
 
     def __post_init__(self) -> None:
         if not self.cluster.cluster_id:
@@ -149,6 +155,32 @@ def store_node_id(cluster_id: str, ray_node_id: str) -> str:
     return f"{cluster_id}-{ray_node_id[:12]}"
 
 
+def tls_root(base_dir: str, cluster_id: str) -> str:
+    """Where the cluster's members keep their TLS folders on a Ray node."""
+    return os.path.join(base_dir, cluster_id, "tls")
+
+
+def member_tls_dir(base_dir: str, cluster_id: str, member: str) -> str:
+    """The member's TLS folder on its Ray node: ca.crt and its own kind's certificate and key,
+    written there by its actor; nothing of another kind's (a worker's node holds no master
+    key)."""
+    return os.path.join(tls_root(base_dir, cluster_id), member)
+
+
+def tls_args(spec: RaySpec, member: str) -> list[str]:
+    """The internal-TLS flags of the member's process."""
+    if spec.cluster.insecure_internal:
+        return ["--insecure-internal"]
+    return ["--tls-dir", member_tls_dir(spec.base_dir, spec.cluster_id, member)]
+
+
+def probe_peer(member: str) -> str | None:
+    """The kind whose certificate answers the member's health checks (the router's: on its
+    control listener); None for a storage node, which prints a ready line instead."""
+    kind = kind_of(member)
+    return None if kind == "node" else kind
+
+
 def cluster_marker(cluster_id: str) -> list[str]:
     """Python options that name the cluster in every process's command line (`-X` options are
     free-form; Python keeps them in sys._xoptions): how a sweep recognises its processes."""
@@ -159,7 +191,7 @@ def cluster_marker(cluster_id: str) -> list[str]:
 
 def master_args(spec: RaySpec, address: str, journal_dir: str) -> list[str]:
     return ["master", "--address", address, "--journal-dir", journal_dir,
-            "--cluster-id", spec.cluster_id]
+            "--cluster-id", spec.cluster_id, *tls_args(spec, "master")]
 
 
 def node_args(spec: RaySpec, ray_node_id: str, ip: str, master: str) -> list[str]:
@@ -168,11 +200,13 @@ def node_args(spec: RaySpec, ray_node_id: str, ip: str, master: str) -> list[str
     return ["node", "--node-id", store_node_id(spec.cluster_id, ray_node_id),
             "--host-id", ray_node_id, "--data-address", f"{ip}:0",
             "--dram-bytes", str(spec.store_dram_bytes), "--master", master,
-            "--cluster-id", spec.cluster_id]
+            "--cluster-id", spec.cluster_id, *tls_args(spec, store_member(ray_node_id))]
 
 
-def worker_args(spec: RaySpec, role: str, address: str, ray_node_id: str, store: str,
-                router: str, metrics_port: int) -> list[str]:
+def worker_args(spec: RaySpec, member: str, role: str, address: str, ray_node_id: str,
+                store: str, router_control: str, metrics_port: int) -> list[str]:
+    """`router_control`: the router's control listener (its heartbeat re-registers it with a
+    restarted router there)."""
     s = spec.cluster
     return ["worker", "--role", role, "--model", s.model_path, "--address", address,
             "--advertise-address", address, "--host-id", ray_node_id, "--store-address", store,
@@ -181,7 +215,8 @@ def worker_args(spec: RaySpec, role: str, address: str, ray_node_id: str, store:
             "--block-size-tokens", str(s.block_size_tokens),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--threads", str(spec.worker_threads()), "--metrics-port", str(metrics_port),
-            "--register-with", router, "--cluster-id", spec.cluster_id,
+            "--register-with", router_control, "--cluster-id", spec.cluster_id,
+            *tls_args(spec, member),
             *(["--progressive-kv", "true"] if s.progressive_kv else []),
             *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
                "--num-speculative-tokens", str(s.num_speculative_tokens),
@@ -189,9 +224,12 @@ def worker_args(spec: RaySpec, role: str, address: str, ray_node_id: str, store:
               if s.spec_method and role == "decode" else [])]
 
 
-def router_args(spec: RaySpec, address: str, http: str | None, store: str) -> list[str]:
+def router_args(spec: RaySpec, address: str, http: str | None, control: str,
+                store: str) -> list[str]:
     """Pools start empty: the workers register themselves with their current role, so a
-    restarted router learns the roles as they are now, never as they were at start."""
+    restarted router learns the roles as they are now, never as they were at start.
+    `address` and `http` serve the clients; `control` (TLS, each call authenticated) the
+    workers and the controller. Files of the client ports' TLS must exist on its node."""
     s = spec.cluster
     http_flags = [] if http is None else ["--http-host", http.rsplit(":", 1)[0],
                                           "--http-port", http.rsplit(":", 1)[1]]
@@ -199,20 +237,26 @@ def router_args(spec: RaySpec, address: str, http: str | None, store: str) -> li
                                  ("--api-keys-file", s.api_keys_file),
                                  ("--max-predicted-ttft-s", s.max_predicted_ttft_s),
                                  ("--max-local-prefill-tokens", s.max_local_prefill_tokens),
-                                 ("--shutdown-grace-s", s.shutdown_grace_s)) if v is not None]
-    return ["router", "--model", s.model_path, "--address", address, "--prefill", "",
+                                 ("--shutdown-grace-s", s.shutdown_grace_s),
+                                 ("--tls-cert", s.tls_cert or None),
+                                 ("--tls-key", s.tls_key or None),
+                                 ("--tls-client-ca", s.tls_client_ca or None)) if v is not None]
+    return ["router", "--model", s.model_path, "--address", address,
+            "--control-address", control, *tls_args(spec, "router"), "--prefill", "",
             "--decode", "", "--max-model-len-tokens", str(s.num_blocks * s.block_size_tokens),
             "--routing", s.routing, "--block-size-tokens", str(s.block_size_tokens),
             "--store-address", store, *http_flags, *[str(x) for fv in flags for x in fv],
             *s.router_args]
 
 
-def controller_args(spec: RaySpec, address: str, router: str, audit_log: str,
+def controller_args(spec: RaySpec, address: str, router_control: str, audit_log: str,
                     metrics_port: int) -> list[str]:
     s = spec.cluster
-    return ["controller", "--router", router, "--address", address, "--mode", s.controller_mode,
-            "--ttft-slo-ms", str(s.ttft_slo_ms), "--itl-slo-ms", str(s.itl_slo_ms),
-            "--audit-log", audit_log, "--metrics-port", str(metrics_port), *s.controller_args]
+    return ["controller", "--router", router_control, "--address", address,
+            "--mode", s.controller_mode, "--ttft-slo-ms", str(s.ttft_slo_ms),
+            "--itl-slo-ms", str(s.itl_slo_ms), "--audit-log", audit_log,
+            "--metrics-port", str(metrics_port), *tls_args(spec, "controller"),
+            *s.controller_args]
 
 
 # What a cluster is expected to hold, from its placement groups (they outlive a dead actor).
@@ -263,8 +307,10 @@ def status_rows(members: Sequence[str], live: Mapping[str, Mapping]) -> list[tup
     return rows
 
 
-def ready_line(router: str, http: str | None, controller: str | None, cluster_id: str) -> str:
+def ready_line(router: str, http: str | None, controller: str | None, cluster_id: str,
+               control: str | None = None) -> str:
     """The line `pdserve serve` prints once the cluster serves (the local launcher's form)."""
     notes = "".join(f" {k}={v}" for k, v in (("http", http), ("controller", controller),
-                                             ("cluster", cluster_id), ("backend", "ray")) if v)
+                                             ("control", control), ("cluster", cluster_id),
+                                             ("backend", "ray")) if v)
     return f"pdserve ready on {router}{notes}"
