@@ -52,6 +52,31 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
+# The value sets every check renders: the ci/ examples, and each security mode.
+VALUE_SETS = {
+    "default": {},
+    "gpu": ci_values("gpu"),
+    "ha": ci_values("ha"),
+    "static": ci_values("static"),
+    "cert-manager": {"tls": {"certManager": {"enabled": True}}},
+    "insecure": {"tls": {"enabled": False}},
+    "no-network-policy": {"networkPolicy": {"enabled": False}},
+    "everything": merged(ci_values("ha"), {
+        "metrics": {"serviceMonitor": {"enabled": True, "routerTlsConfig": {
+            "ca": {"secret": {"name": "public-ca", "key": "ca.crt"}}}}},
+        "router": {"apiKeysSecret": "keys", "maxPredictedTtftSeconds": 5,
+                   "publicTls": {"secretName": "public-tls", "clientCaKey": "ca.crt"}},
+        "adminKeysSecret": "admins",
+        "tls": {"certManager": {"enabled": True, "issuerRef": {
+            "name": "corp-ca", "kind": "ClusterIssuer"}}},
+        "networkPolicy": {
+            "routerClientsFrom": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+        "model": {"path": "/models/m.gguf", "volume": {"persistentVolumeClaim":
+                                                         {"claimName": "models"}}}}),
+}
+
+
 def render(values: dict | None = None) -> dict[str, str]:
     """Template path -> rendered text, as `helm template` would write it (schema checked)."""
     with helm.Chart.load(str(CHART)) as chart:
@@ -122,3 +147,82 @@ def flag(c: dict, name: str) -> str | None:
     """The value after `name` in a container's command line (None when absent)."""
     words = argv(c)
     return words[words.index(name) + 1] if name in words else None
+
+
+# ---- security: what each pod mounts, how it runs, who may reach it ------------------------------
+
+# The certificate kind each component's pods present (pdserve.core.identity's kinds).
+KIND_OF = {"router": "router", "worker": "worker", "store-node": "node",
+           "store-master": "master", "controller": "controller"}
+TLS_DIR = "/etc/pdserve/tls"  # where every pod mounts its kind's files (--tls-dir)
+
+
+def component(workload: dict) -> str:
+    return workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def volume(workload: dict, name: str) -> dict | None:
+    return next((v for v in pod_spec(workload).get("volumes", []) if v["name"] == name), None)
+
+
+def mount_of(c: dict, path: str) -> dict | None:
+    """The volume mount of container `c` that holds `path` (the longest mount path above it)."""
+    found = [m for m in c.get("volumeMounts", [])
+             if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    return max(found, key=lambda m: len(m["mountPath"])) if found else None
+
+
+def effective_security(workload: dict, c: dict) -> dict:
+    """A container's security settings as the kubelet applies them: the container's
+    securityContext over the pod's (for the fields both may set)."""
+    pod = pod_spec(workload).get("securityContext", {})
+    own = c.get("securityContext", {})
+    shared = ("runAsNonRoot", "runAsUser", "runAsGroup", "seccompProfile", "seLinuxOptions")
+    return {**{k: pod[k] for k in shared if k in pod}, **own}
+
+
+def secret_volumes(workload: dict) -> list[dict]:
+    return [v for v in pod_spec(workload).get("volumes", []) if "secret" in v]
+
+
+def policy_for(objs: list[dict], comp: str) -> dict:
+    """The NetworkPolicy that selects exactly `comp`'s pods (by the component label)."""
+    found = [p for p in of_kind(objs, "NetworkPolicy")
+             if p["spec"]["podSelector"].get("matchLabels", {})
+             .get("app.kubernetes.io/component") == comp]
+    assert len(found) == 1, f"expected one NetworkPolicy for {comp}, found {len(found)}"
+    return found[0]
+
+
+ANYONE = "anyone"
+
+
+def admitted(policy: dict, objs: list[dict]) -> dict[int, object]:
+    """Port -> who a policy admits there: ANYONE (a rule with no `from`), or the set of peers,
+    each a component of this release (by its pods' component label), "release" (every pod
+    of the release), or the peer itself as a frozen repr (a namespace or IP block)."""
+    out: dict[int, object] = {}
+    for rule in policy["spec"].get("ingress", []):
+        peers = rule.get("from")
+        for port in rule["ports"]:
+            assert port.get("protocol", "TCP") == "TCP"
+            if not peers:
+                out[port["port"]] = ANYONE
+                continue
+            have = out.setdefault(port["port"], set())
+            assert have is not ANYONE, f"port {port['port']} is already open to anyone"
+            for peer in peers:
+                labels = peer.get("podSelector", {}).get("matchLabels")
+                if set(peer) == {"podSelector"} and labels is not None:
+                    if "app.kubernetes.io/component" in labels:
+                        assert selected_templates(objs, labels), f"no pods match {labels}"
+                        have.add(labels["app.kubernetes.io/component"])
+                    else:
+                        have.add("release")
+                else:
+                    have.add(repr(sorted(peer.items())))
+    return out

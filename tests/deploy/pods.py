@@ -2,7 +2,10 @@
 
 Owns turning the chart's workloads into pods (StatefulSet ordinals, Deployment replicas), what
 the kubelet does for a container (the downward API in env and volumes, `$(VAR)` expansion,
-command + args, volumes as directories), and what cluster networking does: every pod gets a
+command + args, volumes as directories: emptyDirs made empty, a hostPath its own host path,
+a Secret's keys written as its `items` say with their modes, a missing Secret or key failing
+the pod as it would keep the pod from starting; mount paths in a command line or variable
+rewritten to those directories), and what cluster networking does: every pod gets a
 fake pod IP and its own free loopback port per declared container port, and every address in a
 command line or variable is rewritten to a loopback address: `0.0.0.0:P` and a pod IP to that
 pod's own port; `<service>.<ns>.svc.<domain>:P` and `<pod>.<service>.<ns>.svc.<domain>:P` to a
@@ -10,9 +13,11 @@ proxy that, like kube-proxy and cluster DNS, forwards a connection only to a pod
 say ready (or any selected pod when the Service publishes not-ready addresses) and refuses it
 otherwise. An address that names this cluster but resolves to nothing (no such Service, a port
 no Service or container declares, a pod DNS name its Service does not give) fails the test:
-that is a wiring mistake in the chart. Also probes (gRPC health, TCP) as the kubelet would run them, and a
-minimal Kubernetes API (list pods, patch labels) for the controller pod's label sync. Must not
-know pdserve's flags beyond `--port` and `--*-port` taking a bare port.
+that is a wiring mistake in the chart. Also probes (gRPC health in plaintext, TCP) as the
+kubelet would run them, and a minimal Kubernetes API (list pods, patch labels) for the
+controller pod's label sync. A pod's environment is the test process's (the image's
+stand-in) less its internal TLS settings, which only the chart gives. Must not know pdserve's
+flags beyond `--port` and `--*-port` taking a bare port.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from tests.deploy.chart import container_port, matches, of_kind
 from tests.helpers import REPO_ROOT, free_port
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+# Variables of the test process a pod must not inherit: its TLS is what the chart mounts.
+_HOST_ONLY_ENV = ("PDSERVE_TLS_DIR", "PDSERVE_INSECURE_INTERNAL")
 _ADDRESS = re.compile(r"(?<![\w.-])([A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?):(\d{1,5})(?!\d)")
 
 
@@ -49,6 +56,7 @@ class Pod:
     dirs: dict[str, str] = field(default_factory=dict)  # volume name -> local directory
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # container -> process
     logs: dict[str, str] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)  # container -> command line run
 
     @property
     def labels(self) -> dict[str, str]:
@@ -70,9 +78,13 @@ def _quantity(text: str) -> float:
 
 
 class FakeCluster:
+    """`secrets`: the namespace's Secrets the pods may mount, name -> key -> bytes."""
+
     def __init__(self, objs: list[dict], namespace: str, workdir: Path,
-                 domain: str = "cluster.local") -> None:
+                 domain: str = "cluster.local",
+                 secrets: dict[str, dict[str, bytes]] | None = None) -> None:
         self.objs, self.namespace, self.domain, self.workdir = objs, namespace, domain, workdir
+        self.secrets = secrets or {}
         self.services = {s["metadata"]["name"]: s for s in of_kind(objs, "Service")}
         self.proxies: dict[tuple[str, int], _Proxy] = {}
         self.pods: dict[str, Pod] = {}
@@ -177,6 +189,11 @@ class FakeCluster:
 
     def _volumes(self, pod: Pod) -> None:
         for v in pod.spec.get("volumes", []):
+            if "hostPath" in v:  # the node's own path: the test's host is the node
+                path = v["hostPath"]["path"]
+                assert os.path.exists(path), f"{pod.name}: hostPath {path} does not exist"
+                pod.dirs[v["name"]] = path
+                continue
             base = Path("/dev/shm") if v.get("emptyDir", {}).get("medium") == "Memory" and \
                 os.access("/dev/shm", os.W_OK) else self.workdir
             d = base / f"pdserve-test-{os.getpid()}-{pod.name}-{v['name']}"
@@ -185,7 +202,31 @@ class FakeCluster:
                 assert item["fieldRef"]["fieldPath"] == "metadata.labels"
                 (d / item["path"]).write_text("".join(
                     f'{k}="{val}"\n' for k, val in sorted(pod.labels.items())))
+            if "secret" in v:
+                self._secret_volume(pod, v["name"], v["secret"], d)
             pod.dirs[v["name"]] = str(d)
+
+    def _secret_volume(self, pod: Pod, volume: str, spec: dict, d: Path) -> None:
+        """A Secret's keys as files: each of `items` (key -> path, its own mode or the
+        volume's defaultMode), else every key. A missing Secret or key keeps the pod from
+        starting (unless the volume is optional), as the kubelet would."""
+        what = f"{pod.name}: volume {volume}"
+        data = self.secrets.get(spec["secretName"])
+        if data is None:
+            assert spec.get("optional"), f"{what}: no Secret {spec['secretName']}"
+            return
+        items = spec.get("items") or [{"key": k, "path": k} for k in sorted(data)]
+        for item in items:
+            if item["key"] not in data:
+                assert spec.get("optional"), \
+                    f"{what}: Secret {spec['secretName']} has no key {item['key']}"
+                continue
+            path = d / item["path"]
+            assert d.resolve() in path.resolve().parents, \
+                f"{what}: item path {item['path']} leaves the volume"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data[item["key"]])
+            path.chmod(item.get("mode", spec.get("defaultMode", 0o644)))
 
     def command(self, pod: Pod, name: str) -> tuple[list[str], dict[str, str]]:
         """What a container runs (argv, its own variables), addresses and mounts made local."""
@@ -194,11 +235,21 @@ class FakeCluster:
             self._volumes(pod)
         env = self._env(pod, c)
         words = [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), w) for w in container_argv(c)]
-        mounts = sorted(c.get("volumeMounts", []), key=lambda m: -len(m["mountPath"]))
+        where = {m["mountPath"].rstrip("/") or "/": pod.dirs[m["name"]]
+                 for m in c.get("volumeMounts", [])}
+        # One pass, so a directory put in is never rewritten again (the test's directories
+        # are under /tmp, a mount path too); a mount path only where a path starts and ends
+        # (`/tmp` in `/tmp/x` or `TMPDIR=/tmp`, not in `/var/tmp` or `/tmpfs`); text already
+        # under the test's own directory left as it is. Longest first: a mount inside
+        # another wins.
+        keep = str(self.workdir).rstrip("/")
+        paths = sorted(where, key=len, reverse=True)
+        alternatives = "|".join(map(re.escape, paths)) or r"(?!)"  # (?!): no mount
+        pattern = re.compile(r"(?<![\w./-])(?:(" + re.escape(keep) + r")|(" + alternatives +
+                             r"))(?![\w.-])")
 
         def local(text: str) -> str:
-            for m in mounts:
-                text = re.sub(re.escape(m["mountPath"]) + r"(?=/|$)", pod.dirs[m["name"]], text)
+            text = pattern.sub(lambda m: m.group(0) if m.group(1) else where[m.group(2)], text)
             return self.rewrite(text, pod)
 
         out = []
@@ -210,14 +261,31 @@ class FakeCluster:
 
     def start(self, pod: Pod, name: str, extra: list[str] = ()) -> subprocess.Popen:
         words, env = self.command(pod, name)
-        full_env = {**os.environ, "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
+        host = {k: v for k, v in os.environ.items() if k not in _HOST_ONLY_ENV}
+        # The compiled CPU kernels shared with the test process, as an image would hold them
+        # (each pod's HOME is its own directory, which would compile them once per pod); the
+        # chart's own PDSERVE_CACHE would win.
+        host.setdefault("PDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
+                                                      "pdserve"))
+        full_env = {**host, "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
                     "PYTHONPATH": str(REPO_ROOT), **env}
         log = self.workdir / f"{pod.name}.{name}.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(words + list(extra), cwd=REPO_ROOT, env=full_env, stdout=f,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         pod.procs[name], pod.logs[name] = proc, str(log)
+        pod.argv[name] = words + list(extra)
         return proc
+
+    def running_argv(self, pod: Pod, name: str) -> list[str]:
+        """The command line container `name` of `pod` runs now (after its start script's
+        `exec`), as the process table has it; what was started where there is no /proc."""
+        proc = pod.procs[name]
+        try:
+            raw = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        except OSError:
+            return pod.argv[name]
+        return [w.decode(errors="replace") for w in raw.split(b"\0")[:-1]]
 
     def probe(self, pod: Pod, name: str, kind: str) -> bool:
         """One run of the container's probe `kind`, as the kubelet would (on the pod's ports)."""
@@ -225,7 +293,9 @@ class FakeCluster:
         if "grpc" in p:
             address = f"127.0.0.1:{self._pod_port(pod, p['grpc']['port'], kind)}"
             try:
-                rpc.wait_healthy(address, timeout_s=1.0, service=p["grpc"].get("service", ""))
+                # The kubelet's gRPC probe speaks plaintext: PUBLIC is a plaintext channel.
+                rpc.wait_healthy(address, timeout_s=1.0, service=p["grpc"].get("service", ""),
+                                 peer=rpc.PUBLIC)
                 return True
             except TimeoutError:
                 return False

@@ -71,8 +71,10 @@ leader among them). */}}
 {{- join "," $out }}
 {{- end }}
 
+{{/* The router's control API (its own listener, TLS): where workers register and the
+controller and its label sync call. */}}
 {{- define "pdserve.routerControlAddress" -}}
-{{- include "pdserve.serviceAddress" (dict "ctx" . "svc" "router-control" "port" .Values.router.grpcPort) }}
+{{- include "pdserve.serviceAddress" (dict "ctx" . "svc" "router-control" "port" .Values.router.controlPort) }}
 {{- end }}
 
 {{- define "pdserve.redisUrl" -}}
@@ -194,4 +196,140 @@ affinity:
 
 {{- define "pdserve.controllerEnabled" -}}
 {{- if and .Values.controller.enabled (not .Values.staticMode) }}true{{ end }}
+{{- end }}
+
+{{/*
+Internal TLS. Each pod mounts ONLY its own kind's certificate and key, plus the CA's
+certificate, read-only at one fixed path (tls.mountPath below), and gets --tls-dir that path;
+the CA's key is never in a pod. Kinds: router, worker, node, master, controller.
+*/}}
+{{- define "pdserve.tlsMountPath" -}}/etc/pdserve/tls{{- end }}
+
+{{/* The Secret an operator makes (tls.certManager off): tls.secretName, else <fullname>-tls. */}}
+{{- define "pdserve.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "pdserve.fullname" .)) .Values.tls.secretName }}
+{{- end }}
+
+{{/* The Secret cert-manager writes a kind's certificate into: (dict "ctx" $ "kind" "router"). */}}
+{{- define "pdserve.certSecretName" -}}
+{{- printf "%s-%s-tls" (include "pdserve.fullname" .ctx) .kind }}
+{{- end }}
+
+{{/* --tls-dir, or --insecure-internal when tls.enabled is false (plaintext). */}}
+{{- define "pdserve.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-dir
+- {{ include "pdserve.tlsMountPath" . }}
+{{- else }}
+- --insecure-internal
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "pdserve.tlsMountPath" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The kind's files only, by a Secret `items` projection: (dict "ctx" $ "kind" "router").
+Mode 0440 (288): readable by the pod's fsGroup, the process's group. */}}
+{{- define "pdserve.tlsVolume" -}}
+{{- $ctx := .ctx }}
+{{- if $ctx.Values.tls.enabled }}
+- name: tls
+  secret:
+    {{- if $ctx.Values.tls.certManager.enabled }}
+    # cert-manager's Secret of this kind: tls.crt/tls.key/ca.crt as the TLS folder's names.
+    secretName: {{ include "pdserve.certSecretName" . }}
+    defaultMode: 288
+    items:
+      - key: ca.crt
+        path: ca.crt
+      - key: tls.crt
+        path: {{ .kind }}.crt
+      - key: tls.key
+        path: {{ .kind }}.key
+    {{- else }}
+    secretName: {{ include "pdserve.tlsSecretName" $ctx }}
+    defaultMode: 288
+    items:
+      - key: ca.crt
+        path: ca.crt
+      - key: {{ .kind }}.crt
+        path: {{ .kind }}.crt
+      - key: {{ .kind }}.key
+        path: {{ .kind }}.key
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A read-only root filesystem: every pdserve container writes only to emptyDirs, /tmp (TMPDIR:
+Python's and torch's temporary files) and HOME (~/.cache/pdserve, the compiled CPU kernels
+unless PDSERVE_CACHE says otherwise; Triton's ~/.triton; matplotlib's ~/.config).
+*/}}
+{{- define "pdserve.writableEnv" -}}
+- name: HOME
+  value: /home/pdserve
+- name: TMPDIR
+  value: /tmp
+{{- end }}
+
+{{- define "pdserve.writableMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/pdserve
+{{- end }}
+
+{{- define "pdserve.writableVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+{{- end }}
+
+{{/* The admin keys (adminKeysSecret, key `admin-keys`): the router's and the controller's. */}}
+{{- define "pdserve.adminKeysArgs" -}}
+{{- if .Values.adminKeysSecret }}
+- --admin-keys-file
+- /etc/pdserve/admin-keys/admin-keys
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.adminKeysMount" -}}
+{{- if .Values.adminKeysSecret }}
+- name: admin-keys
+  mountPath: /etc/pdserve/admin-keys
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.adminKeysVolume" -}}
+{{- if .Values.adminKeysSecret }}
+- name: admin-keys
+  secret:
+    secretName: {{ .Values.adminKeysSecret }}
+    defaultMode: 288
+    items:
+      - key: admin-keys
+        path: admin-keys
+{{- end }}
+{{- end }}
+
+{{/* A container's securityContext (securityContext), when not empty. */}}
+{{- define "pdserve.containerSecurity" -}}
+{{- with .Values.securityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The selector of one component's pods of this release, as a NetworkPolicy peer. */}}
+{{- define "pdserve.peer" -}}
+- podSelector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" . | nindent 6 }}
 {{- end }}
