@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.channel import RotatingChannel
 from pdserve.lifecycle import StopSignals
 from pdserve.security import tls as security
 from pdserve.security.guard import CONTROL, INTERNAL, Guard
@@ -310,98 +311,7 @@ def make_channel(address: str, peer: str, options: Iterable[tuple[str, Any]] = (
     sec = security_ or security.current()
     if sec.insecure:
         return grpc.insecure_channel(address, options=opts)
-    return _RotatingChannel(address, peer, sec, opts)
-
-
-class _RotatingChannel(grpc.Channel):
-    """A secure channel that moves to new credentials when the certificates change: the next
-    call after a change goes through a channel built with them (calls in flight finish on the
-    old one, which is dropped, not closed). Stubs keep working across the change: each
-    multi-callable looks the current channel up when called."""
-
-    def __init__(self, address: str, peer: str, sec, options: list) -> None:
-        self._address, self._peer, self._sec, self._options = address, peer, sec, options
-        self._lock = threading.Lock()
-        self._generation = -1
-        self._inner: grpc.Channel | None = None
-        self._closed = False
-        self.current()
-
-    def current(self) -> grpc.Channel:
-        generation = self._sec.generation()
-        inner = self._inner
-        if inner is not None and generation == self._generation:
-            return inner
-        with self._lock:
-            if self._closed:
-                raise ValueError("Cannot invoke RPC on closed channel!")
-            if self._inner is None or generation != self._generation:
-                creds, opts, generation = self._sec.channel_credentials(self._peer)
-                self._inner = grpc.secure_channel(self._address, creds,
-                                                  options=[*self._options, *opts])
-                self._generation = generation
-            return self._inner
-
-    def _callable(self, kind: str, method: str, *args, **kwargs) -> "_RotatingCallable":
-        return _RotatingCallable(self, kind, method, args, kwargs)
-
-    def unary_unary(self, method, *args, **kwargs):
-        return self._callable("unary_unary", method, *args, **kwargs)
-
-    def unary_stream(self, method, *args, **kwargs):
-        return self._callable("unary_stream", method, *args, **kwargs)
-
-    def stream_unary(self, method, *args, **kwargs):
-        return self._callable("stream_unary", method, *args, **kwargs)
-
-    def stream_stream(self, method, *args, **kwargs):
-        return self._callable("stream_stream", method, *args, **kwargs)
-
-    def subscribe(self, callback, try_to_connect=False):
-        self.current().subscribe(callback, try_to_connect=try_to_connect)
-
-    def unsubscribe(self, callback):
-        if self._inner is not None:
-            self._inner.unsubscribe(callback)
-
-    def close(self):
-        with self._lock:
-            self._closed = True
-            inner, self._inner = self._inner, None
-        if inner is not None:
-            inner.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-
-class _RotatingCallable:
-    """A multi-callable bound to whichever channel is current when it is called."""
-
-    __slots__ = ("_channel", "_kind", "_method", "_args", "_kwargs", "_generation", "_inner")
-
-    def __init__(self, channel: _RotatingChannel, kind: str, method: str, args, kwargs):
-        self._channel, self._kind, self._method = channel, kind, method
-        self._args, self._kwargs = args, kwargs
-        self._generation = None
-        self._inner = None
-
-    def _current(self):
-        inner = self._channel.current()
-        if self._inner is None or self._generation is not inner:
-            self._inner = getattr(inner, self._kind)(self._method, *self._args, **self._kwargs)
-            self._generation = inner
-        return self._inner
-
-    def __call__(self, *args, **kwargs):
-        return self._current()(*args, **kwargs)
-
-    def __getattr__(self, name):  # with_call, future
-        return getattr(self._current(), name)
+    return RotatingChannel(address, peer, sec, opts)
 
 
 def bind(server: grpc.Server, address: str, kind: str, plane: str = INTERNAL) -> int:

@@ -7,10 +7,9 @@ declared up only when its gRPC health check says SERVING. Internal ports (store 
 workers, metrics, controller) are free ports picked at start unless given; the router's client
 ports are checked free before anything starts. Every cluster gets an id (`--cluster-id`, in the
 storage node's id and so in its shared-memory segment names), so clusters can share a host.
-Every child gets the cluster's internal TLS (`--tls-dir`, or `--insecure-internal` when the
-spec says so): a CA and certificates made at start in the log folder unless a folder is given
-or this process already has one; the launcher itself calls the children as the cluster's
-operator, and renews the certificates it made while the cluster runs.
+Every child gets the cluster's internal TLS (`cluster_tls.py`: `--tls-dir`, or
+`--insecure-internal` when the spec says so); the launcher calls the children as the
+cluster's operator.
 With `ClusterSpec.supervise` (on in `pdserve serve`), a child that dies is restarted with the
 same arguments (`supervise.py`; the router with the workers' current roles) and the launcher
 serves its own Prometheus endpoint. `stop()` ends supervision, then stops the router (within
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import logging
 import os
 import re
 import signal
@@ -34,15 +32,13 @@ from dataclasses import dataclass, field
 
 from pdserve import rpc
 from pdserve.controller.cluster_spec import ClusterSpec, check_free, free_ports
-from pdserve.core.identity import CONTROLLER, MASTER, OPERATOR, ROUTER, WORKER
+from pdserve.controller.cluster_tls import Renewal, internal_tls, public_tls_args
+from pdserve.core.identity import CONTROLLER, MASTER, ROUTER, WORKER
 from pdserve.security import cli as security_cli
-from pdserve.security import pki, tls
 from pdserve.controller.supervise import Supervision, SupervisionCollector, tail
 from pdserve.lifecycle import child_env
 
 __all__ = ["ClusterSpec", "LocalCluster"]
-
-log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"  # where the storage node keeps its segment files (its default)
 # The kind serving each child's probe address (the router's: its control listener).
@@ -80,8 +76,7 @@ class LocalCluster:
     cancel: threading.Event = field(default_factory=threading.Event)
     # This cluster's internal TLS as its operator (or Insecure), fixed by start().
     security: object = None
-    owns_ca: bool = False  # the CA was made here: renew its certificates while running
-    _stopped: threading.Event = field(default_factory=threading.Event)
+    renewal: Renewal | None = None  # the CA was made here: its certificates renewed
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _metrics_server: object = None
 
@@ -214,7 +209,9 @@ class LocalCluster:
         self.spec = s = self.spec.resolved()
         self.log_dir = s.log_dir or tempfile.mkdtemp(prefix="pdserve-")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.security = self._internal_tls()
+        self.security, owns_ca = internal_tls(s, self.log_dir)
+        if owns_ca:
+            self.renewal = Renewal(self.security.folder.path)
         try:
             # The store: a master (metadata, journaled under the log dir, one journal per
             # cluster id so a later `serve` with the same --log-dir starts afresh) and one
@@ -267,9 +264,8 @@ class LocalCluster:
                 self._serve_metrics()
             if s.supervise:
                 self.supervision = Supervision(self, s.restart_policy).start()
-            if self.owns_ca:
-                threading.Thread(target=self._renew_loop, name="renew-certificates",
-                                 daemon=True).start()
+            if self.renewal is not None:
+                self.renewal.start()
         except BaseException:
             self.stop()
             raise
@@ -287,7 +283,7 @@ class LocalCluster:
         # One request never holds more KV than a worker's pool: the router refuses longer
         # ones up front, and chat's default max_tokens (the rest of the context) fits.
         return ["pdserve.router", "--model", s.model_path, "--address", self.router_address,
-                "--control-address", self.router_control_address, *self._public_tls_args(),
+                "--control-address", self.router_control_address, *public_tls_args(s),
                 "--prefill", ",".join(a for a, r in roles.items() if r == "prefill"),
                 "--decode", ",".join(a for a, r in roles.items() if r == "decode"),
                 "--max-model-len-tokens", str(s.num_blocks * s.block_size_tokens),
@@ -376,49 +372,6 @@ class LocalCluster:
                                    f"({child.log_path}) ends:\n{tail(child.log_path)}")
             time.sleep(0.05)
 
-    def _internal_tls(self):
-        """The cluster's internal TLS, as its operator: the spec's folder, else this process's
-        own setting (PDSERVE_TLS_DIR), else a new CA and certificates in the log folder (made
-        here, so renewed here). This process calls the children with it."""
-        s = self.spec
-        if s.insecure_internal:
-            return tls.configure(tls.Insecure())
-        if s.tls_dir:
-            return tls.configure(tls.MutualTls(tls.TlsFolder(s.tls_dir), OPERATOR))
-        try:
-            mine = tls.current()
-        except tls.NotConfigured:
-            mine = None
-        if isinstance(mine, tls.MutualTls) and mine.kind == OPERATOR:
-            return mine
-        folder = os.path.join(self.log_dir, "tls")
-        pki.init_folder(folder, s.cluster_id)
-        self.owns_ca = True
-        return tls.configure(tls.MutualTls(tls.TlsFolder(folder), OPERATOR))
-
-    def _renew_loop(self, every_s: float = 60.0) -> None:
-        while not self._stopped.wait(every_s):
-            try:
-                renewed = self.renew_certificates()
-            except (OSError, ValueError) as e:  # try again at the next look
-                log.warning("renewing the cluster's certificates failed: %s", e)
-                continue
-            if renewed:
-                log.info("renewed the certificates of %s", ", ".join(renewed))
-
-    def renew_certificates(self) -> list[str]:
-        """Re-issue the certificates this launcher made once 2/3 of their life has passed
-        (supervision calls this; the children re-read them); the kinds renewed."""
-        if not self.owns_ca:
-            return []
-        return pki.renew_folder(self.security.folder.path)
-
-    def _public_tls_args(self) -> list[str]:
-        s = self.spec
-        pairs = (("--tls-cert", s.tls_cert), ("--tls-key", s.tls_key),
-                 ("--tls-client-ca", s.tls_client_ca))
-        return [x for flag, path in pairs if path for x in (flag, os.path.abspath(path))]
-
     def _offload_args(self) -> list[str]:
         """Workers taking turns on this host's CPU cores have no slack to lend each other: a
         prefill on a decode worker only takes turns from the prefill worker (in a c32 burst
@@ -441,7 +394,8 @@ class LocalCluster:
         """Supervision first (an intended stop is never a restart), then the router, given the
         shutdown grace to finish its requests, then the controller, the workers, the storage
         node (it unlinks its segment) and the master, each kind within `timeout_s`."""
-        self._stopped.set()
+        if self.renewal is not None:
+            self.renewal.stop()
         if self.supervision is not None:
             self.supervision.pause()
         with self._lock:
