@@ -175,3 +175,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SCENARIO_PATHS):
             item.add_marker(pytest.mark.scenario)
+
+
+# ---- internal TLS (pdserve.security) -----------------------------------------------------------
+# Every process the suite starts runs with the cluster's mutual TLS, as a deployment does: one
+# CA and a certificate per component kind, made once per session; the processes find the folder
+# in PDSERVE_TLS_DIR, and this process calls them as the cluster's operator. Tests of the TLS
+# itself make folders of their own (`pki.init_folder`).
+def pytest_configure(config):
+    from pdserve.security import pki, tls
+
+    if os.environ.get(tls.TLS_DIR_ENV) or os.environ.get(tls.INSECURE_ENV):
+        return  # the caller chose (e.g. a run without TLS)
+    folder = os.path.join(tempfile.mkdtemp(prefix="pdserve-tests-tls-"), "tls")
+    pki.init_folder(folder, "tests")
+    os.environ[tls.TLS_DIR_ENV] = folder
+
+
+@pytest.fixture(scope="session")
+def cluster_tls_dir() -> str:
+    """The suite's TLS folder (every process started by a test gets it)."""
+    from pdserve.security import tls
+
+    return os.environ.get(tls.TLS_DIR_ENV, "")
+
+
+@pytest.fixture(autouse=True)
+def _this_process_tls_kept():
+    """A test that runs a process's `main` in this process (for its exit code or its errors)
+    sets this process's internal TLS to that kind (`security.cli.configure`): put back what
+    was there, so later tests still call the cluster as the operator."""
+    from pdserve.security import tls
+
+    saved = tls.configured()
+    yield
+    tls.restore(saved)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 from unittest import mock
 
-from pdserve.rpc import wait_healthy
+from pdserve.rpc import ANY, PUBLIC, wait_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,9 +43,14 @@ def process_output(p: subprocess.Popen) -> tuple[str, str]:
 
 
 def start_process(
-    args: Sequence[str], ready_address: str, timeout_s: float = 30.0
+    args: Sequence[str], ready_address: str, timeout_s: float = 30.0, peer: str | None = None,
+    security=None,
 ) -> subprocess.Popen:
     """Starts `args` in the repo root and waits until `ready_address` reports SERVING.
+
+    `peer`: what serves `ready_address` (`rpc.wait_healthy`); default: a router's client port
+    (plaintext) for `pdserve.router`, else any cluster server (mutual TLS, as `security`,
+    default this process's setting).
 
     On failure (the child exits, or is not healthy within `timeout_s`) the child is killed and
     RuntimeError is raised with its exit code and stderr.
@@ -56,6 +61,8 @@ def start_process(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     p = subprocess.Popen(list(args), cwd=REPO_ROOT, env=env, stdout=stdout, stderr=stderr)
     p.pdserve_stdout, p.pdserve_stderr = stdout, stderr
+    if peer is None:
+        peer = PUBLIC if "pdserve.router" in args else ANY
     deadline = time.monotonic() + timeout_s
     problem = f"not healthy within {timeout_s}s"
     while time.monotonic() < deadline:
@@ -64,7 +71,8 @@ def start_process(
             break
         try:
             # Short slices so a child that dies is noticed at once, not at the deadline.
-            wait_healthy(ready_address, timeout_s=min(0.5, max(0.01, deadline - time.monotonic())))
+            wait_healthy(ready_address, timeout_s=min(0.5, max(0.01, deadline - time.monotonic())),
+                         peer=peer, security_=security)
             return p
         except TimeoutError:
             continue

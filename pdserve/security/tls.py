@@ -342,8 +342,20 @@ def current() -> Security:
 
 
 def is_configured() -> bool:
+    return configured() is not None
+
+
+def configured() -> Security | None:
+    """The setting made so far (None: none yet; `current()` would read the environment)."""
     with _current_lock:
-        return _current is not None
+        return _current
+
+
+def restore(setting: Security | None) -> None:
+    """Put back a setting `configured()` returned (tests that run a process's `main` here)."""
+    global _current
+    with _current_lock:
+        _current = setting
 
 
 def reset() -> None:

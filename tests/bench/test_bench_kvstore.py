@@ -3,8 +3,10 @@
 Speed is never asserted (the machines are shared); only that every figure is present and
 positive, that each ratio is the quotient of the figures it is built from, and that no hit rate
 beats the ideal cache. The bench runs once per module (1 and 4 MiB, 100 batch objects, the first
-200 trace requests); Redis checks skip only when redis-server is missing, and Mooncake is checked
-either way: measured, or marked unavailable with its reason and no figures.
+200 trace requests, internal TLS both: two stores, TCP rows with TLS and without, the shaped
+link where this process is root); Redis checks skip only when redis-server is missing, and
+Mooncake, UCX and the shaped link are checked either way: measured, or marked unavailable with
+their reason and no figures.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -65,7 +68,7 @@ def test_files_and_settings(run) -> None:
     doc, out_dir = run
     with open(out_dir / "kvstore.json", encoding="utf-8") as f:
         assert json.load(f) == doc
-    for name in ("kvstore_bandwidth.png", "kvstore_trace.png"):
+    for name in ("kvstore_bandwidth.png", "kvstore_trace.png", "kvstore_tls.png"):
         png = out_dir / name
         assert png.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert doc["bench"] == "kvstore"
@@ -101,9 +104,87 @@ def test_ucx_measured_or_says_why_not(run) -> None:
         _check_bandwidth_rows(doc["bandwidth"]["series"]["pdserve_ucx"], raw=False)
         assert "ucx_get_vs_mooncake" in doc["aims"]
         assert doc["batch_get"]["systems"]["pdserve_ucx"]["objects_per_s"] > 0
+        # UCX has no TLS: only the plaintext store's node serves it.
+        off = doc["internal_tls"]["processes"]["off"]
+        on = doc["internal_tls"]["processes"]["on"]
+        assert "--ucx-port" in off[1]["cmdline"] and "--ucx-port" not in on[1]["cmdline"]
     else:
         assert "ucxx" in doc["ucx"]["reason"]
         assert "pdserve_ucx" not in doc["bandwidth"]["series"]
+
+
+def _check_tls_ratios(ratios: list[dict], raw_rows: list[dict], sizes: list[int]) -> None:
+    assert {(r["system"], r["op"], r["size_bytes"]) for r in ratios} == {
+        (s, op, z) for s in ("pdserve_tcp", "raw_tcp") for op in ("get", "put") for z in sizes}
+    by_size = {row["size_bytes"]: row for row in raw_rows}
+    for r in ratios:
+        row, op = by_size[r["size_bytes"]], r["op"] + "_s"
+        on, off = row[r["system"] + "_tls"][op], row[r["system"]][op]
+        assert len(on) == len(off) == r["rounds"] == bench.QUICK.repeats
+        assert r["tls_gbps"] == pytest.approx(r["size_bytes"] / min(on) / 1e9)
+        assert r["plaintext_gbps"] == pytest.approx(r["size_bytes"] / min(off) / 1e9)
+        assert r["ratio"] == pytest.approx(r["tls_gbps"] / r["plaintext_gbps"])
+        assert sorted(r["round_ratios"]) == pytest.approx(sorted(b / a for a, b in zip(on, off)))
+        assert r["round_ratio_min"] <= r["round_ratio_median"] <= r["round_ratio_max"]
+
+
+def test_internal_tls_both_measures_tcp_with_and_without(run) -> None:
+    doc, _ = run
+    tls, series = doc["internal_tls"], doc["bandwidth"]["series"]
+    assert (tls["mode"], tls["measured"], tls["main"]) == ("both", ["on", "off"], "on")
+    assert tls["rounds"] == bench.QUICK.repeats
+    for name in ("pdserve_tcp_tls", "pdserve_tcp"):
+        _check_bandwidth_rows(series[name], raw=False)
+    for name in ("raw_tcp_tls", "raw_tcp"):
+        _check_bandwidth_rows(series[name], raw=True)
+    raw_rows = [{"size_bytes": a["size_bytes"], **{n: series[n][i] for n in (
+        "pdserve_tcp", "pdserve_tcp_tls", "raw_tcp", "raw_tcp_tls")}}
+        for i, a in enumerate(series["memcpy"])]
+    _check_tls_ratios(tls["ratios"], raw_rows, SIZES)
+    assert tls["negotiated"]["version"] in ("TLSv1.2", "TLSv1.3")
+    ceiling = tls["crypto_ceiling"]
+    assert _positive(ceiling["gbps"]) or ceiling["reason"]
+    assert {"pdserve_tcp", "pdserve_tcp_tls"} <= set(doc["batch_get"]["systems"])
+    for op in ("get", "put"):
+        aim = doc["aims"][f"tls_tcp_{op}_vs_plaintext"]
+        mine = [r for r in tls["ratios"] if r["system"] == "pdserve_tcp" and r["op"] == op]
+        assert aim["aim"] == 0.9
+        assert aim["min"] == pytest.approx(min(r["ratio"] for r in mine))
+        assert aim["met"] is (aim["min"] >= 0.9)
+
+
+def test_the_tls_store_really_ran_with_tls(run) -> None:
+    """The command lines the system reports for each store's processes: the TLS store's master
+    and node with --tls-dir (the folder made for the run, or this process's), the other's with
+    --insecure-internal."""
+    doc, _ = run
+    procs = doc["internal_tls"]["processes"]
+    assert [p["name"] for p in procs["on"]] == ["store (TLS) master", "store (TLS) node"]
+    for p in procs["on"]:
+        argv = p["cmdline"]
+        assert "--tls-dir" in argv and "--insecure-internal" not in argv, argv
+        assert os.path.isabs(argv[argv.index("--tls-dir") + 1])
+    for p in procs["off"]:
+        assert "--insecure-internal" in p["cmdline"] and "--tls-dir" not in p["cmdline"]
+
+
+def test_shaped_link_measured_or_says_why_not(run) -> None:
+    doc, _ = run
+    link = doc["internal_tls"]["link"]
+    if not link["available"]:
+        assert link["reason"] and "ratios" not in link
+        assert doc["aims"]["tls_tcp_get_vs_plaintext_link"]["met"] is None
+        return
+    assert link["rate"] == "10gbit" and link["nominal_gbps"] == pytest.approx(1.25)
+    sizes = [z << 20 for z in bench.QUICK.link_sizes_mib]
+    assert link["sizes_bytes"] == sizes
+    _check_tls_ratios(link["ratios"], link["times"], sizes)
+    for r in link["ratios"]:
+        assert r["plaintext_vs_nominal"] == pytest.approx(r["plaintext_gbps"] / 1.25)
+    for p in link["processes"]["on"]:
+        assert "--tls-dir" in p["cmdline"]
+    node = link["processes"]["off"][1]["cmdline"]
+    assert "--insecure-internal" in node and "--data-address" in node
 
 
 def test_batch_get(run) -> None:
@@ -198,6 +279,10 @@ def test_bad_settings_name_the_field(capsys) -> None:
     assert "/nonexistent/trace.jsonl" in capsys.readouterr().err
     assert bench.main(["--trace-scale", "2", "--no-progress"]) == 2
     assert "trace_scale" in capsys.readouterr().err
+    assert bench.main(["--internal-tls", "yes", "--no-progress"]) == 2
+    assert "--internal-tls must be one of on, off, both, got 'yes'" in capsys.readouterr().err
+    assert bench.main(["--link-rate", "10gb", "--no-progress"]) == 2
+    assert "--link-rate" in capsys.readouterr().err
     args = bench.add_arguments(__import__("argparse").ArgumentParser()).parse_args(
         ["--quick", "--trace-scale", "1/32", "--sizes", "2"])
     s = bench.settings_from_args(args)
@@ -206,18 +291,29 @@ def test_bad_settings_name_the_field(capsys) -> None:
 
 
 def test_without_baselines_the_table_says_why(tmp_path, capsys) -> None:
+    """Also internal TLS on alone: TCP only with TLS, no UCX (it has none), no ratio."""
     rc = bench.main(["--quick", "--no-redis", "--no-mooncake", "--sizes", "1",
                      "--batch-objects", "20", "--trace", TRACE_FILE, "--trace-requests", "50",
-                     "--capacity-blocks", "64",
+                     "--capacity-blocks", "64", "--internal-tls", "on", "--link-rate", "off",
                      "--no-progress", "--out", str(tmp_path)])
     assert rc == 0
-    out = capsys.readouterr().out
-    assert "mooncake: not measured: disabled with --no-mooncake" in " ".join(out.split())
-    assert "redis: not measured: disabled with --no-redis" in " ".join(out.split())
-    assert "aim tcp_get_vs_mooncake >= 1.0: not measured" in " ".join(out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "mooncake: not measured: disabled with --no-mooncake" in out
+    assert "redis: not measured: disabled with --no-redis" in out
+    assert "aim tcp_get_vs_mooncake >= 1.0: not measured" in out
+    assert "shaped link: not measured: disabled with --link-rate off" in out
+    assert "aim tls_tcp_get_vs_plaintext >= 0.9: not measured" in out
     doc = json.loads((tmp_path / "kvstore.json").read_text())
     assert doc["redis"] == {"available": False, "reason": "disabled with --no-redis"}
     assert "redis" not in doc["bandwidth"]["series"]
     assert doc["aims"]["tcp_get_vs_mooncake"]["met"] is None
     assert all(v["vs_redis_mget"] is None for v in doc["batch_get"]["systems"].values())
     assert (tmp_path / "kvstore_bandwidth.png").stat().st_size > 0
+    tls, series = doc["internal_tls"], doc["bandwidth"]["series"]
+    assert tls["measured"] == ["on"] and tls["ratios"] == []
+    assert {"pdserve_tcp_tls", "raw_tcp_tls"} <= set(series)
+    assert not {"pdserve_tcp", "raw_tcp", "pdserve_ucx"} & set(series)
+    assert doc["ucx"]["available"] is False
+    assert "plaintext" in doc["ucx"]["reason"] or "ucxx" in doc["ucx"]["reason"]
+    assert all("--tls-dir" in p["cmdline"] for p in tls["processes"]["on"])
+    assert not (tmp_path / "kvstore_tls.png").exists()

@@ -1,6 +1,7 @@
-"""`pdserve bench serve`: a short real run on the tiny model (a cluster with its HTTP API, the
-engine ceiling, the per-hop fields), bad flags, and the summary math as pure functions.
-Figures of the tiny model mean nothing; only what a user reads from the document is checked."""
+"""`pdserve bench serve`: a short real run on the tiny model (a cluster with internal TLS and one
+without, its HTTP API, the engine ceiling, the per-hop fields), bad flags, and the summary math
+as pure functions. Figures of the tiny model mean nothing; only what a user reads from the
+document is checked."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from pdserve.bench import serve_summary as ss
+from pdserve.bench import serve_tls as st
 from pdserve.bench import serve_workload as wl
 from tests.helpers import REPO_ROOT
 
@@ -20,9 +22,12 @@ BENCH = [sys.executable, "-m", "pdserve.bench.serve"]
 
 @pytest.mark.timeout(240)
 def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
+    """With `--internal-tls both --tls-pairs 1`: a pass with TLS (the figures below), then one
+    without; the TLS checks are at the end."""
     out = subprocess.run(
         [*BENCH, "--model", tiny_llama_dir, "--requests", "4", "--concurrency", "1,2",
          "--max-tokens", "8", "--ceiling-repeats", "1", "--json", "--out", str(tmp_path),
+         "--internal-tls", "both", "--tls-pairs", "1",
          "--no-progress"], capture_output=True, text=True, timeout=220, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
@@ -77,6 +82,36 @@ def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
     with open(tmp_path / "summary.json") as f:
         assert json.load(f) == r
     assert os.path.getsize(tmp_path / "bench_serve.png") > 5000
+    _check_internal_tls(r)
+
+
+def _check_internal_tls(r):
+    t = r["internal_tls"]
+    assert (t["mode"], t["order"]) == ("both", ["on", "off"])
+    on, off = t["passes"]
+    assert r["pdserve"]["mode"] == "on" and r["pdserve"]["levels"][0]["concurrency"] == 1
+    # Every process of the TLS pass ran with the run's TLS folder, as the system reports its
+    # command line; every process of the other with --insecure-internal.
+    names = {"router", "kvmaster", "kvnode-0", "prefill-0", "decode-1", "controller"}
+    assert set(on["flags"]) == set(off["flags"]) == names
+    assert all(f == ["--tls-dir", t["tls_dir"]] for f in on["flags"].values()), on["flags"]
+    assert all(f == ["--insecure-internal"] for f in off["flags"].values()), off["flags"]
+    assert os.path.isfile(os.path.join(t["tls_dir"], "ca.crt"))
+    rows = t["by_level"]
+    assert [row["concurrency"] for row in rows] == [1, 2]
+    for row in rows:
+        for mode in ("on", "off"):
+            m = row[mode]
+            assert m["passes"] == 1 and m["failed"] == 0 and m["tokens_per_s"] > 0
+            assert m["cpu_s_per_token"] > 0
+        assert row["tokens_ratio"] == pytest.approx(row["on"]["tokens_per_s"] /
+                                                    row["off"]["tokens_per_s"])
+        assert row["pair_ratios"] == [pytest.approx(row["tokens_ratio"])]
+        assert row["cpu_per_token_ratio"] == pytest.approx(row["on"]["cpu_s_per_token"] /
+                                                           row["off"]["cpu_s_per_token"])
+    aim = t["aim"]  # no c32 level here: judged at the highest, and it says so
+    assert aim["concurrency"] == 2 and "no concurrency 32" in aim["note"]
+    assert aim["met"] is (aim["ratio"] >= 0.97)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -85,6 +120,8 @@ def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
     (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
     (["--vllm-python", "/nonexistent/python"], "--vllm-python"),
     (["--quantization", "int4"], "--quantization"),
+    (["--internal-tls", "sometimes"], "--internal-tls"),
+    (["--internal-tls", "both", "--tls-pairs", "0"], "--tls-pairs"),
 ])
 def test_bench_serve_bad_flag_names_it(flags, message):
     out = subprocess.run([*BENCH, *flags], capture_output=True, text=True, timeout=120,
@@ -93,6 +130,31 @@ def test_bench_serve_bad_flag_names_it(flags, message):
 
 
 # ---- the summary math ------------------------------------------------------------------------
+def test_tls_passes_alternate_and_compare_per_level():
+    assert st.pass_order("on", 2) == ["on"] and st.pass_order("off", 3) == ["off"]
+    assert st.pass_order("both", 3) == ["on", "off", "off", "on", "on", "off"]
+    assert st.cluster_setting("off", "/x") == {"insecure_internal": True}
+    assert st.cluster_setting("on", "/x") == {"tls_dir": "/x"}
+    assert st.cluster_setting("on", None) == {}
+    assert st.tls_flags(["py", "-m", "a", "--tls-dir", "/d", "--x"]) == ["--tls-dir", "/d"]
+    assert st.tls_flags(["py", "--insecure-internal"]) == ["--insecure-internal"]
+
+    def lv(c, tps, cpu):
+        return {"concurrency": c, "tokens_per_s": tps, "output_tokens": 100, "failed": 0,
+                "itl_p50_s": 0.01, "ttft_p50_s": 0.1, "cpu_s": {"router": cpu, "client": 1.0}}
+    passes = [{"mode": "on", "levels": [lv(32, 90.0, 2.0)]},
+              {"mode": "off", "levels": [lv(32, 100.0, 1.0)]},
+              {"mode": "off", "levels": [lv(32, 110.0, 1.0)]},
+              {"mode": "on", "levels": [lv(32, 110.0, 2.0)]}]
+    [row] = st.compare(passes)
+    assert row["on"]["tokens_per_s"] == 100.0 and row["off"]["tokens_per_s"] == 105.0
+    assert row["tokens_ratio"] == pytest.approx(100 / 105)
+    assert row["pair_ratios"] == [pytest.approx(0.9), pytest.approx(1.0)]
+    assert row["on"]["cpu_s_per_token"] == pytest.approx(0.02)  # the client left out
+    assert row["on"]["client_cpu_s_per_token"] == pytest.approx(0.01)
+    assert row["cpu_per_token_ratio"] == pytest.approx(2.0)
+
+
 def test_percentile_interpolates_as_numpy():
     xs = [4.0, 1.0, 3.0, 2.0]
     assert ss.percentile(xs, 0) == 1.0 and ss.percentile(xs, 100) == 4.0

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import MASTER, WORKER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -149,7 +150,7 @@ class Stream(threading.Thread):
             max_tokens=MAX_TOKENS, ignore_eos=True))
         req.token_ids.ids.extend(PROMPTS[self.i])
         try:
-            with rpc.make_channel(self.router) as ch:
+            with rpc.make_channel(self.router, rpc.PUBLIC) as ch:
                 for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=240):
                     self.ids.extend(r.token_ids)
                     self.first.set()
@@ -198,7 +199,7 @@ def scrape(url: str, name: str) -> float:
 
 
 def nodes_alive(master: str) -> int:
-    with rpc.make_channel(master) as ch:
+    with rpc.make_channel(master, MASTER) as ch:
         return mpb_grpc.KVMasterStub(ch).Stats(mpb.MasterStatsRequest(), timeout=5).nodes_alive
 
 
@@ -222,7 +223,7 @@ def test_a_storage_node_killed_under_load_loses_nothing_and_rejoins(cluster, ref
     assert stats.store_degraded and "no storage node" in stats.store_degraded_reason
     assert stats.store_errors["put"] >= 1
     for worker in (c.prefill, c.decode):  # degraded still serves: health says so
-        rpc.wait_healthy(worker, timeout_s=10)
+        rpc.wait_healthy(worker, timeout_s=10, peer=WORKER)
     url = metrics_url(c.prefill_proc)
     assert scrape(url, "pdserve:store_degraded{") == 1
     assert scrape(url, 'pdserve:store_errors_total{model_name="') >= 1
@@ -276,7 +277,7 @@ def test_a_node_of_another_cluster_is_refused_naming_both_ids(cluster, shm_dir):
 
 
 def is_leader(address: str) -> bool:
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, MASTER) as ch:
         return mpb_grpc.KVMasterStub(ch).GetLeader(mpb.GetLeaderRequest(), timeout=5).is_leader
 
 

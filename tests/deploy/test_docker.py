@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, free_port, parser_of
+from tests.helpers import REPO_ROOT, free_port, parser_of, start_process, stop_process
 
 DOCKER_DIR = REPO_ROOT / "deploy" / "docker"
 GRACE_S = 30  # docker stop's grace before SIGKILL; the cluster must be gone well within it
@@ -80,6 +80,35 @@ def test_probe_for_processes_reads_address_flag_then_environment_then_default():
     assert hc.probe_for("node", [], {}).how == "alive"  # data port chosen at start
     p = hc.probe_for("router", ["--address", "h:1"], {"PDSERVE_HEALTH_ADDRESS": "0.0.0.0:5"})
     assert (p.address, p.why) == ("127.0.0.1:5", "PDSERVE_HEALTH_ADDRESS")
+
+
+def test_probe_for_speaks_the_processes_tls_or_its_plaintext_health_port():
+    p = hc.probe_for("worker", ["--address", "0.0.0.0:7004", "--tls-dir", "/etc/t"], {})
+    assert (p.address, p.tls) == ("127.0.0.1:7004", ("/etc/t", "worker"))
+    p = hc.probe_for("master", [], {"PDSERVE_TLS_DIR": "/t"})
+    assert p.tls == ("/t", "master")
+    assert hc.probe_for("master", ["--insecure-internal"], {"PDSERVE_TLS_DIR": "/t"}).tls is None
+    p = hc.probe_for("controller", ["--tls-dir", "/t", "--health-address", "0.0.0.0:9"], {})
+    assert (p.how, p.address, p.tls) == ("grpc", "127.0.0.1:9", None)
+    p = hc.probe_for("node", [], {"PDSERVE_NODE_HEALTH_ADDRESS": "0.0.0.0:8"})
+    assert (p.how, p.address) == ("grpc", "127.0.0.1:8")
+    # A router's --address is its client port: plaintext, or a connect when it has its own TLS.
+    assert hc.probe_for("router", ["--address", "h:1", "--tls-dir", "/t"], {}).tls is None
+    assert hc.probe_for("router", ["--address", "h:1", "--tls-cert", "c"], {}).how == "tcp"
+    assert hc.probe_for("serve", ["--tls-cert", "c", "--tls-key", "k"], {}).how == "tcp"
+
+
+def test_the_tls_probe_gets_an_answer_from_a_real_master(tmp_path, cluster_tls_dir):
+    address = f"127.0.0.1:{free_port()}"
+    p = start_process([sys.executable, "-m", "pdserve.kvstore.master", "--address", address,
+                       "--journal-dir", str(tmp_path / "j")], address)
+    try:
+        ok, answer = hc._grpc_health(address, 5.0, (cluster_tls_dir, "master"))
+        assert (ok, answer) == (True, "SERVING")
+        ok, answer = hc._grpc_health(address, 5.0, None)  # plaintext: refused
+        assert not ok and "UNAVAILABLE" in answer
+    finally:
+        stop_process(p)
 
 
 def test_probe_for_refuses_bad_input_naming_it():
@@ -178,7 +207,7 @@ def _generate(address: str, token_ids: list[int]) -> tuple[list[int], str]:
         max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     req.token_ids.ids.extend(token_ids)
     ids, text = [], ""
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, rpc.PUBLIC) as ch:
         for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300):
             ids.extend(r.token_ids)
             text += r.text
@@ -207,7 +236,7 @@ def _wait_healthy_router(container, address: str, timeout_s: float) -> None:
             raise AssertionError(f"container {container.status} before it was ready; logs:\n"
                                  + container.logs(tail=60).decode(errors="replace"))
         try:
-            rpc.wait_healthy(address, timeout_s=2.0)
+            rpc.wait_healthy(address, timeout_s=2.0, peer=rpc.PUBLIC)
             return
         except TimeoutError:
             if time.monotonic() > deadline:

@@ -79,15 +79,12 @@ def tls_secrets(folder: str, cert_manager: bool = False) -> dict[str, dict[str, 
 def as_operator(folder: str):
     """This process calls the cluster as the operator of `folder`'s CA; the setting it had
     (the session's, from PDSERVE_TLS_DIR, when any) afterwards."""
-    saved = tls.current() if tls.is_configured() else None
+    saved = tls.configured()
     tls.configure(tls.MutualTls(tls.TlsFolder(folder), OPERATOR))
     try:
         yield
     finally:
-        if saved is None:
-            tls.reset()  # the next current() reads the environment again
-        else:
-            tls.configure(saved)
+        tls.restore(saved)  # None: the next current() reads the environment again
 
 
 def plaintext_health(address: str) -> grpc.StatusCode:

@@ -29,6 +29,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
+from pdserve.core.identity import ROUTER
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.proto import router_pb2 as rpb
@@ -45,6 +46,7 @@ class Router:
     proc: object
     address: str
     http: str
+    control: str  # its control listener (RouterControl; a free port: its ready line says)
 
 
 def start_router(cluster, *args: str, prefill=None, decode=None) -> Router:
@@ -58,10 +60,11 @@ def start_router(cluster, *args: str, prefill=None, decode=None) -> Router:
                           "round_robin", "--stats-interval-s", "0.2", "--http-port", "0", *args],
                          address, timeout_s=120)
     deadline = time.monotonic() + 30
-    while not (m := re.search(r" ready on \S+ .*\bhttp=(\S+)", process_output(proc)[0])):
+    while not (m := re.search(r" ready on \S+ .*\bhttp=(\S+).*\bcontrol=(\S+)",
+                              process_output(proc)[0])):
         assert proc.poll() is None and time.monotonic() < deadline, process_output(proc)
         time.sleep(0.05)
-    return Router(proc, address, m.group(1))
+    return Router(proc, address, m.group(1), m.group(2))
 
 
 def rss_bytes(pid: int) -> int:
@@ -82,7 +85,7 @@ def grpc_call(address: str, prompt: list[int], max_tokens: int) -> tuple[str, ob
         max_tokens=max_tokens, ignore_eos=True))
     req.token_ids.ids.extend(prompt)
     ids, text = [], ""
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, rpc.PUBLIC) as ch:
         try:
             for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300):
                 ids += r.token_ids
@@ -202,8 +205,8 @@ def test_predicted_ttft_over_the_bound_is_refused_with_a_drain_time_hint(tiny_cl
         assert stop_process(router.proc, timeout_s=60) == 0
 
 
-def health_status(address: str, service: str = "") -> int:
-    with rpc.make_channel(address) as ch:
+def health_status(address: str, service: str = "", peer: str = rpc.PUBLIC) -> int:
+    with rpc.make_channel(address, peer) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=10).status
 
@@ -242,7 +245,7 @@ def test_health_says_not_serving_exactly_while_no_decode_worker_serves(tiny_clus
         assert kind == "ok"
 
         # No prefill worker: the decode worker prefills itself, so the router still serves.
-        ctl = rpb_grpc.RouterControlStub(rpc.make_channel(router.address))
+        ctl = rpb_grpc.RouterControlStub(rpc.make_channel(router.control, ROUTER))
         ctl.SetWorkerState(rpb.SetWorkerStateRequest(address=prefill,
                                                      state=rpb.MEMBER_STATE_DRAINING), timeout=10)
         assert health_status(router.address) == SERVING
@@ -256,7 +259,8 @@ def test_health_says_not_serving_exactly_while_no_decode_worker_serves(tiny_clus
         for service in ("", "pdserve.v1.Generation"):
             wait_for(f"{service!r} NOT_SERVING",
                      lambda: health_status(router.address, service) == NOT_SERVING)
-        assert health_status(router.address, "pdserve.v1.RouterControl") == SERVING
+        # The control API (its own listener) stays up for the controller and operators.
+        assert health_status(router.control, "pdserve.v1.RouterControl", ROUTER) == SERVING
         r = httpx.get(f"http://{router.http}/health", timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         body = r.json()
@@ -303,7 +307,7 @@ def grpc_stream(address: str, prompt: list[int], max_tokens: int, started: threa
         max_tokens=max_tokens, ignore_eos=True))
     req.token_ids.ids.extend(prompt)
     ids = []
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, rpc.PUBLIC) as ch:
         try:
             for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300):
                 ids += r.token_ids

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -33,7 +34,7 @@ def generate(address: str, *, prompt=None, token_ids=None, chat=None, **sampling
     elif chat is not None:
         req.chat.messages.extend(api_pb2.ChatMessage(role="user", content=c) for c in chat)
     ids, text, finish, usage = [], "", None, None
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, rpc.PUBLIC) as ch:
         for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300):
             ids.extend(r.token_ids)
             text += r.text
@@ -43,7 +44,7 @@ def generate(address: str, *, prompt=None, token_ids=None, chat=None, **sampling
 
 
 def worker_stats(address: str) -> wpb.WorkerStats:
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, WORKER) as ch:
         return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=30)
 
 
@@ -181,7 +182,7 @@ def test_bad_input_names_the_field_and_cluster_keeps_serving(tiny_cluster, kwarg
 
 def test_unknown_model_is_invalid_argument(tiny_cluster):
     req = api_pb2.GenerateRequest(model="no-such-model", prompt="hi")
-    with rpc.make_channel(tiny_cluster.router_address) as ch:
+    with rpc.make_channel(tiny_cluster.router_address, rpc.PUBLIC) as ch:
         with pytest.raises(grpc.RpcError) as err:
             list(api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -221,8 +222,9 @@ def test_stop_string_cuts_text_and_finishes_with_stop(tiny_cluster, tiny_llama_d
 def test_router_offers_health_and_reflection(tiny_cluster):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    rpc.wait_healthy(tiny_cluster.router_address, timeout_s=5, service="pdserve.v1.Generation")
-    with rpc.make_channel(tiny_cluster.router_address) as ch:
+    rpc.wait_healthy(tiny_cluster.router_address, timeout_s=5, service="pdserve.v1.Generation",
+                     peer=rpc.PUBLIC)
+    with rpc.make_channel(tiny_cluster.router_address, rpc.PUBLIC) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
         req = reflection_pb2.ServerReflectionRequest(list_services="")
         resp = next(iter(stub.ServerReflectionInfo(iter([req]), timeout=10)))

@@ -23,6 +23,7 @@ import pytest
 
 from pdserve import rpc
 from pdserve.controller.audit import read_records
+from pdserve.core.identity import CONTROLLER, ROUTER, WORKER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -59,9 +60,9 @@ def start_controller(cluster, tmp_path, *args: str):
     address = f"127.0.0.1:{free_port()}"
     audit = str(tmp_path / "audit.jsonl")
     proc = start_process([sys.executable, "-m", "pdserve.controller", "--router",
-                          cluster.router_address, "--address", address, "--audit-log", audit,
-                          "--tick-s", "0.5", "--metrics-port", "0", *args], address,
-                         timeout_s=60)
+                          cluster.router_control_address, "--address", address, "--audit-log",
+                          audit, "--tick-s", "0.5", "--metrics-port", "0", *args], address,
+                         timeout_s=60, peer=CONTROLLER)
     return proc, address, audit
 
 
@@ -76,7 +77,7 @@ def metrics_of(proc) -> str:
 
 
 def members(cluster) -> dict[str, rpb.WorkerMember]:
-    with rpc.make_channel(cluster.router_address) as ch:
+    with rpc.make_channel(cluster.router_control_address, ROUTER) as ch:
         resp = rpb_grpc.RouterControlStub(ch).ListWorkers(rpb.ListWorkersRequest(), timeout=10)
     return {m.address: m for m in resp.workers}
 
@@ -89,12 +90,12 @@ def restore_two_two(cluster, addresses_by_role: dict[str, list[str]]) -> None:
     """Put every worker back in the role it started in (direct SetRole + membership)."""
     from pdserve.proto import worker_pb2_grpc as wpb_grpc
 
-    with rpc.make_channel(cluster.router_address) as rch:
+    with rpc.make_channel(cluster.router_control_address, ROUTER) as rch:
         router = rpb_grpc.RouterControlStub(rch)
         for role, addrs in addresses_by_role.items():
             r = wpb.ROLE_PREFILL if role == "prefill" else wpb.ROLE_DECODE
             for a in addrs:
-                with rpc.make_channel(a) as ch:
+                with rpc.make_channel(a, WORKER) as ch:
                     wpb_grpc.WorkerStub(ch).SetRole(wpb.SetRoleRequest(
                         role=r, drain=True, drain_timeout_s=60), timeout=90)
                 router.SetWorkerState(rpb.SetWorkerStateRequest(
@@ -126,7 +127,7 @@ class Load:
 
     def _client(self, i: int) -> None:
         k = i
-        with rpc.make_channel(self.address) as ch:
+        with rpc.make_channel(self.address, rpc.PUBLIC) as ch:
             stub = api_pb2_grpc.GenerationStub(ch)
             while not self._stop.is_set():
                 prompt = self.prompts[k % len(self.prompts)]
@@ -279,7 +280,7 @@ def test_decode_workers_prefill_within_budget_and_keep_their_itl(cluster, refere
                     if m.offload_budget_tokens:
                         budgets_seen.setdefault(address, []).append(
                             (m.offload_in_flight_tokens, m.offload_budget_tokens))
-                with rpc.make_channel(cluster.router_address) as ch:
+                with rpc.make_channel(cluster.router_control_address, ROUTER) as ch:
                     sig = rpb_grpc.RouterControlStub(ch).GetSignals(
                         rpb.GetSignalsRequest(window_s=600), timeout=10)
                 burst_offloaded = sum(1 for x in sig.samples
@@ -330,9 +331,10 @@ def test_a_flip_in_flight_when_the_controller_stops_is_finished_and_logged(
     try:
         busy = wait_for(lambda: [a for a in start["decode"] if worker_stats(a).num_running],
                         60, "a decode worker with requests running")
-        with rpc.make_channel(cluster.router_address) as ch:
-            ctl = Controller(ControllerConfig(router_address=cluster.router_address,
-                                              audit_log=audit, drain_timeout_s=60),
+        with rpc.make_channel(cluster.router_control_address, ROUTER) as ch:
+            ctl = Controller(ControllerConfig(
+                router_address=cluster.router_control_address, audit_log=audit,
+                drain_timeout_s=60),
                              rpb_grpc.RouterControlStub(ch))
             ctl.start_flip(busy[0], "prefill", "stopping mid-flip")
             time.sleep(0.2)  # the drain has begun: the worker holds running requests

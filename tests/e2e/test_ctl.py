@@ -15,17 +15,30 @@ import sys
 import pytest
 
 from pdserve.proto import worker_pb2 as wpb
+from pdserve.security import pki, tls
 from tests.e2e.test_controller import restore_two_two, roles, start_controller
 from tests.helpers import REPO_ROOT, free_port, stop_process
 
 ADMIN, TENANT = "admin-key-0123456789", "tenant-key-0123456789"
 
 
+def key_only() -> tuple[dict[str, str], list[str]]:
+    """The environment and flags of `pdserve ctl` run by an operator with no certificate of
+    their own, so that only a key (or none) speaks for them: it trusts the cluster CA (or
+    speaks plaintext where the suite runs without internal TLS)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PDSERVE_ADMIN_KEY", tls.TLS_DIR_ENV)}
+    folder = os.environ.get(tls.TLS_DIR_ENV)
+    return env, (["--ca-cert", os.path.join(folder, pki.CA_CERT)] if folder
+                 else ["--insecure-internal"])
+
+
 def ctl(address: str, *args: str, key: str | None = ADMIN, as_json: bool = True):
-    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ADMIN_KEY"}
+    """`pdserve ctl` as an operator with an admin key (`key`, or none) and no certificate."""
+    env, flags = key_only()
     if key:
         env["PDSERVE_ADMIN_KEY"] = key
-    cmd = [sys.executable, "-m", "pdserve.cli", "ctl", "--address", address,
+    cmd = [sys.executable, "-m", "pdserve.cli", "ctl", "--address", address, *flags,
            *(["--json"] if as_json else []), *args]
     p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr

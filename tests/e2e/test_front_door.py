@@ -35,7 +35,7 @@ def _prompt(cluster, text: str) -> list[int]:
 
 
 def test_a_client_discovers_the_service_through_reflection_alone(tiny_cluster):
-    with rpc.make_channel(tiny_cluster.router_address) as ch:
+    with rpc.make_channel(tiny_cluster.router_address, rpc.PUBLIC) as ch:
         db = ProtoReflectionDescriptorDatabase(ch)
         assert "pdserve.v1.Generation" in db.get_services()
         pool = descriptor_pool.DescriptorPool(db)
@@ -67,7 +67,7 @@ def test_cancelling_a_stream_stops_decoding_and_frees_its_kv(tiny_cluster):
     [decode] = workers(tiny_cluster, "decode")
     before = _idle(decode)
     prompt = _prompt(tiny_cluster, "A very long story begins " * 8)
-    with rpc.make_channel(tiny_cluster.router_address) as ch:
+    with rpc.make_channel(tiny_cluster.router_address, rpc.PUBLIC) as ch:
         call = api_pb2_grpc.GenerationStub(ch).Generate(
             _request(prompt, max_tokens=400, ignore_eos=True), timeout=300)
         got = 0
@@ -97,7 +97,7 @@ def _cached(address: str, key: str | None, prompt: list[int], salt: str = "") ->
     meta = (("authorization", f"Bearer {key}"),) if key else None
     req = _request(prompt, max_tokens=2, ignore_eos=True)
     req.cache_salt = salt
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, rpc.PUBLIC) as ch:
         last = list(api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=120, metadata=meta))[-1]
     return last.usage.cached_prompt_tokens
 
@@ -135,7 +135,7 @@ def test_overload_gets_resource_exhausted_with_a_retry_hint_and_accepted_request
     lock = threading.Lock()
 
     def one() -> None:
-        with rpc.make_channel(router) as ch:
+        with rpc.make_channel(router, rpc.PUBLIC) as ch:
             call = api_pb2_grpc.GenerationStub(ch).Generate(
                 _request(prompt, max_tokens=24, ignore_eos=True), timeout=300)
             try:
@@ -214,7 +214,7 @@ def test_the_request_id_is_on_log_lines_of_every_hop(tiny_cluster):
     rid = f"trace-me-{free_port()}"
     req = api_pb2.GenerateRequest(request_id=rid, prompt="Follow this request",
                                   sampling=common_pb2.SamplingParams(max_tokens=3))
-    with rpc.make_channel(tiny_cluster.router_address) as ch:
+    with rpc.make_channel(tiny_cluster.router_address, rpc.PUBLIC) as ch:
         assert all(r.request_id == rid
                    for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=120))
     hops = {}

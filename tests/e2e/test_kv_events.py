@@ -11,6 +11,7 @@ import pytest
 
 from pdserve import rpc
 from pdserve.core.block_hash import prompt_block_hashes
+from pdserve.core.identity import WORKER
 from pdserve.proto import common_pb2
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
@@ -37,7 +38,7 @@ def worker(tiny_llama_dir):
 
 
 def prefill(addr: str, rid: str, prompt: list[int]) -> None:
-    with rpc.make_channel(addr) as ch:
+    with rpc.make_channel(addr, WORKER) as ch:
         wpb_grpc.WorkerStub(ch).Prefill(wpb.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt,
             sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=60)
@@ -46,7 +47,7 @@ def prefill(addr: str, rid: str, prompt: list[int]) -> None:
 def collect(addr: str, until) -> list:
     """Read the stream until `until(batches)` holds; the first batch is the snapshot."""
     batches: list = []
-    with rpc.make_channel(addr) as ch:
+    with rpc.make_channel(addr, WORKER) as ch:
         call = wpb_grpc.WorkerStub(ch).WatchKvEvents(wpb.WatchKvEventsRequest(), timeout=30)
         for b in call:
             batches.append(b)

@@ -10,6 +10,7 @@ import pytest
 from pdserve import rpc
 from pdserve.controller.launcher import LocalCluster
 from pdserve.core.block_hash import prompt_block_hashes
+from pdserve.core.identity import WORKER
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from tests.e2e.conftest import cluster_spec
@@ -55,7 +56,7 @@ def settle(cluster, tokens):
     stream, the one the router's index follows (the router reads the same batches)."""
     want = set(prompt_block_hashes(list(tokens), 16, ""))
     decode = workers(cluster, "decode")[0]
-    with rpc.make_channel(decode) as ch:
+    with rpc.make_channel(decode, WORKER) as ch:
         for batch in wpb_grpc.WorkerStub(ch).WatchKvEvents(wpb.WatchKvEventsRequest(),
                                                            timeout=30):
             want -= {bytes(e.block_hash) for e in batch.events

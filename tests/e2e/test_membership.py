@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
 from pdserve.controller.launcher import LocalCluster
+from pdserve.core.identity import ROUTER, WORKER
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
@@ -47,13 +49,20 @@ def cluster(tiny_llama_dir):
         yield c
 
 
+@dataclass(frozen=True)
+class Router:
+    address: str  # its client APIs
+    control: str  # its control listener (RouterControl)
+
+
 @pytest.fixture(scope="module")
 def stale(cluster):
     """A second router that round-robins both pools and polls rarely: it learns nothing by
     itself during a test, so what it meets is deterministic."""
     address = cluster.add_router("router-stale", free_port(), "round_robin",
                                  ("--decode-routing", "round_robin", "--stats-interval-s", "600"))
-    yield address
+    [control] = [c.probe for c in cluster.children if c.address == address]
+    yield Router(address, control)
     cluster.stop_child(address)
 
 
@@ -70,7 +79,8 @@ def run(router: str, prompt: list[int]) -> list[int]:
 
 
 def control(router: str):
-    return rpb_grpc.RouterControlStub(rpc.make_channel(router))
+    """RouterControl of the router whose control listener is `router`."""
+    return rpb_grpc.RouterControlStub(rpc.make_channel(router, ROUTER))
 
 
 def members(router: str) -> dict[str, rpb.WorkerMember]:
@@ -89,7 +99,7 @@ def wait_for(what: str, cond, timeout_s: float = 20.0):
 
 
 def set_role(worker: str, role: int) -> wpb.SetRoleResponse:
-    with rpc.make_channel(worker) as ch:
+    with rpc.make_channel(worker, WORKER) as ch:
         return wpb_grpc.WorkerStub(ch).SetRole(
             wpb.SetRoleRequest(role=role, drain=True, drain_timeout_s=120), timeout=150)
 
@@ -115,7 +125,7 @@ def test_drain_and_switch_mid_load_loses_no_request_and_changes_no_token(cluster
 
     def switch_to_decode():
         try:
-            switch(cluster.router_address, victim, wpb.ROLE_DECODE)
+            switch(cluster.router_control_address, victim, wpb.ROLE_DECODE)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
@@ -131,13 +141,13 @@ def test_drain_and_switch_mid_load_loses_no_request_and_changes_no_token(cluster
     switcher.join()
     assert not errors, errors
     assert outputs == baseline
-    m = members(cluster.router_address)[victim]
+    m = members(cluster.router_control_address)[victim]
     assert (m.role, m.state) == (wpb.ROLE_DECODE, rpb.MEMBER_STATE_ACTIVE)
     assert worker_stats(victim).role_switches == switches + 1
     assert worker_stats(victim).weight_loads == 1
     # The switched worker decodes now, with the same tokens.
     assert [run(cluster.router_address, p) for p in PROMPTS[:3]] == baseline[:3]
-    switch(cluster.router_address, victim, wpb.ROLE_PREFILL)
+    switch(cluster.router_control_address, victim, wpb.ROLE_PREFILL)
 
 
 def test_registered_worker_serves_then_goes_gone_when_killed(cluster, stale, baseline,
@@ -148,7 +158,7 @@ def test_registered_worker_serves_then_goes_gone_when_killed(cluster, stale, bas
                           cluster.store_address, "--num-blocks", "256", "--block-size-tokens",
                           "16", "--threads", "1"], addr, timeout_s=180)
     try:
-        ctl = control(cluster.router_address)
+        ctl = control(cluster.router_control_address)
         m = ctl.RegisterWorker(rpb.RegisterWorkerRequest(address=addr), timeout=10)
         assert (m.role, m.state) == (wpb.ROLE_DECODE, rpb.MEMBER_STATE_ACTIVE)
         assert m.stats.role == wpb.ROLE_DECODE and m.last_seen_age_s >= 0
@@ -160,29 +170,29 @@ def test_registered_worker_serves_then_goes_gone_when_killed(cluster, stale, bas
         assert outputs == baseline[:8]
         assert worker_stats(addr).requests_finished > 0, "the registered worker got no request"
 
-        control(stale).RegisterWorker(rpb.RegisterWorkerRequest(address=addr,
+        control(stale.control).RegisterWorker(rpb.RegisterWorkerRequest(address=addr,
                                                                 role=wpb.ROLE_DECODE), timeout=10)
-        retries = signals(stale).retries_total
+        retries = signals(stale.control).retries_total
         proc.kill()
         proc.wait()
         # Round-robin over both decode workers: of two requests, one at least meets the dead
         # worker (the stale router never polls it) and must be re-routed, not failed.
-        assert [run(stale, p) for p in PROMPTS[:2]] == baseline[:2]
-        assert signals(stale).retries_total > retries
-        control(stale).SetWorkerState(rpb.SetWorkerStateRequest(
+        assert [run(stale.address, p) for p in PROMPTS[:2]] == baseline[:2]
+        assert signals(stale.control).retries_total > retries
+        control(stale.control).SetWorkerState(rpb.SetWorkerStateRequest(
             address=addr, state=rpb.MEMBER_STATE_GONE), timeout=10)
         outputs, deadline = [], time.monotonic() + 20
-        while members(cluster.router_address)[addr].state != rpb.MEMBER_STATE_GONE:
+        while members(cluster.router_control_address)[addr].state != rpb.MEMBER_STATE_GONE:
             assert time.monotonic() < deadline, "the killed worker was never marked GONE"
             outputs.append(run(cluster.router_address, PROMPTS[len(outputs) % 8]))
         assert outputs == [baseline[i % 8] for i in range(len(outputs))]
-        m = members(cluster.router_address)[addr]
+        m = members(cluster.router_control_address)[addr]
         assert m.missed_polls >= 3 and "poll" in m.reason
         assert run(cluster.router_address, PROMPTS[9]) == baseline[9]
         # GONE through the control API forgets it.
         ctl.SetWorkerState(rpb.SetWorkerStateRequest(address=addr, state=rpb.MEMBER_STATE_GONE),
                            timeout=10)
-        assert addr not in members(cluster.router_address)
+        assert addr not in members(cluster.router_control_address)
     finally:
         stop_process(proc)
 
@@ -192,10 +202,10 @@ def test_worker_switched_behind_the_routers_back_is_retried_not_failed(cluster, 
     prefill = cluster.worker_addresses("prefill")
     try:
         set_role(prefill[0], wpb.ROLE_DECODE)  # nobody tells the routers
-        before = signals(stale)
-        outputs = [run(stale, p) for p in PROMPTS[:4]]
+        before = signals(stale.control)
+        outputs = [run(stale.address, p) for p in PROMPTS[:4]]
         assert outputs == baseline[:4]
-        s = signals(stale)
+        s = signals(stale.control)
         # Round-robin over the two prefill workers sends some of the four to the switched one.
         assert s.retries_total > before.retries_total
         new = s.samples[len(s.samples) - 4:]
@@ -203,15 +213,15 @@ def test_worker_switched_behind_the_routers_back_is_retried_not_failed(cluster, 
         assert all(x.finish == "length" and x.output_tokens == MAX_TOKENS for x in new)
         # The main router's poll sees the reported role and moves the worker to that pool.
         wait_for("the switched worker in the decode pool", lambda: members(
-            cluster.router_address)[prefill[0]].role == wpb.ROLE_DECODE)
+            cluster.router_control_address)[prefill[0]].role == wpb.ROLE_DECODE)
     finally:
         set_role(prefill[0], wpb.ROLE_PREFILL)
     wait_for("the worker back in the prefill pool", lambda: members(
-        cluster.router_address)[prefill[0]].role == wpb.ROLE_PREFILL)
+        cluster.router_control_address)[prefill[0]].role == wpb.ROLE_PREFILL)
 
 
 def test_control_api_names_bad_fields_and_unknown_workers(cluster):
-    ctl = control(cluster.router_address)
+    ctl = control(cluster.router_control_address)
     with pytest.raises(grpc.RpcError) as e:
         ctl.SetWorkerState(rpb.SetWorkerStateRequest(address="127.0.0.1:1",
                                                      state=rpb.MEMBER_STATE_DRAINING), timeout=10)
@@ -226,28 +236,28 @@ def test_control_api_names_bad_fields_and_unknown_workers(cluster):
     with pytest.raises(grpc.RpcError) as e:
         ctl.RegisterWorker(rpb.RegisterWorkerRequest(address=dead), timeout=30)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and dead in e.value.details()
-    assert dead not in members(cluster.router_address)
+    assert dead not in members(cluster.router_control_address)
 
 
 def test_offloaded_requests_keep_their_tokens(cluster, baseline):
     decode = cluster.worker_addresses("decode")[0]
     before = worker_stats(decode).local_prefill_requests
-    totals = signals(cluster.router_address)
-    ctl = control(cluster.router_address)
+    totals = signals(cluster.router_control_address)
+    ctl = control(cluster.router_control_address)
     ctl.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[
         rpb.OffloadBudget(address=decode, max_tokens=4096, chunk_tokens=16)]), timeout=10)
     try:
-        assert members(cluster.router_address)[decode].offload_budget_tokens == 4096
+        assert members(cluster.router_control_address)[decode].offload_budget_tokens == 4096
         outputs = [run(cluster.router_address, p) for p in PROMPTS[:3]]
     finally:
         ctl.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(), timeout=10)
     assert outputs == baseline[:3]
     assert worker_stats(decode).local_prefill_requests == before + 3
-    s = signals(cluster.router_address)
+    s = signals(cluster.router_control_address)
     assert s.offloaded_requests_total == totals.offloaded_requests_total + 3
     assert s.offloaded_tokens_total - totals.offloaded_tokens_total == sum(map(len, PROMPTS[:3]))
     assert [x.offloaded for x in s.samples[-3:]] == [True] * 3
-    assert members(cluster.router_address)[decode].offload_in_flight_tokens == 0
+    assert members(cluster.router_control_address)[decode].offload_in_flight_tokens == 0
 
 
 def test_health_follows_membership(cluster, tiny_llama_dir):
@@ -255,17 +265,20 @@ def test_health_follows_membership(cluster, tiny_llama_dir):
     worker alone cannot finish a request)."""
     address = f"127.0.0.1:{free_port()}"
     with tempfile.TemporaryFile() as log:
+        control_address = f"127.0.0.1:{free_port()}"
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.router", "--model", tiny_llama_dir,
-                                 "--address", address, "--stats-interval-s", str(POLL_S)],
+                                 "--address", address, "--control-address", control_address,
+                                 "--stats-interval-s", str(POLL_S)],
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
-            rpc.wait_healthy(address, 120, service="pdserve.v1.RouterControl")
-            health = health_pb2_grpc.HealthStub(rpc.make_channel(address))
+            rpc.wait_healthy(control_address, 120, service="pdserve.v1.RouterControl",
+                             peer=ROUTER)
+            health = health_pb2_grpc.HealthStub(rpc.make_channel(address, rpc.PUBLIC))
 
             def status() -> int:
                 return health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
-            ctl = control(address)
+            ctl = control(control_address)
             assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
             prefill = cluster.worker_addresses("prefill")[0]
             decode = cluster.worker_addresses("decode")[0]

@@ -73,7 +73,7 @@ class Stream(threading.Thread):
         req = api_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**SAMPLING[self.i]))
         req.token_ids.ids.extend(PROMPTS[self.i])
         try:
-            with rpc.make_channel(self.router) as ch:
+            with rpc.make_channel(self.router, rpc.PUBLIC) as ch:
                 for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300):
                     self.ids.extend(r.token_ids)
                     self.text += r.text
@@ -100,7 +100,7 @@ def test_decode_worker_killed_mid_stream_loses_no_request_and_changes_no_token(c
                                                                                baseline):
     decode = cluster.worker_addresses("decode")
     resumes = retries_metric(cluster, "resume")
-    before = signals(cluster.router_address)
+    before = signals(cluster.router_control_address)
     streams = [Stream(cluster.router_address, i) for i in range(len(PROMPTS))]
     for s in streams:
         s.start()
@@ -138,14 +138,14 @@ def test_decode_worker_killed_mid_stream_loses_no_request_and_changes_no_token(c
     # Every request the victim was decoding was resumed, once, and counted so.
     resumed = retries_metric(cluster, "resume") - resumes
     assert resumed == counts[victim] >= 1
-    after = signals(cluster.router_address)
+    after = signals(cluster.router_control_address)
     new = after.samples[len(after.samples) - len(PROMPTS):]
     assert all(x.finish == "length" and x.output_tokens == MAX_TOKENS for x in new)
     assert sum(x.retries for x in new) >= resumed
     assert after.retries_total - before.retries_total >= resumed
     # The router notices the dead worker by itself and stops listing it as ACTIVE.
     wait_for("the killed decode worker GONE", lambda: members(
-        cluster.router_address)[victim].state == rpb.MEMBER_STATE_GONE)
+        cluster.router_control_address)[victim].state == rpb.MEMBER_STATE_GONE)
 
 
 def test_prefill_worker_killed_requests_are_prefilled_on_a_decode_worker(cluster, baseline):
@@ -164,8 +164,8 @@ def test_prefill_worker_killed_requests_are_prefilled_on_a_decode_worker(cluster
     # Once it is GONE the prefill pool is empty: a decode worker still serves every request,
     # so health says SERVING.
     wait_for("the killed prefill worker GONE", lambda: members(
-        cluster.router_address)[prefill].state == rpb.MEMBER_STATE_GONE)
-    with rpc.make_channel(cluster.router_address) as ch:
+        cluster.router_control_address)[prefill].state == rpb.MEMBER_STATE_GONE)
+    with rpc.make_channel(cluster.router_address, rpc.PUBLIC) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                        timeout=10).status
     assert status == health_pb2.HealthCheckResponse.SERVING
@@ -174,5 +174,5 @@ def test_prefill_worker_killed_requests_are_prefilled_on_a_decode_worker(cluster
                                                 **SAMPLING[i]), range(3, 6)))
     assert [(ids, text) for ids, text, _, _ in late] == baseline[3:]
     assert retries_metric(cluster, "prefill_fallback") - fallbacks == 6
-    s = signals(cluster.router_address)
+    s = signals(cluster.router_control_address)
     assert all(x.retries >= 1 and x.finish == "length" for x in s.samples[-6:])

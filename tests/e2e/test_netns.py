@@ -17,6 +17,7 @@ import time
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import MASTER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -24,6 +25,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import kvmaster_pb2 as kpb
 from pdserve.proto import kvmaster_pb2_grpc as kpb_grpc
 from pdserve.kvstore.transport.ucx import ucx_available
+from pdserve.security import tls
 from tests.e2e.test_cluster import generate, worker_stats
 from tests.helpers import free_port, start_process, stop_process
 from tests.kvstore.test_dist_store import stop
@@ -59,9 +61,15 @@ def netns():
 
 @pytest.mark.parametrize("transport", ["tcp", "ucx"])
 def test_decode_worker_on_another_host_pulls_kv_over_the_network(netns, tiny_llama_dir, tmp_path,
-                                                                  transport):
-    if transport == "ucx" and not ucx_available():
-        pytest.skip("ucxx is not installed (pip install ucxx-cu12)")
+                                                                  transport, monkeypatch):
+    if transport == "ucx":
+        if not ucx_available():
+            pytest.skip("ucxx is not installed (pip install ucxx-cu12)")
+        # UCX carries KV bytes in plaintext: it runs only in a cluster without internal TLS
+        # (--insecure-internal), so every process here, this one included, runs without.
+        monkeypatch.delenv(tls.TLS_DIR_ENV, raising=False)
+        monkeypatch.setenv(tls.INSECURE_ENV, "1")
+        tls.configure(tls.Insecure())
     ns, host_ip, ns_ip = netns
     py = sys.executable
     procs = []
@@ -76,7 +84,7 @@ def test_decode_worker_on_another_host_pulls_kv_over_the_network(netns, tiny_lla
                                 stdout=subprocess.PIPE, text=True)
         procs.append(node)
         assert node.stdout.readline()
-        with rpc.make_channel(master) as ch:
+        with rpc.make_channel(master, MASTER) as ch:
             stub = kpb_grpc.KVMasterStub(ch)
             deadline = time.monotonic() + 20
             while stub.Stats(kpb.MasterStatsRequest(), timeout=5).nodes_alive < 1:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.proto import common_pb2
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
@@ -25,7 +26,7 @@ def worker(tiny_llama_dir):
                           tiny_llama_dir, "--address", addr, "--store-address", store_addr,
                           "--store-kind", "simple",
                           "--num-blocks", "64"], addr, timeout_s=120)
-    ch = rpc.make_channel(addr)
+    ch = rpc.make_channel(addr, WORKER)
     yield wpb_grpc.WorkerStub(ch)
     ch.close()
     assert stop_process(proc, timeout_s=15) == 0

@@ -29,11 +29,13 @@ import pytest
 
 from pdserve import rpc
 from pdserve.controller.cluster_spec import free_ports
+from pdserve.core.identity import MASTER, WORKER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from tests.e2e.test_cluster import generate
+from tests.e2e.test_ctl import key_only
 
 PROMPT = list(range(700, 740))  # two full blocks: they go through the store
 
@@ -128,7 +130,7 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_leaves_nothing(tiny_llama_
                 max_tokens=len(expected), ignore_eos=True))
             req.token_ids.ids.extend(PROMPT)
             try:
-                with rpc.make_channel(ready["router"]) as ch:
+                with rpc.make_channel(ready["router"], rpc.PUBLIC) as ch:
                     for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60):
                         got.extend(r.token_ids)
                         first.set()
@@ -162,8 +164,9 @@ def test_children_die_with_a_killed_serve(tiny_llama_dir, tmp_path):
                         str(worker_base), "--no-http")
     try:
         assert ready["controller"] == f"127.0.0.1:{controller}" and "http" not in ready
-        assert rpc.wait_healthy(f"127.0.0.1:{store}", timeout_s=10) is None
-        assert rpc.wait_healthy(f"127.0.0.1:{worker_base + 1}", timeout_s=10) is None
+        assert rpc.wait_healthy(f"127.0.0.1:{store}", timeout_s=10, peer=MASTER) is None
+        assert rpc.wait_healthy(f"127.0.0.1:{worker_base + 1}", timeout_s=10,
+                                peer=WORKER) is None
         children = psutil.Process(proc.pid).children(recursive=True)
         names = {c.pid: " ".join(c.cmdline()[:4]) for c in children}
         os.kill(proc.pid, signal.SIGKILL)
@@ -260,8 +263,9 @@ def test_admission_and_key_flags_reach_the_router_and_controller(tiny_llama_dir,
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}
             assert c.post("/completions", json=body, headers=key).status_code == 200
             assert c.post("/completions", json=body, headers=key).status_code == 429  # burst 1
-        env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ADMIN_KEY"}
-        status = [sys.executable, "-m", "pdserve.cli", "ctl", "--address", ready["controller"]]
+        env, flags = key_only()  # an operator with no certificate: the key alone speaks
+        status = [sys.executable, "-m", "pdserve.cli", "ctl", "--address", ready["controller"],
+                  *flags]
         refused = subprocess.run([*status, "status"], env=env, capture_output=True, text=True,
                                  timeout=120)
         assert refused.returncode != 0 and "admin key" in refused.stdout + refused.stderr

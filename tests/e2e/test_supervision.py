@@ -26,6 +26,7 @@ from pdserve import rpc
 from pdserve.controller.cluster_spec import free_ports
 from pdserve.controller.launcher import LocalCluster
 from pdserve.controller.supervisor import RestartPolicy
+from pdserve.core.identity import CONTROLLER, MASTER, ROUTER, WORKER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -106,9 +107,9 @@ def serves(cluster, expected, phase: str) -> None:
 def test_a_killed_worker_is_restarted_and_rejoins_the_router(cluster, expected):
     prefill = cluster.worker_addresses("prefill")[0]
     kill_and_wait_restart(cluster, "prefill-0", "worker")
-    rpc.wait_healthy(prefill, timeout_s=120)
+    rpc.wait_healthy(prefill, timeout_s=120, peer=WORKER)
     wait_for("the restarted worker ACTIVE again", lambda: members(
-        cluster.router_address)[prefill].state == rpb.MEMBER_STATE_ACTIVE)
+        cluster.router_control_address)[prefill].state == rpb.MEMBER_STATE_ACTIVE)
     serves(cluster, expected, "worker")
     assert worker_stats(prefill).requests_finished == 1  # the new process prefilled it
     assert metric(cluster, "pdserve:process_restarts_total", kind="worker") == 1.0
@@ -117,8 +118,9 @@ def test_a_killed_worker_is_restarted_and_rejoins_the_router(cluster, expected):
 
 def test_a_killed_router_is_restarted_with_the_workers(cluster, expected):
     kill_and_wait_restart(cluster, "router", "router")
-    rpc.wait_healthy(cluster.router_address, timeout_s=60)
-    roles = {a: m.role for a, m in members(cluster.router_address).items()
+    rpc.wait_healthy(cluster.router_address, timeout_s=60, peer=rpc.PUBLIC)
+    rpc.wait_healthy(cluster.router_control_address, timeout_s=60, peer=ROUTER)
+    roles = {a: m.role for a, m in members(cluster.router_control_address).items()
              if m.state == rpb.MEMBER_STATE_ACTIVE}
     assert sorted(roles) == sorted(c.address for c in cluster.children if c.kind == "worker")
     serves(cluster, expected, "router")
@@ -131,7 +133,7 @@ def node_ready_lines(cluster) -> int:
 
 
 def master_stats(cluster) -> kpb.MasterStatsResponse:
-    with rpc.make_channel(cluster.store_address) as ch:
+    with rpc.make_channel(cluster.store_address, MASTER) as ch:
         return kpb_grpc.KVMasterStub(ch).Stats(kpb.MasterStatsRequest(), timeout=10)
 
 
@@ -145,7 +147,7 @@ def test_a_killed_storage_node_is_restarted_and_registers_again(cluster, expecte
 
 def test_a_killed_store_master_is_restarted_from_its_journal(cluster, expected):
     kill_and_wait_restart(cluster, "kvmaster", "master")
-    rpc.wait_healthy(cluster.store_address, timeout_s=60)
+    rpc.wait_healthy(cluster.store_address, timeout_s=60, peer=MASTER)
     wait_for("the node alive at the restarted master",
              lambda: master_stats(cluster).nodes_alive == 1)
     serves(cluster, expected, "master")
@@ -154,7 +156,7 @@ def test_a_killed_store_master_is_restarted_from_its_journal(cluster, expected):
 
 def test_a_killed_controller_is_restarted(cluster, expected):
     kill_and_wait_restart(cluster, "controller", "controller")
-    rpc.wait_healthy(cluster.controller_address, timeout_s=60)
+    rpc.wait_healthy(cluster.controller_address, timeout_s=60, peer=CONTROLLER)
     serves(cluster, expected, "controller")
     assert metric(cluster, "pdserve:process_restarts_total", kind="controller") == 1.0
     assert cluster.restarts == dict.fromkeys(("worker", "router", "node", "master",

@@ -47,7 +47,7 @@ class FuzzTarget:
 def reference_generation(address: str) -> tuple[list[int], str]:
     req = api_pb2.GenerateRequest(prompt=PROMPT, sampling=common_pb2.SamplingParams(
         max_tokens=8, ignore_eos=True))
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, rpc.PUBLIC) as ch:
         out = list(api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=120))
     return [t for r in out for t in r.token_ids], "".join(r.text for r in out)
 
@@ -60,7 +60,7 @@ def http_reference(base: str) -> str:
 
 
 def assert_still_healthy(target: FuzzTarget) -> None:
-    with rpc.make_channel(target.address) as ch:
+    with rpc.make_channel(target.address, rpc.PUBLIC) as ch:
         for service in ("", "pdserve.v1.Generation"):
             status = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=10).status
@@ -78,7 +78,7 @@ def fuzz_target(tiny_llama_dir):
     with LocalCluster(spec) as cluster:
         ids, text = reference_generation(cluster.router_address)
         assert len(ids) == 8 and text
-        with rpc.make_channel(cluster.router_address) as ch:
+        with rpc.make_channel(cluster.router_address, rpc.PUBLIC) as ch:
             name = api_pb2_grpc.GenerationStub(ch).ListModels(
                 api_pb2.ListModelsRequest(), timeout=30).models[0].id
         target = FuzzTarget(cluster, grpc_receive_bytes(MAX_BODY_BYTES), ids, text, name)

@@ -147,7 +147,7 @@ def _field_of(details: str) -> str:
 
 @pytest.fixture(scope="module")
 def generate(fuzz_target):
-    with rpc.make_channel(fuzz_target.address) as channel:
+    with rpc.make_channel(fuzz_target.address, rpc.PUBLIC) as channel:
         yield channel.unary_stream(METHOD)  # raw bytes in, raw bytes out
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import MASTER
 from pdserve.kvstore.dist_client import DistStoreClient, DistStoreError, ObjectNotFound
 from pdserve.kvstore.transport.base import Extent
 from pdserve.kvstore.transport.shm import ShmTransport
@@ -39,7 +40,7 @@ def start_master(address: str, journal_dir: str, *extra: str) -> subprocess.Pope
                           "--journal-dir", journal_dir, "--node-timeout-s", "3",
                           "--tick-s", "0.2", *extra], env=_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE)
-    rpc.wait_healthy(address, timeout_s=30)
+    rpc.wait_healthy(address, timeout_s=30, peer=MASTER)
     return p
 
 
@@ -216,7 +217,7 @@ def test_event_stream_reports_stored_and_removed_objects(cluster):
         wait_nodes(client, 2)
         client.put_from("watched", payload(1, 4096))
         client.remove("watched")
-        with rpc.make_channel(master) as ch:
+        with rpc.make_channel(master, MASTER) as ch:
             stream = pb_grpc.KVMasterStub(ch).WatchEvents(pb.WatchEventsRequest(after_seq=0),
                                                           timeout=10)
             seen = []

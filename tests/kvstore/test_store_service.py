@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from pdserve import rpc
+from pdserve.core.identity import MASTER
 from pdserve.kvstore import service
 from pdserve.kvstore.__main__ import main as store_main
 from pdserve.kvstore.client import (
@@ -136,7 +137,7 @@ def test_full_store_evicts_and_oversized_put_is_refused(client) -> None:
 
 
 def test_bad_requests_get_clear_status_and_the_store_keeps_serving(store_address) -> None:
-    with rpc.make_channel(store_address) as channel:
+    with rpc.make_channel(store_address, MASTER) as channel:
         stub = kvstore_pb2_grpc.KVStoreStub(channel)
         data = b"abc"
         bad = kvstore_pb2.PutRequest(key="k", data=data,
@@ -152,7 +153,7 @@ def test_bad_requests_get_clear_status_and_the_store_keeps_serving(store_address
 
 
 def test_health_and_reflection_list_the_store(store_address) -> None:
-    with rpc.make_channel(store_address) as channel:
+    with rpc.make_channel(store_address, MASTER) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         status = health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.KVStore"))
         assert status.status == health_pb2.HealthCheckResponse.SERVING

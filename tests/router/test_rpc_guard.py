@@ -50,13 +50,13 @@ def _add_counter(servicer, server) -> None:
 def served():
     server = rpc.make_server(4)
     echo = _Echo()
-    rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, echo)
-    rpc.add_servicer(server, _add_counter, None)
+    rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, echo, None)
+    rpc.add_servicer(server, _add_counter, None, None)
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     server.start()
     try:
-        with rpc.make_channel(address) as channel:
+        with rpc.make_channel(address, rpc.PUBLIC) as channel:
             yield channel, echo
     finally:
         server.stop(grace=None)
@@ -110,12 +110,12 @@ def test_valid_requests_reach_the_servicer_through_both_paths(served):
 
 def test_the_receive_bound_refuses_larger_messages_with_resource_exhausted():
     server = rpc.make_server(2, max_receive_message_bytes=1024)
-    rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, _Echo())
+    rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, _Echo(), None)
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     server.start()
     try:
-        with rpc.make_channel(address) as channel:
+        with rpc.make_channel(address, rpc.PUBLIC) as channel:
             stub = api_pb2_grpc.GenerationStub(channel)
             assert list(stub.Generate(api_pb2.GenerateRequest(prompt="x" * 900), timeout=10))
             with pytest.raises(grpc.RpcError) as e:

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.decode_worker.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
@@ -66,11 +67,11 @@ def worker(tiny_llama_dir):
     service = WorkerService(loop, prefill, DecodeRole(loop, store, poll_s=0.02),
                             wpb.ROLE_DECODE, MODEL)
     server = rpc.make_server(8)
-    wpb_grpc.add_WorkerServicer_to_server(service, server)
+    rpc.add_servicer(server, wpb_grpc.add_WorkerServicer_to_server, service, rpc.Guard(WORKER))
     address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
+    rpc.bind(server, address, WORKER)
     server.start()
-    channel = rpc.make_channel(address)
+    channel = rpc.make_channel(address, WORKER)
     yield wpb_grpc.WorkerStub(channel), service, slow, loop
     slow.delay_s = 0.0
     channel.close()

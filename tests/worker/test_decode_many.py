@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.engine.sampling import SamplingParams
 from pdserve.proto import common_pb2
 from pdserve.proto import worker_pb2 as wpb
@@ -27,7 +28,7 @@ from tests.worker.test_local_prefill import (  # noqa: F401  (fixtures)
 @pytest.fixture(scope="module")
 def worker(tiny_llama_dir, store):
     p, addr = start_worker(tiny_llama_dir, store, "decode")
-    ch = rpc.make_channel(addr)
+    ch = rpc.make_channel(addr, WORKER)
     yield addr, wpb_grpc.WorkerStub(ch), p
     ch.close()
     if p.poll() is None:
@@ -131,7 +132,7 @@ def test_a_deadline_ends_the_request_and_frees_it_on_the_worker(worker):
 
 def test_a_worker_that_dies_ends_every_request_on_its_stream_unavailable(tiny_llama_dir, store):
     p, addr = start_worker(tiny_llama_dir, store, "decode")
-    ch = rpc.make_channel(addr)
+    ch = rpc.make_channel(addr, WORKER)
     muxes = DecodeMuxes()
     try:
         stub = wpb_grpc.WorkerStub(ch)

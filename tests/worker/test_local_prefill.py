@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -55,7 +56,7 @@ def start_worker(model: str, store: str, role: str, *extra: str):
 @pytest.fixture(scope="module")
 def decode_worker(tiny_llama_dir, store):
     p, addr = start_worker(tiny_llama_dir, store, "decode", "--metrics-port", "0")
-    ch = rpc.make_channel(addr)
+    ch = rpc.make_channel(addr, WORKER)
     yield wpb_grpc.WorkerStub(ch), p
     ch.close()
     assert stop_process(p, timeout_s=15) == 0
@@ -213,7 +214,7 @@ def test_bad_chunk_and_the_prefill_role_are_refused(stub, tiny_llama_dir, store)
     assert "prefill_chunk_tokens" in err.value.details()
     p, addr = start_worker(tiny_llama_dir, store, "prefill")
     try:
-        with rpc.make_channel(addr) as ch:
+        with rpc.make_channel(addr, WORKER) as ch:
             with pytest.raises(grpc.RpcError) as err:
                 collect(local_decode(wpb_grpc.WorkerStub(ch), "x", prompt(5, seed=6),
                                      max_tokens=2))
@@ -284,7 +285,7 @@ def test_a_prompt_prefilled_here_is_a_prefix_hit_for_any_prefill_worker(
     assert stats(stub).kv_blocks_put - before == full
     p, addr = start_worker(tiny_llama_dir, store, "prefill")
     try:
-        with rpc.make_channel(addr) as ch:
+        with rpc.make_channel(addr, WORKER) as ch:
             w = wpb_grpc.WorkerStub(ch)
             r = w.Prefill(wpb.PrefillRequest(
                 request_id="again", prompt_token_ids=ids,

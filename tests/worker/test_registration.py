@@ -18,6 +18,7 @@ import pytest
 
 from pdserve import rpc
 from pdserve.core.errors import ConfigError
+from pdserve.core.identity import ROUTER, WORKER
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
@@ -37,8 +38,11 @@ class RecordingRouter(rpb_grpc.RouterControlServicer):
         self.calls: list[tuple[str, int]] = []
         self._cond = threading.Condition()
         self.server = rpc.make_server(4)
-        rpb_grpc.add_RouterControlServicer_to_server(self, self.server)
-        self.server.add_insecure_port(address)
+        # As the router's control listener: TLS without client certificates, each call
+        # authenticated (the worker proves its certificate per call).
+        rpc.add_servicer(self.server, rpb_grpc.add_RouterControlServicer_to_server, self,
+                         rpc.Guard(ROUTER, rpc.CONTROL))
+        rpc.bind(self.server, address, ROUTER, rpc.CONTROL)
         self.server.start()
 
     def RegisterWorker(self, request, context):
@@ -75,7 +79,7 @@ def setup(tiny_llama_dir):
                             "--num-blocks", "32", "--threads", "1",
                             "--register-with", f"{router_addr}, 127.0.0.1:{free_port()}"],
                            f"127.0.0.1:{port}", timeout_s=120)
-    ch = rpc.make_channel(f"127.0.0.1:{port}")
+    ch = rpc.make_channel(f"127.0.0.1:{port}", WORKER)
     yield router_addr, f"127.0.0.1:{port}", wpb_grpc.WorkerStub(ch), worker
     ch.close()
     assert stop_process(worker, timeout_s=15) == 0

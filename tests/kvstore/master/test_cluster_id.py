@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import MASTER
 from pdserve.kvstore.channel import cluster_mismatch, leader_hint
 from pdserve.kvstore.dist_client import ClusterRefused, DistStoreClient
 from pdserve.kvstore.master import ClusterIdConflict, MasterConfig, MasterCore
@@ -54,7 +55,7 @@ def test_mismatch_rule():
 
 
 def leader_info(address: str) -> pb.GetLeaderResponse:
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, MASTER) as ch:
         return pb_grpc.KVMasterStub(ch).GetLeader(pb.GetLeaderRequest(), timeout=5)
 
 
@@ -104,7 +105,7 @@ def start_ha(address: str, redis_port: int, cluster_id: str) -> subprocess.Popen
                           "--redis-url", f"redis://127.0.0.1:{redis_port}",
                           "--leader-lease-s", "2", "--tick-s", "0.2", "--cluster-id", cluster_id],
                          env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    rpc.wait_healthy(address, timeout_s=30)
+    rpc.wait_healthy(address, timeout_s=30, peer=MASTER)
     return p
 
 
@@ -118,7 +119,7 @@ def test_ha_standby_names_the_leader_and_refuses_a_journal_of_another_cluster(re
             time.sleep(0.05)
         assert leader_info(addrs[0]).cluster_id == "green"  # claimed in the Redis journal
         procs.append(start_ha(addrs[1], redis_server, "blue"))
-        with rpc.make_channel(addrs[1]) as ch:
+        with rpc.make_channel(addrs[1], MASTER) as ch:
             with pytest.raises(grpc.RpcError) as e:
                 pb_grpc.KVMasterStub(ch).Stats(pb.MasterStatsRequest(), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE

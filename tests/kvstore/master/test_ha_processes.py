@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from pdserve import rpc
+from pdserve.core.identity import MASTER
 from pdserve.kvstore.dist_client import DistStoreClient, DistStoreError
 from pdserve.proto import kvmaster_pb2 as pb
 from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
@@ -28,7 +29,7 @@ def start_ha_master(address: str, redis_port: int, log_dir) -> subprocess.Popen:
                           "--leader-lease-s", "2", "--tick-s", "0.2"],
                          env=_env(), stdout=subprocess.DEVNULL,
                          stderr=open(log_dir / f"master-{address.split(':')[1]}.log", "w"))
-    rpc.wait_healthy(address, timeout_s=30)
+    rpc.wait_healthy(address, timeout_s=30, peer=MASTER)
     return p
 
 
@@ -40,7 +41,7 @@ def wait_for(cond, timeout_s: float = 20.0) -> None:
 
 
 def is_leader(address: str) -> bool:
-    with rpc.make_channel(address) as ch:
+    with rpc.make_channel(address, MASTER) as ch:
         return pb_grpc.KVMasterStub(ch).GetLeader(pb.GetLeaderRequest(), timeout=5).is_leader
 
 
