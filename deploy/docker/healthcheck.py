@@ -4,8 +4,11 @@ Owns finding what to probe from the pdserve process's command line and environme
 `find_pdserve` over the container's command lines, `probe_for` over one of them) and probing it
 once: the standard gRPC health service of `pdserve serve` (its router, `--host`/`--port`) and of
 `pdserve master|worker|router|controller` (`--address`, or `PDSERVE_<KIND>_ADDRESS`, the command
-line winning as in `pdserve.entrypoints`); a TCP connect to a storage node's `--data-address`
-(a node serves no gRPC). `PDSERVE_HEALTH_ADDRESS=host:port` names the gRPC address outright.
+line winning as in `pdserve.entrypoints`), over the cluster's mutual TLS with the process's own
+certificate (`--tls-dir`, `PDSERVE_<KIND>_TLS_DIR` or `PDSERVE_TLS_DIR`) unless it runs with
+`--insecure-internal`; its plaintext `--health-address` when it has one; a TCP connect to a
+storage node's `--data-address` (a node without a health address serves no gRPC).
+`PDSERVE_HEALTH_ADDRESS=host:port` names a plaintext gRPC health address outright.
 Exits 0 when healthy, 1 otherwise, with one line saying what was probed and what it answered.
 
 Must not start, stop or signal any process, retry or sleep (Docker's `--retries` and `--interval`
@@ -39,6 +42,9 @@ class Probe:
     how: str  # "grpc" (standard health, service ""), "tcp" (connect), "alive" (process found)
     address: str  # host:port to probe; "" for "alive"
     why: str  # where the address came from, for the report line
+    # Mutual TLS: (the TLS folder, the process's kind) whose ca.crt and <kind>.crt/.key the
+    # probe presents, checking the server is that kind; None: plaintext.
+    tls: tuple[str, str] | None = None
 
 
 def find_pdserve(cmdlines: Mapping[int, Sequence[str]]) -> tuple[int, str, list[str]] | None:
@@ -66,6 +72,12 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def _setting(kind: str, args: Sequence[str], env: Mapping[str, str], name: str) -> str | None:
+    """A flag's value from the command line, else `PDSERVE_<KIND>_<NAME>` (entrypoints' rule)."""
+    value = flag_value(args, "--" + name.lower().replace("_", "-"))
+    return value if value is not None else env.get(f"PDSERVE_{kind.upper()}_{name}")
+
+
 def _local(address: str) -> str:
     """`address` with a wildcard host replaced by loopback (where a probe inside reaches it)."""
     host, sep, port = address.rpartition(":")
@@ -85,7 +97,11 @@ def probe_for(kind: str, args: Sequence[str], env: Mapping[str, str]) -> Probe:
         default_host, default_port = DEFAULT_ADDRESS["serve"].rsplit(":", 1)
         host = flag_value(args, "--host") or default_host
         port = flag_value(args, "--port") or default_port
-        return Probe("grpc", _local(f"{host}:{port}"), "serve --host/--port (the router)")
+        how = "tcp" if flag_value(args, "--tls-cert") else "grpc"  # its own TLS: a connect
+        return Probe(how, _local(f"{host}:{port}"), "serve --host/--port (the router)")
+    health = _setting(kind, args, env, "HEALTH_ADDRESS")
+    if health:
+        return Probe("grpc", _local(health), "--health-address (plaintext health)")
     flag = "--data-address" if kind == "node" else "--address"
     variable = f"PDSERVE_{kind.upper()}_{flag[2:].upper().replace('-', '_')}"
     address, why = flag_value(args, flag), flag
@@ -98,7 +114,16 @@ def probe_for(kind: str, args: Sequence[str], env: Mapping[str, str]) -> Probe:
         if address.endswith(":0"):
             return Probe("alive", "", "a node on a data port chosen at start")
         return Probe("tcp", address, why)
-    return Probe("grpc", address, why)
+    if kind == "router":  # --address is its client port: plaintext unless it has its own TLS
+        how = "tcp" if _setting(kind, args, env, "TLS_CERT") else "grpc"
+        return Probe(how, address, why)
+    insecure = "--insecure-internal" in args or env.get(
+        f"PDSERVE_{kind.upper()}_INSECURE_INTERNAL") is not None or env.get(
+        "PDSERVE_INSECURE_INTERNAL", "").lower() in ("1", "true", "yes")
+    folder = _setting(kind, args, env, "TLS_DIR") or env.get("PDSERVE_TLS_DIR")
+    if insecure or not folder:
+        return Probe("grpc", address, why)
+    return Probe("grpc", address, f"{why}, mutual TLS", (folder, kind))
 
 
 def _cmdlines() -> dict[int, list[str]]:
@@ -125,11 +150,32 @@ def _environ(pid: int) -> dict[str, str]:
     return {k: v for k, _, v in pairs}
 
 
-def _grpc_health(address: str, timeout_s: float) -> tuple[bool, str]:
+def _channel(address: str, tls: tuple[str, str] | None):
+    import grpc
+
+    if tls is None:
+        return grpc.insecure_channel(address)
+    folder, kind = tls
+
+    def read(name: str) -> bytes:
+        with open(os.path.join(folder, name), "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(read("ca.crt"), read(f"{kind}.key"), read(f"{kind}.crt"))
+    return grpc.secure_channel(address, creds, options=[
+        ("grpc.ssl_target_name_override", f"{kind}.pdserve.internal")])
+
+
+def _grpc_health(address: str, timeout_s: float,
+                 tls: tuple[str, str] | None = None) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    try:
+        channel = _channel(address, tls)
+    except OSError as e:
+        return False, f"cannot read the TLS folder: {e.strerror} ({e.filename})"
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
@@ -168,7 +214,7 @@ def main() -> int:
     elif probe.how == "tcp":
         ok, answer = _tcp(probe.address, timeout_s)
     else:
-        ok, answer = _grpc_health(probe.address, timeout_s)
+        ok, answer = _grpc_health(probe.address, timeout_s, probe.tls)
     where = f" {probe.how} {probe.address}" if probe.address else ""
     print(f"{'healthy' if ok else 'unhealthy'}: pdserve {kind} (pid {pid}){where} "
           f"({probe.why}): {answer}")
