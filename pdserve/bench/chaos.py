@@ -82,7 +82,7 @@ def pick_victim(cluster, fault: str) -> str:
         for c in cluster.children:
             if not (c.name.startswith("prefill-") or c.name.startswith("decode-")):
                 continue
-            with rpc.make_channel(c.address) as ch:
+            with rpc.make_channel(c.address, "worker") as ch:
                 role = wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=10).role
             if role == want:
                 live.append(c.name)
@@ -105,7 +105,8 @@ def _healthy(cluster, name: str) -> bool:
         except OSError:
             return False
     try:
-        rpc.wait_healthy(c.address, timeout_s=1.0)
+        # A router answers on its control listener (its client port may be TLS of its own).
+        rpc.wait_healthy(c.probe, timeout_s=1.0)
         return True
     except TimeoutError:
         return False

@@ -99,7 +99,7 @@ class StreamClient(threading.Thread):
 
     def _attempt(self) -> None:
         seen = 0  # tokens of this attempt
-        with rpc.make_channel(self.router) as ch:
+        with rpc.make_channel(self.router, rpc.PUBLIC) as ch:
             stream = api_pb2_grpc.GenerationStub(ch).Generate(
                 self.spec.message(), timeout=max(0.1, self.deadline_s - time.monotonic()))
             for r in stream:
@@ -153,7 +153,7 @@ class HealthProbe:
         req = health_pb2.HealthCheckRequest(service="")
         while not self._stop.is_set():
             try:
-                with rpc.make_channel(self.address) as ch:
+                with rpc.make_channel(self.address, rpc.PUBLIC) as ch:
                     while not self._stop.is_set():
                         try:
                             r = health_pb2_grpc.HealthStub(ch).Check(req, timeout=1.0)

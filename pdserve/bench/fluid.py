@@ -136,7 +136,7 @@ class Replay:
         from pdserve import rpc
         from pdserve.proto import api_pb2_grpc
 
-        with rpc.make_channel(self.address) as ch:
+        with rpc.make_channel(self.address, rpc.PUBLIC) as ch:
             stub = api_pb2_grpc.GenerationStub(ch)
             t0 = time.monotonic() + 0.5
             threads = []
@@ -157,7 +157,7 @@ def _roles_sampler(router: str, stop: threading.Event, out: list, t0: float) -> 
     from pdserve.proto import router_pb2_grpc as rpb_grpc
     from pdserve.proto import worker_pb2 as wpb
 
-    with rpc.make_channel(router) as ch:
+    with rpc.make_channel(router, "router") as ch:
         stub = rpb_grpc.RouterControlStub(ch)
         while not stop.wait(0.5):
             try:
@@ -200,7 +200,8 @@ def run_config(name: str, s: FluidBenchSettings, model: str, reqs, log_dir: str,
         stop, timeline = threading.Event(), []
         t0 = time.monotonic()
         sampler = threading.Thread(target=_roles_sampler,
-                                   args=(cluster.router_address, stop, timeline, t0),
+                                   args=(cluster.router_control_address, stop, timeline,
+                                         t0),
                                    daemon=True)
         sampler.start()
         replay = Replay(cluster.router_address, reqs, s.request_timeout_s, on_done)

@@ -78,39 +78,67 @@ def _put_retrying(client, key: str, view) -> None:
             time.sleep(0.02)
 
 
+def client_round(client, src: np.ndarray, dst: np.ndarray, label: str,
+                 check: bool) -> tuple[float, float]:
+    """One round of put_from (fresh key), get_into, remove through one DistStoreClient: the
+    seconds of the put and of the get, each end to end (master calls, transport, checksum).
+    The remove keeps the node's segment from filling; it is not timed. `check`: compare every
+    byte read (else only the count)."""
+    key = _unique(f"bw-{label}-{src.size}")
+    t0 = time.perf_counter()
+    _put_retrying(client, key, src)
+    put = time.perf_counter() - t0
+    dst[:16] = 0
+    t0 = time.perf_counter()
+    n = client.get_into(key, dst)
+    get = time.perf_counter() - t0
+    if n != src.size or (check and not np.array_equal(src, dst)):
+        raise MeasureError(f"{label}: get_into of {src.size} bytes returned other bytes")
+    client.remove(key)
+    return put, get
+
+
 def client_rounds(client, src: np.ndarray, dst: np.ndarray, repeats: int,
                   label: str) -> dict[str, list[float]]:
-    """`repeats` rounds of put_from (fresh key), get_into, remove through one DistStoreClient.
-
-    Timed: put_from and get_into, each end to end (master calls, transport, crc32). The remove
-    between rounds keeps the node's segment from filling; it is not timed.
-    """
+    """`repeats` rounds of `client_round`, the first checked byte for byte."""
     put, get = [], []
     for r in range(repeats):
-        key = _unique(f"bw-{label}-{src.size}-{r}")
-        t0 = time.perf_counter()
-        _put_retrying(client, key, src)
-        put.append(time.perf_counter() - t0)
-        dst[:16] = 0
-        t0 = time.perf_counter()
-        n = client.get_into(key, dst)
-        get.append(time.perf_counter() - t0)
-        if n != src.size or (r == 0 and not np.array_equal(src, dst)):
-            raise MeasureError(f"{label}: get_into of {src.size} bytes returned other bytes")
-        client.remove(key)
+        p, g = client_round(client, src, dst, label, check=r == 0)
+        put.append(p)
+        get.append(g)
     return {"put_s": put, "get_s": get}
 
 
-def reserve_extent(master_address: str, size: int) -> tuple[Extent, Callable[[], None]]:
+def raw_round(transport, extent: Extent, src: np.ndarray, dst: np.ndarray,
+              check: bool) -> tuple[float, float]:
+    """One write and one read_into of `src.size` bytes at the start of `extent` (no master, no
+    checksum): their seconds. `check`: compare every byte read back."""
+    target = extent.sub(0, src.size)
+    s, d = memoryview(src), memoryview(dst)
+    dst[:16] = 0
+    t0 = time.perf_counter()
+    transport.write(target, s)
+    put = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    transport.read_into(target, d)
+    get = time.perf_counter() - t0
+    if check and not np.array_equal(src, dst):
+        raise MeasureError(f"{transport.kind}: read back of {src.size} bytes differs")
+    return put, get
+
+
+def reserve_extent(master_address: str, size: int, security=None
+                   ) -> tuple[Extent, Callable[[], None]]:
     """An extent of `size` bytes on the node, reserved through the master (a put that is started
     and never committed), so raw transport writes land on space nobody else uses. Returns the
-    extent and the call that gives it back (PutAbort)."""
+    extent and the call that gives it back (PutAbort). `security`: how to call the master
+    (default: this process's internal TLS)."""
     from pdserve import rpc
     from pdserve.proto import kvmaster_pb2 as pb
     from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
 
     key = _unique("bench-raw-extent")
-    channel = rpc.make_channel(master_address)
+    channel = rpc.make_channel(master_address, "master", security_=security)
     stub = pb_grpc.KVMasterStub(channel)
     start = stub.PutStart(pb.PutStartRequest(key=key, size_bytes=size, checksum=0, replicas=1),
                           timeout=30)

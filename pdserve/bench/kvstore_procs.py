@@ -1,9 +1,12 @@
 """The processes behind `pdserve bench kvstore`: a pdserve store (master + node), redis-server.
 
-Owns starting them on free loopback ports, waiting until they serve, and stopping them (SIGTERM,
-then kill) however the benchmark ends. Children log to temporary files, never to pipes a full
-buffer could block, and their stderr tail goes into the error when one fails to start. Must not
-time anything or interpret results.
+Owns starting them on free ports (loopback, or a given address), waiting until they serve, and
+stopping them (SIGTERM, then kill) however the benchmark ends. A store's children get the
+internal-TLS setting they are told (`security.cli.forward`: `--tls-dir DIR` or
+`--insecure-internal`), and the command lines they really run with are read back from the
+system for the document. Children log to temporary files, never to pipes a full buffer could
+block, and their stderr tail goes into the error when one fails to start. Must not time
+anything or interpret results.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from typing import IO
 
 from pdserve import rpc
+from pdserve.security import cli as security_cli
+from pdserve.security import tls
 
 START_TIMEOUT_S = 60.0
 
@@ -91,19 +97,47 @@ class Child:
             self._stdout_file.close()
 
 
+def cmdline(pid: int) -> list[str]:
+    """The command line process `pid` runs with, as the system reports it ([] if gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        import psutil
+
+        try:
+            return psutil.Process(pid).cmdline()
+        except psutil.Error:
+            return []
+
+
 class PdserveStore:
     """A store master (file journal in a temporary directory) and one storage node.
 
     `lease_s` is the master's read lease: short, so that objects removed between rounds give
-    their bytes back quickly (a removed object's bytes wait for its lease to end).
+    their bytes back quickly (a removed object's bytes wait for its lease to end). `security`:
+    the internal TLS both run with and this process calls them with (default: this process's
+    setting); UCX (`ucx`) only without TLS, as the node refuses it otherwise. `host`: the
+    address the master listens on; `node_prefix` runs the node under a command (`ip netns exec
+    NS`) and `data_host` is the address its data server binds there.
     """
 
     def __init__(self, node_dram_bytes: int, host_id: str | None = None, lease_s: float = 0.2,
-                 ucx: bool = False):
+                 ucx: bool = False, security: tls.Security | None = None,
+                 host: str = "127.0.0.1", node_prefix: tuple[str, ...] = (),
+                 data_host: str | None = None, name: str = "store"):
         self.node_dram_bytes = node_dram_bytes
+        self.security = security if security is not None else tls.current()
+        if ucx and not self.security.insecure:
+            raise ValueError("a node serves UCX only with internal TLS off (--insecure-internal)")
         self.ucx = ucx  # the node also serves its segment over UCX
         self.host_id = host_id or socket.gethostname()
         self.lease_s = lease_s
+        self.host, self.node_prefix, self.data_host = host, tuple(node_prefix), data_host
+        self.name = name
+        # Unique: a node removes segment files of its own id left by an earlier incarnation,
+        # so two stores (or two runs) on one machine must never share one.
+        self.node_id = f"bench-{uuid.uuid4().hex[:12]}"
         self.master_address = ""
         self.node_info: dict = {}
         self._journal: tempfile.TemporaryDirectory | None = None
@@ -111,19 +145,23 @@ class PdserveStore:
 
     def start(self) -> PdserveStore:
         self._journal = tempfile.TemporaryDirectory(prefix="pdserve-bench-journal-")
-        self.master_address = f"127.0.0.1:{free_port()}"
-        master = Child("store master", [
+        self.master_address = f"{self.host}:{free_port()}"
+        flags = security_cli.forward(self.security)
+        master = Child(f"{self.name} master", [
             sys.executable, "-m", "pdserve.kvstore.master", "--address", self.master_address,
-            "--journal-dir", self._journal.name, "--lease-s", str(self.lease_s)])
+            "--journal-dir", self._journal.name, "--lease-s", str(self.lease_s), *flags])
         self._children.append(master)
         try:
-            rpc.wait_healthy(self.master_address, timeout_s=START_TIMEOUT_S)
+            rpc.wait_healthy(self.master_address, timeout_s=START_TIMEOUT_S,
+                             peer="master", security_=self.security)
         except Exception as e:
             raise master.failed(f"not healthy on {self.master_address}: {e}") from None
-        node = Child("storage node", [
-            sys.executable, "-m", "pdserve.kvstore.node", "--node-id", "bench0",
-            "--host-id", self.host_id, "--dram-bytes", str(self.node_dram_bytes),
-            "--master", self.master_address, *(["--ucx-port", "0"] if self.ucx else [])],
+        node = Child(f"{self.name} node", [
+            *self.node_prefix, sys.executable, "-m", "pdserve.kvstore.node",
+            "--node-id", self.node_id, "--host-id", self.host_id,
+            "--dram-bytes", str(self.node_dram_bytes), "--master", self.master_address,
+            *(["--data-address", f"{self.data_host}:0"] if self.data_host else []),
+            *(["--ucx-port", "0"] if self.ucx else []), *flags],
             stdout=subprocess.PIPE)
         self._children.append(node)
         line = node.proc.stdout.readline() if node.proc.stdout else b""
@@ -131,6 +169,17 @@ class PdserveStore:
             raise node.failed("printed no ready line")
         self.node_info = json.loads(line)
         return self
+
+    def processes(self) -> list[dict]:
+        """Each child's name, pid and the command line the system says it runs with (the node's
+        own, from its ready line, under a `node_prefix`)."""
+        out = []
+        for child in self._children:
+            pid = child.proc.pid
+            if child is self._children[-1] and self.node_info.get("pid"):
+                pid = self.node_info["pid"]
+            out.append({"name": child.name, "pid": pid, "cmdline": cmdline(pid)})
+        return out
 
     def wait_registered(self, client, timeout_s: float = START_TIMEOUT_S) -> None:
         """Blocks until the master counts the node alive (it registers in the background)."""

@@ -160,3 +160,12 @@ def replay(requests: Sequence[tuple[float, list[str]]], capacity_blocks: int, ob
             "put_already_stored": already, "put_no_space": nospace,
             "evictions": stats.evictions, "objects_at_end": stats.objects,
             "replay_s": time.perf_counter() - t0}
+
+
+def replay_with_lru(requests: Sequence[tuple[float, list[str]]], capacity_blocks: int,
+                    object_bytes: int, on_request: Callable[[], None] | None = None) -> dict:
+    """`replay` at one capacity, with the exact LRU's hit blocks beside it (`lru_hit_blocks`);
+    a top-level function, so that a process pool can run one capacity each."""
+    row = replay(requests, capacity_blocks, object_bytes, on_request=on_request)
+    row["lru_hit_blocks"] = lru_hits(requests, capacity_blocks)
+    return row

@@ -57,7 +57,7 @@ class Replay:
         from pdserve import rpc
         from pdserve.proto import api_pb2_grpc
 
-        with rpc.make_channel(self.address) as ch, \
+        with rpc.make_channel(self.address, rpc.PUBLIC) as ch, \
                 ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="replay") as pool:
             stub = api_pb2_grpc.GenerationStub(ch)
             t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def worker_stats(addresses: list[str]) -> list[Any]:
 
     out = []
     for a in addresses:
-        with rpc.make_channel(a) as ch:
+        with rpc.make_channel(a, "worker") as ch:
             out.append(wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=60))
     return out
 

@@ -1,13 +1,15 @@
 """`pdserve bench serve`: the cluster under an OpenAI streaming workload, against its ceiling.
 
 Owns one run on this machine, in order: a cluster started as `pdserve serve` starts it (store,
-prefill and decode workers, router with its HTTP API, controller), the workload (`serve_workload`:
-ShareGPT chats, greedy, `ignore_eos`, at each concurrency; or a trace replayed open loop) sent
-through `serve_client`, with the router's and the workers' metrics scraped before and after
-each level for the per-hop breakdown (`serve_summary.hop_breakdown`); then, the cluster
-stopped, the engine alone decoding the same prompts at each batch size with the decode worker's
-thread count (the ceiling, `serve_baseline.engine_ceiling`); then each optional baseline server
-(vLLM, llama.cpp) started by itself and sent the same workload. The result is one JSON
+prefill and decode workers, router with its HTTP API, controller; internal mutual TLS on as
+there, or off, or both in alternating passes of the same workload, compared in `serve_tls`:
+`--internal-tls`), the workload (`serve_workload`: ShareGPT chats, greedy, `ignore_eos`, at
+each concurrency; or a trace replayed open loop) sent through `serve_client`, with the router's
+and the workers' metrics scraped before and after each level for the per-hop breakdown
+(`serve_summary.hop_breakdown`); then, the cluster stopped, the engine alone decoding the
+same prompts at each batch size with the decode worker's thread count (the ceiling,
+`serve_baseline.engine_ceiling`); then each optional baseline server (vLLM, llama.cpp)
+started by itself and sent the same workload. The result is one JSON
 document (`serve_report` prints it as tables and draws the PNG).
 Must not tune the cluster beyond the flags given: it measures what a user's `pdserve serve`
 does, and reports every failed request rather than retrying it.
@@ -26,6 +28,7 @@ from typing import Any, Callable
 from pdserve.bench.common import number_list
 from pdserve.bench.serve_probe import (cpu_diff, cpu_seconds, get_text, scrape, scrape_diff,
                                        tree_rss_bytes)
+from pdserve.bench.serve_tls import check_mode, cluster_setting, cmdline, pass_order
 from pdserve.router.config import DECODE_STREAMS
 
 
@@ -57,8 +60,11 @@ class ServeBenchSettings:
     ready_timeout_s: float = 1800.0  # a baseline server's start (vLLM compiles at start)
     request_timeout_s: float = 900.0
     vllm_env: tuple[tuple[str, str], ...] = field(default=(("VLLM_CPU_KVCACHE_SPACE", "2"),))
+    internal_tls: str = "on"  # the cluster's internal TLS: on (as `pdserve serve`), off, both
+    tls_pairs: int = 2  # with both: on/off pairs of passes, the order flipped every pair
 
     def __post_init__(self) -> None:
+        check_mode(self.internal_tls, self.tls_pairs)
         for name in ("requests", "max_tokens", "prefill_workers", "decode_workers",
                      "ceiling_repeats", "token_scale"):
             if getattr(self, name) < 1:
@@ -144,7 +150,10 @@ def run_levels(address: str, model: str, reqs, levels: list[Any], s: ServeBenchS
 
 
 def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: str | None,
-                    ui: Ui) -> dict[str, Any]:
+                    ui: Ui, tls_mode: str = "on", tls_dir: str | None = None,
+                    label: str = "pdserve") -> dict[str, Any]:
+    """One pass: a cluster with internal TLS `tls_mode` (`serve_tls.cluster_setting`) under
+    every level; the command lines its processes ran with are kept (their TLS flags)."""
     from pdserve.bench.serve_summary import hop_breakdown
     from pdserve.controller.cluster_spec import free_ports
     from pdserve.controller.launcher import ClusterSpec, LocalCluster
@@ -158,22 +167,25 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        controller=s.controller,
                        max_predicted_ttft_s=s.max_predicted_ttft_s,
                        max_local_prefill_tokens=s.max_local_prefill_tokens, log_dir=log_dir,
-                       supervise=True, ready_timeout_s=600)
-    ui(f"pdserve: starting {spec.prefill_workers} prefill + {spec.decode_workers} decode "
+                       supervise=True, ready_timeout_s=600,
+                       **cluster_setting(tls_mode, tls_dir))
+    ui(f"{label}: starting {spec.prefill_workers} prefill + {spec.decode_workers} decode "
        f"workers, router, controller", 0, 1)
     t0 = time.monotonic()
     with LocalCluster(spec) as cluster:
         start_s = time.monotonic() - t0
+        cmdlines = {c.name: cmdline(c.proc.pid) for c in cluster.children}
         name = _model_name(cluster.http_address)
-        lv = run_levels(cluster.http_address, name, reqs, levels, s, ui, "pdserve",
+        lv = run_levels(cluster.http_address, name, reqs, levels, s, ui, label,
                         between=lambda: scrape(cluster),
                         procs=lambda: {c.name: c.proc.pid for c in cluster.children})
         rss = tree_rss_bytes([c.proc.pid for c in cluster.children])
-        ui("pdserve: stopping the cluster", 0, 1)
+        ui(f"{label}: stopping the cluster", 0, 1)
     for fig in lv:
         d = fig["metrics_diff"]
         fig["hops"] = hop_breakdown(d["router"], d["workers"], fig)
-    return {"name": "pdserve", "start_s": start_s, "rss_bytes": rss,
+    return {"name": "pdserve", "mode": tls_mode, "cmdlines": cmdlines,
+            "start_s": start_s, "rss_bytes": rss,
             "config": {"prefill_workers": spec.prefill_workers,
                        "decode_workers": spec.decode_workers,
                        "threads_per_worker": spec.worker_threads(),
@@ -249,6 +261,31 @@ def _version(kind: str, s: ServeBenchSettings) -> str | None:
     return out.stdout.strip() or None
 
 
+def measure_passes(model: str, reqs, levels, s: ServeBenchSettings, log_dir: str,
+                   ui: Ui) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every pdserve pass `s.internal_tls` asks for (`serve_tls.pass_order`). Returns the pass
+    the document's other figures use (the first with TLS, as `pdserve serve` runs; with `off`,
+    the only one) and the `internal_tls` entry. With both, one TLS folder made here serves
+    every TLS pass (each cluster says its setting: this process's follows the last one)."""
+    from pdserve.bench.serve_tls import summarize
+
+    order = pass_order(s.internal_tls, s.tls_pairs)
+    tls_dir = None
+    if s.internal_tls == "both":
+        from pdserve.security import pki
+
+        tls_dir = os.path.join(log_dir, "tls")
+        pki.init_folder(tls_dir, "bench-serve")
+    passes = []
+    for i, mode in enumerate(order):
+        label = "pdserve" if len(order) == 1 else f"pdserve TLS {mode} ({i + 1}/{len(order)})"
+        where = "pdserve" if len(order) == 1 else f"pdserve-{i + 1}-tls-{mode}"
+        passes.append(measure_pdserve(model, reqs, levels, s, os.path.join(log_dir, where), ui,
+                                      tls_mode=mode, tls_dir=tls_dir, label=label))
+    main = next((p for p in passes if p["mode"] == "on"), passes[0])
+    return main, summarize(s.internal_tls, order, passes, tls_dir)
+
+
 # ---- the run --------------------------------------------------------------------------------
 def build_workload(s: ServeBenchSettings, model: str):
     from pdserve.bench import serve_workload as wl
@@ -287,7 +324,7 @@ def run_bench(s: ServeBenchSettings, out_dir: str | None, ui: Ui) -> dict[str, A
     reqs, levels, source = build_workload(s, model)
     tok = Tokenizer.from_path(model)
     ids = [prompt_ids(r, tok) for r in reqs]
-    pd = measure_pdserve(model, reqs, levels, s, os.path.join(log_dir, "pdserve"), ui)
+    pd, internal_tls = measure_passes(model, reqs, levels, s, log_dir, ui)
     threads = pd["config"]["max_threads"]
     batches = sorted({lv["batch_size"] for lv in pd["levels"]})
     engine = engine_ceiling(model, {b: ids[:b] for b in batches}, s.max_tokens, threads,
@@ -315,7 +352,7 @@ def run_bench(s: ServeBenchSettings, out_dir: str | None, ui: Ui) -> dict[str, A
                      "max_tokens": s.max_tokens,
                      "output_tokens_per_level": sum(r.max_tokens for r in reqs),
                      "sampling": "temperature 0, ignore_eos, streamed with usage"},
-        "pdserve": pd, "engine": engine, "baselines": baselines,
+        "pdserve": pd, "internal_tls": internal_tls, "engine": engine, "baselines": baselines,
         "comparison": comparison(pd["levels"], by_batch,
                                  {k: b["levels"] for k, b in baselines.items() if "levels" in b}),
         "log_dir": log_dir, "seconds": time.monotonic() - started,
@@ -372,6 +409,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a python with llama-cpp-python[server]: also measure llama.cpp")
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s,
                    help="how long a baseline server may take to start")
+    p.add_argument("--internal-tls", default=d.internal_tls, metavar="on|off|both",
+                   help="the cluster's internal TLS: on (mutual TLS, as `pdserve serve`; the "
+                        "default), off (--insecure-internal), or both: the same workload on "
+                        "a cluster with and one without, in --tls-pairs pairs of passes, "
+                        "compared (tokens/s and CPU seconds per token)")
+    p.add_argument("--tls-pairs", type=int, default=d.tls_pairs,
+                   help="with --internal-tls both: on/off pairs of passes, the order flipped "
+                        "every pair (on, off, off, on, ...)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--out", metavar="DIR", help="write DIR/summary.json and DIR/bench_serve.png")
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
@@ -390,7 +435,8 @@ def settings_from(args: argparse.Namespace) -> ServeBenchSettings:
         max_predicted_ttft_s=args.max_predicted_ttft_s,
         max_local_prefill_tokens=args.max_local_prefill_tokens, ceiling_repeats=args.ceiling_repeats,
         vllm_python=args.vllm_python, llamacpp_python=args.llamacpp_python,
-        ready_timeout_s=args.ready_timeout_s)
+        ready_timeout_s=args.ready_timeout_s, internal_tls=args.internal_tls,
+        tls_pairs=args.tls_pairs)
 
 
 def run(args: argparse.Namespace) -> int:

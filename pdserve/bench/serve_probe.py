@@ -27,7 +27,7 @@ def _stats(address: str) -> dict[str, float] | None:
     from pdserve.proto import worker_pb2_grpc as wpb_grpc
 
     try:
-        with rpc.make_channel(address) as ch:
+        with rpc.make_channel(address, "worker") as ch:
             r = wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=10)
     except grpc.RpcError:
         return None

@@ -2,9 +2,10 @@
 
 Owns the presentation only: the comparison per concurrency (pdserve, the engine's ceiling,
 each baseline server, their ratios), each server's latency figures, the per-hop breakdown of
-one token's time with the hops no metric measures named, and the plot (tokens/s per level for
-pdserve, the engine and the baselines; ITL and TTFT per level). Must not compute figures: the
-result document carries them all.
+one token's time with the hops no metric measures named, internal TLS on against off (tokens/s
+and CPU per token per level, the aim), and the plot (tokens/s per level for pdserve, with TLS
+and without when both ran, the engine and the baselines; ITL and TTFT per level). Must not
+compute figures: the result document carries them all.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
                         _ms(lv["tpot_mean_s"]), str(lv["ok"]), str(lv["failed"]))
     console.print(lat)
     print_cpu(result, console)
+    print_tls(result, console)
     hop = Table(title="pdserve: one token's time by hop (ms, means over the level)")
     hop.caption = ("to router: worker -> router; to client: router -> client; busy: the "
                    "decode engine's share of the wall time")
@@ -122,6 +124,41 @@ def print_cpu(result: dict[str, Any], console: Any) -> None:
     console.print(t)
 
 
+def print_tls(result: dict[str, Any], console: Any) -> None:
+    """The processes' internal-TLS flags per pass and, with both settings, the comparison."""
+    from rich.table import Table
+
+    tls = result.get("internal_tls")
+    if not tls:
+        return
+    for i, p in enumerate(tls["passes"]):
+        flags = sorted({" ".join(f) or "(environment)" for f in p["flags"].values()})
+        console.print(f"pass {i + 1} (internal TLS {p['mode']}): processes ran with "
+                      f"{'; '.join(flags)}; load average at its levels "
+                      f"{', '.join(f'{x:.2f}' for x in p['loadavg_1m'])}")
+    rows = tls.get("by_level")
+    if not rows:
+        return
+    t = Table(title=f"internal TLS on / off, {len(tls['order'])} passes "
+                    f"({', '.join(tls['order'])}): output tokens/s (mean of the passes) and "
+                    "CPU ms per output token of the cluster's processes")
+    for col in ("c", "tok/s on", "tok/s off", "on/off", "pairs", "CPU ms/tok on",
+                "CPU ms/tok off", "on/off", "failed"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        on, off = r["on"], r["off"]
+        t.add_row(str(r["concurrency"]), _f(on["tokens_per_s"]), _f(off["tokens_per_s"]),
+                  _f(r["tokens_ratio"], "{:.3f}x"),
+                  ", ".join(f"{x:.3f}" for x in r["pair_ratios"]),
+                  _ms(on["cpu_s_per_token"]), _ms(off["cpu_s_per_token"]),
+                  _f(r["cpu_per_token_ratio"], "{:.3f}x"), f"{on['failed']} / {off['failed']}")
+    console.print(t)
+    aim = tls["aim"]
+    verdict = "not measured" if aim["met"] is None else ("met" if aim["met"] else "not met")
+    console.print(f"aim: tokens/s with internal TLS >= {aim['aim']}x without at c"
+                  f"{aim['concurrency']}: {verdict} ({_f(aim['ratio'], '{:.3f}x')})")
+
+
 def missing_metrics(result: dict[str, Any]) -> list[str]:
     seen: list[str] = []
     for lv in result["pdserve"]["levels"]:
@@ -149,7 +186,8 @@ def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
         by = {lv["concurrency"]: lv for lv in srv["levels"]}
         rows = [by.get(c) for c in levels]
         tput.plot(x, [r["tokens_per_s"] if r else None for r in rows], f"-{mark}",
-                  label=srv["name"])
+                  label=srv["name"] if srv is not result["pdserve"] or "by_level" not in
+                  (result.get("internal_tls") or {}) else "pdserve (pass 1 with TLS)")
         itl.errorbar(x, [r["itl_p50_s"] * 1000 if r and r["itl_p50_s"] else None for r in rows],
                      yerr=[[0] * len(rows),
                            [(r["itl_p90_s"] - r["itl_p50_s"]) * 1000
@@ -160,6 +198,12 @@ def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
                             [r["ttft_p90_s"] - r["ttft_p50_s"]
                              if r and r["ttft_p50_s"] else 0 for r in rows]],
                       fmt=f"-{mark}", capsize=3, label=srv["name"])
+    for r_mode, mark in (("on", "x"), ("off", "+")):
+        by_level = (result.get("internal_tls") or {}).get("by_level")
+        if by_level:
+            tput.plot(x, [r[r_mode]["tokens_per_s"] for r in by_level], f":{mark}",
+                      label=f"pdserve, internal TLS {r_mode} (mean of "
+                            f"{by_level[0][r_mode]['passes']} passes)")
     for ax, title, ylabel in ((tput, "output tokens/s", "tokens/s"),
                               (itl, "inter-token latency", "ms"),
                               (ttft, "time to first token (p50, bar to p90)", "s")):
@@ -174,4 +218,50 @@ def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
                  f"requests x {result['settings']['max_tokens']} tokens, "
                  f"{m['cpu_count']} cores, load {m['loadavg_1m_start']:.1f}")
     fig.savefig(png_path, dpi=110)
+    if (result.get("internal_tls") or {}).get("by_level"):
+        tls_path = os.path.join(out_dir, "bench_serve_tls.png")
+        _plot_tls(result, tls_path)
+        return [json_path, png_path, tls_path]
     return [json_path, png_path]
+
+
+def _plot_tls(result: dict[str, Any], path: str) -> None:
+    """Each pass's output tokens/s and the cluster's CPU ms per output token, per level: TLS
+    passes solid, plaintext dashed, so a pass the machine slowed shows as one."""
+    from matplotlib.figure import Figure
+
+    tls = result["internal_tls"]
+    levels = [r["concurrency"] for r in tls["by_level"]]
+    x = list(range(len(levels)))
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    tput, cpu = fig.subplots(1, 2)
+    spent: list[float] = []
+    for i, p in enumerate(tls["passes"]):
+        by = {lv["concurrency"]: lv for lv in p["levels"]}
+        style = "-o" if p["mode"] == "on" else "--s"
+        label = f"pass {i + 1}, TLS {p['mode']}"
+        tput.plot(x, [by[c]["tokens_per_s"] for c in levels], style, label=label)
+        ms = [1000 * sum(v for k, v in (by[c]["cpu_s"] or {}).items() if k != "client")
+              / by[c]["output_tokens"] for c in levels]
+        spent += ms
+        cpu.plot(x, ms, style, label=label)
+    for ax, title, ylabel in ((tput, "output tokens/s", "tokens/s"),
+                              (cpu, "CPU per output token, the cluster's processes", "ms")):
+        ax.set_xticks(x, [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    cpu.set_yscale("log")
+    cpu.set_yticks([t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+                    if min(spent) / 2 <= t <= max(spent) * 2])
+    cpu.yaxis.set_major_formatter(ScalarFormatter())
+    cpu.yaxis.set_minor_formatter(NullFormatter())
+    ratio = tls["aim"]["ratio"]
+    fig.suptitle(f"internal TLS on / off, passes {', '.join(tls['order'])}: tokens/s ratio at "
+                 f"c{tls['aim']['concurrency']} "
+                 f"{'-' if ratio is None else f'{ratio:.3f}'}x (aim >= {tls['aim']['aim']}x)")
+    fig.savefig(path, dpi=110)

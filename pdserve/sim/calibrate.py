@@ -186,11 +186,12 @@ def _transfers(plan: Plan, say) -> dict[str, list[tuple[int, float]]]:
     from pdserve.bench.kvstore import REMOTE_SUFFIX
     from pdserve.bench.kvstore_procs import PdserveStore
     from pdserve.kvstore.dist_client import DistStoreClient
-    from pdserve.kvstore.transport.ucx import ucx_available
+    from pdserve.kvstore.transport.ucx import ucx_allowed
 
     out: dict[str, list[tuple[int, float]]] = {}
     with ExitStack() as stack:
-        ucx = ucx_available()
+        # As the cluster moves KV: TCP under this process's internal TLS; UCX only without.
+        ucx = ucx_allowed()
         store = stack.enter_context(PdserveStore(4 * max(plan.transfer_sizes) + (64 << 20),
                                                  ucx=ucx))
         clients = {"shm": DistStoreClient(store.master_address, store.host_id),

@@ -104,23 +104,25 @@ def test_ucx_measured_or_says_why_not(run) -> None:
         _check_bandwidth_rows(doc["bandwidth"]["series"]["pdserve_ucx"], raw=False)
         assert "ucx_get_vs_mooncake" in doc["aims"]
         assert doc["batch_get"]["systems"]["pdserve_ucx"]["objects_per_s"] > 0
-        # UCX has no TLS: only the plaintext store's node serves it.
-        off = doc["internal_tls"]["processes"]["off"]
-        on = doc["internal_tls"]["processes"]["on"]
-        assert "--ucx-port" in off[1]["cmdline"] and "--ucx-port" not in on[1]["cmdline"]
+        # UCX has no TLS: a plaintext node of its own serves it; the TCP stores' nodes do not.
+        node = doc["ucx"]["processes"][1]["cmdline"]
+        assert "--ucx-port" in node and "--insecure-internal" in node
+        for procs in doc["internal_tls"]["processes"].values():
+            assert "--ucx-port" not in procs[1]["cmdline"]
     else:
         assert "ucxx" in doc["ucx"]["reason"]
         assert "pdserve_ucx" not in doc["bandwidth"]["series"]
 
 
-def _check_tls_ratios(ratios: list[dict], raw_rows: list[dict], sizes: list[int]) -> None:
+def _check_tls_ratios(ratios: list[dict], raw_rows: list[dict], sizes: list[int],
+                      rounds: int) -> None:
     assert {(r["system"], r["op"], r["size_bytes"]) for r in ratios} == {
         (s, op, z) for s in ("pdserve_tcp", "raw_tcp") for op in ("get", "put") for z in sizes}
     by_size = {row["size_bytes"]: row for row in raw_rows}
     for r in ratios:
         row, op = by_size[r["size_bytes"]], r["op"] + "_s"
         on, off = row[r["system"] + "_tls"][op], row[r["system"]][op]
-        assert len(on) == len(off) == r["rounds"] == bench.QUICK.repeats
+        assert len(on) == len(off) == r["rounds"] == rounds
         assert r["tls_gbps"] == pytest.approx(r["size_bytes"] / min(on) / 1e9)
         assert r["plaintext_gbps"] == pytest.approx(r["size_bytes"] / min(off) / 1e9)
         assert r["ratio"] == pytest.approx(r["tls_gbps"] / r["plaintext_gbps"])
@@ -140,7 +142,7 @@ def test_internal_tls_both_measures_tcp_with_and_without(run) -> None:
     raw_rows = [{"size_bytes": a["size_bytes"], **{n: series[n][i] for n in (
         "pdserve_tcp", "pdserve_tcp_tls", "raw_tcp", "raw_tcp_tls")}}
         for i, a in enumerate(series["memcpy"])]
-    _check_tls_ratios(tls["ratios"], raw_rows, SIZES)
+    _check_tls_ratios(tls["ratios"], raw_rows, SIZES, bench.QUICK.repeats)
     assert tls["negotiated"]["version"] in ("TLSv1.2", "TLSv1.3")
     ceiling = tls["crypto_ceiling"]
     assert _positive(ceiling["gbps"]) or ceiling["reason"]
@@ -178,7 +180,8 @@ def test_shaped_link_measured_or_says_why_not(run) -> None:
     assert link["rate"] == "10gbit" and link["nominal_gbps"] == pytest.approx(1.25)
     sizes = [z << 20 for z in bench.QUICK.link_sizes_mib]
     assert link["sizes_bytes"] == sizes
-    _check_tls_ratios(link["ratios"], link["times"], sizes)
+    assert link["rounds"] == bench.QUICK.link_rounds
+    _check_tls_ratios(link["ratios"], link["times"], sizes, link["rounds"])
     for r in link["ratios"]:
         assert r["plaintext_vs_nominal"] == pytest.approx(r["plaintext_gbps"] / 1.25)
     for p in link["processes"]["on"]:

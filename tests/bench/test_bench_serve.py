@@ -97,6 +97,8 @@ def _check_internal_tls(r):
     assert all(f == ["--tls-dir", t["tls_dir"]] for f in on["flags"].values()), on["flags"]
     assert all(f == ["--insecure-internal"] for f in off["flags"].values()), off["flags"]
     assert os.path.isfile(os.path.join(t["tls_dir"], "ca.crt"))
+    # The worker -> router hop (a gRPC stream, in TLS or not) per pass and level.
+    assert all(lv["worker_to_router_s"] is not None for p in t["passes"] for lv in p["levels"])
     rows = t["by_level"]
     assert [row["concurrency"] for row in rows] == [1, 2]
     for row in rows:
