@@ -20,16 +20,16 @@ import torch
 
 from pdserve import rpc
 from pdserve.core.identity import WORKER
-from pdserve.decode_worker.publish import PromptPublisher
-from pdserve.decode_worker.role import DecodeRole
+from pdserve.worker.decode.publish import PromptPublisher
+from pdserve.worker.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.device import DeviceError, resolve_device
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.dist_client import ClusterRefused, DistStoreClient, DistStoreError
 from pdserve.kvstore.retry import StoreRetryPolicy
-from pdserve.prefill_worker.kv_sender import KvStreamSender
-from pdserve.prefill_worker.role import PrefillRole
+from pdserve.worker.prefill.kv_sender import KvStreamSender
+from pdserve.worker.prefill.role import PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import STEP_TOKENS, WorkerConfig

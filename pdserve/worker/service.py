@@ -24,12 +24,12 @@ from typing import Iterator
 
 import grpc
 
-from pdserve.decode_worker.role import DecodeChunk, DecodeRole
+from pdserve.worker.decode.role import DecodeChunk, DecodeRole
 from pdserve.logctx import request_context
 from pdserve.engine.block_pool import REMOVED, STORED
 from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.engine.scheduler import QueueFullError
-from pdserve.prefill_worker.role import PrefillCancelled, PrefillRole
+from pdserve.worker.prefill.role import PrefillCancelled, PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.wire import finish_to_proto, logprobs_to_proto, params_from_proto

@@ -19,12 +19,12 @@ import pytest
 
 from pdserve import rpc
 from pdserve.core.identity import WORKER
-from pdserve.decode_worker.role import DecodeRole
+from pdserve.worker.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvstore.dist_client import DistStoreClient
 from pdserve.kvstore.retry import StoreRetryPolicy
-from pdserve.prefill_worker.role import PrefillRole
+from pdserve.worker.prefill.role import PrefillRole
 from pdserve.proto import common_pb2
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc

@@ -15,7 +15,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.prefill_worker.role import PrefillRole
+from pdserve.worker.prefill.role import PrefillRole
 from pdserve.worker.engine_loop import EngineLoop
 from tests.conftest import make_tiny_hf_model
 from tests.helpers import free_port, start_process, stop_process

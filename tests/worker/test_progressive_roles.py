@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
-from pdserve.decode_worker.role import DecodeRole
+from pdserve.worker.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.prefill_worker.kv_sender import KvStreamSender
-from pdserve.prefill_worker.role import PrefillRole
+from pdserve.worker.prefill.kv_sender import KvStreamSender
+from pdserve.worker.prefill.role import PrefillRole
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_stream import StreamHandle
 from tests.conftest import make_tiny_hf_model

@@ -17,7 +17,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kvstore.client import KVStoreClient
-from pdserve.decode_worker.publish import PromptPublisher
+from pdserve.worker.decode.publish import PromptPublisher
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_blocks import block_key
 from tests.conftest import SMOLLM2_VOCAB_SIZE

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.decode_worker.role import _coalesce
+from pdserve.worker.decode.role import _coalesce
 from pdserve.engine.engine import StepOutput
 from pdserve.engine.sampling import TokenLogprobs
 from pdserve.worker.engine_loop import RequestStream, StreamItem

@@ -20,13 +20,13 @@ import time
 import grpc
 import pytest
 
-from pdserve.decode_worker.role import DecodeRole
+from pdserve.worker.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.kvstore.dist_client import DistStoreClient
 from pdserve.kvstore.retry import StoreRetryPolicy
-from pdserve.prefill_worker.role import PrefillCancelled, PrefillRole, PrefillTimeout
+from pdserve.worker.prefill.role import PrefillCancelled, PrefillRole, PrefillTimeout
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.router.retry import RETRYABLE_CODES, RetryPolicy
 from pdserve.worker.engine_loop import EngineBusy, EngineLoop

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from pdserve.decode_worker.progressive import ResidualWaiter, StreamReader
-from pdserve.decode_worker.publish import PromptPublisher
+from pdserve.worker.decode.progressive import ResidualWaiter, StreamReader
+from pdserve.worker.decode.publish import PromptPublisher
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop, RequestStream
 from pdserve.worker.kv_blocks import fetch_run

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from pdserve.engine.sampling import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.prefill_worker.kv_sender import KvStreamSender
+from pdserve.worker.prefill.kv_sender import KvStreamSender
 from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_blocks import block_key, fetch_run, put_missing, reusable_prefix
 from pdserve.worker.kv_staging import StagingError
