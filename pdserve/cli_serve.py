@@ -197,7 +197,7 @@ def input_problem(args: argparse.Namespace) -> str | None:
             return f"{e} (or pass --model PATH)"
     if args.draft is not None and not os.path.isdir(args.draft):
         return f"--draft {args.draft}: no such folder (train one with `pdserve train-draft`)"
-    from pdserve.router.auth import ApiKeys
+    from pdserve.security.tenants import ApiKeys
     from pdserve.security.keys import AdminKeys, KeyFileError
 
     for flag, path, load in (("--api-keys-file", args.api_keys_file, ApiKeys.load),
@@ -307,8 +307,8 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
     from rich.console import Console
 
     from pdserve import logctx
-    from pdserve.controller import runfile
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster, StartCancelled
+    from pdserve import runfile
+    from pdserve.launcher.local import ClusterSpec, LocalCluster, StartCancelled
     from pdserve.lifecycle import StopSignals
 
     console = Console(stderr=True)

@@ -25,7 +25,7 @@ def free_port() -> int:
     """A TCP port that was free a moment ago, picked the launcher's way: below the kernel's
     ephemeral range where it can, so no outgoing connection takes it before a child that first
     loads a model binds it."""
-    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.launcher.cluster_spec import free_ports
 
     return free_ports(1)[0]
 

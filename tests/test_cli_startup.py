@@ -56,7 +56,7 @@ def test_serve_checks_its_input_and_imports_its_launcher_without_torch():
                  "assert s.input_problem(a) is None\n"
                  "from pdserve.engine.model_files import default_model_path\n"
                  "default_model_path()\n"
-                 "import pdserve.controller.launcher")
+                 "import pdserve.launcher.local")
     assert out.returncode == 0, out.stderr
 
 

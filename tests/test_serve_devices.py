@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from pdserve.controller.cluster_spec import ClusterSpec
+from pdserve.launcher.cluster_spec import ClusterSpec
 
 
 def _fake_smi(tmp_path, n: int) -> dict[str, str]:

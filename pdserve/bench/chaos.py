@@ -220,8 +220,8 @@ def run_bench(model_path: str, faults: list[str], n: int, prompt_tokens: int, ma
     import platform
 
     from pdserve.bench.chaos_client import workload
-    from pdserve.controller.cluster_spec import free_ports
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.launcher.cluster_spec import free_ports
+    from pdserve.launcher.local import ClusterSpec, LocalCluster
     from pdserve.engine.loader import load_model_config
 
     vocab = load_model_config(model_path).vocab_size

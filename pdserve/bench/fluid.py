@@ -174,7 +174,7 @@ def _roles_sampler(router: str, stop: threading.Event, out: list, t0: float) -> 
 def run_config(name: str, s: FluidBenchSettings, model: str, reqs, log_dir: str,
                on_done=None) -> dict[str, Any]:
     from pdserve.controller.audit import read_records
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.launcher.local import ClusterSpec, LocalCluster
     from pdserve.bench.route import _free_port
 
     p, d, ctl = CONFIGS[name]

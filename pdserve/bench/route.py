@@ -179,7 +179,7 @@ def _trace_ideal(reqs) -> float:
 
 def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
     from pdserve.bench.route_model import build_bench_model
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.launcher.local import ClusterSpec, LocalCluster
     from pdserve.engine.loader import load_model_config
 
     trace = s.trace_path or default_trace_path()

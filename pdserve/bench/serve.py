@@ -155,8 +155,8 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
     """One pass: a cluster with internal TLS `tls_mode` (`serve_tls.cluster_setting`) under
     every level; the command lines its processes ran with are kept (their TLS flags)."""
     from pdserve.bench.serve_summary import hop_breakdown
-    from pdserve.controller.cluster_spec import free_ports
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.launcher.cluster_spec import free_ports
+    from pdserve.launcher.local import ClusterSpec, LocalCluster
 
     spec = ClusterSpec(model_path=model, quantization=s.quantization,
                        router_port=free_ports(1)[0], http_port=0,
@@ -204,7 +204,7 @@ def measure_baseline(kind: str, model: str, reqs, levels, s: ServeBenchSettings,
     failure to start, the reason instead of figures."""
     from pdserve.bench.serve_baseline import (BaselineServer, hf_folder, llamacpp_argv,
                                               vllm_argv, without_eos)
-    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.launcher.cluster_spec import free_ports
     from pdserve.engine.loader import load_model_config
 
     [port] = free_ports(1)

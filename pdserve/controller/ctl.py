@@ -121,7 +121,7 @@ def _channel(args: argparse.Namespace):
     import grpc
 
     from pdserve import rpc
-    from pdserve.controller import runfile
+    from pdserve import runfile
     from pdserve.core.identity import CONTROLLER, OPERATOR, server_name
     from pdserve.security import tls
 

@@ -24,7 +24,7 @@ from pdserve.proto import controller_pb2_grpc as pb_grpc
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.core.identity import CONTROLLER, ROUTER
-from pdserve.router.auth import ApiKeys
+from pdserve.security.tenants import ApiKeys
 from pdserve.security.keys import AdminKeys
 
 MODE_OF = {"active": pb.CONTROLLER_MODE_ACTIVE, "advisory": pb.CONTROLLER_MODE_ADVISORY,

@@ -47,7 +47,7 @@ from starlette.routing import BaseRoute, Route
 from pdserve import rpc
 from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
-from pdserve.router.auth import ApiKeys, AuthError
+from pdserve.security.tenants import ApiKeys, AuthError
 from pdserve.security import failures
 from pdserve.security.access import NO_CREDENTIAL
 from pdserve.router.local_call import LocalGeneration

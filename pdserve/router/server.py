@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2
 from pdserve.proto import api_pb2_grpc, router_pb2_grpc
 from pdserve.metrics import CONTENT_TYPE_LATEST, RouterMetrics, render
 from pdserve.router.admission import Admission, AdmissionConfig
-from pdserve.router.auth import ApiKeys, KeyFileError
+from pdserve.security.tenants import ApiKeys, KeyFileError
 from pdserve.router.config import RouterConfig
 from pdserve.router.control import RequestSignals, RouterControlServicer
 from pdserve.router.kv_feed import KvFeeds

@@ -37,7 +37,7 @@ from pdserve.metrics import RouterMetrics
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.router.admission import Admission
-from pdserve.router.auth import ApiKeys, AuthError
+from pdserve.security.tenants import ApiKeys, AuthError
 from pdserve.security import failures
 from pdserve.router.control import RequestSignals
 from pdserve.router.config import DECODE_STREAMS

@@ -72,8 +72,8 @@ def serving_firsts(cluster, prompts: tuple[int, ...], repeats: int, say) -> list
 def _one_p_one_d(model: str):
     """A fresh 1P1D cluster, each worker on its own share of the cores (as the profile's
     threads say), to be entered with `with`."""
-    from pdserve.controller.cluster_spec import free_ports
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.launcher.cluster_spec import free_ports
+    from pdserve.launcher.local import ClusterSpec, LocalCluster
 
     return LocalCluster(ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                                     controller=False, ready_timeout_s=600, share_cores=False,

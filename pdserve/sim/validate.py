@@ -191,8 +191,8 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
     from pdserve.bench import serve_client as client
     from pdserve.bench.serve import _model_name
     from pdserve.bench.serve_summary import completed
-    from pdserve.controller.cluster_spec import free_ports
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.launcher.cluster_spec import free_ports
+    from pdserve.launcher.local import ClusterSpec, LocalCluster
 
     # Each worker on its own share of the cores, as the profile's `threads_per_worker` says:
     # the simulator does not model cores lent between the workers of a host. Conditional

@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.bench.chaos import reference, run_fault
 from pdserve.bench.chaos_client import workload
-from pdserve.controller.launcher import LocalCluster
+from pdserve.launcher.local import LocalCluster
 from tests.e2e.conftest import cluster_spec
 
 REQUESTS = 20

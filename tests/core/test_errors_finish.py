@@ -9,7 +9,7 @@ from pdserve.core.errors import ConfigError
 
 
 def test_every_service_raises_the_one_config_error():
-    from pdserve.controller.cluster_spec import ClusterSpec
+    from pdserve.launcher.cluster_spec import ClusterSpec
     from pdserve.kvstore.config import StoreConfig
     from pdserve.kvstore.node.config import NodeConfig
     from pdserve.router.config import RouterConfig

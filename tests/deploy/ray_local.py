@@ -20,7 +20,7 @@ import tempfile
 import time
 import uuid
 
-from pdserve.controller.cluster_spec import free_ports
+from pdserve.launcher.cluster_spec import free_ports
 
 MARKER = "PDSERVE_TEST_RAY"
 

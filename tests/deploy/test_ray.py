@@ -40,7 +40,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
-from pdserve.controller.cluster_spec import free_ports
+from pdserve.launcher.cluster_spec import free_ports
 from pdserve.core.identity import OPERATOR, ROUTER, WORKER
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.proto import router_pb2 as rpb

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from cryptography import x509
 
-from pdserve.controller.cluster_spec import ClusterSpec
+from pdserve.launcher.cluster_spec import ClusterSpec
 from pdserve.deploy.ray import certs, plan
 from pdserve.deploy.ray.actor import ProcessHost, pid_dir, sweep_node
 from pdserve.deploy.ray.plan import GroupInfo, RaySpec, RaySpecError

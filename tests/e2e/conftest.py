@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.controller.launcher import ClusterSpec, LocalCluster
+from pdserve.launcher.local import ClusterSpec, LocalCluster
 from tests.helpers import free_port
 
 

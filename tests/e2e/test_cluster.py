@@ -89,7 +89,7 @@ def test_tiny_cluster_matches_engine_and_transformers(tiny_cluster, tiny_llama_d
 
 def test_workers_taking_turns_give_the_engines_tokens_on_every_core(tiny_llama_dir):
     from tests.e2e.conftest import cluster_spec
-    from pdserve.controller.launcher import LocalCluster
+    from pdserve.launcher.local import LocalCluster
 
     tok = Tokenizer.from_path(tiny_llama_dir)
     # A prompt of several steps' tokens: its prefill runs in chunks, one turn each.
@@ -116,7 +116,7 @@ def test_concurrent_requests_get_the_engines_tokens_on_either_kind_of_decode_str
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.e2e.conftest import cluster_spec
-    from pdserve.controller.launcher import LocalCluster
+    from pdserve.launcher.local import LocalCluster
 
     tok = Tokenizer.from_path(tiny_llama_dir)
     prompts = [tok.encode(f"{i} little pigs and {i * 3} wolves went") for i in range(6)]
@@ -235,7 +235,7 @@ def test_router_offers_health_and_reflection(tiny_cluster):
 def test_prefix_computed_by_one_prefill_worker_is_reused_by_another(smollm2_gguf_path):
     """The store is the cluster's prefix cache: a second prefill worker fetches the blocks the
     first one computed instead of recomputing them, and the output does not change."""
-    from pdserve.controller.launcher import LocalCluster
+    from pdserve.launcher.local import LocalCluster
     from tests.e2e.conftest import cluster_spec
 
     tok = Tokenizer.from_path(smollm2_gguf_path)

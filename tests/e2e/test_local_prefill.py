@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import rpc
-from pdserve.controller.launcher import LocalCluster
+from pdserve.launcher.local import LocalCluster
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.core.identity import WORKER
 from pdserve.proto import worker_pb2 as wpb

@@ -26,7 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
-from pdserve.controller.launcher import LocalCluster
+from pdserve.launcher.local import LocalCluster
 from pdserve.core.identity import ROUTER, WORKER
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc

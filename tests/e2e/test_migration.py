@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
-from pdserve.controller.launcher import LocalCluster
+from pdserve.launcher.local import LocalCluster
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.proto import router_pb2 as rpb
 from tests.e2e.conftest import cluster_spec

@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from pdserve import rpc
-from pdserve.controller.cluster_spec import free_ports
+from pdserve.launcher.cluster_spec import free_ports
 from pdserve.core.identity import MASTER, WORKER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -235,7 +235,7 @@ def test_a_stop_signal_while_starting_stops_every_child(tiny_llama_dir, tmp_path
 
 
 def test_a_node_of_another_cluster_is_refused_by_the_master(tiny_llama_dir, tmp_path):
-    from pdserve.controller.launcher import LocalCluster
+    from pdserve.launcher.local import LocalCluster
     from tests.e2e.conftest import cluster_spec
 
     with LocalCluster(cluster_spec(tiny_llama_dir, controller=False)) as cluster:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from pdserve.controller.launcher import LocalCluster
+from pdserve.launcher.local import LocalCluster
 from pdserve.engine.tokenizer import Tokenizer
 from tests.e2e.conftest import cluster_spec
 from tests.e2e.test_cluster import generate, worker_stats, workers

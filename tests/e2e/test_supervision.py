@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import rpc
-from pdserve.controller.cluster_spec import free_ports
-from pdserve.controller.launcher import LocalCluster
-from pdserve.controller.supervisor import RestartPolicy
+from pdserve.launcher.cluster_spec import free_ports
+from pdserve.launcher.local import LocalCluster
+from pdserve.launcher.restart import RestartPolicy
 from pdserve.core.identity import CONTROLLER, MASTER, ROUTER, WORKER
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -164,7 +164,7 @@ def test_a_killed_controller_is_restarted(cluster, expected):
 
 
 def test_a_crash_loop_is_given_up_on_and_reported(cluster, caplog):
-    caplog.set_level(logging.WARNING, logger="pdserve.controller.supervise")
+    caplog.set_level(logging.WARNING, logger="pdserve.launcher.supervision")
     c = child(cluster, "decode-1")
     host, port = c.address.rsplit(":", 1)
     proc = c.proc

@@ -117,7 +117,7 @@ def test_linear_keeps_fp32_paths_and_refuses_int8_outside_cpu_fp32():
 ])
 def test_bad_combinations_fail_naming_the_field(kw, words):
     from pdserve.bench.decode import DecodeBenchSettings
-    from pdserve.controller.cluster_spec import ClusterSpec
+    from pdserve.launcher.cluster_spec import ClusterSpec
     from pdserve.worker.config import WorkerConfig
 
     kw = {"quantization": "int8", **kw}

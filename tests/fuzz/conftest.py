@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
-from pdserve.controller.launcher import LocalCluster
+from pdserve.launcher.local import LocalCluster
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 from pdserve.router.limits import grpc_receive_bytes
 from tests.e2e.conftest import cluster_spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.router.admission import Admission, AdmissionConfig, Overloaded
-from pdserve.router.auth import ApiKeys, AuthError, KeyFileError
+from pdserve.security.tenants import ApiKeys, AuthError, KeyFileError
 
 
 def test_in_flight_bound_refuses_with_a_retry_hint_and_frees_on_release():

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
 from pdserve.controller.audit import read_records
-from pdserve.controller.launcher import LocalCluster
+from pdserve.launcher.local import LocalCluster
 from pdserve.kvstore.node.protocol import REPLY, Status
 from pdserve.core.identity import CONTROLLER, ROUTER, WORKER, server_name
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2

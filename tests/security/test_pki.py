@@ -121,7 +121,7 @@ def test_a_proof_verifies_for_its_ca_audience_and_time_only(folder, tmp_path):
 
 
 def test_the_launchers_renewal_reissues_certificates_past_two_thirds_of_their_life(tmp_path):
-    from pdserve.controller.cluster_tls import Renewal
+    from pdserve.launcher.cluster_tls import Renewal
 
     folder = str(tmp_path / "tls")
     pki.init_folder(folder, "c")

@@ -124,8 +124,8 @@ def test_serving_cost_is_fitted_from_the_gaps_beyond_the_engine_step():
 
 
 def test_served_decode_gaps_are_timed_on_a_real_cluster():
-    from pdserve.controller.cluster_spec import free_ports
-    from pdserve.controller.launcher import ClusterSpec, LocalCluster
+    from pdserve.launcher.cluster_spec import free_ports
+    from pdserve.launcher.local import ClusterSpec, LocalCluster
     from pdserve.engine.model_files import default_model_path
     from pdserve.sim.calibrate_cluster import serving_firsts, serving_gaps
 

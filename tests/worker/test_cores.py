@@ -563,7 +563,7 @@ def test_an_unset_step_budget_follows_the_device():
 
 
 def test_core_sharing_names_the_field_when_wrong():
-    from pdserve.controller.cluster_spec import ClusterSpec
+    from pdserve.launcher.cluster_spec import ClusterSpec
 
     with pytest.raises(ConfigError, match="core_sharing"):
         WorkerConfig(model_path="m", threads=1, core_sharing="share")
@@ -572,8 +572,8 @@ def test_core_sharing_names_the_field_when_wrong():
 
 
 def test_a_controller_over_workers_taking_turns_on_cpu_offloads_no_prefill():
-    from pdserve.controller.cluster_spec import ClusterSpec
-    from pdserve.controller.launcher import LocalCluster
+    from pdserve.launcher.cluster_spec import ClusterSpec
+    from pdserve.launcher.local import LocalCluster
 
     def args(**kw):
         spec = ClusterSpec("m.gguf", worker_devices=kw.pop("devices", ("cpu", "cpu")), **kw)

@@ -5,7 +5,7 @@ Owns the process's life on the Ray node the actor was placed on: free ports pick
 ...` in a session of its own (its process group is what `stop` kills: `ray.kill` of the actor
 alone would leave it running), its log file, a pid file the sweep reads after an actor died
 (`sweep_node`), readiness (gRPC health; a storage node's ready line), and supervision: a
-process that dies while the actor lives is restarted under `supervisor.RestartPolicy` (backoff,
+process that dies while the actor lives is restarted under `launcher.restart.RestartPolicy` (backoff,
 give-up on a crash loop), its exits and restarts reported by `status()`.
 
 Internal TLS: `start` receives the member's bundle (`certs.bundle_names`: ca.crt and its own
@@ -20,7 +20,7 @@ signal (`pdserve.lifecycle`) fires when the spawning *thread* exits, so the proc
 when the actor's process does (killed, or its node lost), without waiting for a sweep.
 
 Must not decide placement or wiring (`plan.py`, `backend.py`) nor when to restart (the pure
-`supervisor.decide`). Importable without Ray: `backend.py` wraps the class with `ray.remote`.
+`launcher.restart.decide`). Importable without Ray: `backend.py` wraps the class with `ray.remote`.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
-from pdserve.controller.cluster_spec import free_ports
-from pdserve.controller.supervise import tail
-from pdserve.controller.supervisor import GIVE_UP, RESTART, RestartPolicy, Run, decide
+from pdserve.launcher.cluster_spec import free_ports
+from pdserve.launcher.supervision import tail
+from pdserve.launcher.restart import GIVE_UP, RESTART, RestartPolicy, Run, decide
 from pdserve.deploy.ray.plan import (cluster_marker, member_tls_dir, probe_peer, store_node_id,
                                      tls_root)
 from pdserve.lifecycle import child_env

@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.controller import runfile
+from pdserve import runfile
 from pdserve.core.identity import Identity
 from pdserve.security import pki
 

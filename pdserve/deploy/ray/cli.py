@@ -54,7 +54,7 @@ def add_serve_flags(s: argparse.ArgumentParser) -> None:
 
 
 def ray_spec(args: argparse.Namespace, model_path: str, spec_args: dict):
-    from pdserve.controller.cluster_spec import ClusterSpec
+    from pdserve.launcher.cluster_spec import ClusterSpec
     from pdserve.deploy.ray.plan import RaySpec, parse_resources
 
     for flag, value, default in (("--host", args.host, "127.0.0.1"),

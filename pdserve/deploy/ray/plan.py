@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.controller.cluster_spec import ClusterSpec
+from pdserve.launcher.cluster_spec import ClusterSpec
 from pdserve.core.errors import ConfigError
 
 NAMESPACE = "pdserve"

@@ -4,7 +4,7 @@ Owns the spec's fields and their checks (errors name the field), fixing a spec b
 (`resolved()`: every internal port unset becomes a free port, the cluster id a random one, so a
 restarted child comes back at the same address; each worker's device is planned from the GPUs
 visible without torch), and the port helpers: free ports, and a clear
-error when a port the user asked for is taken. Must not start anything: `launcher.py` does.
+error when a port the user asked for is taken. Must not start anything: `local.py` does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pdserve.controller.supervisor import RestartPolicy
+from pdserve.launcher.restart import RestartPolicy
 from pdserve.core.errors import ConfigError
 from pdserve.worker.config import CORE_SHARING
 from pdserve.engine.device import (check_quantization, parse_device, plan_worker_devices,

@@ -4,7 +4,7 @@ Owns choosing the cluster's internal TLS (the spec's folder; else this process's
 e.g. PDSERVE_TLS_DIR; else a new CA and a certificate per kind made in the log folder, which
 this launcher then renews at two thirds of their life while the cluster runs), setting this
 process up as the cluster's operator with it, and the router's client-port TLS flags.
-Must not start processes: `launcher.py` passes `security.cli.forward(...)` to each child.
+Must not start processes: `local.py` passes `security.cli.forward(...)` to each child.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 
-from pdserve.controller.cluster_spec import ClusterSpec
+from pdserve.launcher.cluster_spec import ClusterSpec
 from pdserve.core.identity import OPERATOR
 from pdserve.security import pki, tls
 

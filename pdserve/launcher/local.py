@@ -11,7 +11,7 @@ Every child gets the cluster's internal TLS (`cluster_tls.py`: `--tls-dir`, or
 `--insecure-internal` when the spec says so); the launcher calls the children as the
 cluster's operator.
 With `ClusterSpec.supervise` (on in `pdserve serve`), a child that dies is restarted with the
-same arguments (`supervise.py`; the router with the workers' current roles) and the launcher
+same arguments (`supervision.py`; the router with the workers' current roles) and the launcher
 serves its own Prometheus endpoint. `stop()` ends supervision, then stops the router (within
 the shutdown grace), the controller, the workers, the storage node and the master in turn.
 """
@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve import rpc
-from pdserve.controller.cluster_spec import ClusterSpec, check_free, free_ports
-from pdserve.controller.cluster_tls import Renewal, internal_tls, public_tls_args
+from pdserve.launcher.cluster_spec import ClusterSpec, check_free, free_ports
+from pdserve.launcher.cluster_tls import Renewal, internal_tls, public_tls_args
 from pdserve.core.identity import CONTROLLER, MASTER, ROUTER, WORKER
 from pdserve.security import cli as security_cli
-from pdserve.controller.supervise import Supervision, SupervisionCollector, tail
+from pdserve.launcher.supervision import Supervision, SupervisionCollector, tail
 from pdserve.lifecycle import child_env
 
 __all__ = ["ClusterSpec", "LocalCluster"]

@@ -1,4 +1,4 @@
-"""The restart rule of the launcher's supervision (`pdserve.controller.supervisor`): scenarios,
+"""The restart rule of the launcher's supervision (`pdserve.launcher.restart`): scenarios,
 then properties over simulated children that die after random up-times; then the thread that
 carries it out (`supervise.py`) over real short-lived processes.
 
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.controller.supervise import Supervision
-from pdserve.controller.supervisor import (GIVE_UP, RESTART, WAIT, RestartPolicy, Run,
+from pdserve.launcher.supervision import Supervision
+from pdserve.launcher.restart import (GIVE_UP, RESTART, WAIT, RestartPolicy, Run,
                                            decide)
 
 DETERMINISTIC = settings(max_examples=200, deadline=None, derandomize=True, database=None,
@@ -200,7 +200,7 @@ def wait_until(cond, timeout_s: float = 20.0) -> None:
 
 
 def test_a_child_that_always_dies_is_restarted_with_backoff_then_given_up_on(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="pdserve.controller.supervise")
+    caplog.set_level(logging.WARNING, logger="pdserve.launcher.supervision")
     cluster = ProcCluster(tmp_path, "print('boom: no such device'); raise SystemExit(3)")
     policy = RestartPolicy(backoff_s=0.1, max_restarts=3, window_s=60.0)
     sup = Supervision(cluster, policy, poll_s=0.01).start()
@@ -250,7 +250,7 @@ class _SameDraw:
 
 
 def test_a_port_handed_out_is_not_handed_out_again_by_a_later_call():
-    from pdserve.controller.cluster_spec import free_ports
+    from pdserve.launcher.cluster_spec import free_ports
 
     first = free_ports(2)
     # A later call drawing only the first call's port (not yet bound by anyone) gets another.

@@ -1,6 +1,6 @@
 """Supervision of the launcher's children: a thread that restarts the dead ones, and its metrics.
 
-Owns the I/O around the pure restart rule (`supervisor.decide`): polling each child's process,
+Owns the I/O around the pure restart rule (`restart.decide`): polling each child's process,
 keeping its last few runs (`RestartPolicy.history_len()`), asking the cluster to respawn it when
 the rule says so, and reporting: a warning per restart, an error naming the child, its exit code
 and the tail of its log when it is given up on (also written into that log), and the counts
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.controller.supervisor import GIVE_UP, RESTART, RestartPolicy, Run, decide
+from pdserve.launcher.restart import GIVE_UP, RESTART, RestartPolicy, Run, decide
 
 log = logging.getLogger(__name__)
 

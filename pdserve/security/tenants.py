@@ -5,7 +5,8 @@ Owns loading keys (a file of `KEY TENANT` lines, `#` comments; or `PDSERVE_API_K
 configured (the embedded default) every request is allowed and belongs to the default tenant
 "", unless it names a `cache_salt` of its own (as vLLM's API allows). The tenant is the salt of
 the request's block hashes (invariant 6): one tenant's prompt never hits another's cached
-blocks. Must not know gRPC or HTTP beyond the `authorization` header's `Bearer` form.
+blocks. The router authenticates requests with it; the controller tells tenants' keys from
+admin keys with it. Must not know gRPC or HTTP beyond the `authorization` header's `Bearer` form.
 """
 
 from __future__ import annotations

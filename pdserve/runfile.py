@@ -6,6 +6,9 @@ Owns one small JSON file per user (`$PDSERVE_STATE_DIR/current.json`, else
 cluster's TLS folder, so `pdserve ctl status` on the same machine needs no flags. Written once
 the cluster is up, removed when it stops (only if it is still this cluster's). Holds paths and
 addresses, never a key. Must not start or stop anything.
+
+A module of its own at the bottom of the package, not in the launcher: `pdserve serve` writes
+it and `pdserve ctl` (the controller's CLI, below the launcher) reads it.
 """
 
 from __future__ import annotations

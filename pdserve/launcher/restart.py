@@ -7,7 +7,7 @@ loop bound: a restart that would be the `max_restarts + 1`-th within `window_s` 
 the child is given up on instead (the adapter reports it loudly). So a child that can never
 start costs a bounded number of tries, spaced further and further apart, never a tight loop.
 
-Must not do I/O, sleep, read a clock or know processes: the adapter (`supervise.py`) passes the
+Must not do I/O, sleep, read a clock or know processes: the adapter (`supervision.py`) passes the
 child's ended runs and `now_s`, and carries out the returned decision.
 """
 
