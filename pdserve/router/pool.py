@@ -53,6 +53,16 @@ _MISSED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _POLL_TIMEOUT_S = 5.0
 
 
+@dataclasses.dataclass(frozen=True)
+class LiveRequest:
+    """What the route's choices need of a request (`route.Workers`): its prompt, its tenant's
+    salt, and the tokens it may add (max_tokens: a decode worker's KV must fit them)."""
+
+    prompt_ids: Sequence[int]
+    salt: str = ""
+    extra_tokens: int = 0
+
+
 class WorkerSet:
     """Every worker the router knows, both pools. Thread-safe."""
 
@@ -254,6 +264,15 @@ class WorkerSet:
         (address, stub) and counts the request in flight until the block exits.
         `extra_tokens`: tokens the request may add (max_tokens), for decode's KV fit.
         Raises NoWorkerError when no such worker is ACTIVE."""
+        address, taken = self._take(role, prompt_ids, salt, extra_tokens, exclude)
+        try:
+            yield address, self._stubs[address]
+        finally:
+            self.release_taken(address, taken)
+
+    def _take(self, role: str, prompt_ids: Sequence[int] | None, salt: str, extra_tokens: int,
+              exclude: frozenset[str]) -> tuple[str, tuple[float, int]]:
+        """`pick`'s choice, counted in flight: (address, taken); NoWorkerError."""
         if role == PREFILL:
             with self._lock:
                 addresses = [m.address for m in self.membership.pool(role)
@@ -273,79 +292,91 @@ class WorkerSet:
             address = pool[d.index].address
             tokens = d.work_tokens if d.work_tokens is not None else inp.prompt_tokens
             self.membership.acquire(address, tokens)
-            stub = self._stubs[address]
             self.last_decision = d
         if d.scores:
             log.debug("routed to %s: %s", address, d.scores)
-        try:
-            yield address, stub
-        finally:
-            with self._lock:
-                self.membership.release(address, tokens)
+        return address, (tokens, 0)
 
-    @contextmanager
-    def offload(self, prompt_tokens: int):
-        """A decode worker to prefill this prompt itself within its offload budget: yields
-        (address, stub, chunk tokens) with the prompt counted against the budget until the
-        block exits, or None when no budget fits (`policy.choose_offload`)."""
+    # ---- route.Workers: the choices of a request's route, each released with release_taken --
+    def take_prefill(self, request: LiveRequest, exclude: frozenset[str]
+                     ) -> tuple[str, tuple[float, int]] | None:
+        """A prefill worker for `request` (not in `exclude`), counted in flight; None when
+        none is ACTIVE."""
+        try:
+            return self._take(PREFILL, request.prompt_ids, request.salt, 0, exclude)
+        except NoWorkerError:
+            return None
+
+    def take_offload(self, request: LiveRequest) -> tuple[str, tuple[float, int], int] | None:
+        """A decode worker to prefill this prompt itself within its offload budget:
+        (address, taken, chunk tokens), the prompt counted against the budget; None when no
+        budget fits (`policy.choose_offload`)."""
+        return self._take_offload(len(request.prompt_ids))
+
+    def _take_offload(self, prompt_tokens: int) -> tuple[str, tuple[float, int], int] | None:
         with self._lock:
             candidates = self.membership.offload_candidates()
             i = choose_offload(candidates, prompt_tokens) if candidates else None
             if i is None:
-                chosen = None
-            else:
-                m = candidates[i]
-                self.membership.acquire(m.address, 0.0, prompt_tokens)
-                chosen = (m.address, self._stubs[m.address], m.offload_chunk)
-        with self._released(chosen, 0.0, prompt_tokens) as out:
-            yield out
+                return None
+            m = candidates[i]
+            self.membership.acquire(m.address, 0.0, prompt_tokens)
+            return m.address, (0.0, prompt_tokens), m.offload_chunk
 
-    @contextmanager
-    def cached_local(self, prompt_ids: Sequence[int], salt: str, max_uncached_tokens: int,
-                     extra_tokens: int = 0):
+    def take_cached_local(self, request: LiveRequest, max_uncached_tokens: int
+                          ) -> tuple[str, tuple[float, int], int] | None:
         """A decode worker whose prefix cache holds all but at most `max_uncached_tokens` of
-        this prompt, to prefill the rest itself (`local_prefill.choose_cached_local`): yields
-        (address, stub, choice), counted in flight until the block exits, or None (no KV
-        index, or no worker qualifies)."""
-        chosen = None
-        if self.feeds is not None and max_uncached_tokens > 0 and prompt_ids:
-            with self._lock:
-                addresses = [m.address for m in self.membership.pool(DECODE)]
-            if addresses:
-                cached, _ = self._overlaps(addresses, prompt_ids, salt)  # outside the lock
-                blocks = dict(zip(addresses, cached))
-                need = -(-(len(prompt_ids) + extra_tokens) // self.block_size_tokens)
-                with self._lock:
-                    pool = self.membership.pool(DECODE)
-                    candidates = [LocalCandidate(
-                        m.address, blocks.get(m.address, 0) * self.block_size_tokens,
-                        running=0 if m.stats is None else m.stats.num_running,
-                        waiting=0 if m.stats is None else m.stats.num_waiting,
-                        free_blocks=None if m.stats is None else m.stats.num_free_blocks)
-                        for m in pool]
-                    c = choose_cached_local(candidates, len(prompt_ids), max_uncached_tokens,
-                                            need)
-                    if c is not None:
-                        address = candidates[c.index].address
-                        self.membership.acquire(address, c.uncached_tokens)
-                        chosen = (address, self._stubs[address], c)
-        with self._released(chosen, chosen[2].uncached_tokens if chosen else 0.0) as out:
-            yield out
+        this prompt, to prefill the rest itself (`local_prefill.choose_cached_local`):
+        (address, taken, tokens it caches), counted in flight; None (no KV index, or no worker
+        qualifies)."""
+        prompt_ids = request.prompt_ids
+        if self.feeds is None or max_uncached_tokens <= 0 or not prompt_ids:
+            return None
+        with self._lock:
+            addresses = [m.address for m in self.membership.pool(DECODE)]
+        if not addresses:
+            return None
+        cached, _ = self._overlaps(addresses, prompt_ids, request.salt)  # outside the lock
+        blocks = dict(zip(addresses, cached))
+        need = -(-(len(prompt_ids) + request.extra_tokens) // self.block_size_tokens)
+        with self._lock:
+            pool = self.membership.pool(DECODE)
+            candidates = [LocalCandidate(
+                m.address, blocks.get(m.address, 0) * self.block_size_tokens,
+                running=0 if m.stats is None else m.stats.num_running,
+                waiting=0 if m.stats is None else m.stats.num_waiting,
+                free_blocks=None if m.stats is None else m.stats.num_free_blocks)
+                for m in pool]
+            c = choose_cached_local(candidates, len(prompt_ids), max_uncached_tokens, need)
+            if c is None:
+                return None
+            address = candidates[c.index].address
+            self.membership.acquire(address, c.uncached_tokens)
+            return address, (float(c.uncached_tokens), 0), c.cached_tokens
+
+    def release_taken(self, address: str, taken: tuple[float, int]) -> None:
+        """Stop counting what a `take_*` or `pick` counted on `address`."""
+        with self._lock:
+            self.membership.release(address, taken[0], taken[1])
 
     @contextmanager
-    def _released(self, chosen, tokens: float = 0.0, offload_tokens: int = 0):
-        """Yield `chosen` ((address, ...), acquired already with these counts, or None) and
-        release its counts when the block exits."""
-        if chosen is None:
+    def offload(self, prompt_tokens: int):
+        """`take_offload` as a block: yields (address, stub, chunk tokens) or None, released
+        when the block exits."""
+        got = self._take_offload(prompt_tokens)
+        with self._held(got) as out:
+            yield None if out is None else (out[0], out[1], got[2])
+
+    @contextmanager
+    def _held(self, got):
+        if got is None:
             yield None
             return
         try:
-            yield chosen
+            yield got[0], self._stubs[got[0]]
         finally:
-            with self._lock:
-                self.membership.release(chosen[0], tokens, offload_tokens)
+            self.release_taken(got[0], got[1])
 
-    # ---- the poller ----------------------------------------------------------------------------
     def poll_once(self) -> None:
         """GetStats to every member at once; apply answers and misses; forget the long gone."""
         with self._lock:

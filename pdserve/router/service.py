@@ -45,8 +45,11 @@ from pdserve.router.decode_mux import DecodeMuxes
 from pdserve.router.lifecycle import Door, Trip, abort_with_hint
 from pdserve.router.membership import DECODE, PREFILL
 from pdserve.router.policy import NoWorkerError
-from pdserve.router.pool import WorkerSet
-from pdserve.router.retry import RetryPolicy, client_status
+from pdserve.router.pool import LiveRequest, WorkerSet
+from pdserve.router.retry import RetryPolicy
+from pdserve.router.route import (CACHED_LOCAL, DECODE_HOP, DISAGGREGATED, FALL_THROUGH,
+                                  FALLBACK, GIVE_UP, LOCAL_HOP, OFFLOAD, PREFILL_HOP, RESUME,
+                                  RETRY, Failure, Next, Route, after_failure, plan)
 from pdserve.router.text import OutputText
 from pdserve.router.validate import check_model, prompt_ids_of, sampling_of
 from pdserve.wire import finish_from_proto, finish_to_proto, params_to_proto
@@ -122,23 +125,36 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         trip.error = code.name
         abort_with_hint(context, code, message)
 
-    def _failed(self, context, trip: Trip, e: grpc.RpcError, hop: str):
-        """A hop gave up after `e` from a worker: the client gets `client_status` of it."""
-        code = getattr(grpc.StatusCode, client_status(e.code().name))
-        self._abort(context, trip, code, f"{hop}: {e.details()}")
+    def _next(self, context, trip: Trip, failure: Failure, label: str, message: str) -> Next:
+        """`route.after_failure`, carried out: past the shutdown deadline the client gets a
+        clear status instead (`door.stopping`); a retry, fall-through, resume or fallback is
+        logged, counted and waited for; a give-up aborts the call with the status it names
+        (`message` says what failed), or, when the client left, returns for a quiet end."""
+        if not (failure.code == "CANCELLED" and failure.client_left):
+            self.door.stopping(context)
+        n = after_failure(failure, self.retry)
+        code = failure.code or "UNAVAILABLE"
+        if n.action in (RETRY, FALL_THROUGH) and not n.clear_excluded:
+            log.info("%s on %s: %s %s; re-routing (%s)", label, failure.address, code, message,
+                     n.reason)
+            self._count_retry(trip, label, code, n.delay_s)
+        elif n.action == RESUME:
+            log.warning("decode on %s broke after %d tokens: %s %s; resuming on another decode "
+                        "worker (%s)", failure.address, len(trip.emitted), code, message,
+                        n.reason)
+            trip.resumes += 1
+            self._count_retry(trip, "resume", code, n.delay_s)
+        elif n.action == FALLBACK:
+            log.warning("%s: %s; prefilling on a decode worker instead", label, message)
+            self._count_retry(trip, "prefill_fallback", code)
+        elif n.action == GIVE_UP and n.status is not None:
+            self._abort(context, trip, getattr(grpc.StatusCode, n.status), f"{label}: {message}")
+        return n
 
-    def _retry(self, context, trip: Trip, hop: str, attempt: int, address: str,
-               e: grpc.RpcError, streamed: bool) -> bool:
-        """Whether to re-route after `e`; counts the retry and waits its backoff if so."""
-        self.door.stopping(context)  # past the shutdown deadline: no retry, a clear status
-        code = e.code()
-        d = self.retry.decide(attempt, code.name, context.time_remaining(), streamed)
-        if not d.retry or not context.is_active():
-            return False
-        log.info("%s on %s: %s %s; re-routing (%s)", hop, address, code.name, e.details(),
-                 d.reason)
-        self._count_retry(trip, hop, code.name, d.delay_s)
-        return True
+    def _failure(self, context, trip: Trip, hop: str, code: str | None, address: str = "",
+                 attempt: int = 1, relayed: bool = False, excluded: bool = False) -> Failure:
+        return Failure(hop, code, address, attempt, relayed, trip.resumes,
+                       context.time_remaining(), not context.is_active(), excluded)
 
     def _count_retry(self, trip: Trip, hop: str, code: str, delay_s: float = 0.0) -> None:
         """One more hop for this request: in the metrics, the signals and its sample; then the
@@ -148,33 +164,6 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         trip.retries += 1
         if delay_s > 0:
             time.sleep(delay_s)
-
-    def _resume(self, context, trip: Trip, address: str, e: grpc.RpcError) -> bool:
-        """Whether to resume a decode stream that broke after relaying tokens; counts the
-        resume and waits its backoff if so."""
-        self.door.stopping(context)
-        code = e.code()
-        d = self.retry.decide_resume(trip.resumes, code.name, context.time_remaining(),
-                                     not context.is_active())
-        if not d.retry:
-            return False
-        log.warning("decode on %s broke after %d tokens: %s %s; resuming on another decode "
-                    "worker (%s)", address, len(trip.emitted), code.name, e.details(), d.reason)
-        trip.resumes += 1
-        self._count_retry(trip, "resume", code.name, d.delay_s)
-        return True
-
-    def _fallback(self, context, trip: Trip, code: grpc.StatusCode | None, message: str):
-        """The prefill hop gave up: None (a decode worker prefills the prompt itself) when the
-        rule allows, else the client gets the status."""
-        self.door.stopping(context)
-        name = None if code is None else code.name
-        if not context.is_active() or not self.retry.prefill_fallback(name):
-            code = getattr(grpc.StatusCode, client_status(name or "UNAVAILABLE"))
-            self._abort(context, trip, code, message)
-        log.warning("%s; prefilling on a decode worker instead", message)
-        self._count_retry(trip, "prefill_fallback", name or "UNAVAILABLE")
-        return None
 
     @staticmethod
     def _local_request(rid: str, prompt_ids, sampling, trip: Trip, chunk_tokens: int = 0
@@ -198,11 +187,19 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self.door.admit_prefill(trip, prompt_ids, context)
         sampling = params_to_proto(params)
         text = OutputText(self.tokenizer, prompt_ids, params.stop)
-        if (yield from self._cached_local(context, rid, prompt_ids, sampling, text, trip)):
-            return
-        if (yield from self._offload(context, rid, prompt_ids, sampling, text, trip)):
-            return
-        pre = self._prefill(context, rid, prompt_ids, sampling, trip)
+        want = LiveRequest(prompt_ids, trip.tenant, sampling.max_tokens)
+        route = plan(self.workers, want, self.max_local_prefill_tokens)
+        while route.kind in (CACHED_LOCAL, OFFLOAD):
+            if (yield from self._local_path(context, rid, route, prompt_ids, sampling, text,
+                                            trip)):
+                return
+            route = plan(self.workers, want, self.max_local_prefill_tokens, after=route.kind)
+        if route.kind == DISAGGREGATED:
+            pre = self._prefill(context, rid, route, want, sampling, trip)
+        else:  # no prefill worker in the pool
+            self._next(context, trip, self._failure(context, trip, PREFILL_HOP, None), "prefill",
+                       f"no active {PREFILL} worker")
+            pre = None
         if pre is None:  # no prefill worker could take it: a decode worker prefills it
             usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
                                   cached_prompt_tokens=0)
@@ -225,30 +222,44 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                                 sampling=sampling, kv=pre.kv)
         yield from self._decode(context, req, text, usage, trip)
 
-    def _prefill(self, context, rid, prompt_ids, sampling, trip: Trip):
-        """The prefill hop, re-routed to another prefill worker while the policy allows; None
-        when none could take it and a decode worker is to prefill it (`_fallback`)."""
-        req = wpb.PrefillRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
-                                 tenant_salt=trip.tenant)
+    def _prefill(self, context, rid, route: Route, want: LiveRequest, sampling, trip: Trip):
+        """The prefill hop, first on the worker `route` took, re-routed to another prefill
+        worker while the route allows; None when none could take it and a decode worker is to
+        prefill it (FALLBACK)."""
+        req = wpb.PrefillRequest(request_id=rid, prompt_token_ids=want.prompt_ids,
+                                 sampling=sampling, tenant_salt=trip.tenant)
         failed: set[str] = set()
         attempt = 0
+        taken: tuple[str, object] | None = (route.address, route.taken)
         while True:
-            try:
-                with self.workers.pick(PREFILL, prompt_ids, salt=trip.tenant,
-                                       exclude=frozenset(failed)) as (address, stub):
-                    self.door.picked(trip)
-                    attempt += 1
-                    call = stub.Prefill.future(req, timeout=self._timeout(context))
-                    return self.door.result(call, context)
-            except NoWorkerError as e:
-                if failed:  # every active worker failed once: they may serve a moment later
+            if taken is None:
+                taken = self.workers.take_prefill(want, frozenset(failed))
+            if taken is None:
+                n = self._next(context, trip, self._failure(
+                    context, trip, PREFILL_HOP, None, excluded=bool(failed)), "prefill",
+                    f"no active {PREFILL} worker"
+                    + (f" besides {sorted(failed)}" if failed else ""))
+                if n.action == RETRY:  # every active worker failed once: they may serve now
                     failed.clear()
                     continue
-                return self._fallback(context, trip, None, f"prefill: {e}")
+                return None
+            address = taken[0]
+            try:
+                self.door.picked(trip)
+                attempt += 1
+                call = self.workers.stub(address).Prefill.future(
+                    req, timeout=self._timeout(context))
+                return self.door.result(call, context)
             except grpc.RpcError as e:
-                if not self._retry(context, trip, "prefill", attempt, address, e, False):
-                    return self._fallback(context, trip, e.code(), f"prefill: {e.details()}")
+                n = self._next(context, trip, self._failure(
+                    context, trip, PREFILL_HOP, e.code().name, address, attempt), "prefill",
+                    e.details())
+                if n.action != RETRY:
+                    return None
                 failed.add(address)
+            finally:
+                self.workers.release_taken(*taken)
+                taken = None
 
     def _decode(self, context, req: wpb.DecodeRequest, text: OutputText, usage, trip: Trip,
                 dead: frozenset[str] = frozenset()):
@@ -274,95 +285,73 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 # The worker's stream ended early: its failure, not the request's.
                 self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
                             "decode stream ended without a finish reason")
-            except NoWorkerError as e:
-                if refused:  # each refused once: they may serve a moment later; dead stay out
-                    refused.clear()
-                    continue
-                self._abort(context, trip, grpc.StatusCode.UNAVAILABLE, f"decode: {e}")
+            except NoWorkerError as e:  # RETRY (each refused once), or GIVE_UP has aborted
+                self._next(context, trip, self._failure(
+                    context, trip, DECODE_HOP, None, excluded=bool(refused)), "decode", str(e))
+                refused.clear()  # RETRY: each refused once, they may serve now; dead stay out
+                continue
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
+                n = self._next(context, trip, self._failure(
+                    context, trip, DECODE_HOP, e.code().name, address, attempt, hop.relayed),
+                    "decode", e.details())
+                if n.action == GIVE_UP:
                     return  # the client left; nothing to send
-                if not hop.relayed and self._retry(context, trip, "decode", attempt, address,
-                                                   e, False):
+                if n.action == RETRY:
                     refused.add(address)
                     continue
-                if not self._resume(context, trip, address, e):
-                    self._failed(context, trip, e, "decode")
-                dead |= {address}
+                dead |= {address}  # RESUME
                 req = self._local_request(req.request_id, req.prompt_token_ids, req.sampling,
                                           trip)
                 refused.clear()
                 attempt = 0  # a resumed hop gets its own attempts
 
-    def _offload(self, context, rid, prompt_ids, sampling, text: OutputText, trip: Trip):
-        """Prefill and decode on one decode worker, when the controller's budgets allow it;
-        True when the request was served so (or the client left, or it was resumed elsewhere
-        after its worker broke), False to take the normal path (no budget fits, or the worker
-        refused before sending a token)."""
+    def _local_path(self, context, rid, route: Route, prompt_ids, sampling, text: OutputText,
+                    trip: Trip):
+        """Prefill and decode on the decode worker `route` took (CACHED_LOCAL: it caches all
+        but a short tail of the prompt, `local_prefill.py`; OFFLOAD: within the controller's
+        budget); True when the request was served so (or the client left, or it was resumed
+        elsewhere after its worker broke), False to plan on (refused before a token)."""
+        what = "offload" if route.kind == OFFLOAD else "local_prefill"
+        # What the router's index says the worker holds: the worker computes the rest.
         usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
-                              cached_prompt_tokens=0)
-        with self.workers.offload(len(prompt_ids)) as chosen:
-            if chosen is None:
-                return False
-            address, stub, chunk = chosen
+                              cached_prompt_tokens=route.cached_tokens)
+        try:
             served = yield from self._local(context, rid, prompt_ids, sampling, text, usage,
-                                            trip, address, stub, chunk, "offload")
-        return (yield from self._local_resumed(context, rid, prompt_ids, sampling, text, usage,
-                                               trip, address, served))
-
-    def _cached_local(self, context, rid, prompt_ids, sampling, text: OutputText, trip: Trip):
-        """Prefill and decode on the decode worker that caches all but a short tail of the
-        prompt (`local_prefill.py`); True when served so (as `_offload`), False to take the
-        other paths."""
-        with self.workers.cached_local(prompt_ids, trip.tenant, self.max_local_prefill_tokens,
-                                       sampling.max_tokens) as chosen:
-            if chosen is None:
-                return False
-            address, stub, choice = chosen
-            # What the router's index says the worker holds: the worker computes the rest.
-            usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
-                                  cached_prompt_tokens=choice.cached_tokens)
-            served = yield from self._local(context, rid, prompt_ids, sampling, text, usage,
-                                            trip, address, stub, 0, "local_prefill")
-        return (yield from self._local_resumed(context, rid, prompt_ids, sampling, text, usage,
-                                               trip, address, served))
+                                            trip, route.address, route.chunk_tokens, what)
+        finally:  # it holds only while this worker serves the request
+            self.workers.release_taken(route.address, route.taken)
+        if served is not None:
+            return served
+        req = self._local_request(rid, prompt_ids, sampling, trip)
+        yield from self._decode(context, req, text, usage, trip, dead=frozenset({route.address}))
+        return True
 
     def _local(self, context, rid, prompt_ids, sampling, text: OutputText, usage, trip: Trip,
-               address: str, stub, chunk: int, what: str):
+               address: str, chunk: int, what: str):
         """The request on `address`, which prefills it itself (`chunk` tokens a step at most,
         0: its step budget): True when served (or the client left), False when refused before
-        a token (take the normal path), None when its stream broke after some and it is to be
-        resumed elsewhere (after the caller's lease ends: it holds only while this worker
-        serves the request). An offload counts as offloaded work for the controller."""
+        a token (plan on), None when its stream broke after some and it is to be resumed
+        elsewhere. An offload counts as offloaded work for the controller."""
         self.door.picked(trip)
         req = self._local_request(rid, prompt_ids, sampling, trip, chunk)
         hop = _Hop()
         trip.offloaded = what == "offload"
         try:
-            call = self._decode_call(address, stub, req, context)
+            call = self._decode_call(address, self.workers.stub(address), req, context)
             if (yield from self._relay(context, rid, call, text, usage, hop, trip)):
                 return True
             self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
                         f"{what}: decode stream ended without a finish reason")
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and not context.is_active():
-                return True
-            if not hop.relayed and self._retry(context, trip, what, 1, address, e, False):
+            n = self._next(context, trip, self._failure(
+                context, trip, LOCAL_HOP, e.code().name, address, 1, hop.relayed), what,
+                e.details())
+            if n.action == GIVE_UP:
+                return True  # the client left
+            if n.action == FALL_THROUGH:
                 trip.offloaded = False
                 return False
-            if not self._resume(context, trip, address, e):
-                self._failed(context, trip, e, what)
-        return None
-
-    def _local_resumed(self, context, rid, prompt_ids, sampling, text: OutputText, usage,
-                       trip: Trip, address: str, served: bool | None):
-        """`served` as `_local` said; None: resume on another decode worker, then True."""
-        if served is not None:
-            return served
-        req = self._local_request(rid, prompt_ids, sampling, trip)
-        yield from self._decode(context, req, text, usage, trip, dead=frozenset({address}))
-        return True
-        return True
+        return None  # RESUME
 
     def _decode_call(self, address: str, stub, req: wpb.DecodeRequest, context):
         """Start a decode hop: on the worker's shared stream, or a Decode call of its own."""

@@ -19,6 +19,8 @@ from pdserve.router.admission import Overloaded
 from pdserve.router.membership import ACTIVE, DECODE, DRAINING, FAILED, PREFILL
 from pdserve.router.policy import NoWorkerError
 from pdserve.router.retry import RetryPolicy
+from pdserve.router.route import (CACHED_LOCAL, DECODE_FALLBACK, FALLBACK, OFFLOAD, PREFILL_HOP,
+                                  Failure, after_failure, plan)
 from pdserve.sim.config import SimConfig
 from pdserve.sim.control import SimController
 from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from pdserve.engine.sequence import TokenIds
 
 
+# The route's event when no prefill worker can take a request (`route.after_failure`).
+_NO_PREFILL = Failure(PREFILL_HOP, None)
 # With every request arrived and nothing stepping or moving for this long, the run is stuck:
 # it ends, and the requests left are reported unfinished.
 STALL_S = 600.0
@@ -74,6 +78,7 @@ class Cluster:
         shared = Link("shared")
         self.links = {a: shared if cfg.link == "shared" else Link(a) for a in self.workers}
         self.slo = Slo(cfg.slo_ttft_ms / 1000.0, cfg.slo_itl_ms / 1000.0)
+        self.retry = RetryPolicy()  # the live router's default
         self.ctl = (SimController(self.router, cfg.policy, self.slo, cfg.window_s,
                                   cfg.pressure_window_s) if cfg.controller else None)
         self.bpt = cfg.block_size * profile.kv_bytes_per_token  # bytes per KV block
@@ -180,32 +185,29 @@ class Cluster:
                 self._reject(i, e.reason)
                 return
             self.own[i] = own
-        local = (router.cached_local(self._decode_cached(hashes, r.prompt_tokens),
-                                     r.prompt_tokens, r.output_tokens,
-                                     self.cfg.max_local_prefill_tokens)
-                 if self.cfg.max_local_prefill_tokens > 0 else None)
-        if local is not None:  # conditional disaggregation: it caches all but a short tail
-            self.held[i] = (local[0], local[1], 0)
+        # The live router's route (`router/route.py`), through this cluster's `Workers`.
+        route = plan(self, i, self.cfg.max_local_prefill_tokens)
+        kind, address = route.kind, route.address
+        if kind == CACHED_LOCAL:  # conditional disaggregation: it caches all but a short tail
+            self.held[i] = (address, route.taken[0], 0)
             self.counts["local_prefills"] += 1
-            self._on_decode(i, local[0], prompt)
+            self._on_decode(i, address, prompt)
             return
-        chosen = router.offload(r.prompt_tokens)
-        if chosen is not None:
-            address, chunk = chosen
+        if kind == OFFLOAD:
             self.held[i] = (address, 0.0, r.prompt_tokens)
             self.counts["offloaded"] += 1
             self.offloaded.add(i)
-            self._on_decode(i, address, prompt, chunk)
+            self._on_decode(i, address, prompt, route.chunk_tokens)
             return
-        try:
-            address, tokens = router.pick(PREFILL, r.prompt_tokens, 0, hashes)
-        except NoWorkerError:  # the live router's prefill fallback: a decode worker prefills it
-            if RetryPolicy.prefill_fallback(None) and self._prefill_on_decode(i, prompt):
+        if kind == DECODE_FALLBACK:  # no prefill worker: a decode worker prefills it
+            if (after_failure(_NO_PREFILL, self.retry).action == FALLBACK
+                    and self._prefill_on_decode(i, prompt)):
                 return
             router.admission.release("")
             self._prefilled(i)
             self._reject(i, "no prefill worker")
             return
+        tokens = route.taken[0]
         self.held[i] = (address, tokens, 0)
         self.report.prefill_worker[i] = address
         w = self.workers[address]
@@ -218,6 +220,21 @@ class Cluster:
             self._send(self.links[address], ("fetch", i, address), (in_store - here) * self.bpt)
         else:
             self._to_prefill(w, i)
+
+    # ---- route.Workers: the simulated router's choices for request `i` -----------------------
+    def take_cached_local(self, i: int, max_uncached_tokens: int
+                          ) -> tuple[str, tuple[float, int], int] | None:
+        r = self.reqs[i]
+        return self.router.take_cached_local(self._decode_cached(self.hashes[i], r.prompt_tokens),
+                                             r.prompt_tokens, r.output_tokens,
+                                             max_uncached_tokens)
+
+    def take_offload(self, i: int) -> tuple[str, tuple[float, int], int] | None:
+        return self.router.take_offload(self.reqs[i].prompt_tokens)
+
+    def take_prefill(self, i: int, exclude: frozenset[str]
+                     ) -> tuple[str, tuple[float, int]] | None:
+        return self.router.take_prefill(self.reqs[i].prompt_tokens, self.hashes[i])
 
     def _decode_cached(self, hashes: list[bytes], prompt_tokens: int) -> dict[str, int]:
         """{ACTIVE decode worker: leading blocks of `hashes` its prefix cache holds} for those

@@ -262,6 +262,27 @@ class SimRouter:
         self._touch(m.address)
         return m.address, m.offload_chunk
 
+    # ---- a request's route (`router/route.py`): the live `WorkerSet.take_*`, in the
+    # simulator's terms (the prompt by its token count and block hashes; `cached`: what each
+    # decode worker's cache holds of it, as `cached_local` takes it) ----------------------------
+    def take_cached_local(self, cached: dict[str, int], prompt_tokens: int, extra_tokens: int,
+                          max_uncached_tokens: int) -> tuple[str, tuple[float, int], int] | None:
+        local = self.cached_local(cached, prompt_tokens, extra_tokens, max_uncached_tokens)
+        if local is None:
+            return None
+        return local[0], (local[1], 0), cached[local[0]] * self.block_size
+
+    def take_offload(self, prompt_tokens: int) -> tuple[str, tuple[float, int], int] | None:
+        chosen = self.offload(prompt_tokens)
+        return None if chosen is None else (chosen[0], (0.0, prompt_tokens), chosen[1])
+
+    def take_prefill(self, prompt_tokens: int, hashes) -> tuple[str, tuple[float, int]] | None:
+        try:
+            address, tokens = self.pick(PREFILL, prompt_tokens, 0, hashes)
+        except NoWorkerError:
+            return None
+        return address, (tokens, 0)
+
     def release(self, address: str, tokens: float = 0.0, offload_tokens: int = 0) -> None:
         self.membership.release(address, tokens, offload_tokens)
         self._touch(address)

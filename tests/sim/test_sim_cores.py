@@ -25,7 +25,7 @@ from pdserve.router import admission, kv_index, membership
 from pdserve.router import policy as router_policy
 from pdserve.router.control import RequestSignals, RouterControlServicer, Sample
 from pdserve.router.policy import PREFILL_POLICIES, make_policy
-from pdserve.router.pool import WorkerSet
+from pdserve.router.pool import LiveRequest, WorkerSet
 from pdserve.sim import cluster, control, router as sim_router
 from pdserve.sim.config import SimConfig
 from pdserve.sim.control import SimController
@@ -303,22 +303,20 @@ def test_conditional_disaggregation_choices_match_the_live_worker_set():
                 live.report(a, stats, now=0.0, asked_s=0.0)
                 sim.report(a, "decode", stats, 0.0)
             out, limit = rng.randrange(1, 300), rng.choice((0, 16, 64, 200))
-            ctx = live.cached_local(prompt, "", limit, out)
-            chosen = ctx.__enter__()
+            chosen = live.take_cached_local(LiveRequest(prompt, "", out), limit)
             cached = {a: n for a in decode if (n := sim.index.overlap(a, hashes))}
             got = sim.cached_local(cached, len(prompt), out, limit)
             if chosen is None:
-                ctx.__exit__(None, None, None)
                 assert got is None, f"step {step}"
                 continue
-            address, _, choice = chosen
-            assert got == (address, choice.uncached_tokens), f"step {step}"
+            address, taken, _ = chosen
+            assert got == (address, taken[0]), f"step {step}"
             local += 1
-            held.append((ctx, address, choice.uncached_tokens))
+            held.append((address, taken))
             if rng.random() < 0.6:
-                ctx, address, tokens = held.pop(rng.randrange(len(held)))
-                ctx.__exit__(None, None, None)
-                sim.release(address, tokens)
+                address, taken = held.pop(rng.randrange(len(held)))
+                live.release_taken(address, taken)
+                sim.release(address, taken[0])
             live_members = {m.address: (m.in_flight, m.in_flight_tokens) for m in live.members()}
             assert live_members == {m.address: (m.in_flight, m.in_flight_tokens)
                                     for m in sim.members()}
