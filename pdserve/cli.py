@@ -52,9 +52,10 @@ BENCHES: dict[str, Lazy] = {
 SIM: dict[str, Lazy] = {
     "run": Lazy("pdserve.sim.cli_run", "simulate one cluster on a trace (real routing, "
                                        "scheduler and controller cores, modelled step times)"),
-    "calibrate": Lazy("pdserve.sim.calibrate", "fit a step-time profile on this machine's engine"),
-    "validate": Lazy("pdserve.sim.validate", "replay a trace on a real cluster and in the "
-                                             "simulator; report the error"),
+    "calibrate": Lazy("pdserve.simtools.calibrate",
+                      "fit a step-time profile on this machine's engine"),
+    "validate": Lazy("pdserve.simtools.validate", "replay a trace on a real cluster and in the "
+                                                  "simulator; report the error"),
     "plan": Lazy("pdserve.sim.plan", "sweep prefill:decode ratios, policies and controller "
                                      "settings for a cluster size and SLO"),
 }

@@ -251,7 +251,7 @@ def run(args) -> int:
     from rich.progress import Progress
 
     from pdserve.bench import chaos_report
-    from pdserve.bench.common import emit
+    from pdserve.output import emit
 
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]

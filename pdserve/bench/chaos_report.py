@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 
 COLUMNS = ("fault", "killed", "requests", "in flight at kill", "sent after kill",
            "completed correct", "wrong", "lost",

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
-from pdserve.bench.common import emit, number_list, threads_problem, torch_threads
+from pdserve.bench.common import number_list, threads_problem, torch_threads
+from pdserve.output import emit
 from pdserve.engine.attention import describe_decode_path
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.device import (DeviceError, check_quantization, device_name, resolve_device,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 from pdserve.engine.device import stated_bandwidth
 
 AIMS = {"aim_ratio_b1": (1, 1.5), "aim_ratio_b32": (32, 2.0)}  # name: (batch size, engine/HF)

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from pdserve.bench.common import emit
+from pdserve.output import emit
 from pdserve.bench.fluid_workload import Shape, figures, make_workload, traces_dir
 
 CONFIGS = {  # name -> (prefill workers, decode workers, controller: None or (role, token))

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 
 
 def _pct(x: float | None) -> str:

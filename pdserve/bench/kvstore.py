@@ -48,11 +48,12 @@ from typing import Any
 import numpy as np
 
 from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
-from pdserve.bench.common import emit, number_list
+from pdserve.bench.common import number_list
+from pdserve.output import emit
 from pdserve.bench import kvstore_measure as m
 from pdserve.bench.kvstore_link import RATE, rate_gbps
 from pdserve.bench.kvstore_procs import ProcessStartError, RedisServer, redis_server_path
-from pdserve.bench.kvstore_stores import (  # noqa: F401 - REMOTE_SUFFIX: sim.calibrate's
+from pdserve.bench.kvstore_stores import (  # noqa: F401 - REMOTE_SUFFIX: simtools.calibrate's
     REMOTE_SUFFIX, measure_link, measure_ucx, start_stores, suffix, tcp_paths,
 )
 from pdserve.bench.kvstore_summary import summarize

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 from pdserve.bench.kvstore_summary import BATCH_SYSTEMS
 
 MiB = 1 << 20

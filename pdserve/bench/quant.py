@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.common import emit, number_list, threads_problem, torch_threads
+from pdserve.bench.common import number_list, threads_problem, torch_threads
+from pdserve.output import emit
 from pdserve.core.errors import ConfigError as BenchConfigError
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.device import QUANTIZATION_CHOICES

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 
 
 def print_table(result: dict[str, Any], console: Console) -> None:

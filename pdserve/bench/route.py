@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
-from pdserve.bench.common import emit
+from pdserve.output import emit
 from pdserve.bench.route_replay import Replay, cpu_s, percentile, worker_stats
 from pdserve.bench.route_trace import (
     TRACE_BLOCK_TOKENS, PromptMaker, TraceError, default_trace_path, ideal_hit_tokens,

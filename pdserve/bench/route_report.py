@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 
 
 def _pct(x: float | None) -> str:

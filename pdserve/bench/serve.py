@@ -445,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
                                TextColumn, TimeElapsedColumn)
 
     from pdserve.bench import serve_report
-    from pdserve.bench.common import emit
+    from pdserve.output import emit
     from pdserve.bench.serve_workload import WorkloadError
 
     try:

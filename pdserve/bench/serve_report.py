@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 
 
 def _f(x: float | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:

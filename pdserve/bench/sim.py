@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdserve.bench.common import emit
+from pdserve.output import emit
 
 HOUR_S = 3600.0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 from pdserve.bench.sim import HOUR_S
 # What each case's aim allows: the hour of 1,000 workers in 600 s of wall time; 100,000
 # requests in 60 s.

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
-from pdserve.bench.common import emit, number_list, threads_problem, torch_threads
+from pdserve.bench.common import number_list, threads_problem, torch_threads
+from pdserve.output import emit
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import DTYPES, LLMEngine
 from pdserve.engine.sampling import SamplingParams

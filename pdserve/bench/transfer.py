@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: names it
-from pdserve.bench.common import emit, number_list
+from pdserve.bench.common import number_list
+from pdserve.output import emit
 from pdserve.bench.transfer_proc import VARIANTS
 
 AIMS = {"progressive_vs_layerwise_max": 0.7, "progressive_vs_after_max": 0.5,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdserve.bench.common import write_json
+from pdserve.output import write_json
 
 SHORT = {"full-after": "(a) full-after", "full-layerwise": "(b) full-layerwise",
          "int8-layerwise": "(c) int8-layerwise", "progressive": "(d) progressive"}

@@ -257,8 +257,8 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
 def run_command(args: argparse.Namespace, tag: str, settings, work, errors: tuple,
                 write_outputs, print_table) -> int:
     """A `pdserve sim` command: settings (a bad one: its message and exit 2), the work with
-    progress lines on stderr, then files and a table or JSON (`bench.common.emit`)."""
-    from pdserve.bench.common import emit
+    progress lines on stderr, then files and a table or JSON (`output.emit`)."""
+    from pdserve.output import emit
 
     try:
         s = settings(args)

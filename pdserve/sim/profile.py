@@ -16,7 +16,7 @@ each sequence's token out, on the cores the step runs on): serve_step_s + serve_
 sequences; and in a step with prefill tokens, what serving a prefill costs beyond the engine's
 step (each layer's KV streamed out while the next computes, the first token's way back):
 serve_prefill_step_s + serve_prefill_token_s * prefill tokens. A CPU profile measures both on a
-real cluster (`calibrate.py`); a GPU profile leaves them zero.
+real cluster (`simtools/calibrate.py`); a GPU profile leaves them zero.
 
 A profile measured on a CPU fits the compute terms (memory terms zero: there the step is linear
 in its work); a GPU profile from `roofline.py` sets both from FLOPs and bytes. Transfers are

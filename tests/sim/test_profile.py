@@ -119,9 +119,9 @@ def test_profiles_are_package_data():
 
 
 def test_imports_without_torch():
-    code = ("import sys, pdserve.sim.profile, pdserve.sim.roofline, pdserve.sim.calibrate, "
-            "pdserve.sim.plan, pdserve.sim.plan_report, pdserve.sim.validate, "
-            "pdserve.sim.validate_report, pdserve.sim.vidur_compare; "
+    code = ("import sys, pdserve.sim.profile, pdserve.sim.roofline, pdserve.simtools.calibrate, "
+            "pdserve.sim.plan, pdserve.sim.plan_report, pdserve.simtools.validate, "
+            "pdserve.simtools.validate_report, pdserve.simtools.vidur_compare; "
             "assert 'torch' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)

@@ -292,7 +292,7 @@ def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
     serving costs on a 1P1D cluster) before the real runs, so both sides see the machine as it
     is; with `--real-from`, the constants recorded with that run are reused when it has them.
     `--steps profile`: the profile as given."""
-    from pdserve.sim.calibrate import STEPS_NOW, STEPS_QUICK, steps_now
+    from pdserve.simtools.calibrate import STEPS_NOW, STEPS_QUICK, steps_now
     from pdserve.sim.profile import StepProfile, load_profile
 
     given = load_profile(s["profile"])
@@ -413,7 +413,7 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.sim.plan import run_command
-    from pdserve.sim.validate_report import print_table, write_outputs
+    from pdserve.simtools.validate_report import print_table, write_outputs
 
     return run_command(args, "validate", settings_from_args, validate, (ValidateError,),
                        write_outputs, print_table)

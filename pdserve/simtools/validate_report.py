@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from pdserve.sim.validate import METRICS, STATS
+from pdserve.simtools.validate import METRICS, STATS
 
 LABELS = {"ttft_s": "TTFT", "itl_s": "ITL (per request)", "e2e_s": "e2e latency"}
 

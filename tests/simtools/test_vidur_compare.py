@@ -14,11 +14,11 @@ import pytest
 from pdserve.sim.profile import attn_pairs
 from pdserve.sim.roofline import MODELS, roofline_profile
 from pdserve.sim.trace import SimRequest
-from pdserve.sim.vidur_compare import (LINEAR_OPS, dist, fit_requests, linear_times,
+from pdserve.simtools.vidur_compare import (LINEAR_OPS, dist, fit_requests, linear_times,
                                        read_vidur_metrics, vidur_args, vidur_profile)
-from pdserve.sim.vidur_inputs import (ATTENTION_COLUMNS, SNAPSHOT, attention_rows,
+from pdserve.simtools.vidur_inputs import (ATTENTION_COLUMNS, SNAPSHOT, attention_rows,
                                       write_hub_cache, write_trace_csv)
-from pdserve.sim.vidur_steps import STEP_CASES, profile_step_s
+from pdserve.simtools.vidur_steps import STEP_CASES, profile_step_s
 
 DATA = Path(__file__).parent / "data"
 ROOF = roofline_profile("h100", "llama2-7b")

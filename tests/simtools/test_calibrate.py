@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim.calibrate import Point, build_profile, fit_steps, fit_transfer
+from pdserve.simtools.calibrate import Point, build_profile, fit_steps, fit_transfer
 from pdserve.sim.profile import StepProfile, TransportLink, attn_pairs, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def test_build_profile_records_its_fit():
 def test_quick_calibration_of_the_real_engine(tmp_path):
     out = tmp_path / "cpu.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.sim.calibrate", "--out", str(out), "--quick",
+        [sys.executable, "-m", "pdserve.simtools.calibrate", "--out", str(out), "--quick",
          "--no-cluster"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[calibrate" in proc.stderr  # progress lines
@@ -102,7 +102,7 @@ def test_quick_calibration_of_the_real_engine(tmp_path):
 
 
 def test_serving_cost_is_fitted_from_the_gaps_beyond_the_engine_step():
-    from pdserve.sim.calibrate import fit_serving
+    from pdserve.simtools.calibrate import fit_serving
 
     # Gaps 3 ms per step + 0.5 ms per sequence above the engine's own decode step.
     rows = [{"batch": b, "ctx": 80 * b, "gap_s": TRUE.decode_s(b, 80 * b) + 0.003 + 0.0005 * b}
@@ -127,7 +127,7 @@ def test_served_decode_gaps_are_timed_on_a_real_cluster():
     from pdserve.launcher.cluster_spec import free_ports
     from pdserve.launcher.local import ClusterSpec, LocalCluster
     from pdserve.engine.model_files import default_model_path
-    from pdserve.sim.calibrate_cluster import serving_firsts, serving_gaps
+    from pdserve.simtools.calibrate_cluster import serving_firsts, serving_gaps
 
     said: list[str] = []
     spec = ClusterSpec(model_path=default_model_path(), router_port=free_ports(1)[0],
@@ -147,7 +147,7 @@ def test_served_decode_gaps_are_timed_on_a_real_cluster():
 
 
 def test_prefill_serving_cost_is_fitted_from_first_tokens_beyond_the_engine_step():
-    from pdserve.sim.calibrate import fit_serving_prefill, with_serving
+    from pdserve.simtools.calibrate import fit_serving_prefill, with_serving
 
     # First tokens 20 ms + 0.2 ms per prompt token after the engine's own prefill step.
     rows = [{"tokens": n, "ttft_s": TRUE.prefill_s(n) + 0.02 + 0.0002 * n}

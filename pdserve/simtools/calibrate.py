@@ -26,11 +26,11 @@ from typing import Callable
 
 import numpy as np
 
-from pdserve.sim.calibrate_cluster import cluster_times, serving_times
-from pdserve.sim.calibrate_fit import (  # noqa: F401 - the fits, importable from here
+from pdserve.simtools.calibrate_cluster import cluster_times, serving_times
+from pdserve.simtools.calibrate_fit import (  # noqa: F401 - the fits, importable from here
     FEATURES, SERVING, Point, build_profile, fit_serving, fit_serving_prefill, fit_steps,
     fit_transfer, with_serving)
-from pdserve.sim.calibrate_host import calibrate_host, cores, host_slowdown
+from pdserve.simtools.calibrate_host import calibrate_host, cores, host_slowdown
 from pdserve.sim.profile import StepProfile
 
 

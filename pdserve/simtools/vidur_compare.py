@@ -34,8 +34,8 @@ from pdserve.core.stats import percentile
 from pdserve.sim.profile import StepProfile
 from pdserve.sim.roofline import MODELS, roofline_profile
 from pdserve.sim.trace import HASH_BLOCK_TOKENS, SimRequest
-from pdserve.sim.vidur_inputs import TRACE_DATE, attention_rows, write_hub_cache, write_trace_csv
-from pdserve.sim.vidur_steps import step_table
+from pdserve.simtools.vidur_inputs import TRACE_DATE, attention_rows, write_hub_cache, write_trace_csv
+from pdserve.simtools.vidur_steps import step_table
 
 LINEAR_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
               "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
@@ -280,9 +280,9 @@ def compare(mlp_csv: str, venv: str, trace: str, workdir: str, seed: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.sim.vidur_report import plot, print_report
+    from pdserve.simtools.vidur_report import plot, print_report
 
-    p = argparse.ArgumentParser(prog="python -m pdserve.sim.vidur_compare")
+    p = argparse.ArgumentParser(prog="python -m pdserve.simtools.vidur_compare")
     p.add_argument("--mlp-csv", required=True,
                    help="vidur's data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv")
     p.add_argument("--vidur-venv", default=DEFAULT_VENV)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.sim.vidur_compare import METRICS, STATS
+from pdserve.simtools.vidur_compare import METRICS, STATS
 
 LABELS = {"ttft_s": "TTFT", "itl_s": "ITL", "e2e_s": "e2e"}
 

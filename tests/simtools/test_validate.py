@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.sim.profile import StepProfile, load_profile
-from pdserve.sim.validate import (ValidateError, add_arguments, background_of, compare,
+from pdserve.simtools.validate import (ValidateError, add_arguments, background_of, compare,
                                   parse_configs, settings_from_args, shared_fraction, sim_blocks)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def test_measured_host_background_is_the_other_runnable_threads():
 def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     out = tmp_path / "v"
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.sim.validate", "--trace", str(TRACE), "--requests", "4",
+        [sys.executable, "-m", "pdserve.simtools.validate", "--trace", str(TRACE), "--requests", "4",
          "--scale", "64", "--max-tokens", "4", "--rate", "1", "--configs", "1p1d",
          "--steps", "quick", "--out", str(out), "--json"], capture_output=True, text=True,
         timeout=900, cwd=ROOT)
@@ -104,7 +104,7 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     assert given["real"] == run["compare"]["ttft_s"]["mean"]["real"] and given["sim"] > 0
     # Replayed from the record: the same measured side and the same re-measured constants.
     again = subprocess.run(
-        [sys.executable, "-m", "pdserve.sim.validate", "--trace", str(TRACE), "--requests", "4",
+        [sys.executable, "-m", "pdserve.simtools.validate", "--trace", str(TRACE), "--requests", "4",
          "--scale", "64", "--max-tokens", "4", "--rate", "1", "--configs", "1p1d",
          "--real-from", str(out / "validate.json"), "--out", str(tmp_path / "v2"), "--json"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -118,7 +118,7 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     old = {**doc, "scale": {k: v for k, v in doc["scale"].items() if k != "stagger_ms"}}
     (tmp_path / "old.json").write_text(json.dumps(old))
     third = subprocess.run(
-        [sys.executable, "-m", "pdserve.sim.validate", "--trace", str(TRACE), "--requests", "4",
+        [sys.executable, "-m", "pdserve.simtools.validate", "--trace", str(TRACE), "--requests", "4",
          "--scale", "64", "--max-tokens", "4", "--rate", "1", "--configs", "1p1d",
          "--stagger-ms", "50", "--real-from", str(tmp_path / "old.json"),
          "--out", str(tmp_path / "v3"), "--json"],
@@ -129,7 +129,7 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
 
 def test_simultaneous_arrivals_are_spaced_in_trace_order():
     from pdserve.bench.serve_workload import token_request
-    from pdserve.sim.validate import stagger
+    from pdserve.simtools.validate import stagger
 
     times = [0.0, 0.0, 0.0, 0.05, 3.0, 3.0, 9.0]
     reqs = [token_request([1, 2], 2, t) for t in times]

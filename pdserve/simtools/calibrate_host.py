@@ -19,7 +19,7 @@ from datetime import date
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from pdserve.sim.calibrate import Plan
+    from pdserve.simtools.calibrate import Plan
     from pdserve.sim.profile import StepProfile
 
 
@@ -31,7 +31,7 @@ def cores() -> int:
 HOST_ENGINE = """
 import torch
 torch.set_num_threads({threads})
-from pdserve.sim.calibrate_host import host_round
+from pdserve.simtools.calibrate_host import host_round
 host_round({model!r}, {prefill!r}, {decode!r}, {probe!r})
 """
 
@@ -186,7 +186,7 @@ def calibrate_host(profile: StepProfile, model: str | None = None, plan: Plan | 
     import dataclasses
 
     from pdserve.engine.model_files import default_model_path
-    from pdserve.sim.calibrate import FULL
+    from pdserve.simtools.calibrate import FULL
 
     plan = plan or FULL
     load = os.getloadavg()[0]
