@@ -17,6 +17,7 @@ import grpc
 
 from pdserve import rpc
 from pdserve.controller.config import ControllerConfig
+from pdserve.controller.connector import LiveConnector
 from pdserve.controller.flip import ROLE_NAMES, ROLES, FlipBusy, FlipOutcome
 from pdserve.controller.service import Controller, UnknownWorker
 from pdserve.proto import controller_pb2 as pb
@@ -151,7 +152,7 @@ def run(cfg: ControllerConfig, health_address: str | None = None) -> int:
         print(f"pdserve.controller: {e}", file=sys.stderr, flush=True)
         return 2
     channel = rpc.make_channel(cfg.router_address, ROUTER)
-    controller = Controller(cfg, rpb_grpc.RouterControlStub(channel))
+    controller = Controller(cfg, LiveConnector(rpb_grpc.RouterControlStub(channel)))
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=64)
     guard = rpc.Guard(CONTROLLER, rpc.CONTROL, admin, is_tenant_key=tenants.holds)
     rpc.add_servicer(server, pb_grpc.add_ControllerServicer_to_server,

@@ -1,14 +1,15 @@
 """The controller's loop and its operator actions: observe, decide, act (or only advise).
 
 Owns the controller's state between ticks: mode, pins, the operator's target split, the policy's
-hysteresis state, each worker's last flip, flips in progress. Each tick reads the router's
-signals, builds the policy input (`view`), asks the pure `policy.decide`, appends the decision
-with its inputs to the audit log, exports metrics, and, in `active` mode only, sets the router's
-prefill offload budgets, starts the decided flips (each on its own thread, through `flip`), and
-re-admits workers whose flip failed once they have sat out `failed_readmit_s`. On stop, flips in
-flight get up to `STOP_FLIPS_WAIT_S` to end and be logged before the router channel closes.
-Operator actions (set-role, rebalance, pin, mode) go through the same flip path. A manual role
-command sets the target split; the policy then never moves away from it until `release()`.
+hysteresis state, each worker's last flip. Each tick reads the router's signals, builds the
+policy input (`view`), asks the pure `policy.decide`, appends the decision with its inputs to
+the audit log, exports metrics, and, in `active` mode only, sets the router's prefill offload
+budgets, starts the decided flips, and re-admits workers whose flip failed once they have sat
+out `failed_readmit_s`; all of it through a `connector.Connector`, so the same tick runs the
+live cluster (`LiveConnector`) and the simulated one (`sim/control.py`). On stop, flips in
+flight get up to `STOP_FLIPS_WAIT_S` to end and be logged. Operator actions (set-role,
+rebalance, pin, mode) record their flips the same way. A manual role command sets the target
+split; the policy then never moves away from it until `release()`.
 Must not decide flips itself (the policy does) or sit on the request path.
 """
 
@@ -23,17 +24,16 @@ import grpc
 
 from pdserve.controller.audit import AuditLog
 from pdserve.controller.config import ControllerConfig
-from pdserve.controller.flip import Flipper, FlipOutcome
+from pdserve.controller.connector import Connector
+from pdserve.controller.flip import FlipOutcome
 from pdserve.controller.metrics import ControllerMetrics
 from pdserve.controller.policy import (DECODE, GONE, PREFILL, ControllerInput, Decision,
                                        PolicyConfig, PolicyState, decide, plan_rebalance)
 from pdserve.controller.signals import Slo
 from pdserve.controller.view import ClusterView, Meters, cluster_view
-from pdserve.proto import router_pb2 as rpb
 
 # Who an automatic action's audit line names: the controller's own policy.
 AUTOMATIC = "policy"
-from pdserve.proto import router_pb2_grpc as rpb_grpc
 
 log = logging.getLogger(__name__)
 # On stop, how long flips in flight may take to end and be logged before the channel closes.
@@ -77,19 +77,21 @@ def reason_label(d: Decision, inp: ControllerInput, high: float) -> str:
 
 
 class Controller:
-    def __init__(self, cfg: ControllerConfig, router: rpb_grpc.RouterControlStub,
-                 clock=time.monotonic) -> None:
+    """`policy_cfg` and `slo`: the ones `cfg` implies unless given (the simulator passes its
+    own, with thresholds the command line does not set)."""
+
+    def __init__(self, cfg: ControllerConfig, connector: Connector, clock=time.monotonic,
+                 policy_cfg: PolicyConfig | None = None, slo: Slo | None = None) -> None:
         self.cfg = cfg
-        self.router = router
+        self.connector = connector
         self.clock = clock
         self.mode = cfg.mode
-        self.slo = Slo(ttft_s=cfg.ttft_slo_ms / 1000, itl_s=cfg.itl_slo_ms / 1000,
-                       ttft_share=cfg.ttft_share)
-        self.policy_cfg = PolicyConfig(
+        self.slo = slo or Slo(ttft_s=cfg.ttft_slo_ms / 1000, itl_s=cfg.itl_slo_ms / 1000,
+                              ttft_share=cfg.ttft_share)
+        self.policy_cfg = policy_cfg or PolicyConfig(
             fluid_role=cfg.fluid_role, fluid_token=cfg.fluid_token,
             max_flips_per_tick=cfg.max_flips_per_tick, cooldown_s=cfg.cooldown_s,
             min_per_role=cfg.min_per_role, sustain_s=cfg.sustain_s)
-        self.flipper = Flipper(router)
         self.metrics = ControllerMetrics()
         self.audit = AuditLog(cfg.audit_log, cfg.audit_max_bytes)
         self.meters = Meters()
@@ -105,7 +107,6 @@ class Controller:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._flip_threads: set[threading.Thread] = set()
 
     # ---- the loop ---------------------------------------------------------------------------
     def start(self) -> "Controller":
@@ -120,12 +121,7 @@ class Controller:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        deadline = time.monotonic() + flips_wait_s
-        with self._lock:
-            flips = list(self._flip_threads)
-        for t in flips:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.flipper.close()
+        self.connector.close(flips_wait_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.tick_s):
@@ -137,12 +133,11 @@ class Controller:
                 log.exception("tick failed")
 
     def observe(self) -> ClusterView:
-        signals = self.router.GetSignals(rpb.GetSignalsRequest(window_s=self.cfg.window_s),
-                                         timeout=10)
+        signals = self.connector.signals(self.cfg.window_s)
         with self._lock:
             last = {a: r.at_s for a, r in self.flips.items()}
             view = cluster_view(signals, self.meters, self.slo, pinned=frozenset(self.pinned),
-                                switching=self.flipper.busy(), last_flip_s=last,
+                                switching=self.connector.switching(), last_flip_s=last,
                                 pressure_window_s=self.cfg.pressure_window_s)
         self.metrics.offloaded_total(signals.offloaded_tokens_total)
         counts: dict[tuple[str, str], int] = {}
@@ -171,8 +166,10 @@ class Controller:
             self.metrics.decisions.labels(d.action, reason_label(d, inp, self.policy_cfg.high)
                                           ).inc()
             self.snapshot = Snapshot(view, d, now, [*d.conflicts, *self._failures()])
-        self.audit.write({"event": "decision", "t": time.time(), "mode": mode, "acted": acted,
-                          "input": _input_record(inp, view), "decision": _decision_record(d)})
+        if self.audit.path:  # the record is built only for a log that keeps it
+            self.audit.write({"event": "decision", "t": time.time(), "mode": mode,
+                              "acted": acted, "input": _input_record(inp, view),
+                              "decision": _decision_record(d)})
         if d.action != "hold":
             log.info("%s%s: %s", d.action, "" if acted else " (advisory)", d.reason)
         if acted:
@@ -191,16 +188,14 @@ class Controller:
     def _set_budgets(self, budgets) -> None:
         if tuple(budgets) == self._budgets:
             return
-        self.router.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[
-            rpb.OffloadBudget(address=b.address, max_tokens=b.max_tokens,
-                              chunk_tokens=b.chunk_tokens) for b in budgets]), timeout=10)
+        self.connector.set_budgets(budgets)
         self._budgets = tuple(budgets)
 
     def _readmit(self, view: ClusterView, now: float) -> None:
         for a, t in list(self.failed_at.items()):
-            if now - t < self.cfg.failed_readmit_s or a in self.flipper.busy():
+            if now - t < self.cfg.failed_readmit_s or a in self.connector.switching():
                 continue
-            role = self.flipper.readmit(a, f"re-admitted {now - t:.0f}s after a failed flip")
+            role = self.connector.readmit(a, f"re-admitted {now - t:.0f}s after a failed flip")
             if role is not None:
                 self.failed_at.pop(a, None)
                 self.audit.write({"event": "readmit", "t": time.time(), "address": a,
@@ -209,7 +204,15 @@ class Controller:
     # ---- flips ------------------------------------------------------------------------------
     def _flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
               by: str = AUTOMATIC) -> FlipOutcome:
-        out = self.flipper.flip(address, to_role, drain_timeout_s, reason)
+        """An operator's flip, carried out before returning."""
+        out = self.connector.flip(address, to_role, drain_timeout_s, reason)
+        self.flipped(out, reason, by)
+        return out
+
+    def flipped(self, out: FlipOutcome, reason: str, by: str = AUTOMATIC) -> None:
+        """A flip ended: its record (the cooldown's clock; a failed one sits out), metrics and
+        audit line."""
+        address = out.address
         now = self.clock()
         with self._lock:
             if out.ok and out.from_role != out.to_role:
@@ -224,24 +227,12 @@ class Controller:
                 self.metrics.role_switch_failures.labels(out.from_role, out.to_role).inc()
         self.audit.write({"event": "flip", "t": time.time(), "reason": reason, "by": by,
                           **asdict(out)})
-        return out
 
-    def start_flip(self, address: str, to_role: str, reason: str) -> threading.Thread:
-        """Flip on a thread of its own (a drain may take seconds); `stop` waits for it."""
-        t = threading.Thread(target=self._flip_in_thread,
-                             args=(address, to_role, reason, self.cfg.drain_timeout_s),
-                             name=f"flip-{address}", daemon=True)
-        with self._lock:
-            self._flip_threads.add(t)
-        t.start()
-        return t
-
-    def _flip_in_thread(self, *args) -> None:
-        try:
-            self._flip(*args)
-        finally:
-            with self._lock:
-                self._flip_threads.discard(threading.current_thread())
+    def start_flip(self, address: str, to_role: str, reason: str) -> None:
+        """A policy's flip, in the background (a drain may take seconds); `flipped` records it
+        when it ends."""
+        self.connector.start_flip(address, to_role, reason, self.cfg.drain_timeout_s,
+                                  self.flipped)
 
     # ---- operator actions -------------------------------------------------------------------
     def _workers(self):

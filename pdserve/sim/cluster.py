@@ -6,7 +6,7 @@ store fetch), a worker's step ending (first tokens, the KV put into the store an
 to a decode worker, ends), a transfer landing, a stats poll, a controller tick and the flips it
 orders (drain, then the profile's switch time), and the per-request records. Must not score,
 admit, schedule or decide itself: the real cores do (through `router.SimRouter`,
-`engine_model.EngineModel` and `control.SimController`).
+`engine_model.EngineModel` and the live controller through `control.SimConnector`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pdserve.controller.flip import FlipOutcome
 from pdserve.controller.signals import Slo
 from pdserve.router.admission import Overloaded
 from pdserve.router.membership import ACTIVE, DECODE, DRAINING, FAILED, PREFILL
@@ -22,7 +23,7 @@ from pdserve.router.retry import RetryPolicy
 from pdserve.router.route import (CACHED_LOCAL, DECODE_FALLBACK, FALLBACK, OFFLOAD, PREFILL_HOP,
                                   Failure, after_failure, plan)
 from pdserve.sim.config import SimConfig
-from pdserve.sim.control import SimController
+from pdserve.sim.control import controller
 from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
 from pdserve.sim.events import EventQueue
 from pdserve.sim.host import HostShare
@@ -79,8 +80,9 @@ class Cluster:
         self.links = {a: shared if cfg.link == "shared" else Link(a) for a in self.workers}
         self.slo = Slo(cfg.slo_ttft_ms / 1000.0, cfg.slo_itl_ms / 1000.0)
         self.retry = RetryPolicy()  # the live router's default
-        self.ctl = (SimController(self.router, cfg.policy, self.slo, cfg.window_s,
-                                  cfg.pressure_window_s) if cfg.controller else None)
+        self.ctl, self.connector = (controller(
+            self, cfg.policy, self.slo, cfg.tick_s, cfg.window_s, cfg.pressure_window_s,
+            cfg.drain_timeout_s, cfg.failed_readmit_s) if cfg.controller else (None, None))
         self.bpt = cfg.block_size * profile.kv_bytes_per_token  # bytes per KV block
         self.report = SimReport(
             config={}, profile=getattr(profile, "origin", type(profile).__name__),
@@ -103,8 +105,10 @@ class Cluster:
         self.arrived = 0
         self.last_work_s = 0.0
         self.stalled = False  # no step, transfer or arrival for STALL_S with requests left
-        self.last_flip_s: dict[str, float] = {}
-        self.failed_at: dict[str, float] = {}  # flips failed (drain timeout): when
+        # Workers whose flip failed (drain timeout), out of both pools until re-admitted; and
+        # for each flip under way, how to tell the controller its outcome.
+        self.failed: set[str] = set()
+        self._flips: dict[str, tuple] = {}
         self.counts = {"flips": 0, "failed_flips": 0, "drain_s": 0.0, "switch_s": 0.0,
                        "offloaded": 0, "local_prefills": 0,
                        "kv_transfers": 0, "kv_bytes": 0, "store_fetch_blocks": 0}
@@ -167,8 +171,8 @@ class Cluster:
         except Overloaded as e:
             self._reject(i, e.reason)
             return
-        if self.ctl is not None:
-            self.ctl.started()
+        if self.connector is not None:
+            self.connector.started()
         prompt = self.prompt[i] = prompt_tokens_of(r.block_hashes, r.prompt_tokens, i + 1)
         # The full blocks' hashes come from the trace's block ids (the scheduler takes them as
         # known); the router's are those of the reusable blocks (all tokens but the last).
@@ -336,7 +340,7 @@ class Cluster:
         if self.ctl is not None:
             ttft = rep.ttft_s[i]
             assert ttft is not None  # it made its first token before it ended
-            self.ctl.finished(now, now - r.arrival_s, ttft, r.prompt_tokens,
+            self.connector.finished(now, now - r.arrival_s, ttft, r.prompt_tokens,
                               r.output_tokens, i in self.offloaded)
         self.offloaded.discard(i)
         self.prompt.pop(i, None)
@@ -430,30 +434,38 @@ class Cluster:
         self.q.push(now + self.cfg.stats_interval_s, "poll")
 
     def _tick(self, _=None) -> None:
-        now = self.q.now
-        for a, t in list(self.failed_at.items()):  # the controller's re-admission
-            if now - t >= self.cfg.failed_readmit_s:
-                del self.failed_at[a]
-                w = self.workers[a]
-                self.router.set_state(a, ACTIVE, w.role,
-                                      f"re-admitted {now - t:.0f}s after a failed flip", now)
-                self._roles()
-                self._wake(w)
-        switching = {a: w.to_role for a, w in self.workers.items()
-                     if w.state in (W_DRAINING, SWITCHING) and w.to_role}
         assert self.ctl is not None  # ticks are scheduled only with a controller
-        d = self.ctl.tick(now, switching, self.last_flip_s)
-        self.router.set_budgets({b.address: (b.max_tokens, b.chunk_tokens) for b in d.budgets})
-        for f in d.flips:
-            w = self.workers[f.address]
-            if w.state != SERVING or w.role != f.from_role:
-                continue
-            w.state, w.to_role, w.drain_started_s = W_DRAINING, f.to_role, now
-            self.router.set_state(w.address, DRAINING, None, f"switching to {f.to_role}", now)
-            self.q.push(now + self.cfg.drain_timeout_s, "drain_deadline", (w.address, now))
-            self._roles()
-            self._wake(w)
-        self.q.push(now + self.cfg.tick_s, "tick")
+        self.ctl.tick()  # the live controller's tick, through `control.SimConnector`
+        self.q.push(self.q.now + self.cfg.tick_s, "tick")
+
+    # ---- what the controller's connector does here -------------------------------------------
+    def switching(self) -> dict[str, str]:
+        return {a: w.to_role for a, w in self.workers.items()
+                if w.state in (W_DRAINING, SWITCHING) and w.to_role}
+
+    def begin_flip(self, address: str, to_role: str, drain_timeout_s: float, done) -> None:
+        """Drain `address` for a switch to `to_role` (`_switched` or `_drain_deadline` ends
+        it and calls `done(outcome)`); nothing when it is not serving in the other role."""
+        w, now = self.workers[address], self.q.now
+        if w.state != SERVING or w.role == to_role:
+            return
+        w.state, w.to_role, w.drain_started_s = W_DRAINING, to_role, now
+        self._flips[address] = (done, w.role, now)
+        self.router.set_state(w.address, DRAINING, None, f"switching to {to_role}", now)
+        self.q.push(now + drain_timeout_s, "drain_deadline", (w.address, now))
+        self._roles()
+        self._wake(w)
+
+    def readmit(self, address: str, reason: str) -> str | None:
+        """A worker whose flip failed back into its role's pool, as the live `Flipper` does."""
+        w = self.workers[address]
+        if w.state != SERVING:
+            return None
+        self.failed.discard(address)
+        self.router.set_state(address, ACTIVE, w.role, reason, self.q.now)
+        self._roles()
+        self._wake(w)
+        return w.role
 
     def _drain_deadline(self, payload) -> None:
         """A flip still draining at its deadline fails, as the live `Flipper`'s does: the
@@ -462,13 +474,16 @@ class Cluster:
         w, now = self.workers[address], self.q.now
         if w.state != W_DRAINING or w.drain_started_s != started:
             return  # it switched meanwhile
+        to_role, (done, from_role, _) = w.to_role, self._flips.pop(address)
         w.state, w.to_role = SERVING, None
         self.counts["failed_flips"] += 1
         self.counts["drain_s"] += now - started
-        self.failed_at[address] = now
+        self.failed.add(address)
         self.router.set_state(address, FAILED, None, "flip failed: drain_timeout_s", now)
         self._roles()
         self._wake(w)
+        done(FlipOutcome(address, from_role, to_role or "?", False, now - started,
+                         "drain_timeout_s"))
 
     def _switch(self, w: SimWorker) -> None:
         now = self.q.now
@@ -483,11 +498,12 @@ class Cluster:
         w.role, w.state, w.to_role = w.to_role, SERVING, None
         w.switches += 1
         self.counts["flips"] += 1
-        self.last_flip_s[address] = now
         self.router.set_state(address, ACTIVE, w.role, f"switched to {w.role}", now)
         self._feed(w)
         self._roles()
         self._wake(w)
+        done, from_role, started = self._flips.pop(address)
+        done(FlipOutcome(address, from_role, w.role, True, now - started))
 
     def _feed(self, w: SimWorker) -> None:
         """The index follows `w`'s prefix cache while it prefills: from a snapshot when it
@@ -510,7 +526,7 @@ class Cluster:
     def _roles(self) -> None:
         p = d = moving = 0
         for a, w in self.workers.items():
-            if w.state == SERVING and a not in self.failed_at:
+            if w.state == SERVING and a not in self.failed:
                 p += w.role == PREFILL
                 d += w.role == DECODE
             elif w.state in (W_DRAINING, SWITCHING):

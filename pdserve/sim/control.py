@@ -1,55 +1,81 @@
-"""The controller in the simulator's loop: the router's own signals answer, the controller's own
-view of it, the real `decide()`.
+"""The controller in the simulator's loop: the live `Controller` and its tick, through a
+connector to the simulated cluster.
 
-Owns the tick's glue, as the controller service's `tick` does it: the router's `RequestSignals`
-ring (finished requests' samples, fed by the cluster), its `GetSignals` handler answering from
-the simulated membership on the virtual clock, the controller's `cluster_view` with its
-`Meters`, and the `PolicyState` carried from tick to tick. Must not decide anything: flips and
-budgets come from `decide()`, and the cluster carries them out.
+Owns `SimConnector`, the simulated side of `controller.connector.Connector`: the router's own
+`RequestSignals` ring (finished requests' samples, fed by the cluster) and its `GetSignals`
+handler answering from the simulated membership on the virtual clock; the offload budgets set
+on the simulated router; flips begun on the simulated workers (drained, then switched after
+the profile's flip time, or failed at the drain deadline) with their outcomes handed back to
+the controller; a worker whose flip failed re-admitted. `controller(...)` builds the live
+controller over it. Must not decide anything: the controller's `tick` and `decide()` do.
 """
 
 from __future__ import annotations
 
-from pdserve.controller.policy import ControllerInput, Decision, PolicyState, decide
+from typing import TYPE_CHECKING
+
+from pdserve.controller.config import ControllerConfig
+from pdserve.controller.flip import FlipOutcome
+from pdserve.controller.service import Controller
 from pdserve.controller.signals import Slo
-from pdserve.controller.view import ClusterView, Meters, cluster_view
 from pdserve.proto import router_pb2 as rpb
 from pdserve.router.control import RequestSignals, RouterControlServicer, Sample, tpot_of
 
+if TYPE_CHECKING:
+    from pdserve.sim.cluster import Cluster
 
-class SimController:
-    def __init__(self, members, policy_cfg, slo: Slo, window_s: float,
-                 pressure_window_s: float) -> None:
-        """`members`: an object whose `members()` lists the router's `Member`s."""
-        self.policy_cfg = policy_cfg
-        self.slo = slo
-        self.window_s = window_s
-        self.pressure_window_s = pressure_window_s
-        self.now = 0.0
-        self.signals = RequestSignals()
-        self.router = RouterControlServicer(members, self.signals, clock=lambda: self.now)
-        self.meters = Meters()
-        self.state = PolicyState()
-        self.ticks = 0
-        self.last_view: ClusterView | None = None
 
+class SimConnector:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.ring = RequestSignals()
+        self.control = RouterControlServicer(cluster.router, self.ring,
+                                             clock=lambda: cluster.q.now)
+
+    # What the live router's RequestSignals learn from its requests.
     def started(self) -> None:
-        self.signals.started()
+        self.ring.started()
 
     def finished(self, now: float, e2e_s: float, ttft_s: float, prompt_tokens: int,
                  output_tokens: int, offloaded: bool) -> None:
-        self.signals.finished(Sample(now, ttft_s, tpot_of(e2e_s, ttft_s, output_tokens),
-                                     prompt_tokens, output_tokens, offloaded, 0, "length"))
+        self.ring.finished(Sample(now, ttft_s, tpot_of(e2e_s, ttft_s, output_tokens),
+                                  prompt_tokens, output_tokens, offloaded, 0, "length"))
 
-    def tick(self, now: float, switching: dict[str, str],
-             last_flip_s: dict[str, float]) -> Decision:
-        self.now = now
-        signals = self.router.GetSignals(rpb.GetSignalsRequest(window_s=self.window_s), None)
-        view = cluster_view(signals, self.meters, self.slo, switching=switching,
-                            last_flip_s=last_flip_s, pressure_window_s=self.pressure_window_s)
-        self.last_view = view
-        inp = ControllerInput(view.workers, view.prefill, view.decode, self.slo, self.state, None)
-        d = decide(inp, now, self.policy_cfg)
-        self.state = d.state
-        self.ticks += 1
-        return d
+    # ---- controller.connector.Connector ------------------------------------------------------
+    def signals(self, window_s: float) -> rpb.RouterSignals:
+        return self.control.GetSignals(rpb.GetSignalsRequest(window_s=window_s), None)
+
+    def switching(self) -> dict[str, str]:
+        return self.cluster.switching()
+
+    def set_budgets(self, budgets) -> None:
+        self.cluster.router.set_budgets({b.address: (b.max_tokens, b.chunk_tokens)
+                                         for b in budgets})
+
+    def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
+                   done) -> None:
+        self.cluster.begin_flip(address, to_role, drain_timeout_s,
+                                lambda out: done(out, reason))
+
+    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
+             ) -> FlipOutcome:
+        raise NotImplementedError("the simulated cluster has no operator flips")
+
+    def readmit(self, address: str, reason: str) -> str | None:
+        return self.cluster.readmit(address, reason)
+
+    def close(self, wait_s: float) -> None:
+        pass
+
+
+def controller(cluster: Cluster, policy_cfg, slo: Slo, tick_s: float, window_s: float,
+               pressure_window_s: float, drain_timeout_s: float, failed_readmit_s: float
+               ) -> tuple[Controller, SimConnector]:
+    """The live controller (active, no audit file, no operator) over `cluster`, on its
+    virtual clock."""
+    connector = SimConnector(cluster)
+    cfg = ControllerConfig(router_address="simulated", tick_s=tick_s, window_s=window_s,
+                           pressure_window_s=pressure_window_s, drain_timeout_s=drain_timeout_s,
+                           failed_readmit_s=failed_readmit_s)
+    return (Controller(cfg, connector, clock=lambda: cluster.q.now, policy_cfg=policy_cfg,
+                       slo=slo), connector)

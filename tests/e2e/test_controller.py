@@ -321,6 +321,7 @@ def test_decode_workers_prefill_within_budget_and_keep_their_itl(cluster, refere
 def test_a_flip_in_flight_when_the_controller_stops_is_finished_and_logged(
         cluster, reference, tmp_path):
     from pdserve.controller.config import ControllerConfig
+    from pdserve.controller.connector import LiveConnector
     from pdserve.controller.service import Controller
 
     start = {r: cluster.worker_addresses(r) for r in ("prefill", "decode")}
@@ -334,8 +335,7 @@ def test_a_flip_in_flight_when_the_controller_stops_is_finished_and_logged(
         with rpc.make_channel(cluster.router_control_address, ROUTER) as ch:
             ctl = Controller(ControllerConfig(
                 router_address=cluster.router_control_address, audit_log=audit,
-                drain_timeout_s=60),
-                             rpb_grpc.RouterControlStub(ch))
+                drain_timeout_s=60), LiveConnector(rpb_grpc.RouterControlStub(ch)))
             ctl.start_flip(busy[0], "prefill", "stopping mid-flip")
             time.sleep(0.2)  # the drain has begun: the worker holds running requests
             ctl.stop()  # before: closed the channel under the flip, logged as failed

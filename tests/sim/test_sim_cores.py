@@ -14,7 +14,6 @@ import pytest
 
 import pdserve.sim
 from pdserve.controller import policy as controller_policy
-from pdserve.controller import view as controller_view
 from pdserve.controller.config import ControllerConfig
 from pdserve.controller.policy import PolicyConfig
 from pdserve.controller.service import Controller
@@ -28,7 +27,7 @@ from pdserve.router.policy import PREFILL_POLICIES, make_policy
 from pdserve.router.pool import LiveRequest, WorkerSet
 from pdserve.sim import cluster, control, router as sim_router
 from pdserve.sim.config import SimConfig
-from pdserve.sim.control import SimController
+from pdserve.controller.flip import FlipOutcome
 from pdserve.sim.router import SimRouter
 
 SIM_DIR = Path(pdserve.sim.__file__).parent
@@ -69,8 +68,7 @@ def test_the_simulator_calls_the_cores_themselves():
     assert sim_router.Admission is admission.Admission
     assert sim_router.KvIndex is kv_index.KvIndex
     assert sim_router.Membership is membership.Membership
-    assert control.decide is controller_policy.decide
-    assert control.cluster_view is controller_view.cluster_view
+    assert control.Controller is Controller  # the live controller's tick, not a copy
     r = SimRouter(SimConfig(prefill_workers=1, decode_workers=1, prefill_policy="kv_aware"),
                   {"a": "prefill", "b": "decode"})
     assert type(r.policies["prefill"]) is router_policy.KvAware
@@ -152,20 +150,73 @@ def test_routing_decisions_match_the_live_worker_set(prefill_policy, decode_poli
         live.close()
 
 
-class _RouterAdapter:
-    """The controller's router stub, answered by the router's real control servicer."""
+class _LiveConnector:
+    """The live connector's router side (`controller.connector.LiveConnector`), answered by
+    the router's real control servicer over a live `WorkerSet`; flips are recorded, and end
+    (ok or failed) when the test says, as workers would."""
 
     def __init__(self, servicer: RouterControlServicer) -> None:
         self.servicer = servicer
+        self.started: list[tuple] = []
+        self.readmitted: list[str] = []
 
-    def GetSignals(self, request, timeout=None):  # noqa: N802 - the stub's name
-        return self.servicer.GetSignals(request, None)
+    def signals(self, window_s):
+        return self.servicer.GetSignals(rpb.GetSignalsRequest(window_s=window_s), None)
 
-    def SetOffloadBudgets(self, request, timeout=None):  # noqa: N802
-        return rpb.SetOffloadBudgetsResponse()
+    def switching(self):
+        return {a: to for a, to, _ in self.started}
+
+    def set_budgets(self, budgets):
+        self.servicer.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[
+            rpb.OffloadBudget(address=b.address, max_tokens=b.max_tokens,
+                              chunk_tokens=b.chunk_tokens) for b in budgets]), None)
+
+    def start_flip(self, address, to_role, reason, drain_timeout_s, done):
+        self.started.append((address, to_role, lambda out: done(out, reason)))
+
+    def readmit(self, address, reason):
+        self.readmitted.append(address)
+        return "decode"
+
+    def close(self, wait_s):
+        pass
 
 
-def test_controller_decisions_match_the_live_controller_tick():
+class _Clock:
+    def __init__(self, now: list[float]) -> None:
+        self._now = now
+
+    @property
+    def now(self) -> float:
+        return self._now[0]
+
+
+class _SimCluster:
+    """What `sim.control.SimConnector` reaches of the simulated cluster: its router and
+    virtual clock; flips begun are recorded and end when the test says."""
+
+    def __init__(self, router: SimRouter, now: list[float]) -> None:
+        self.router = router
+        self.q = _Clock(now)  # the event queue's virtual clock
+        self.started: list[tuple] = []
+        self.readmitted: list[str] = []
+
+    def switching(self):
+        return {a: to for a, to, _ in self.started}
+
+    def begin_flip(self, address, to_role, drain_timeout_s, done):
+        self.started.append((address, to_role, done))
+
+    def readmit(self, address, reason):
+        self.readmitted.append(address)
+        return "decode"
+
+
+def test_the_simulator_ticks_the_live_controller_through_its_connector():
+    """The same `Controller` ticks the live cluster and the simulated one; fed the same
+    signals through the two connectors, it makes the same decisions, and after a flip that
+    fails (a drain past its deadline) both sit the worker out and re-admit it at the same
+    tick."""
     roles = {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "decode", "w4": "decode"}
     now = [0.0]
     live_ws = WorkerSet([a for a, r in roles.items() if r == "prefill"],
@@ -174,16 +225,21 @@ def test_controller_decisions_match_the_live_controller_tick():
                         decode_policy=make_policy("free_kv"), stats_interval_s=0,
                         clock=lambda: now[0])
     live_signals = RequestSignals()
-    live = Controller(ControllerConfig(router_address="sim", mode="advisory"),
-                      _RouterAdapter(RouterControlServicer(live_ws, live_signals,
-                                                           clock=lambda: now[0])),
-                      clock=lambda: now[0])
-    sim = SimRouter(SimConfig(prefill_workers=2, decode_workers=3), roles)
-    sim_ctl = SimController(sim, PolicyConfig(), Slo(2.0, 0.2), 30.0, 5.0)
+    live_conn = _LiveConnector(RouterControlServicer(live_ws, live_signals,
+                                                     clock=lambda: now[0]))
+    cfg = dict(cooldown_s=5.0, failed_readmit_s=6.0)
+    live = Controller(ControllerConfig(router_address="live", **cfg), live_conn,
+                      clock=lambda: now[0], slo=Slo(2.0, 0.2))
+    sim_router = SimRouter(SimConfig(prefill_workers=2, decode_workers=3), roles)
+    cluster = _SimCluster(sim_router, now)
+    sim_conn = control.SimConnector(cluster)
+    sim = Controller(ControllerConfig(router_address="simulated", **cfg), sim_conn,
+                     clock=lambda: now[0], policy_cfg=PolicyConfig(cooldown_s=5.0),
+                     slo=Slo(2.0, 0.2))
     rng = random.Random(2)
-    actions = []
+    actions, failed = [], 0
     try:
-        for tick in range(1, 40):
+        for tick in range(1, 60):
             now[0] = float(tick)
             for a, role in roles.items():
                 stats = _stats(rng, role)
@@ -192,24 +248,37 @@ def test_controller_decisions_match_the_live_controller_tick():
                 stats.decode_steps = tick * 20
                 stats.decode_step_seconds = tick * 0.5
                 live_ws.report(a, stats, now=now[0], asked_s=now[0])
-                sim.report(a, role, stats, now[0])
+                sim_router.report(a, role, stats, now[0])
             for _ in range(rng.randrange(4)):
-                # First tokens slow in the middle third: prefill pressure builds, then ends.
-                ttft = 6.0 if 12 <= tick < 26 else 0.3
+                # First tokens slow in two stretches: prefill pressure builds, then ends.
+                ttft = 6.0 if 12 <= tick < 26 or 36 <= tick < 48 else 0.3
                 e2e, out = ttft + rng.uniform(0.5, 3.0), rng.randrange(2, 64)
                 live_signals.started()
                 live_signals.finished(Sample(now[0], ttft, (e2e - ttft) / (out - 1), 900, out,
                                              False, 0, "length"))
-                sim_ctl.started()
-                sim_ctl.finished(now[0], e2e, ttft, 900, out, False)
-            d_live = live.tick()
-            d_sim = sim_ctl.tick(now[0], {}, {})
+                sim_conn.started()
+                sim_conn.finished(now[0], e2e, ttft, 900, out, False)
+            d_live, d_sim = live.tick(), sim.tick()
             assert (d_sim.action, d_sim.flips, d_sim.budgets, d_sim.reason) == (
                 d_live.action, d_live.flips, d_live.budgets, d_live.reason), f"tick {tick}"
+            assert [s[:2] for s in cluster.started] == [s[:2] for s in live_conn.started]
+            assert cluster.readmitted == live_conn.readmitted, f"tick {tick}"
             actions.append(d_sim.action)
+            # The flips end a tick later: the first fails (drain timeout), the rest switch.
+            for side in (live_conn, cluster):
+                for address, to_role, done in side.started:
+                    frm = "decode" if to_role == "prefill" else "prefill"
+                    ok = failed > 0
+                    done(FlipOutcome(address, frm, to_role, ok, 1.0,
+                                     "" if ok else "drain_timeout_s"))
+                side.started.clear()
+            failed += bool([a for a in actions if "flip" in a])
+        assert live.failed_at == sim.failed_at
+        assert {a: r.ok for a, r in live.flips.items()} == {a: r.ok for a, r in sim.flips.items()}
     finally:
         live_ws.close()
-    assert any("flip" in a for a in actions)  # the scenario reaches a flip, not only holds
+    assert any("flip" in a for a in actions)  # the scenario reaches flips, not only holds
+    assert live_conn.readmitted  # and a failed flip's worker came back
 
 
 def test_kv_aware_choices_match_the_live_worker_set_with_cached_prefixes():

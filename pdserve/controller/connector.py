@@ -1,0 +1,105 @@
+"""How the controller's loop reaches a cluster: the live one, through the router's control API
+and the workers (the simulator has its own connector, `sim/control.py`).
+
+Owns `Connector`, what `service.Controller` asks of a cluster (its signals; which workers are
+switching; the offload budgets set; a flip carried out, blocking for an operator or in the
+background for the policy, its outcome handed back; a worker whose flip failed re-admitted),
+and `LiveConnector`, which does it with a `RouterControlStub` and a `flip.Flipper` (flips on
+threads of their own, waited for on close), as Dynamo's planner acts through its connectors.
+Must not decide anything: the controller's policy does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from pdserve.controller.flip import Flipper, FlipOutcome
+from pdserve.proto import router_pb2 as rpb
+from pdserve.proto import router_pb2_grpc as rpb_grpc
+
+# The flip's outcome and the reason it was started, handed back to the controller.
+Done = Callable[[FlipOutcome, str], None]
+
+
+class Connector(Protocol):
+    def signals(self, window_s: float) -> rpb.RouterSignals:
+        """The router's signals over the last `window_s` (members, samples, counters)."""
+
+    def switching(self) -> dict[str, str]:
+        """Workers being flipped now, and the role each is switching to."""
+
+    def set_budgets(self, budgets: Sequence) -> None:
+        """The offload budgets (`policy.Budget`s) the router applies from now on."""
+
+    def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
+                   done: Done) -> None:
+        """Begin a flip; `done(outcome, reason)` once it ended (or never: not started, e.g.
+        the worker is no longer where the decision saw it)."""
+
+    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
+             ) -> FlipOutcome:
+        """A flip carried out before returning (an operator's)."""
+
+    def readmit(self, address: str, reason: str) -> str | None:
+        """A worker whose flip failed back into the pool of its role; that role, or None."""
+
+    def close(self, wait_s: float) -> None:
+        """Flips in flight get `wait_s` to end, then the connector lets go of the cluster."""
+
+
+class LiveConnector:
+    def __init__(self, router: rpb_grpc.RouterControlStub, rpc_timeout_s: float = 10.0) -> None:
+        self.router = router
+        self.rpc_timeout_s = rpc_timeout_s
+        self.flipper = Flipper(router, rpc_timeout_s)
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()  # bounded: a flip per worker at most
+
+    def signals(self, window_s: float) -> rpb.RouterSignals:
+        return self.router.GetSignals(rpb.GetSignalsRequest(window_s=window_s),
+                                      timeout=self.rpc_timeout_s)
+
+    def switching(self) -> dict[str, str]:
+        return self.flipper.busy()
+
+    def set_budgets(self, budgets: Sequence) -> None:
+        self.router.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[
+            rpb.OffloadBudget(address=b.address, max_tokens=b.max_tokens,
+                              chunk_tokens=b.chunk_tokens) for b in budgets]),
+            timeout=self.rpc_timeout_s)
+
+    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
+             ) -> FlipOutcome:
+        return self.flipper.flip(address, to_role, drain_timeout_s, reason)
+
+    def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
+                   done: Done) -> None:
+        """On a thread of its own (a drain may take seconds)."""
+        def run() -> None:
+            try:
+                done(self.flip(address, to_role, drain_timeout_s, reason), reason)
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+
+        t = threading.Thread(target=run, name=f"flip-{address}", daemon=True)
+        with self._lock:
+            self._threads.add(t)
+        t.start()
+
+    def readmit(self, address: str, reason: str) -> str | None:
+        return self.flipper.readmit(address, reason)
+
+    def close(self, wait_s: float) -> None:
+        """Flips in flight may take `wait_s` to end and be logged before the channel closes
+        (closing it under a flip cancels the controller's side of it while the worker may
+        still switch: the audit would say failed for a flip that happened)."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.flipper.close()
