@@ -15,8 +15,9 @@ and frees the request's KV.
 With API keys configured, every `/v1` route (models included, unknown ones too) needs a known
 key before anything else is done, as vLLM's `--api-key`; `/health` and `/metrics` stay open.
 The gRPC service still decides the request's tenant from the key passed on.
-Must not run the model, pick workers or tokenize for generation (the gRPC service does all
-three); it tokenizes a chat only to count its tokens for chat's default max_tokens.
+Must not run the model or pick workers (the gRPC service does both); it tokenizes only a chat
+that leaves max_tokens unset (to size it to the rest of the context), and then hands
+`Generate` those token ids, so no prompt is tokenized twice.
 Other code adds routes (e.g. `/metrics`) through `extra_routes`.
 """
 
@@ -286,14 +287,15 @@ class OpenAIApp:
         if req.kind == "chat":
             g.chat.messages.extend(api_pb2.ChatMessage(role=r, content=c) for r, c in req.messages)
             if req.max_tokens is None:
-                # As vLLM: a chat without max_tokens may use the rest of the context.
+                # As vLLM: a chat without max_tokens may use the rest of the context. The ids
+                # counted for it are the prompt Generate gets: the chat is tokenized once.
                 try:
-                    n = len(prompt_ids_of(g, self.tokenizer, self.vocab_size,
-                                          self.max_model_len))
+                    ids = prompt_ids_of(g, self.tokenizer, self.vocab_size, self.max_model_len)
                 except InvalidArgumentError as e:
                     raise error_from_status("INVALID_ARGUMENT", str(e), req) from None
-                if n < self.max_model_len:
-                    g.sampling.max_tokens = self.max_model_len - n  # (g holds a copy of s)
+                g.token_ids.ids.extend(ids)  # replaces the chat (one input of the oneof)
+                if len(ids) < self.max_model_len:
+                    g.sampling.max_tokens = self.max_model_len - len(ids)  # (g holds a copy)
         elif req.prompt_ids is not None:
             g.token_ids.ids.extend(req.prompt_ids)
         else:
