@@ -16,8 +16,10 @@ import json
 import os
 import sys
 
+from pdserve.core.roles import ROLES
+
 DEFAULT_ADDRESS = "127.0.0.1:50052"
-ROLE_CHOICES = ("prefill", "decode")
+ROLE_CHOICES = ROLES
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

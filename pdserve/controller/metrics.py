@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.core.roles import ROLES, WORKER_STATES as STATES
 from pdserve.security.failures import AuthFailureCollector
 
 _SWITCH_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-ROLES = ("prefill", "decode")
-STATES = ("serving", "draining", "switching", "failed", "gone")
 
 
 class ControllerMetrics:

@@ -25,11 +25,11 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pdserve.controller.signals import DecodePressure, PrefillPressure, Slo
+# The policy's vocabulary, re-exported: its callers name roles and states through it.
+from pdserve.core.roles import (DECODE, DRAINING, FAILED, GONE, PREFILL, ROLES,  # noqa: F401
+                                SERVING, SWITCHING, WORKER_STATES)
 
-PREFILL, DECODE = "prefill", "decode"
-ROLES = (PREFILL, DECODE)
-SERVING, DRAINING, SWITCHING, FAILED, GONE = "serving", "draining", "switching", "failed", "gone"
-STATES = (SERVING, DRAINING, SWITCHING, FAILED, GONE)
+STATES = WORKER_STATES
 
 
 @dataclass(frozen=True)

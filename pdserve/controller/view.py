@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from pdserve.controller.policy import (DECODE, DRAINING, FAILED, GONE, PREFILL, SERVING,
-                                       SWITCHING, WorkerView)
+from pdserve.controller.policy import WorkerView
+from pdserve.core.roles import DECODE, DRAINING, FAILED, GONE, PREFILL, SERVING, SWITCHING
 from pdserve.core.finish import COMPLETED
 from pdserve.core.rates import RateMeter
 from pdserve.controller.signals import (DecodePressure, PrefillPressure, Slo,

@@ -26,10 +26,10 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from pdserve.core.roles import DECODE, PREFILL, ROLES
 from pdserve.lifecycle import StopSignals
 
 ROLE_LABEL = "pdserve.io/role"
-ROLES = ("prefill", "decode")
 _SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def initial_role(pod_name: str, initial_prefill: int) -> str | None:
     i = ordinal(pod_name)
     if i is None:
         return None
-    return "prefill" if i < initial_prefill else "decode"
+    return PREFILL if i < initial_prefill else DECODE
 
 
 def pod_of(address: str, worker_service: str) -> str | None:
@@ -152,7 +152,7 @@ def router_members(router: str, timeout_s: float = 5.0) -> list[tuple[str, str]]
     from pdserve.core.identity import ROUTER
     from pdserve.proto import router_pb2, router_pb2_grpc, worker_pb2
 
-    names = {worker_pb2.ROLE_PREFILL: "prefill", worker_pb2.ROLE_DECODE: "decode"}
+    names = {worker_pb2.ROLE_PREFILL: PREFILL, worker_pb2.ROLE_DECODE: DECODE}
     with rpc.make_channel(router, ROUTER) as channel:
         resp = router_pb2_grpc.RouterControlStub(channel).ListWorkers(
             router_pb2.ListWorkersRequest(), timeout=timeout_s)

@@ -34,6 +34,7 @@ from pdserve import rpc
 from pdserve.launcher.cluster_spec import ClusterSpec, check_free, free_ports
 from pdserve.launcher.cluster_tls import Renewal, internal_tls, public_tls_args
 from pdserve.core.identity import CONTROLLER, MASTER, ROUTER, WORKER
+from pdserve.core.roles import DECODE, PREFILL
 from pdserve.security import cli as security_cli
 from pdserve.launcher.supervision import Supervision, SupervisionCollector, tail
 from pdserve.lifecycle import child_env
@@ -159,8 +160,8 @@ class LocalCluster:
             try:
                 with rpc.make_channel(c.address, WORKER) as ch:
                     r = wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=timeout_s)
-                roles[c.address] = {wpb.ROLE_PREFILL: "prefill",
-                                    wpb.ROLE_DECODE: "decode"}.get(r.role, roles[c.address])
+                roles[c.address] = {wpb.ROLE_PREFILL: PREFILL,
+                                    wpb.ROLE_DECODE: DECODE}.get(r.role, roles[c.address])
             except grpc.RpcError:  # dead or busy: the role it was started in is the best guess
                 pass
         return roles
@@ -226,7 +227,7 @@ class LocalCluster:
                 "--dram-bytes", str(s.store_capacity_bytes), "--master", self.store_address,
                 *self._cluster_id_args()])
             workers = []
-            roles = ["prefill"] * s.prefill_workers + ["decode"] * s.decode_workers
+            roles = [PREFILL] * s.prefill_workers + [DECODE] * s.decode_workers
             metrics_ports = free_ports(len(roles))
             for i, role in enumerate(roles):
                 addr = f"{s.host}:{s.worker_port(i)}"

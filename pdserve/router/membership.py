@@ -23,16 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.core.errors import UnknownMemberError  # noqa: F401 - raised here, re-exported
+# The table's own vocabulary, re-exported: its callers name states and roles through it.
+from pdserve.core.roles import (ACTIVE, DECODE, DRAINING, FAILED, GONE,  # noqa: F401
+                                MEMBER_STATES, PREFILL, ROLES)
 
-ACTIVE = "active"
-DRAINING = "draining"
-GONE = "gone"
-FAILED = "failed"
-STATES = (ACTIVE, DRAINING, GONE, FAILED)
-
-PREFILL = "prefill"
-DECODE = "decode"
-ROLES = (PREFILL, DECODE)
+STATES = MEMBER_STATES
 
 
 

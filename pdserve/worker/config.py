@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.core.roles import PREFILL, ROLES
 from pdserve.engine.config import SPEC_METHODS, ConfigError
 from pdserve.engine.device import DTYPE_CHOICES, check_quantization, parse_device
 from pdserve.kvstore import config as store_config
@@ -22,7 +23,7 @@ CORE_SHARING = ("lend", "turns")  # `worker/cores.py`; the first is the default
 @dataclass(frozen=True)
 class WorkerConfig:
     model_path: str
-    role: str = "prefill"  # "prefill" or "decode"; switchable at run time through SetRole
+    role: str = PREFILL  # PREFILL or DECODE; switchable at run time through SetRole
     address: str = "127.0.0.1:50061"
     store_address: str = "127.0.0.1:50080"  # the master(s), comma-separated; or a simple store
     # "distributed": the Mooncake-style store (master + storage nodes, pdserve.kvstore.master);
@@ -92,7 +93,7 @@ class WorkerConfig:
     store_retry_budget_s: float = 3.0
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
+        if self.role not in ROLES:
             raise ConfigError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if ":" not in self.address:
             raise ConfigError(f"address must be host:port, got {self.address!r}")

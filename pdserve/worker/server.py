@@ -20,6 +20,7 @@ import torch
 
 from pdserve import rpc
 from pdserve.core.identity import WORKER
+from pdserve.core.roles import PREFILL
 from pdserve.worker.decode.publish import PromptPublisher
 from pdserve.worker.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -143,7 +144,7 @@ def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
     loop = EngineLoop(engine, threads=lent_threads(cfg, engine)).start()
     # The dtype the engine resolved (auto: by device): KV of different dtypes never mixes.
     model_id = model_id_for(cfg.model_path, engine.cfg.dtype, cfg.model_name, cfg.quantization)
-    role = pb.ROLE_PREFILL if cfg.role == "prefill" else pb.ROLE_DECODE
+    role = pb.ROLE_PREFILL if cfg.role == PREFILL else pb.ROLE_DECODE
     sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
               if cfg.progressive_kv else None)
     publisher = PromptPublisher(loop, store, model_id)

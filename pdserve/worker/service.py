@@ -27,6 +27,7 @@ import grpc
 from pdserve.worker.decode.role import DecodeChunk, DecodeRole
 from pdserve.logctx import request_context
 from pdserve.engine.block_pool import REMOVED, STORED
+from pdserve.core.roles import DECODE, PREFILL
 from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.engine.scheduler import QueueFullError
 from pdserve.worker.prefill.role import PrefillCancelled, PrefillRole
@@ -39,7 +40,7 @@ from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_stream import StreamHandle
 
 log = logging.getLogger(__name__)
-ROLE_NAMES = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
+ROLE_NAMES = {pb.ROLE_PREFILL: PREFILL, pb.ROLE_DECODE: DECODE}
 _KV_EVENT_KINDS = {STORED: pb.KV_EVENT_KIND_STORED, REMOVED: pb.KV_EVENT_KIND_REMOVED}
 _KV_EVENT_BATCH_S = 0.02
 _PROGRESSIVE_STATS = ("progressive_requests", "progressive_anchor_joins", "progressive_exact_joins",
