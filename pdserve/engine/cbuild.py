@@ -9,7 +9,7 @@ backend says in its own words why it falls back.
 `load` opens a library and checks its ABI; `load_first` tries a backend's flag sets in turn
 and asks the library whether this CPU can run it, and `FirstUse` does that once, on first use
 from any thread, keeping the library or the reason there is none (the linear kernels' shared
-start-up).
+start-up). `KernelUnavailable` is every backend's error.
 Must not call a library's compute functions or declare their signatures: each backend
 (`kvcodec_cpu`, `paged_attn_cpu`, `linear_cpu`, `linear_int8`) does.
 """
@@ -25,6 +25,16 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable
+
+
+class KernelUnavailable(RuntimeError):
+    """A C kernel cannot run here (no compiler, a build or load error, a CPU it does not
+    support); the message names the kernel and why. Each backend raises and catches this one
+    type and falls back to its reference path."""
+
+
+class NoCompiler(KernelUnavailable):
+    """No C compiler: other flag sets will not help either."""
 
 
 def cache_dir(kind: str) -> Path:

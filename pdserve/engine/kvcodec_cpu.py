@@ -7,7 +7,7 @@ in `kvcodec`, which owns the format, validates sizes and picks this backend (`ba
 gcc) into `$PDSERVE_CACHE/kvcodec` (default `~/.cache/pdserve/kvcodec`), named by a hash of the
 source, compiler and flags, so an edit recompiles; the compile writes a temp file that is
 `os.replace`d into place, so concurrent processes never load a half-written library.
-`CBackendUnavailable` says why it could not be built (no compiler, a compile error).
+`KernelUnavailable` says why it could not be built (no compiler, a compile error).
 
 ctypes releases the GIL during a call, so `threads > 1` runs group ranges of one tensor from a
 small thread pool (chunks of at least 2^20 values); the chunks write disjoint bytes. `out=` writes
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine import cbuild
+from pdserve.engine.cbuild import KernelUnavailable
 
 SOURCE = Path(__file__).with_name("kvcodec_c.c")
 CFLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
@@ -39,13 +40,9 @@ _MIN_CHUNK_GROUPS = 1 << 15  # 1 Mi values: below this a thread hand-off costs m
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_error: CBackendUnavailable | None = None
+_error: KernelUnavailable | None = None
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
-
-
-class CBackendUnavailable(RuntimeError):
-    """The C backend could not be built or loaded (no C compiler, a compile or load error)."""
 
 
 def cache_dir() -> Path:
@@ -54,12 +51,12 @@ def cache_dir() -> Path:
 
 def library_path() -> Path:
     """Where the compiled library for this source, compiler and flags lives (built or not)."""
-    return cbuild.library_path(SOURCE, CFLAGS, "kvcodec", _WHAT, CBackendUnavailable,
+    return cbuild.library_path(SOURCE, CFLAGS, "kvcodec", _WHAT, KernelUnavailable,
                                "; backend='auto' falls back to the PyTorch reference")
 
 
 def _build(target: Path) -> None:
-    cbuild.build(SOURCE, target, CFLAGS, _WHAT, CBackendUnavailable)
+    cbuild.build(SOURCE, target, CFLAGS, _WHAT, KernelUnavailable)
 
 
 def _load() -> ctypes.CDLL:
@@ -77,12 +74,12 @@ def _load() -> ctypes.CDLL:
                 _build(path)
             lib = ctypes.CDLL(str(path))
             if lib.kvc_abi() != ABI:
-                raise CBackendUnavailable(f"kvcodec C backend: {path} has ABI {lib.kvc_abi()}, want {ABI}")
-        except CBackendUnavailable as exc:
+                raise KernelUnavailable(f"kvcodec C backend: {path} has ABI {lib.kvc_abi()}, want {ABI}")
+        except KernelUnavailable as exc:
             _error = exc
             raise
         except OSError as exc:  # unwritable cache dir, a library that will not load
-            _error = CBackendUnavailable(f"kvcodec C backend: {exc}")
+            _error = KernelUnavailable(f"kvcodec C backend: {exc}")
             raise _error from exc
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.kvc_split.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64]
@@ -95,7 +92,7 @@ def _load() -> ctypes.CDLL:
 
 
 def load() -> None:
-    """Build and load the library now; raises `CBackendUnavailable` if it cannot."""
+    """Build and load the library now; raises `KernelUnavailable` if it cannot."""
     _load()
 
 
@@ -103,7 +100,7 @@ def available() -> bool:
     """Whether the C backend builds and loads here (the answer is remembered per process)."""
     try:
         _load()
-    except CBackendUnavailable:
+    except KernelUnavailable:
         return False
     return True
 

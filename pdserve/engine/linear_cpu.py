@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine import cbuild
+from pdserve.engine.cbuild import KernelUnavailable, NoCompiler  # noqa: F401 - re-exported
 
 SOURCE = Path(__file__).with_name("linear_c.c")
 BASE_FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-shared", "-fPIC")
@@ -27,22 +28,13 @@ ABI = 2
 _WHAT = "linear C kernel"
 
 
-class KernelUnavailable(RuntimeError):
-    """The C kernel cannot run here (no compiler, a build or load error, neither AVX-512F nor
-    AVX2+FMA)."""
-
-
-class _NoCompiler(KernelUnavailable):
-    """No C compiler: other flag sets will not help either."""
-
-
 def _declare(lib) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.sg_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.sg_linear.restype = ctypes.c_int
 
 
-_kernel = cbuild.FirstUse(SOURCE, FLAG_SETS, "linear", _WHAT, KernelUnavailable, _NoCompiler,
+_kernel = cbuild.FirstUse(SOURCE, FLAG_SETS, "linear", _WHAT, KernelUnavailable, NoCompiler,
                           "lc_abi", ABI, "lc_supported", _declare)
 available = _kernel.available
 unavailable_reason = _kernel.unavailable_reason

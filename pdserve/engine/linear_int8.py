@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine import cbuild
+from pdserve.engine.cbuild import KernelUnavailable, NoCompiler  # noqa: F401 - re-exported
 
 SOURCE = Path(__file__).with_name("linear_int8_c.c")
 BASE_FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-shared", "-fPIC")
@@ -28,14 +29,6 @@ FLAG_SETS = (BASE_FLAGS + ("-fopenmp",), BASE_FLAGS)
 ABI = 1
 ISAS = {"avx2": 1, "avx512f": 2}
 _WHAT = "int8 linear C kernel"
-
-
-class KernelUnavailable(RuntimeError):
-    """The int8 C kernel cannot run here (no compiler, a build or load error, an old CPU)."""
-
-
-class _NoCompiler(KernelUnavailable):
-    """No C compiler: other flag sets will not help either."""
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +51,7 @@ def _declare(lib) -> None:
 
 
 _kernel = cbuild.FirstUse(SOURCE, FLAG_SETS, "linear_int8", _WHAT, KernelUnavailable,
-                          _NoCompiler, "li8_abi", ABI, "li8_supported", _declare)
+                          NoCompiler, "li8_abi", ABI, "li8_supported", _declare)
 available = _kernel.available
 unavailable_reason = _kernel.unavailable_reason
 isa = _kernel.isa  # the instruction set the kernel picks here: "avx512f" or "avx2"

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine import cbuild
+from pdserve.engine.cbuild import KernelUnavailable, NoCompiler  # noqa: F401 - re-exported
 
 SOURCE = Path(__file__).with_name("paged_attn_c.c")
 BASE_FLAGS = ("-O3", "-std=gnu99", "-ffp-contract=fast", "-shared", "-fPIC")
@@ -42,14 +43,6 @@ MIN_PARALLEL_WORK = 1 << 20
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: KernelUnavailable | None = None
-
-
-class KernelUnavailable(RuntimeError):
-    """The C kernel could not be built or loaded (no C compiler, a compile or load error)."""
-
-
-class _NoCompiler(KernelUnavailable):
-    pass
 
 
 class _Batch(ctypes.Structure):
@@ -73,7 +66,7 @@ def cache_dir() -> Path:
 
 def library_path(flags: tuple[str, ...] = FLAG_SETS[0]) -> Path:
     """Where the library for this source, compiler and flags lives (built or not)."""
-    return cbuild.library_path(SOURCE, flags, "paged_attn", _WHAT, _NoCompiler)
+    return cbuild.library_path(SOURCE, flags, "paged_attn", _WHAT, NoCompiler)
 
 
 def _build(target: Path, flags: tuple[str, ...]) -> None:
@@ -81,7 +74,7 @@ def _build(target: Path, flags: tuple[str, ...]) -> None:
 
 
 def _open(flags: tuple[str, ...]) -> ctypes.CDLL:
-    return cbuild.load(SOURCE, flags, "paged_attn", _WHAT, KernelUnavailable, _NoCompiler,
+    return cbuild.load(SOURCE, flags, "paged_attn", _WHAT, KernelUnavailable, NoCompiler,
                        "pa_abi", ABI)
 
 
@@ -111,7 +104,7 @@ def _load() -> ctypes.CDLL:
                 if lib.pa_isa() == 1:  # AVX2 without AVX-512
                     lib = _narrow(lib, flags)
                 break
-            except _NoCompiler as exc:
+            except NoCompiler as exc:
                 errors.append(exc)
                 break  # other flags will not help
             except KernelUnavailable as exc:

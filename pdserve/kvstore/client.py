@@ -27,6 +27,7 @@ from urllib.parse import quote, unquote
 import grpc
 
 from pdserve.kvstore.channel import make_store_channel
+from pdserve.kvstore.errors import NotStored
 from pdserve.kvstore.retry import TRANSIENT_CODES, StoreRetryPolicy
 from pdserve.kvstore.store import (
     ChecksumMismatch,
@@ -47,7 +48,7 @@ _MAX_INFLIGHT_PUTS = 8
 _T = TypeVar("_T")
 
 
-class KeyNotFound(StoreError):
+class KeyNotFound(StoreError, NotStored):
     """One or more keys are not in the store; `keys` lists them."""
 
     def __init__(self, keys: Sequence[str]) -> None:

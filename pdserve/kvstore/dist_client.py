@@ -25,6 +25,7 @@ import grpc
 from pdserve.kvstore.channel import (ClusterMismatch, call_metadata, check_cluster_id,
                                      is_cluster_mismatch, leader_hint, make_store_channel)
 from pdserve.kvstore.checksum import object_checksum
+from pdserve.kvstore.errors import DistStoreError, NotStored, PutInProgress
 from pdserve.kvstore.retry import TRANSIENT_CODES, StoreRetryPolicy
 from pdserve.kvstore.transport.base import Extent, TransportError, byte_view
 from pdserve.kvstore.transport.select import pick_transport
@@ -34,17 +35,9 @@ from pdserve.proto import kvmaster_pb2 as pb
 from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
 
 
-class DistStoreError(Exception):
-    """A store operation failed; the message says which key and why."""
-
-
-class ObjectNotFound(DistStoreError, KeyError):
+class ObjectNotFound(DistStoreError, NotStored, KeyError):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
-
-
-class PutInProgress(DistStoreError):
-    """Another writer is putting the same key right now (the master answered ABORTED)."""
 
 
 class AllReplicasBad(DistStoreError):

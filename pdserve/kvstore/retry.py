@@ -14,14 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.core.retry import RetryDecision
+
 TRANSIENT_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
-
-
-@dataclass(frozen=True)
-class RetryDecision:
-    retry: bool
-    delay_s: float  # wait this long before the next round (0 when not retrying)
-    reason: str  # why, for logs and tests
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-
-class StoreError(Exception):
-    """Base of the store's typed errors (raised by the core and by the client)."""
+from pdserve.kvstore.errors import StoreError
 
 
 class StoreFullError(StoreError):

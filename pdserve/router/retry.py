@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.core.retry import RetryDecision
+
 RETRYABLE_CODES = frozenset({"UNAVAILABLE", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"})
 # A broken stream, not a verdict on the request: INVALID_ARGUMENT or DEADLINE_EXCEEDED would
 # come back the same from any worker.
@@ -51,13 +53,6 @@ CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE", "RESOURCE_EXHAUSTE
 def client_status(code: str) -> str:
     """The status name the client gets for a hop that gave up with the worker's `code`."""
     return code if code in CLIENT_CODES else "UNAVAILABLE"
-
-
-@dataclass(frozen=True)
-class RetryDecision:
-    retry: bool
-    delay_s: float  # wait this long before the next attempt (0 when not retrying)
-    reason: str  # why, for logs and tests
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,13 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-from pdserve.kvstore.client import KeyNotFound
-from pdserve.kvstore.dist_client import DistStoreError, ObjectNotFound
-from pdserve.kvstore.store import StoreError
+from pdserve.kvstore.errors import KVStoreError, NotStored, StoreError
 from pdserve.worker.store_health import StoreHealth, StoreHealthView
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-_MISS = (ObjectNotFound, KeyNotFound)
-_FAILURE = (DistStoreError, StoreError, OSError)
+_MISS = NotStored  # either client's miss: KeyNotFound, ObjectNotFound
+_FAILURE = (KVStoreError, OSError)  # either client's failure: StoreError, DistStoreError
 
 
 class StoreFailure(Exception):

@@ -323,7 +323,7 @@ def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path):
     monkeypatch.setattr(kvcodec_cpu, "_lib", None)
     monkeypatch.setattr(kvcodec_cpu, "_error", None)
     assert not kvcodec_cpu.available()
-    with pytest.raises(kvcodec_cpu.CBackendUnavailable, match="no-such-cc.*not found"):
+    with pytest.raises(kvcodec_cpu.KernelUnavailable, match="no-such-cc.*not found"):
         split(torch.ones(40), backend="c")
     assert kvcodec._pick("auto", torch.device("cpu")) == "torch"
     x = torch.randn(100)

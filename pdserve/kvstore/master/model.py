@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pdserve.kvstore.errors import MasterError, PutInProgress  # noqa: F401 - re-exported
+
 TIERS = ("dram", "ssd")
 
 # Event kinds (Event.kind).
@@ -21,10 +23,6 @@ EVICTED = "evicted"  # the object is gone: its last replica was evicted, lost or
 REPLICA_DROPPED = "replica_dropped"  # one replica gone, the object still has others
 DEMOTED = "demoted"  # a replica moved from DRAM to SSD on the same node
 PROMOTED = "promoted"  # a replica moved back from SSD to DRAM on the same node (read again)
-
-
-class MasterError(Exception):
-    """Base of the master's typed errors."""
 
 
 class InvalidArgument(MasterError, ValueError):
@@ -40,10 +38,6 @@ class NotFound(MasterError, KeyError):
 
 class AlreadyExists(MasterError):
     """The key is already committed; keys are content hashes, so the value is the same."""
-
-
-class PutInProgress(MasterError):
-    """Another put of this key is pending (started, not yet committed or reclaimed)."""
 
 
 class NoSpace(MasterError):
