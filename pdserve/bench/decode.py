@@ -31,7 +31,8 @@ from pdserve.engine.attention import describe_decode_path
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.device import (DeviceError, check_quantization, device_name, resolve_device,
                                    resolve_dtype, synchronize)
-from pdserve.engine.engine import DTYPES, LLMEngine
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_runner import DTYPES
 from pdserve.engine.sampling import SamplingParams
 from pdserve.bench.decode_hf import (hf_generate_s, hf_prefill_s, left_pad,  # noqa: F401
                                      load_hf, pad_id_of)

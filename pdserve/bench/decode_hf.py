@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.device import synchronize
-from pdserve.engine.engine import DTYPES
+from pdserve.engine.model_runner import DTYPES
 
 
 def load_hf(model_path: str, dtype: str, device: str = "cpu") -> Any:

@@ -32,7 +32,8 @@ from pdserve.core.errors import ConfigError as BenchConfigError  # bad setting: 
 from pdserve.bench.common import number_list, threads_problem, torch_threads
 from pdserve.output import emit
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from pdserve.engine.engine import DTYPES, LLMEngine
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_runner import DTYPES
 from pdserve.engine.sampling import SamplingParams
 
 METHODS = ("none", "ngram", "eagle", "dflash", "dspark")

@@ -72,7 +72,7 @@ def test_trained_drafter_output_equals_no_speculation(repeaty_llama_dir, drafts,
     spec = make_engine(repeaty_llama_dir, SpecConfig(method=kind, draft_path=drafts[kind],
                                                num_speculative_tokens=K, schedule=schedule))
     if schedule:  # an idle machine: drafts pay, so the scheduler keeps them (and the
-        spec.step_costs = StepCostTable({1: 1.0, 64: 1.05})  # confidences decide the length)
+        spec.runner.step_costs = StepCostTable({1: 1.0, 64: 1.05})  # confidences decide the length)
     got = run(spec, prompts, params)
     assert got == want
     s = spec.stats()

@@ -194,7 +194,7 @@ def test_any_drafter_is_lossless_under_tight_budget_and_pool(repeaty_llama_dir, 
     want, _ = run(make_engine(repeaty_llama_dir), prompts, params)
     spec = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K, schedule=False),
                        budget=budget, num_blocks=num_blocks)
-    spec.drafter = NoisyOracle({tuple(p): p + o for p, o in zip(prompts[:4], want[:4])})
+    spec.runner.drafter = NoisyOracle({tuple(p): p + o for p, o in zip(prompts[:4], want[:4])})
     got, steps = run(spec, prompts, params)
     assert got == want
     s = assert_stats_consistent(spec)
@@ -218,7 +218,7 @@ def test_max_tokens_and_stop_inside_an_accepted_run(repeaty_llama_dir):
     full, _ = run(make_engine(repeaty_llama_dir), prompts, GREEDY)
     truth = {tuple(p): p + o for p, o in zip(prompts, full)}
     e = make_engine(repeaty_llama_dir, cfg)
-    e.drafter = NoisyOracle(truth)
+    e.runner.drafter = NoisyOracle(truth)
     _, steps = run(e, prompts, GREEDY)
     seen: dict[str, list[int]] = {}
     stop_tok = cut_at = None
@@ -238,7 +238,7 @@ def test_max_tokens_and_stop_inside_an_accepted_run(repeaty_llama_dir):
             p = SamplingParams(max_tokens=GREEDY.max_tokens, ignore_eos=True,
                                stop_token_ids=(stop_tok,))
         plain, spec = make_engine(repeaty_llama_dir), make_engine(repeaty_llama_dir, cfg)
-        spec.drafter = NoisyOracle(truth)
+        spec.runner.drafter = NoisyOracle(truth)
         if how == "eos":
             plain.eos_ids = spec.eos_ids = {stop_tok}
         want, _ = run(plain, prompts, p)
@@ -289,20 +289,20 @@ def test_scheduler_drafts_on_an_idle_machine_and_cuts_drafts_on_a_busy_one(repea
     want, _ = run(make_engine(repeaty_llama_dir), prompts, GREEDY)
 
     idle = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K))
-    idle.step_costs = StepCostTable({1: 1.0, 64: 1.01})
+    idle.runner.step_costs = StepCostTable({1: 1.0, 64: 1.01})
     got, _ = run(idle, prompts, GREEDY)
     assert got == want
     s = assert_stats_consistent(idle)
     assert s["spec_decode_num_draft_tokens"] > 2 * s["spec_decode_num_drafts"]  # long drafts
 
     busy = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K))
-    busy.step_costs = StepCostTable({1: 1.0, 4: 1.0, 5: 10.0, 64: 200.0})
+    busy.runner.step_costs = StepCostTable({1: 1.0, 4: 1.0, 5: 10.0, 64: 200.0})
     got, _ = run(busy, prompts, GREEDY)
     assert got == want
     assert busy.stats()["spec_decode_num_draft_tokens"] == 0
 
     off = make_engine(repeaty_llama_dir, SpecConfig(num_speculative_tokens=K, schedule=False))
-    off.step_costs = StepCostTable({1: 1.0, 4: 1.0, 5: 10.0, 64: 200.0})  # ignored when off
+    off.runner.step_costs = StepCostTable({1: 1.0, 4: 1.0, 5: 10.0, 64: 200.0})  # ignored when off
     got, _ = run(off, prompts, GREEDY)
     assert got == want
     assert off.stats()["spec_decode_num_draft_tokens"] > 0

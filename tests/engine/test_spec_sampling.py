@@ -32,9 +32,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-import pdserve.engine.engine as engine_mod
+import pdserve.engine.model_runner as runner_mod
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.engine import LLMEngine, StepOutput
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling import SamplingParams, probs_from_logits
 from pdserve.engine.spec import Draft, Drafter, DraftRequest
 
@@ -269,12 +270,12 @@ class NoisyOracle(Drafter):
 # ---- running ----------------------------------------------------------------------------------
 class VerifySpy:
     """Counts, per draft position, how often a draft was verified and accepted, around whatever
-    `verify_greedy` the engine module holds (the real one or a broken stand-in)."""
+    `verify_greedy` the model runner module holds (the real one or a broken stand-in)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.drafted = [0] * K
         self.accepted = [0] * K
-        inner = engine_mod.verify_greedy
+        inner = runner_mod.verify_greedy
 
         def spy(draft: list[int], target: list[int]) -> tuple[int, list[int]]:
             a, emit = inner(draft, target)
@@ -284,7 +285,7 @@ class VerifySpy:
                 self.accepted[i] += 1
             return a, emit
 
-        monkeypatch.setattr(engine_mod, "verify_greedy", spy)
+        monkeypatch.setattr(runner_mod, "verify_greedy", spy)
 
 
 def sample_outputs(engine: LLMEngine, params: SamplingParams, n: int = N
@@ -300,7 +301,7 @@ def sample_outputs(engine: LLMEngine, params: SamplingParams, n: int = N
 
 def spec_engine(path: str, tree: ExactTree) -> LLMEngine:
     engine = make_engine(path, spec_config())
-    engine.drafter = MarkovDrafter(bigram_table(tree))
+    engine.runner.drafter = MarkovDrafter(bigram_table(tree))
     return engine
 
 
@@ -340,7 +341,7 @@ def install_sloppy_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
             a += 1
         return a, list(draft[:a]) + [target[a]]
 
-    monkeypatch.setattr(engine_mod, "verify_greedy", sloppy)
+    monkeypatch.setattr(runner_mod, "verify_greedy", sloppy)
 
 
 def install_fresh_redraw(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,7 +350,7 @@ def install_fresh_redraw(monkeypatch: pytest.MonkeyPatch) -> None:
     reads p from the logits of the rows the engine just sampled (found by the request's params,
     which are the same object on each of its rows)."""
     last: dict[str, object] = {}
-    real_sample, real_verify = engine_mod.sample, LLMEngine._verify
+    real_sample, real_verify = runner_mod.sample, ModelRunner._verify
     gen = torch.Generator().manual_seed(99)
 
     def spy_sample(logits, params, index):
@@ -367,15 +368,15 @@ def install_fresh_redraw(monkeypatch: pytest.MonkeyPatch) -> None:
                 break
         return real_verify(self, seq, target)
 
-    monkeypatch.setattr(engine_mod, "sample", spy_sample)
-    monkeypatch.setattr(LLMEngine, "_verify", redraw)
+    monkeypatch.setattr(runner_mod, "sample", spy_sample)
+    monkeypatch.setattr(ModelRunner, "_verify", redraw)
 
 
 @pytest.mark.parametrize("broken", ["accept_everything", "fresh_redraw", "sloppy"])
 def test_broken_verifiers_are_rejected(small_vocab_llama, exact, monkeypatch, broken):
     tree = exact["t1"]
     if broken == "accept_everything":
-        monkeypatch.setattr(engine_mod, "verify_greedy", accept_everything)
+        monkeypatch.setattr(runner_mod, "verify_greedy", accept_everything)
     elif broken == "fresh_redraw":
         install_fresh_redraw(monkeypatch)
     else:
@@ -432,9 +433,9 @@ def test_seeded_sampling_with_speculation_reproduces_plain_output(repro_llama, d
     want, want_lps, _, _ = run(plain, prompts, params)
     spec = make_engine(repro_llama, spec_config())
     if drafter == "markov":
-        spec.drafter = MarkovDrafter(bigram_table(ExactTree(plain, T1)))
+        spec.runner.drafter = MarkovDrafter(bigram_table(ExactTree(plain, T1)))
     elif drafter == "noisy_oracle":
-        spec.drafter = NoisyOracle({tuple(p): p + o for p, o in zip(prompts, want)})
+        spec.runner.drafter = NoisyOracle({tuple(p): p + o for p, o in zip(prompts, want)})
     got, got_lps, steps, rids = run(spec, prompts, params)
     assert got == want
     for p, a, b in zip(params, want_lps, got_lps):

@@ -2,8 +2,8 @@
 
 Owns the drafter interface (`Drafter`), the drafters (`NgramDrafter` so far), greedy
 verification (`verify_greedy`) and the acceptance counters (`SpecStats`). It must not schedule,
-touch the KV cache or run the target model: the engine feeds drafts through its ordinary step and
-hands the target's argmaxes back here. See `pdserve.engine.engine` for how a step verifies.
+touch the KV cache or run the target model: the model runner feeds drafts through its step and
+hands the target's argmaxes back here. See `pdserve.engine.model_runner` for how a step verifies.
 """
 
 from pdserve.engine.spec.base import (Draft, Drafter, DraftRequest, SpecStats, make_drafter,
