@@ -23,7 +23,7 @@ from pdserve.router.retry import RetryPolicy
 from pdserve.router.route import (CACHED_LOCAL, DECODE_FALLBACK, FALLBACK, OFFLOAD, PREFILL_HOP,
                                   Failure, after_failure, plan)
 from pdserve.sim.config import SimConfig
-from pdserve.sim.control import controller
+from pdserve.sim.control import SimConnector, controller
 from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
 from pdserve.sim.events import EventQueue
 from pdserve.sim.host import HostShare
@@ -35,6 +35,7 @@ from pdserve.sim.worker import DRAINING as W_DRAINING
 from pdserve.sim.worker import SERVING, STARTING, SWITCHING, SimWorker
 
 if TYPE_CHECKING:
+    from pdserve.controller.service import Controller
     from pdserve.engine.sequence import TokenIds
 
 
@@ -80,9 +81,13 @@ class Cluster:
         self.links = {a: shared if cfg.link == "shared" else Link(a) for a in self.workers}
         self.slo = Slo(cfg.slo_ttft_ms / 1000.0, cfg.slo_itl_ms / 1000.0)
         self.retry = RetryPolicy()  # the live router's default
-        self.ctl, self.connector = (controller(
-            self, cfg.policy, self.slo, cfg.tick_s, cfg.window_s, cfg.pressure_window_s,
-            cfg.drain_timeout_s, cfg.failed_readmit_s) if cfg.controller else (None, None))
+        # The live controller's tick, through its connector to this cluster (`control.py`).
+        self.ctl: Controller | None = None
+        self.connector: SimConnector | None = None
+        if cfg.controller:
+            self.ctl, self.connector = controller(
+                self, cfg.policy, self.slo, cfg.tick_s, cfg.window_s, cfg.pressure_window_s,
+                cfg.drain_timeout_s, cfg.failed_readmit_s)
         self.bpt = cfg.block_size * profile.kv_bytes_per_token  # bytes per KV block
         self.report = SimReport(
             config={}, profile=getattr(profile, "origin", type(profile).__name__),
@@ -337,11 +342,11 @@ class Cluster:
             self.router.release(*held)
         self.router.admission.release("")
         self._prefilled(i)
-        if self.ctl is not None:
+        if self.connector is not None:
             ttft = rep.ttft_s[i]
             assert ttft is not None  # it made its first token before it ended
             self.connector.finished(now, now - r.arrival_s, ttft, r.prompt_tokens,
-                              r.output_tokens, i in self.offloaded)
+                                    r.output_tokens, i in self.offloaded)
         self.offloaded.discard(i)
         self.prompt.pop(i, None)
         self.hashes.pop(i, None)
