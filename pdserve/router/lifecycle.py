@@ -47,9 +47,11 @@ SHUTTING_DOWN = "router shutting down"
 SHUTDOWN_RETRY_AFTER_S = 1.0
 UNAVAILABLE_RETRY_AFTER_S = 1.0
 _RETRY = re.compile(r"retry after (\d+(?:\.\d+)?)s")
-# At most this much of the grace (and a quarter of it) is kept to end late requests with a
-# clear status and stop the servers, so the process exits within the grace.
+# A quarter of the grace, at most 2 s and at least half a second (all of a shorter grace), is
+# kept to end late requests with a clear status and stop the servers, so the process exits
+# within the grace and a busy host still ends every late call itself.
 _STOP_RESERVE_S = 2.0
+_STOP_RESERVE_MIN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,18 @@ class ShutdownPlan:
     stop_by_s: float  # the servers are stopped by then
 
 
+def stop_reserve_s(grace_s: float) -> float:
+    """How much of the grace ends late requests and stops the servers."""
+    return min(grace_s, max(_STOP_RESERVE_MIN_S, min(_STOP_RESERVE_S, grace_s / 4)))
+
+
 def shutdown_plan(now_s: float, grace_s: float) -> ShutdownPlan:
     """The grace split in two: requests in flight may finish until `requests_until_s`; the rest
-    of it (a quarter of the grace, at most 2 s) ends the late ones and stops the servers."""
+    of it (`stop_reserve_s`) ends the late ones and stops the servers."""
     if not grace_s >= 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
-    reserve = min(_STOP_RESERVE_S, grace_s / 4)
-    return ShutdownPlan(now_s + grace_s - reserve, now_s + grace_s)
+    reserve = stop_reserve_s(grace_s)
+    return ShutdownPlan(max(now_s, now_s + grace_s - reserve), now_s + grace_s)
 
 
 def abort_with_hint(context, code: grpc.StatusCode, message: str,

@@ -197,7 +197,9 @@ def test_the_shutdown_plan_ends_requests_before_it_stops_within_the_grace(now, g
     p = shutdown_plan(now, grace)
     assert now <= p.requests_until_s <= p.stop_by_s == pytest.approx(now + grace)
     # Within a nanosecond: two instants near `now` differ by at least its float spacing.
-    assert p.stop_by_s - p.requests_until_s == pytest.approx(min(2.0, grace / 4), abs=1e-9)
+    # A quarter of the grace, within [0.5 s, 2 s], and never more than the grace itself.
+    want = min(grace, max(0.5, min(2.0, grace / 4)))
+    assert p.stop_by_s - p.requests_until_s == pytest.approx(want, abs=1e-9)
     with pytest.raises(ValueError, match="grace_s"):
         shutdown_plan(now, -1.0)
 
