@@ -7,8 +7,9 @@ Owns only the mapping (and the proto defaults' meaning); validation stays in
 from __future__ import annotations
 
 from pdserve.core import finish
+from pdserve.core.roles import DECODE, PREFILL
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
-from pdserve.proto import common_pb2
+from pdserve.proto import common_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16  # as vLLM's completions API when the client sets none
 
@@ -19,6 +20,9 @@ _FINISH = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
 }
 _FINISH_BACK = {v: k for k, v in _FINISH.items()}
+# A worker's role on the wire; ROLE_UNSPECIFIED is no role (None).
+ROLE_OF_PROTO = {worker_pb2.ROLE_PREFILL: PREFILL, worker_pb2.ROLE_DECODE: DECODE}
+PROTO_OF_ROLE = {v: k for k, v in ROLE_OF_PROTO.items()}
 
 
 def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -58,3 +62,14 @@ def finish_to_proto(reason: str | None) -> int:
 
 def finish_from_proto(value: int) -> str | None:
     return _FINISH_BACK[value]
+
+
+def role_from_proto(value: int) -> str | None:
+    """`PREFILL`, `DECODE`, or None for ROLE_UNSPECIFIED or a value this version does not
+    know."""
+    return ROLE_OF_PROTO.get(value)
+
+
+def role_to_proto(role: str | None) -> int:
+    """The wire value of `PREFILL` or `DECODE`; None is ROLE_UNSPECIFIED."""
+    return worker_pb2.ROLE_UNSPECIFIED if role is None else PROTO_OF_ROLE[role]

@@ -70,9 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from pdserve import rpc
     from pdserve.proto import controller_pb2 as pb
     from pdserve.proto import controller_pb2_grpc as pb_grpc
-    from pdserve.proto import worker_pb2 as wpb
+    from pdserve.wire import role_to_proto
 
-    roles = {"prefill": wpb.ROLE_PREFILL, "decode": wpb.ROLE_DECODE}
     meta = (("authorization", f"Bearer {args.admin_key}"),) if args.admin_key else ()
     long_s = args.timeout_s + 3600  # flips wait for drains (bounded by the drain timeout)
     try:
@@ -92,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                     drain_timeout_s=args.drain_timeout), timeout=long_s, metadata=meta)
             elif args.ctl == "set-role":
                 resp = stub.SetRole(pb.ControllerSetRoleRequest(
-                    address=args.worker, role=roles[args.role],
+                    address=args.worker, role=role_to_proto(args.role),
                     drain_timeout_s=args.drain_timeout), timeout=long_s, metadata=meta)
             elif args.ctl in ("pin", "unpin"):
                 call = stub.Pin if args.ctl == "pin" else stub.Unpin

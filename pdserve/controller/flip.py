@@ -26,10 +26,9 @@ from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
+from pdserve.wire import role_from_proto, role_to_proto
 
 log = logging.getLogger(__name__)
-ROLES = {"prefill": wpb.ROLE_PREFILL, "decode": wpb.ROLE_DECODE}
-ROLE_NAMES = {v: k for k, v in ROLES.items()}
 
 
 class FlipBusy(RuntimeError):
@@ -79,18 +78,18 @@ class Flipper:
         try:
             worker = self._worker(address)
             before = worker.GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
-            from_role = ROLE_NAMES.get(before.role, "?")
+            from_role = role_from_proto(before.role) or "?"
             if from_role == to_role:
                 self._set(address, rpb.MEMBER_STATE_ACTIVE, to_role, "already in that role")
                 return FlipOutcome(address, from_role, to_role, True, 0.0)
             self._set(address, rpb.MEMBER_STATE_DRAINING, None, f"switching to {to_role}: {reason}")
-            resp = worker.SetRole(wpb.SetRoleRequest(role=ROLES[to_role], drain=True,
+            resp = worker.SetRole(wpb.SetRoleRequest(role=role_to_proto(to_role), drain=True,
                                                      drain_timeout_s=drain_timeout_s),
                                   timeout=drain_timeout_s + self.rpc_timeout_s)
             after = worker.GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
-            if after.role != ROLES[to_role] or after.role_switches != before.role_switches + 1:
+            if after.role != role_to_proto(to_role) or after.role_switches != before.role_switches + 1:
                 raise _Unverified(f"after SetRole the worker reports role "
-                                  f"{ROLE_NAMES.get(after.role, after.role)} and "
+                                  f"{role_from_proto(after.role) or after.role} and "
                                   f"{after.role_switches - before.role_switches} switches")
             self._set(address, rpb.MEMBER_STATE_ACTIVE, to_role, f"switched to {to_role}")
             seconds = time.monotonic() - start
@@ -120,7 +119,7 @@ class Flipper:
             s = self._worker(address).GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
         except grpc.RpcError:
             return None
-        role = ROLE_NAMES.get(s.role)
+        role = role_from_proto(s.role)
         if role is None or s.draining:
             return None
         self._set(address, rpb.MEMBER_STATE_ACTIVE, role, reason)
@@ -128,7 +127,7 @@ class Flipper:
 
     def _set(self, address: str, state: int, role: str | None, reason: str) -> None:
         self.router.SetWorkerState(rpb.SetWorkerStateRequest(
-            address=address, state=state, role=ROLES[role] if role else wpb.ROLE_UNSPECIFIED,
+            address=address, state=state, role=role_to_proto(role),
             reason=reason), timeout=self.rpc_timeout_s)
 
     def close(self) -> None:

@@ -18,15 +18,15 @@ import grpc
 from pdserve import rpc
 from pdserve.controller.config import ControllerConfig
 from pdserve.controller.connector import LiveConnector
-from pdserve.controller.flip import ROLE_NAMES, ROLES, FlipBusy, FlipOutcome
+from pdserve.controller.flip import FlipBusy, FlipOutcome
 from pdserve.controller.service import Controller, UnknownWorker
 from pdserve.proto import controller_pb2 as pb
 from pdserve.proto import controller_pb2_grpc as pb_grpc
 from pdserve.proto import router_pb2_grpc as rpb_grpc
-from pdserve.proto import worker_pb2 as wpb
 from pdserve.core.identity import CONTROLLER, ROUTER
 from pdserve.security.tenants import ApiKeys
 from pdserve.security.keys import AdminKeys
+from pdserve.wire import PROTO_OF_ROLE, role_from_proto
 
 MODE_OF = {"active": pb.CONTROLLER_MODE_ACTIVE, "advisory": pb.CONTROLLER_MODE_ADVISORY,
            "off": pb.CONTROLLER_MODE_OFF}
@@ -34,8 +34,8 @@ MODE_NAMES = {v: k for k, v in MODE_OF.items()}
 
 
 def _outcome(o: FlipOutcome) -> pb.FlipResult:
-    return pb.FlipResult(address=o.address, from_role=ROLES.get(o.from_role, 0),
-                         to_role=ROLES.get(o.to_role, 0), ok=o.ok, seconds=o.seconds,
+    return pb.FlipResult(address=o.address, from_role=PROTO_OF_ROLE.get(o.from_role, 0),
+                         to_role=PROTO_OF_ROLE.get(o.to_role, 0), ok=o.ok, seconds=o.seconds,
                          error=o.error, drained_requests=o.drained_requests)
 
 
@@ -60,10 +60,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"router: {e.code().name}: {e.details()}")
 
     def _role(self, role: int, context) -> str:
-        if role not in ROLE_NAMES:
+        name = role_from_proto(role)
+        if name is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "role: must be ROLE_PREFILL or ROLE_DECODE")
-        return ROLE_NAMES[role]
+        return name
 
     def Status(self, request, context):
         return self._call(context, lambda: self._status())
@@ -93,7 +94,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             f = flips.get(w.address)
             stats = m.stats if m.HasField("stats") else None
             out.workers.append(pb.ControlledWorker(
-                address=w.address, role=ROLES.get(w.role, 0),
+                address=w.address, role=PROTO_OF_ROLE.get(w.role, 0),
                 state="serving" if w.state == "serving" else w.state,
                 pinned=w.address in pinned, running=w.running, waiting=w.waiting,
                 kv_used_blocks=w.kv_used_blocks, kv_total_blocks=w.kv_total_blocks,
@@ -114,8 +115,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             plan, results = self.c.rebalance(request.prefill, request.decode, request.dry_run,
                                              request.drain_timeout_s, rpc.caller())
             return pb.RebalanceResponse(
-                plan=[pb.PlannedFlip(address=f.address, from_role=ROLES[f.from_role],
-                                     to_role=ROLES[f.to_role]) for f in plan],
+                plan=[pb.PlannedFlip(address=f.address, from_role=PROTO_OF_ROLE[f.from_role],
+                                     to_role=PROTO_OF_ROLE[f.to_role]) for f in plan],
                 results=[_outcome(o) for o in results])
         return self._call(context, run)
 

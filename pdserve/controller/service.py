@@ -27,8 +27,9 @@ from pdserve.controller.config import ControllerConfig
 from pdserve.controller.connector import Connector
 from pdserve.controller.flip import FlipOutcome
 from pdserve.controller.metrics import ControllerMetrics
-from pdserve.controller.policy import (DECODE, GONE, PREFILL, ControllerInput, Decision,
-                                       PolicyConfig, PolicyState, decide, plan_rebalance)
+from pdserve.controller.policy import (ControllerInput, Decision, PolicyConfig, PolicyState,
+                                       decide, plan_rebalance)
+from pdserve.core.roles import DECODE, GONE, PREFILL
 from pdserve.controller.signals import Slo
 from pdserve.controller.view import ClusterView, Meters, cluster_view
 

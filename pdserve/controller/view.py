@@ -19,9 +19,8 @@ from pdserve.controller.signals import (DecodePressure, PrefillPressure, Slo,
                                         attainment, decode_pressure, percentile,
                                         prefill_pressure)
 from pdserve.proto import router_pb2 as rpb
-from pdserve.proto import worker_pb2 as wpb
+from pdserve.wire import role_from_proto
 
-ROLE_OF = {wpb.ROLE_PREFILL: PREFILL, wpb.ROLE_DECODE: DECODE}
 _STATE_OF = {rpb.MEMBER_STATE_ACTIVE: SERVING, rpb.MEMBER_STATE_DRAINING: DRAINING,
              rpb.MEMBER_STATE_FAILED: FAILED, rpb.MEMBER_STATE_GONE: GONE}
 
@@ -91,7 +90,7 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
             state = SWITCHING
         s = m.stats if m.HasField("stats") else None
         views.append(WorkerView(
-            address=m.address, role=ROLE_OF.get(m.role, PREFILL), state=state,
+            address=m.address, role=role_from_proto(m.role) or PREFILL, state=state,
             to_role=switching.get(m.address),
             pinned=m.address in pinned, last_flip_s=last_flip_s.get(m.address),
             running=s.num_running if s else 0, waiting=s.num_waiting if s else 0,

@@ -25,10 +25,10 @@ from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
-from pdserve.router.membership import (
-    ACTIVE, DRAINING, FAILED, GONE, InvalidBudgetError, Member, UnknownMemberError,
-)
-from pdserve.router.pool import PROTO_OF_ROLE, ROLE_OF_PROTO, WorkerSet
+from pdserve.core.roles import ACTIVE, DRAINING, FAILED, GONE
+from pdserve.router.membership import InvalidBudgetError, Member, UnknownMemberError
+from pdserve.router.pool import WorkerSet
+from pdserve.wire import PROTO_OF_ROLE, role_from_proto, role_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class RequestSignals:
 
 def member_proto(m: Member, now: float) -> rpb.WorkerMember:
     out = rpb.WorkerMember(
-        address=m.address, role=PROTO_OF_ROLE[m.role], state=PROTO_OF_STATE[m.state],
+        address=m.address, role=role_to_proto(m.role), state=PROTO_OF_STATE[m.state],
         in_flight=m.in_flight, in_flight_tokens=m.in_flight_tokens,
         offload_in_flight_tokens=m.offload_tokens, offload_budget_tokens=m.offload_budget,
         last_seen_age_s=-1.0 if m.last_seen_s is None else max(0.0, now - m.last_seen_s),
@@ -130,9 +130,9 @@ class RouterControlServicer(rpb_grpc.RouterControlServicer):
     def RegisterWorker(self, request, context):
         if not request.address:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: required")
-        if request.role not in (wpb.ROLE_UNSPECIFIED, *ROLE_OF_PROTO):
+        if request.role not in (wpb.ROLE_UNSPECIFIED, *PROTO_OF_ROLE.values()):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: unknown value {request.role}")
-        role = ROLE_OF_PROTO.get(request.role)
+        role = role_from_proto(request.role)
         stats = None
         if role is None:  # ask the worker which role it hosts
             try:
@@ -143,7 +143,7 @@ class RouterControlServicer(rpb_grpc.RouterControlServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE,
                               f"address: cannot reach worker {request.address} for its role: "
                               f"{e.code().name} {e.details()}")
-            role = ROLE_OF_PROTO.get(stats.role)
+            role = role_from_proto(stats.role)
             if role is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"address: worker {request.address} reports no role")
@@ -157,10 +157,10 @@ class RouterControlServicer(rpb_grpc.RouterControlServicer):
         if state is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "state: must be ACTIVE, DRAINING, GONE or FAILED")
-        if request.role not in (wpb.ROLE_UNSPECIFIED, *ROLE_OF_PROTO):
+        if request.role not in (wpb.ROLE_UNSPECIFIED, *PROTO_OF_ROLE.values()):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role: unknown value {request.role}")
         try:
-            m = self.workers.set_state(request.address, state, ROLE_OF_PROTO.get(request.role),
+            m = self.workers.set_state(request.address, state, role_from_proto(request.role),
                                        request.reason)
         except UnknownMemberError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, f"address: {e}")

@@ -34,17 +34,17 @@ from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from pdserve.core.rates import RateMeter
 from pdserve.router.kv_feed import KvFeeds
 from pdserve.router.local_prefill import LocalCandidate, choose_cached_local
+from pdserve.core.roles import DECODE, GONE, PREFILL
 from pdserve.router.membership import (
-    DECODE, GONE, PREFILL, Health, Member, Membership, UnknownMemberError, reports_draining,
+    Health, Member, Membership, UnknownMemberError, reports_draining,
 )
 from pdserve.router.policy import (
     KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad, choose_offload,
 )
+from pdserve.wire import role_from_proto
 
 log = logging.getLogger(__name__)
 
-ROLE_OF_PROTO = {wpb.ROLE_PREFILL: PREFILL, wpb.ROLE_DECODE: DECODE}
-PROTO_OF_ROLE = {PREFILL: wpb.ROLE_PREFILL, DECODE: wpb.ROLE_DECODE}
 # A poll that gets one of these did not reach the worker: it counts as missed. Any other
 # answer (even an error) came from a live process.
 _MISSED_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -113,7 +113,7 @@ class WorkerSet:
     def report(self, address: str, stats: wpb.WorkerStats, now: float | None = None,
                asked_s: float | None = None) -> Member | None:
         """A poll answer (or a registration's GetStats) from `address`, asked at `asked_s`."""
-        role = ROLE_OF_PROTO.get(stats.role)
+        role = role_from_proto(stats.role)
         if role is None:  # workers always host a role; an answer without one changes nothing
             log.warning("worker %s reported no role", address)
             return None

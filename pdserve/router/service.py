@@ -43,7 +43,7 @@ from pdserve.router.control import RequestSignals
 from pdserve.router.config import DECODE_STREAMS
 from pdserve.router.decode_mux import DecodeMuxes
 from pdserve.router.lifecycle import Door, Trip, abort_with_hint
-from pdserve.router.membership import DECODE, PREFILL
+from pdserve.core.roles import DECODE, PREFILL
 from pdserve.router.policy import NoWorkerError
 from pdserve.router.pool import LiveRequest, WorkerSet
 from pdserve.router.retry import RetryPolicy

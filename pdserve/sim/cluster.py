@@ -15,9 +15,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve.controller.flip import FlipOutcome
+from pdserve.core.roles import (ACTIVE, DECODE, DRAINING, FAILED, PREFILL, SERVING, STARTING,
+                                SWITCHING)
+from pdserve.core.roles import DRAINING as W_DRAINING
 from pdserve.controller.signals import Slo
 from pdserve.router.admission import Overloaded
-from pdserve.router.membership import ACTIVE, DECODE, DRAINING, FAILED, PREFILL
 from pdserve.router.policy import NoWorkerError
 from pdserve.router.retry import RetryPolicy
 from pdserve.router.route import (CACHED_LOCAL, DECODE_FALLBACK, FALLBACK, OFFLOAD, PREFILL_HOP,
@@ -31,8 +33,7 @@ from pdserve.sim.network import KvStore, Link
 from pdserve.sim.report import OK, SimReport
 from pdserve.sim.router import SimRouter
 from pdserve.sim.trace import SimRequest
-from pdserve.sim.worker import DRAINING as W_DRAINING
-from pdserve.sim.worker import SERVING, STARTING, SWITCHING, SimWorker
+from pdserve.sim.worker import SimWorker
 
 if TYPE_CHECKING:
     from pdserve.controller.service import Controller

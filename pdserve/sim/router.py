@@ -21,7 +21,8 @@ from pdserve.core.rates import RateMeter
 from pdserve.router.admission import Admission
 from pdserve.router.kv_index import CLEARED, REMOVED, STORED, KvEvent, KvIndex, store_source
 from pdserve.router.local_prefill import LocalCandidate, choose_cached_local
-from pdserve.router.membership import (ACTIVE, DECODE, PREFILL, Membership, reports_draining)
+from pdserve.core.roles import ACTIVE, DECODE, PREFILL
+from pdserve.router.membership import Membership, reports_draining
 from pdserve.router.policy import (DecodeChooser, KvAware, LoadOrder, NoWorkerError,
                                    RouteDecision, RouteInput, WorkerLoad, choose_offload,
                                    make_policy)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 
-from pdserve.core.roles import DRAINING, PREFILL, SERVING, STARTING, SWITCHING
+from pdserve.core.roles import DRAINING, SERVING, SWITCHING
 from pdserve.sim.engine_model import EngineModel, PlannedStep
 from pdserve.proto import worker_pb2 as wpb
+from pdserve.wire import role_to_proto
 
 MAX_RUN_STEPS = 1 << 20
 
@@ -142,7 +143,7 @@ class SimWorker:
         """What the worker answers a stats poll with (during a run: as of the run's start)."""
         e = self.engine
         return wpb.WorkerStats(
-            role=wpb.ROLE_PREFILL if self.role == PREFILL else wpb.ROLE_DECODE,
+            role=role_to_proto(self.role),
             num_running=e.running, num_waiting=e.waiting, num_free_blocks=e.free_blocks,
             num_total_blocks=e.total_blocks, draining=self.state in (DRAINING, SWITCHING),
             prompt_tokens_computed=e.prompt_tokens_computed, busy_seconds=self.busy_s,

@@ -20,7 +20,6 @@ import torch
 
 from pdserve import rpc
 from pdserve.core.identity import WORKER
-from pdserve.core.roles import PREFILL
 from pdserve.worker.decode.publish import PromptPublisher
 from pdserve.worker.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -31,7 +30,6 @@ from pdserve.kvstore.dist_client import ClusterRefused, DistStoreClient, DistSto
 from pdserve.kvstore.retry import StoreRetryPolicy
 from pdserve.worker.prefill.kv_sender import KvStreamSender
 from pdserve.worker.prefill.role import PrefillRole
-from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import STEP_TOKENS, WorkerConfig
 from pdserve.worker.cores import TURN_STEP_TOKENS, CoreLedger, StepThreads
@@ -39,6 +37,7 @@ from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.guarded_store import GuardedStore
 from pdserve.worker.registration import Registrar
 from pdserve.worker.service import WorkerService
+from pdserve.wire import role_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +143,7 @@ def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
     loop = EngineLoop(engine, threads=lent_threads(cfg, engine)).start()
     # The dtype the engine resolved (auto: by device): KV of different dtypes never mixes.
     model_id = model_id_for(cfg.model_path, engine.cfg.dtype, cfg.model_name, cfg.quantization)
-    role = pb.ROLE_PREFILL if cfg.role == PREFILL else pb.ROLE_DECODE
+    role = role_to_proto(cfg.role)
     sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
               if cfg.progressive_kv else None)
     publisher = PromptPublisher(loop, store, model_id)

@@ -27,20 +27,19 @@ import grpc
 from pdserve.worker.decode.role import DecodeChunk, DecodeRole
 from pdserve.logctx import request_context
 from pdserve.engine.block_pool import REMOVED, STORED
-from pdserve.core.roles import DECODE, PREFILL
 from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.engine.scheduler import QueueFullError
 from pdserve.worker.prefill.role import PrefillCancelled, PrefillRole
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
-from pdserve.wire import finish_to_proto, logprobs_to_proto, params_from_proto
+from pdserve.wire import (ROLE_OF_PROTO, finish_to_proto, logprobs_to_proto, params_from_proto,
+                          role_from_proto)
 from pdserve.worker import decode_mux
 from pdserve.worker.engine_loop import EngineBusy, EngineLoop
 from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_stream import StreamHandle
 
 log = logging.getLogger(__name__)
-ROLE_NAMES = {pb.ROLE_PREFILL: PREFILL, pb.ROLE_DECODE: DECODE}
 _KV_EVENT_KINDS = {STORED: pb.KV_EVENT_KIND_STORED, REMOVED: pb.KV_EVENT_KIND_REMOVED}
 _KV_EVENT_BATCH_S = 0.02
 _PROGRESSIVE_STATS = ("progressive_requests", "progressive_anchor_joins", "progressive_exact_joins",
@@ -96,13 +95,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         with self._cond:
             if role != self.role:
                 raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"worker is in the {ROLE_NAMES.get(self.role)} role")
+                                f"worker is in the {role_from_proto(self.role)} role")
             if not self._accepting:
                 raise _Rejected(grpc.StatusCode.UNAVAILABLE, "worker is draining for a role switch")
             self._inflight += 1
         try:
             with request_context(request_id):  # the router's id on this hop's log lines
-                log.info("%s started", ROLE_NAMES.get(role))
+                log.info("%s started", role_from_proto(role))
                 yield
         finally:
             with self._cond:
@@ -213,7 +212,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.AbortResponse(found=found)
 
     def SetRole(self, request, context):
-        if request.role not in ROLE_NAMES:
+        if request.role not in ROLE_OF_PROTO:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role: must be ROLE_PREFILL or ROLE_DECODE")
         with self._cond:
             previous = self.role
@@ -231,7 +230,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.role = request.role
             self.role_switches += 1
             self._accepting = True
-        log.info("role switched from %s to %s", ROLE_NAMES[previous], ROLE_NAMES[request.role])
+        log.info("role switched from %s to %s", role_from_proto(previous),
+                 role_from_proto(request.role))
         return pb.SetRoleResponse(previous_role=previous, role=request.role,
                                   drained_requests=drained)
 
