@@ -7,7 +7,7 @@ import logging
 import sys
 
 from pdserve import logctx
-from pdserve.flags import add_config_flags
+from pdserve.flags import add_config_flags, config_from_args
 from pdserve.controller.config import ControllerConfig
 from pdserve.core.errors import ConfigError
 from pdserve.core.identity import CONTROLLER
@@ -18,24 +18,18 @@ from pdserve.lifecycle import die_with_parent_if_asked
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     p = argparse.ArgumentParser(prog="python -m pdserve.controller")
-    p.add_argument("--router", dest="router_address", required=True,
-                   help="the control address of the router whose membership and budgets this "
-                        "controller steers")
-    add_config_flags(p, ControllerConfig, skip=("router_address",))
+    add_config_flags(p, ControllerConfig)
     security_cli.add_flags(p)
     args = p.parse_args(argv)
     logctx.configure(logging.INFO)
     security_cli.configure(args, CONTROLLER, p)
-    health_address = args.health_address
-    for name in ("tls_dir", "insecure_internal", "health_address"):
-        delattr(args, name)
     try:
-        cfg = ControllerConfig(**vars(args))
+        cfg = config_from_args(ControllerConfig, args)
     except ConfigError as e:
         p.error(str(e))
     from pdserve.controller.server import run
 
-    return run(cfg, health_address=health_address)
+    return run(cfg, health_address=args.health_address)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.core.errors import ConfigError
+from pdserve.flags import flag
 
 MODES = ("active", "advisory", "off")
 
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    router_address: str
+    router_address: str = flag(name="--router", help=(
+        "the control address of the router whose membership and budgets this controller "
+        "steers"))
     address: str = "127.0.0.1:50052"
     # active: decides and acts; advisory: decides, logs and exports, never acts; off: neither.
     mode: str = "active"

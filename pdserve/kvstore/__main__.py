@@ -1,6 +1,7 @@
 """Command line of one store process: `python -m pdserve.kvstore --address HOST:PORT`.
 
-Owns argument parsing and the ready line only; everything else is in `config` and `service`.
+Owns argument parsing (`StoreConfig`'s fields as flags, `pdserve.flags`) and the ready line
+only; everything else is in `config` and `service`.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.flags import add_config_flags, config_from_args
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.core.errors import ConfigError
 from pdserve.kvstore.config import StoreConfig
@@ -18,34 +20,15 @@ from pdserve.security import cli as security_cli
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
-    defaults = StoreConfig()
     parser = argparse.ArgumentParser(
         prog="python -m pdserve.kvstore", description="Run one in-memory KV-cache store process."
     )
-    parser.add_argument(
-        "--address", default=defaults.address, help="host:port to listen on (port 0: any free port)"
-    )
-    parser.add_argument(
-        "--capacity-bytes", type=int, default=defaults.capacity_bytes,
-        help="most bytes of object data held before LRU eviction",
-    )
-    parser.add_argument(
-        "--max-workers", type=int, default=defaults.max_workers, help="gRPC handler threads"
-    )
-    parser.add_argument(
-        "--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s,
-        help="seconds in-flight RPCs may still run after SIGTERM",
-    )
+    add_config_flags(parser, StoreConfig)
     security_cli.add_flags(parser, health=False)
     args = parser.parse_args(argv)
     security_cli.configure(args, MASTER, parser)
     try:
-        config = StoreConfig(
-            address=args.address,
-            capacity_bytes=args.capacity_bytes,
-            max_workers=args.max_workers,
-            shutdown_grace_s=args.shutdown_grace_s,
-        )
+        config = config_from_args(StoreConfig, args)
     except ConfigError as e:
         parser.error(str(e))
 

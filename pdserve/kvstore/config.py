@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.core.errors import ConfigError
+from pdserve.flags import flag
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -30,13 +31,16 @@ class StoreConfig:
     """Settings of one in-memory store process."""
 
     # Where to listen, "host:port"; loopback by default because the store has no auth yet.
-    address: str = "127.0.0.1:50070"
+    address: str = flag("127.0.0.1:50070",
+                        help="host:port to listen on (port 0: any free port)")
     # Most bytes of object data held; past it the least recently used objects are evicted.
-    capacity_bytes: int = 1 << 30
+    capacity_bytes: int = flag(1 << 30,
+                               help="most bytes of object data held before LRU eviction")
     # gRPC handler threads: bounds concurrent requests being served.
-    max_workers: int = 8
+    max_workers: int = flag(8, help="gRPC handler threads")
     # On SIGTERM, how long in-flight RPCs may run before they are cancelled.
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = flag(5.0,
+                                   help="seconds in-flight RPCs may still run after SIGTERM")
 
     def __post_init__(self) -> None:
         parse_address(self.address)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from pdserve.core.errors import ConfigError
+from pdserve.flags import flag
 from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
 
 DECODE_STREAMS = ("shared", "per_request")
@@ -28,70 +29,93 @@ MIN_BURST = 256
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model_path: str
+    model_path: str = flag(name="--model", help="model path (GGUF file or HF folder)")
     # The first members of each pool; either may be empty (workers can register later through
     # RouterControl). A worker reporting another role than its list says is moved by its poll.
-    prefill_addresses: tuple[str, ...] = ()
-    decode_addresses: tuple[str, ...] = ()
-    address: str = "127.0.0.1:50051"  # the client APIs (gRPC Generation)
+    prefill_addresses: tuple[str, ...] = flag((), name="--prefill", help=(
+        "comma-separated prefill workers to start with (more may register)"))
+    decode_addresses: tuple[str, ...] = flag((), name="--decode", help=(
+        "comma-separated decode workers to start with (more may register)"))
+    address: str = flag("127.0.0.1:50051", help="the client APIs (gRPC)")  # gRPC Generation
     # RouterControl (membership, offload budgets, signals): its own listener, TLS, every call
     # authenticated (a cluster identity or an admin key). Port 0: a free one (`control=` in
     # the ready line). Keep it off the public network: workers and the controller reach it.
-    control_address: str = "127.0.0.1:0"
+    control_address: str = flag("127.0.0.1:0", help=(
+        "the control API for workers, the controller and operators (TLS, each call "
+        "authenticated; port 0: a free one, printed as control=)"))
     # `KEY [NAME]` lines: keys that may steer the router's control API without a certificate.
-    admin_keys_file: str | None = None
+    admin_keys_file: str | None = flag(None, help=(
+        "file of 'KEY [NAME]' lines: keys that may use the control API"))
     # TLS of the client APIs (gRPC and HTTP): certificate and key files, and a CA whose client
     # certificates are then required. "": plaintext.
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
+    tls_cert: str = flag("", help="TLS certificate of the client APIs")
+    tls_key: str = flag("", help="its private key")
+    tls_client_ca: str = flag("", help=(
+        "require client certificates from this CA on the client APIs"))
     model_name: str | None = None  # the id clients send in `model`; defaults to the file's name
     dtype: str = "float32"
     max_model_len_tokens: int | None = None
     # None: derived from max_in_flight (see __post_init__ and `RPC_SPARE_THREADS`).
-    rpc_threads: int | None = None
+    rpc_threads: int | None = flag(None, help=(
+        "gRPC handler threads (default: max-in-flight + 32; at least max-in-flight + 4)"))
     # gRPC's own bound on calls running or queued; past it gRPC refuses by itself with a bare
     # RESOURCE_EXHAUSTED (no retry hint), so it must sit far above what admission lets in.
-    max_concurrent_rpcs: int | None = None
+    max_concurrent_rpcs: int | None = flag(None, help=(
+        "gRPC calls running or queued before gRPC itself refuses (default: derived; at least "
+        "rpc-threads + http-max-connections)"))
     request_timeout_s: float = 600.0
     # Prefill policy: round_robin, least_loaded, power_of_two, kv_aware; "auto" is round_robin
     # with exactly one initial prefill worker (nothing to choose between), kv_aware otherwise
     # (2+, or none yet: workers will register).
-    routing: str = "auto"
-    decode_routing: str = "free_kv"  # or least_loaded, round_robin, power_of_two
+    routing: str = flag("auto", choices=ROUTING_CHOICES, help=(
+        "prefill routing policy (auto: kv_aware with 2+ prefill workers)"))
+    # free_kv, least_loaded, round_robin or power_of_two
+    decode_routing: str = flag("free_kv", choices=DECODE_POLICIES)
     # "shared": one DecodeMany stream per decode worker carries all of this router's requests
     # there (a step's tokens for them in one message); "per_request": a Decode call each.
-    decode_streams: str = "shared"
+    decode_streams: str = flag("shared", choices=DECODE_STREAMS, help=(
+        "shared: one stream per decode worker for all requests (a step's tokens in one "
+        "message); per_request: a Decode call per request"))
     # Must equal the workers' block size: the router hashes prompts as their engines do (a
     # worker reporting another size counts as caching nothing).
-    block_size_tokens: int = 16
+    block_size_tokens: int = flag(16, help=(
+        "the workers' KV block size (prompts are hashed with it)"))
     # Conditional disaggregation (`local_prefill.py`): a prompt an ACTIVE decode worker caches
     # all but at most this many tokens of (at least one block cached) is prefilled and decoded
     # there, skipping the prefill worker and the store. 0: off. 64 tokens: a chat's next turn
     # of a sentence or two; on the embedded CPU default it raised c8 and c32 output tokens/s
     # about 1.2x and cut TTFT p50 by 43-56 % (docs/benchmarks.md, bench serve). NVIDIA Dynamo's
     # router makes the same choice by a length bound.
-    max_local_prefill_tokens: int = 64
+    max_local_prefill_tokens: int = flag(64, help=(
+        "a prompt a decode worker caches all but at most this many tokens of is prefilled and "
+        "decoded there, skipping the prefill worker (0: off)"))
     # The store master(s) whose WatchEvents feed the index ("" = workers' caches only).
-    store_address: str = ""
+    store_address: str = flag("", help=(
+        "store master(s) whose events feed the KV index (default: none)"))
     kv_overlap_weight: float = 1.0  # KV-aware: weight of the prefill cost against queue load
     kv_fetch_weight: float = 0.2  # a block fetched from the store costs this x computing it
     kv_request_cost_tokens: float = 64.0  # queue load per request in flight, in prompt tokens
     routing_seed: int = 0  # power_of_two's random draws (reproducible)
-    stats_interval_s: float = 1.0  # how often every member is polled (stats and health)
-    max_missed_polls: int = 3  # polls in a row a member may miss before it counts as gone
+    stats_interval_s: float = flag(1.0, help=(
+        "seconds between polls of every worker's stats (health and load)"))
+    max_missed_polls: int = flag(3, help=(
+        "polls in a row a worker may miss before it leaves its pool (gone)"))
     # The OpenAI-compatible HTTP API (pdserve.router.openai_api): None turns it off, 0 picks a
     # free port (the ready line says which).
-    http_host: str = "127.0.0.1"
-    http_port: int | None = None
+    http_host: str = flag("127.0.0.1", help="OpenAI-compatible HTTP API host")
+    http_port: int | None = flag(None, help=(
+        "OpenAI-compatible HTTP API port (0: a free port; default: no HTTP)"))
     http_max_body_bytes: int = 1 << 20  # larger request bodies get 413
     # Connections uvicorn holds; past it it answers a bare 503 (None: derived, see below).
-    http_max_connections: int | None = None
+    http_max_connections: int | None = flag(None, help=(
+        "HTTP connections held (default: max(8 x max-in-flight, 256); at least "
+        "max-in-flight + 4)"))
     # Admission (pdserve.router.admission): requests held at once, overall and per tenant
     # (0: no per-tenant bound), and a per-tenant rate limit (0: none) with its burst.
-    max_in_flight: int = 128
+    max_in_flight: int = flag(128, help=(
+        "requests held at once; more get RESOURCE_EXHAUSTED / HTTP 429"))
     max_in_flight_per_tenant: int = 0
-    tenant_rate_rps: float = 0.0
+    tenant_rate_rps: float = flag(0.0, help="requests/s one tenant may start (0: no limit)")
     tenant_burst: int = 8
     # Refuse (RESOURCE_EXHAUSTED / 429) a request whose predicted time to first token is over
     # this (0: off). 10 s: on CPU the embedded default model (SmolLM2-135M) prefills about 950
@@ -99,15 +123,22 @@ class RouterConfig:
     # full-context prompts or a few dozen chat turns; a client kept waiting longer than that
     # for its first token has mostly given up, and refusing it early (with the drain time as
     # its retry hint) keeps the TTFT of the requests admitted.
-    max_predicted_ttft_s: float = 10.0
+    max_predicted_ttft_s: float = flag(10.0, help=(
+        "refuse (RESOURCE_EXHAUSTED / 429, retry hint = the queue's drain time) a request "
+        "whose predicted time to first token is over this (0: off)"))
     # On SIGTERM/SIGINT: refuse new requests at once, let those in flight finish within this,
     # then stop (requests still running end with UNAVAILABLE "router shutting down").
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: float = flag(30.0, help=(
+        "on SIGTERM/SIGINT: refuse new requests, let those in flight finish within this many "
+        "seconds, then stop"))
     # API keys (`KEY TENANT` lines); PDSERVE_API_KEYS adds more. None and no variable: no auth.
-    api_keys_file: str | None = None
+    api_keys_file: str | None = flag(None, help=(
+        "file of 'KEY TENANT' lines; PDSERVE_API_KEYS=KEY:TENANT,... adds more"))
     # Text in a chat message that spells a control token (e.g. `<|im_start|>`) is encoded as that
     # token, not as text: lets a client write template turns of its own. Off by default.
-    allow_special_tokens_in_messages: bool = False
+    allow_special_tokens_in_messages: bool = flag(False, switch=True, help=(
+        "text in chat messages that spells a control token (e.g. <|im_start|>) becomes that "
+        "token (default: encoded as text)"))
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):

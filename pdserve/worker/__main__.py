@@ -7,7 +7,7 @@ import logging
 import sys
 
 from pdserve import logctx
-from pdserve.flags import add_config_flags
+from pdserve.flags import add_config_flags, config_from_args
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.core.errors import ConfigError
 from pdserve.core.identity import WORKER
@@ -18,22 +18,18 @@ from pdserve.worker.config import WorkerConfig
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     parser = argparse.ArgumentParser(prog="python -m pdserve.worker")
-    parser.add_argument("--model", dest="model_path", required=True)
-    add_config_flags(parser, WorkerConfig, skip=("model_path",))
+    add_config_flags(parser, WorkerConfig)
     security_cli.add_flags(parser)
     args = parser.parse_args(argv)
     logctx.configure(logging.INFO)
     security_cli.configure(args, WORKER, parser)
-    health_address = args.health_address
-    for name in ("tls_dir", "insecure_internal", "health_address"):
-        delattr(args, name)
     try:
-        cfg = WorkerConfig(**vars(args))
+        cfg = config_from_args(WorkerConfig, args)
     except ConfigError as e:
         parser.error(str(e))
     from pdserve.worker.server import run  # heavy imports (torch) after argument errors
 
-    return run(cfg, health_address=health_address)
+    return run(cfg, health_address=args.health_address)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.core.roles import PREFILL, ROLES
 from pdserve.engine.config import SPEC_METHODS, ConfigError
+from pdserve.flags import flag
 from pdserve.engine.device import DTYPE_CHOICES, check_quantization, parse_device
 from pdserve.kvstore import config as store_config
 from pdserve.kvstore.channel import check_cluster_id
@@ -22,7 +23,7 @@ CORE_SHARING = ("lend", "turns")  # `worker/cores.py`; the first is the default
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model_path: str
+    model_path: str = flag(name="--model", help="model path (GGUF file or HF folder)")
     role: str = PREFILL  # PREFILL or DECODE; switchable at run time through SetRole
     address: str = "127.0.0.1:50061"
     store_address: str = "127.0.0.1:50080"  # the master(s), comma-separated; or a simple store

@@ -1,6 +1,7 @@
 """`python -m pdserve.kvstore.master --address H:P (--journal-dir D | --redis-url URL)`.
 
-Embedded default: metadata journaled to a local directory. Cluster mode: journal and leader
+Its flags are `MasterConfig`'s fields (`pdserve.flags`), and the internal-TLS ones. Embedded
+default: metadata journaled to a local directory. Cluster mode: journal and leader
 lease in Redis; start several masters with the same --redis-url and distinct --address: one
 leads, the others stand by and take over when its lease lapses.
 """
@@ -15,6 +16,7 @@ import sys
 import threading
 
 from pdserve import logctx
+from pdserve.flags import add_config_flags, config_from_args
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve import rpc
 from pdserve.kvstore.channel import check_cluster_id
@@ -28,19 +30,7 @@ from pdserve.kvstore.master.model import ClusterIdConflict
 def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     p = argparse.ArgumentParser(prog="python -m pdserve.kvstore.master")
-    p.add_argument("--address", default="127.0.0.1:50080")
-    p.add_argument("--journal-dir", default=None, help="local journal (embedded default)")
-    p.add_argument("--redis-url", default=None, help="redis://host:port: journal + election")
-    p.add_argument("--lease-key", default="pdserve:kvstore:leader")
-    p.add_argument("--leader-lease-s", type=float, default=3.0)
-    p.add_argument("--tick-s", type=float, default=0.5, help="maintenance period")
-    p.add_argument("--node-timeout-s", type=float, default=MasterConfig.node_timeout_s)
-    p.add_argument("--put-timeout-s", type=float, default=MasterConfig.put_timeout_s)
-    p.add_argument("--lease-s", type=float, default=MasterConfig.lease_s)
-    p.add_argument("--high-watermark", type=float, default=MasterConfig.high_watermark)
-    p.add_argument("--low-watermark", type=float, default=MasterConfig.low_watermark)
-    p.add_argument("--cluster-id", default="",
-                   help="the cluster this master serves (kept in its journal; '': any)")
+    add_config_flags(p, MasterConfig)
     security_cli.add_flags(p)
     a = p.parse_args(argv)
     security_cli.configure(a, MASTER, p)
@@ -48,31 +38,30 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give exactly one of --journal-dir or --redis-url")
     try:
         check_cluster_id(a.cluster_id)
+        config = config_from_args(MasterConfig, a)
     except ConfigError as e:
         p.error(str(e))
     logctx.configure(logging.INFO)
-    config = MasterConfig(node_timeout_s=a.node_timeout_s, put_timeout_s=a.put_timeout_s,
-                          lease_s=a.lease_s, high_watermark=a.high_watermark,
-                          low_watermark=a.low_watermark)
     from pdserve.kvstore.master.journal import FileJournal, RedisJournal
     from pdserve.kvstore.master.service import MasterService
     from pdserve.kvstore.transport.tcp import TcpTransport
     from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
 
     election = None
-    if a.redis_url:
+    if config.redis_url:
         import redis
 
         from pdserve.kvstore.master.election import LeaderElection
 
-        client = redis.Redis.from_url(a.redis_url)
-        journal = RedisJournal(client, fence=(a.lease_key, a.address))
-        election = LeaderElection(client, a.lease_key, a.address, a.leader_lease_s)
+        client = redis.Redis.from_url(config.redis_url)
+        journal = RedisJournal(client, fence=(config.lease_key, config.address))
+        election = LeaderElection(client, config.lease_key, config.address,
+                                  config.leader_lease_s)
     else:
-        journal = FileJournal(a.journal_dir)
+        journal = FileJournal(config.journal_dir)
     try:
-        service = MasterService(config, journal, election=election, address=a.address,
-                                transport=TcpTransport(), cluster_id=a.cluster_id)
+        service = MasterService(config, journal, election=election, address=config.address,
+                                transport=TcpTransport(), cluster_id=config.cluster_id)
         service.campaign()
     except ClusterIdConflict as e:
         if election is not None:
@@ -84,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     refused: list[str] = []
 
     def maintain() -> None:
-        while not stop.wait(a.tick_s if election is None else min(a.tick_s, a.leader_lease_s / 3)):
+        period = config.tick_s if election is None else min(config.tick_s,
+                                                             config.leader_lease_s / 3)
+        while not stop.wait(period):
             try:
                 if service.campaign():
                     service.tick()
@@ -100,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     server = rpc.make_server(32)
     rpc.add_servicer(server, pb_grpc.add_KVMasterServicer_to_server, service, rpc.Guard(MASTER))
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.KVMaster"])
-    code = rpc.run_until_signal(server, health, a.address,
+    code = rpc.run_until_signal(server, health, config.address,
                                 lambda where: f"pdserve.kvstore.master ready on {where} "
                                               f"leader={service.is_leader()}", MASTER,
                                 health_address=a.health_address)

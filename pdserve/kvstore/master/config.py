@@ -1,8 +1,9 @@
 """Configuration of the store master: one frozen dataclass validated at construction.
 
 Owns the master's tunables (watermarks, lease and timeout lengths, eviction sampling, allocation
-alignment, snapshot cadence, event log bound) and their validation. Must not read the environment,
-open files or sockets.
+alignment, snapshot cadence, event log bound), the master process's settings (where it listens,
+its journal or Redis, its leader lease, its cluster) and their validation. Must not read the
+environment, open files or sockets.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.core.errors import ConfigError
+from pdserve.flags import flag
 
 __all__ = ["ConfigError", "MasterConfig"]
 
@@ -42,6 +44,18 @@ class MasterConfig:
     snapshot_every_ops: int = 1000
     # The event log keeps only the most recent this-many events (bounded memory).
     max_events: int = 10_000
+    # The process (`python -m pdserve.kvstore.master`), not the core: where it serves, where
+    # its metadata is journaled (a local folder, embedded; or Redis, which also elects the
+    # leader among masters sharing it: distinct addresses, one `lease_key`), how often its
+    # maintenance runs, and the cluster it serves (kept in its journal; "": any).
+    address: str = "127.0.0.1:50080"
+    journal_dir: str | None = flag(None, help="local journal (embedded default)")
+    redis_url: str | None = flag(None, help="redis://host:port: journal + election")
+    lease_key: str = "pdserve:kvstore:leader"
+    leader_lease_s: float = 3.0
+    tick_s: float = flag(0.5, help="maintenance period")
+    cluster_id: str = flag("", help="the cluster this master serves (kept in its journal; "
+                                    "'': any)")
 
     def __post_init__(self) -> None:
         for name in ("high_watermark", "low_watermark"):

@@ -1,8 +1,8 @@
 """Command line of one storage node: `python -m pdserve.kvstore.node --node-id N --dram-bytes B`.
 
-Owns argument parsing (the internal-TLS flags `--tls-dir` / `--insecure-internal` included,
-set as this process's setting right after parsing; `--ucx-port` only with
-`--insecure-internal`, UCX having no TLS), the plaintext gRPC health port of
+Owns argument parsing (`NodeConfig`'s fields as flags, `pdserve.flags`, and the internal-TLS
+flags `--tls-dir` / `--insecure-internal`, set as this process's setting right after parsing;
+`--ucx-port` only with `--insecure-internal`, UCX having no TLS), the plaintext gRPC health port of
 `--health-address` (for probes that speak no TLS: NOT_SERVING until the data server runs,
 SERVING while it does, NOT_SERVING once refused or stopping), and the ready line: one JSON
 object on one stdout line (bound data address, segment ids, shm paths) once the node serves.
@@ -22,6 +22,7 @@ import socket
 import sys
 
 from pdserve import rpc
+from pdserve.flags import add_config_flags, config_from_args
 from pdserve.lifecycle import die_with_parent_if_asked
 from pdserve.kvstore import config as store_config
 from pdserve.kvstore.channel import ClusterMismatch, check_cluster_id
@@ -37,29 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m pdserve.kvstore.node",
         description="Run one KV-store storage node: DRAM segment (+ SSD tier) behind a TCP "
                     "data server.")
-    parser.add_argument("--node-id", required=True, help="cluster-unique, file-name safe")
-    parser.add_argument("--host-id", default=socket.gethostname(),
-                        help="machine identity for same-host shared memory (default: hostname)")
-    parser.add_argument("--data-address", default="127.0.0.1:0",
-                        help="host:port of the data server (port 0: any free port)")
-    parser.add_argument("--dram-bytes", type=int, required=True, help="DRAM segment size")
-    parser.add_argument("--shm-dir", default="/dev/shm", help="directory of segment files")
-    parser.add_argument("--ssd-dir", default=None, help="SSD tier directory (none: no SSD tier)")
-    parser.add_argument("--ssd-bytes", type=int, default=0, help="SSD tier byte budget")
-    parser.add_argument("--ssd-fsync", action="store_true", help="fsync SSD objects on commit")
-    parser.add_argument("--max-connections", type=int, default=64,
-                        help="data connections served at once")
-    parser.add_argument("--frame-timeout-s", type=float, default=30.0,
-                        help="seconds one request may take once started")
-    parser.add_argument("--ucx-port", type=int, default=None,
-                        help="also serve the DRAM segment over UCX on this port (0: any free "
-                             "port); needs ucxx (pip install ucxx-cu12)")
-    parser.add_argument("--master", default=None,
-                        help="comma-separated master addresses to register with and heartbeat")
-    parser.add_argument("--heartbeat-s", type=float, default=1.0)
-    parser.add_argument("--cluster-id", default="",
-                        help="the cluster this node belongs to; a master of another cluster "
-                             "refuses it ('': any)")
+    add_config_flags(parser, NodeConfig, defaults={"host_id": socket.gethostname()})
     security_cli.add_flags(parser)
     args = parser.parse_args(argv)
     security = security_cli.configure(args, "node", parser)
@@ -67,12 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(UCX_NEEDS_INSECURE)
     try:
         check_cluster_id(args.cluster_id)
-        config = NodeConfig(
-            node_id=args.node_id, host_id=args.host_id, dram_bytes=args.dram_bytes,
-            data_address=args.data_address, shm_dir=args.shm_dir, ssd_dir=args.ssd_dir,
-            ssd_bytes=args.ssd_bytes, ssd_fsync=args.ssd_fsync,
-            max_connections=args.max_connections, frame_timeout_s=args.frame_timeout_s,
-            ucx_port=args.ucx_port)
+        config = config_from_args(NodeConfig, args)
     except (ConfigError, store_config.ConfigError) as e:
         parser.error(str(e))
 
@@ -91,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         os.kill(os.getpid(), signal.SIGTERM)  # stop serving: the main thread cleans up
 
     def announce(info: NodeInfo) -> None:
-        if args.master:
+        if config.masters:
             from pdserve.kvstore.node.registration import Membership
 
-            m = Membership(info, args.master.split(","), args.heartbeat_s, args.cluster_id,
+            m = Membership(info, list(config.masters), config.heartbeat_s, config.cluster_id,
                            on_refused=refused)
             membership.append(m)
             # Best effort now (the heartbeat thread retries until a master answers), except a

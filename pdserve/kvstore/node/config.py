@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from pdserve.core.errors import ConfigError
+from pdserve.flags import flag
 
 _NODE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
@@ -21,28 +22,39 @@ class NodeConfig:
     """Settings of one storage node."""
 
     # Cluster-unique name; it prefixes segment ids and shm file names, so it is file-name safe.
-    node_id: str
+    node_id: str = flag(help="cluster-unique, file-name safe")
     # Which machine this is: clients with the same host id map the segments instead of using TCP.
-    host_id: str
+    host_id: str = flag(help="machine identity for same-host shared memory (default: hostname)")
     # Bytes of DRAM contributed, as one shared-memory segment.
-    dram_bytes: int
+    dram_bytes: int = flag(help="DRAM segment size")
     # Where the data server listens, "host:port" (port 0: any free port, reported when ready).
-    data_address: str = "127.0.0.1:0"
+    data_address: str = flag("127.0.0.1:0", help=(
+        "host:port of the data server (port 0: any free port)"))
     # Directory of the segment files: tmpfs, so that "files" are memory clients can map.
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = flag("/dev/shm", help="directory of segment files")
     # SSD tier directory and byte budget; None / 0: no SSD tier.
-    ssd_dir: str | None = None
-    ssd_bytes: int = 0
+    ssd_dir: str | None = flag(None, help="SSD tier directory (none: no SSD tier)")
+    ssd_bytes: int = flag(0, help="SSD tier byte budget")
     # fsync each SSD object on commit (off: the store is a cache, a lost object is recomputed).
-    ssd_fsync: bool = False
+    ssd_fsync: bool = flag(False, switch=True, help="fsync SSD objects on commit")
     # Reserve the segment's memory at start, so a full /dev/shm fails now rather than SIGBUS later.
     preallocate: bool = True
     # Data connections served at once; one more is answered BUSY and closed.
-    max_connections: int = 64
+    max_connections: int = flag(64, help="data connections served at once")
     # A request, once its first byte arrived, must complete within this many seconds.
-    frame_timeout_s: float = 30.0
+    frame_timeout_s: float = flag(30.0, help="seconds one request may take once started")
     # Also serve the DRAM segment over UCX on this port (0: any free port; None: no UCX).
-    ucx_port: int | None = None
+    ucx_port: int | None = flag(None, help=(
+        "also serve the DRAM segment over UCX on this port (0: any free port); needs ucxx "
+        "(pip install ucxx-cu12)"))
+    # The process (`python -m pdserve.kvstore.node`), not the data server: the masters it
+    # registers with and heartbeats (none: it serves unregistered), and its cluster, which a
+    # master of another cluster refuses ("": any).
+    masters: tuple[str, ...] = flag((), name="--master", help=(
+        "comma-separated master addresses to register with and heartbeat"))
+    heartbeat_s: float = 1.0
+    cluster_id: str = flag("", help=(
+        "the cluster this node belongs to; a master of another cluster refuses it ('': any)"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not _NODE_ID.fullmatch(self.node_id):
