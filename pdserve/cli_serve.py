@@ -1,8 +1,8 @@
 """`pdserve serve`: its flags, the checks made before any process starts, and the foreground run.
 
 Owns turning the flags into a `ClusterSpec` (router admission and key flags travel as
-`router_args` / `controller_args`), refusing bad input in one line that names the flag before
-anything is started (a model path that is not a model, a key file that does not load), and what
+`router_settings` / `controller_settings`), refusing bad input in one line that names the flag
+before anything is started (a model path that is not a model, a key file that does not load), and what
 a person sees while the cluster starts, serves and stops. Must not import torch: the checks run
 in a fraction of a second, and the model is loaded by the workers, not by this process.
 """
@@ -157,26 +157,24 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
-def passthrough_args(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
-    """The router and controller flags given, as ClusterSpec `router_args` / `controller_args`
-    (flags left unset keep the processes' own defaults)."""
-    router: list[str] = []
-    for flag, value in (("--model-name", args.served_model_name),
-                        ("--max-in-flight-per-tenant", args.max_in_flight_per_tenant),
-                        ("--tenant-rate-rps", args.tenant_rate_rps),
-                        ("--tenant-burst", args.tenant_burst)):
-        if value is not None:
-            router += [flag, str(value)]
+def passthrough_args(args: argparse.Namespace) -> dict[str, dict]:
+    """The router and controller settings given, as ClusterSpec `router_settings` /
+    `controller_settings` (`RouterConfig` / `ControllerConfig` fields; flags left unset keep
+    the processes' own defaults)."""
+    router = {name: value for name, value in (
+        ("model_name", args.served_model_name),
+        ("max_in_flight_per_tenant", args.max_in_flight_per_tenant),
+        ("tenant_rate_rps", args.tenant_rate_rps),
+        ("tenant_burst", args.tenant_burst)) if value is not None}
     if args.allow_special_tokens_in_messages:
-        router.append("--allow-special-tokens-in-messages")
-    controller: list[str] = []
+        router["allow_special_tokens_in_messages"] = True
+    controller = {}
     if args.admin_keys_file:
-        admin = ["--admin-keys-file", os.path.abspath(args.admin_keys_file)]
-        router += admin
-        controller += admin
+        router["admin_keys_file"] = controller["admin_keys_file"] = os.path.abspath(
+            args.admin_keys_file)
     if args.api_keys_file:  # tenant keys are told apart from others: PERMISSION_DENIED
-        controller += ["--api-keys-file", os.path.abspath(args.api_keys_file)]
-    return {"router_args": tuple(router), "controller_args": tuple(controller)}
+        controller["api_keys_file"] = os.path.abspath(args.api_keys_file)
+    return {"router_settings": router, "controller_settings": controller}
 
 
 def input_problem(args: argparse.Namespace) -> str | None:

@@ -164,6 +164,9 @@ def test_bench_flags_come_from_the_module_only_when_it_runs():
 
 def test_serve_admission_and_key_flags_reach_the_router_and_controller(tmp_path):
     from pdserve.controller.__main__ import main as controller_main
+    from pdserve.controller.config import ControllerConfig
+    from pdserve.launcher.commands import controller_command, router_command
+    from pdserve.router.config import RouterConfig
     from pdserve.router.__main__ import main as router_main
 
     keys, admin = tmp_path / "keys", tmp_path / "admin"
@@ -172,14 +175,20 @@ def test_serve_admission_and_key_flags_reach_the_router_and_controller(tmp_path)
         "--tenant-rate-rps", "2.5", "--tenant-burst", "4", "--allow-special-tokens-in-messages",
         "--api-keys-file", str(keys), "--admin-keys-file", str(admin)])
     extra = passthrough_args(args)
-    r = parser_of(router_main).parse_args(["--model", "m", *extra["router_args"]])
+    keys.write_text("sk-1 acme\n")
+    admin.write_text("ak-1 ops\n")
+    # As the launcher writes them into each process's command line, read by its own parser.
+    router = RouterConfig("m", **extra["router_settings"])
+    r = parser_of(router_main).parse_args(router_command(router)[1:])
     assert (r.model_name, r.max_in_flight_per_tenant, r.tenant_rate_rps, r.tenant_burst,
-            r.allow_special_tokens_in_messages) == ("smol", 3, 2.5, 4, True)
-    c = parser_of(controller_main).parse_args(["--router", "h:1", *extra["controller_args"]])
+            r.allow_special_tokens_in_messages, r.admin_keys_file) == (
+                "smol", 3, 2.5, 4, True, str(admin))
+    controller = ControllerConfig("h:1", **extra["controller_settings"])
+    c = parser_of(controller_main).parse_args(controller_command(controller)[1:])
     assert (c.admin_keys_file, c.api_keys_file) == (str(admin), str(keys))
     # Unset flags pass nothing: the processes keep their own defaults.
     assert passthrough_args(cli.build_parser().parse_args(["serve"])) == {
-        "router_args": (), "controller_args": ()}
+        "router_settings": {}, "controller_settings": {}}
 
 
 @pytest.mark.parametrize("flag,value", [("--max-in-flight", "0"), ("--tenant-rate-rps", "-1"),

@@ -25,7 +25,8 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdserve.output import emit
@@ -53,7 +54,9 @@ class FluidBenchSettings:
     cpu_quota: bool = True
     seed: int = 0
     engine_checks: int = 4  # first requests also checked against the in-process engine
-    controller_args: tuple[str, ...] = ("--sustain-s", "2", "--cooldown-s", "10")
+    # More controller settings (`ControllerConfig` fields) of the configs that run one.
+    controller_settings: Mapping[str, Any] = field(
+        default_factory=lambda: {"sustain_s": 2.0, "cooldown_s": 10.0})
     request_timeout_s: float = 300.0
     logs_dir: str = ""  # keep every process's log and the audit logs here ("" : a temp dir)
 
@@ -178,14 +181,14 @@ def run_config(name: str, s: FluidBenchSettings, model: str, reqs, log_dir: str,
     from pdserve.bench.route import _free_port
 
     p, d, ctl = CONFIGS[name]
-    ctl_args = () if ctl is None else ("--fluid-role", str(ctl[0]).lower(),
-                                        "--fluid-token", str(ctl[1]).lower(), *s.controller_args)
+    ctl_settings = {} if ctl is None else {"fluid_role": ctl[0], "fluid_token": ctl[1],
+                                           **s.controller_settings}
     spec = ClusterSpec(
         model_path=model, router_port=_free_port(), store_port=_free_port(),
         worker_ports=tuple(_free_port() for _ in range(4)), prefill_workers=p, decode_workers=d,
         num_blocks=s.num_blocks, http_port=None, log_dir=log_dir, threads_per_worker=1,
         controller=ctl is not None, controller_port=_free_port(), ttft_slo_ms=s.ttft_slo_ms,
-        itl_slo_ms=s.itl_slo_ms, controller_args=ctl_args, ready_timeout_s=600,
+        itl_slo_ms=s.itl_slo_ms, controller_settings=ctl_settings, ready_timeout_s=600,
         max_predicted_ttft_s=0.0,  # attainment counts every request: admission refuses none
         # The controller's mechanisms alone move prefill onto decode workers here.
         max_local_prefill_tokens=0,

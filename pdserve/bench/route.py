@@ -199,10 +199,9 @@ def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
                      f"workers x {s.num_blocks} KV blocks, 1 decode worker; "
                      + ("a fresh one per policy" if s.fresh_cluster else "one for all policies"))
 
-            router_args = (() if s.kv_fetch_weight is None else
-                           ("--kv-fetch-weight", repr(s.kv_fetch_weight)))
-            if s.kv_request_cost_tokens is not None:
-                router_args += ("--kv-request-cost-tokens", repr(s.kv_request_cost_tokens))
+            router_settings = {k: v for k, v in (
+                ("kv_fetch_weight", s.kv_fetch_weight),
+                ("kv_request_cost_tokens", s.kv_request_cost_tokens)) if v is not None}
 
             def spec(routing: str, k: int) -> ClusterSpec:
                 return ClusterSpec(
@@ -211,7 +210,7 @@ def measure(s: RouteBenchSettings, progress: bool = True) -> dict[str, Any]:
                     prefill_workers=s.prefill_workers, decode_workers=1, num_blocks=s.num_blocks,
                     block_size_tokens=s.block_size_tokens, store_capacity_bytes=capacity,
                     routing=routing, http_port=None, log_dir=os.path.join(tmp, f"logs{k}"),
-                    router_args=router_args, controller=False,  # routing alone is measured
+                    router_settings=router_settings, controller=False,  # routing alone is measured
                     # ... of every prompt: none skips the prefill pool for the decode worker
                     max_local_prefill_tokens=0,
                     max_predicted_ttft_s=0.0)  # open loop: every request measured, none refused

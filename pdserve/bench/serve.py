@@ -163,7 +163,7 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        prefill_workers=s.prefill_workers, decode_workers=s.decode_workers,
                        threads_per_worker=s.threads_per_worker, share_cores=s.share_cores,
                        core_sharing=s.core_sharing,
-                       router_args=("--decode-streams", s.decode_streams),
+                       router_settings={"decode_streams": s.decode_streams},
                        controller=s.controller,
                        max_predicted_ttft_s=s.max_predicted_ttft_s,
                        max_local_prefill_tokens=s.max_local_prefill_tokens, log_dir=log_dir,

@@ -17,10 +17,14 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.launcher.restart import RestartPolicy
 from pdserve.core.errors import ConfigError
+from pdserve.controller.config import ControllerConfig
+from pdserve.router.config import RouterConfig
 from pdserve.worker.config import CORE_SHARING
 from pdserve.engine.device import (check_quantization, parse_device, plan_worker_devices,
                                    visible_gpus)
@@ -71,7 +75,9 @@ class ClusterSpec:
     # Progressive KV transfer on every worker (--progressive-kv): layer-wise anchor/residual
     # streaming through the store instead of whole blocks.
     progressive_kv: bool = False
-    router_args: tuple[str, ...] = ()  # more flags for every router (e.g. --kv-fetch-weight 1)
+    # More settings of every router, by `RouterConfig` field (e.g. {"kv_fetch_weight": 1.0}),
+    # over those the launcher gives it.
+    router_settings: Mapping[str, Any] = field(default_factory=dict)
     # Router flags, passed only when set (None: the router's defaults).
     max_in_flight: int | None = None
     api_keys_file: str | None = None
@@ -84,7 +90,8 @@ class ClusterSpec:
     controller_mode: str = "active"
     ttft_slo_ms: float = 2000.0
     itl_slo_ms: float = 200.0
-    controller_args: tuple[str, ...] = ()  # more flags (e.g. --cooldown-s 5)
+    # More settings of the controller, by `ControllerConfig` field (e.g. {"cooldown_s": 5.0}).
+    controller_settings: Mapping[str, Any] = field(default_factory=dict)
     cluster_id: str = ""  # "": a random one at start
     # Internal TLS (`pdserve.security`): the cluster's TLS folder (a CA and a certificate per
     # kind); None: this process's own setting when it has one (PDSERVE_TLS_DIR), else a new
@@ -129,6 +136,14 @@ class ClusterSpec:
         if self.core_sharing not in CORE_SHARING:
             raise ConfigError(f"core_sharing must be one of {', '.join(CORE_SHARING)}, got "
                               f"{self.core_sharing!r}")
+        for name, cls in (("router_settings", RouterConfig),
+                          ("controller_settings", ControllerConfig)):
+            settings = getattr(self, name)
+            known = {f.name for f in dataclasses.fields(cls)}
+            bad = sorted(set(settings) - known)
+            if bad:
+                raise ConfigError(f"{name}: {cls.__name__} has no field {bad[0]!r}")
+            object.__setattr__(self, name, dict(settings))  # a copy: the caller's may change
 
     def worker_threads(self) -> int:
         if self.threads_per_worker is not None:

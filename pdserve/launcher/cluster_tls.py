@@ -3,7 +3,7 @@
 Owns choosing the cluster's internal TLS (the spec's folder; else this process's own setting,
 e.g. PDSERVE_TLS_DIR; else a new CA and a certificate per kind made in the log folder, which
 this launcher then renews at two thirds of their life while the cluster runs), setting this
-process up as the cluster's operator with it, and the router's client-port TLS flags.
+process up as the cluster's operator with it, and the router's client-port TLS files.
 Must not start processes: `local.py` passes `security.cli.forward(...)` to each child.
 """
 
@@ -40,11 +40,12 @@ def internal_tls(spec: ClusterSpec, log_dir: str) -> tuple[tls.Security, bool]:
     return tls.configure(tls.MutualTls(tls.TlsFolder(folder), OPERATOR)), True
 
 
-def public_tls_args(spec: ClusterSpec) -> list[str]:
-    """The router's flags for TLS on its client ports ([] for plaintext)."""
-    pairs = (("--tls-cert", spec.tls_cert), ("--tls-key", spec.tls_key),
-             ("--tls-client-ca", spec.tls_client_ca))
-    return [x for flag, path in pairs if path for x in (flag, os.path.abspath(path))]
+def public_tls(spec: ClusterSpec) -> dict[str, str]:
+    """The router's TLS files for its client ports (`RouterConfig` fields; none for
+    plaintext), as absolute paths: the same files whatever the router's working directory."""
+    return {name: os.path.abspath(path) for name, path in (
+        ("tls_cert", spec.tls_cert), ("tls_key", spec.tls_key),
+        ("tls_client_ca", spec.tls_client_ca)) if path}
 
 
 class Renewal:

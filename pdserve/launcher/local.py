@@ -19,20 +19,30 @@ the shutdown grace), the controller, the workers, the storage node and the maste
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve import rpc
 from pdserve.launcher.cluster_spec import ClusterSpec, check_free, free_ports
-from pdserve.launcher.cluster_tls import Renewal, internal_tls, public_tls_args
+from pdserve.launcher.cluster_tls import Renewal, internal_tls, public_tls
+from pdserve.launcher.commands import (controller_command, controller_config, master_command,
+                                       node_command, router_base, router_command,
+                                       router_config, worker_command, worker_config)
+from pdserve.kvstore.master.config import MasterConfig
+from pdserve.kvstore.node.config import NodeConfig
+from pdserve.router.config import RouterConfig
 from pdserve.core.identity import CONTROLLER, MASTER, ROUTER, WORKER
 from pdserve.core.roles import DECODE, PREFILL
 from pdserve.security import cli as security_cli
@@ -106,9 +116,6 @@ class LocalCluster:
         """Restarts so far by kind (master, node, worker, router, controller)."""
         return self.supervision.counts()["restarts"] if self.supervision else {}
 
-    def _cluster_id_args(self) -> list[str]:
-        return ["--cluster-id", self.spec.cluster_id]
-
     def _spawn(self, name: str, kind: str, address: str, args: list[str], probe: str = ""
                ) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
@@ -156,7 +163,7 @@ class LocalCluster:
 
         roles = {}
         for c in [c for c in self.supervised() if c.kind == "worker"]:
-            roles[c.address] = c.argv[c.argv.index("--role") + 1]
+            roles[c.address] = c.name.rsplit("-", 1)[0]  # prefill-0, decode-1
             try:
                 with rpc.make_channel(c.address, WORKER) as ch:
                     r = wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=timeout_s)
@@ -217,38 +224,25 @@ class LocalCluster:
             # The store: a master (metadata, journaled under the log dir, one journal per
             # cluster id so a later `serve` with the same --log-dir starts afresh) and one
             # storage node contributing a shared-memory DRAM segment of store_capacity_bytes.
-            master = self._spawn("kvmaster", "master", self.store_address, [
-                "pdserve.kvstore.master", "--address", self.store_address,
-                "--journal-dir", os.path.join(self.log_dir, "kvmaster-journal", s.cluster_id),
-                *self._cluster_id_args()])
-            node = self._spawn("kvnode-0", "node", "", [
-                # Unique per cluster: a node removes stale segment files of its own id at start.
-                "pdserve.kvstore.node", "--node-id", self.node_id, "--data-address", f"{s.host}:0",
-                "--dram-bytes", str(s.store_capacity_bytes), "--master", self.store_address,
-                *self._cluster_id_args()])
+            master = self._spawn("kvmaster", "master", self.store_address, master_command(
+                MasterConfig(address=self.store_address, cluster_id=s.cluster_id,
+                             journal_dir=os.path.join(self.log_dir, "kvmaster-journal",
+                                                      s.cluster_id))))
+            # Unique per cluster: a node removes stale segment files of its own id at start.
+            node = self._spawn("kvnode-0", "node", "", node_command(NodeConfig(
+                node_id=self.node_id, host_id=socket.gethostname(), data_address=f"{s.host}:0",
+                dram_bytes=s.store_capacity_bytes, masters=(self.store_address,),
+                cluster_id=s.cluster_id)))
             workers = []
             roles = [PREFILL] * s.prefill_workers + [DECODE] * s.decode_workers
             metrics_ports = free_ports(len(roles))
             for i, role in enumerate(roles):
                 addr = f"{s.host}:{s.worker_port(i)}"
-                workers.append(self._spawn(f"{role}-{i}", "worker", addr, [
-                    "pdserve.worker", "--role", role, "--model", s.model_path, "--address", addr,
-                    "--store-address", self.store_address, "--dtype", s.dtype,
-                    "--device", s.worker_devices[i],
-                    *(["--quantization", s.quantization] if s.quantization != "none" else []),
-                    "--num-blocks", str(s.num_blocks),
-                    "--block-size-tokens", str(s.block_size_tokens),
-                    "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-                    "--threads", str(s.worker_threads()),
-                    *self._core_args(s.worker_devices[i]),
-                    "--metrics-port", str(metrics_ports[i]),
-                    # Its heartbeat re-registers it with a restarted router.
-                    "--register-with", self.router_control_address, *self._cluster_id_args(),
-                    *(["--progressive-kv", "true"] if s.progressive_kv else []),
-                    *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
-                       "--num-speculative-tokens", str(s.num_speculative_tokens),
-                       "--spec-schedule", str(s.spec_schedule)]
-                      if s.spec_method and role == "decode" else [])]))
+                workers.append(self._spawn(f"{role}-{i}", "worker", addr, worker_command(
+                    worker_config(s, role, addr, self.store_address, self.router_control_address,
+                                  metrics_ports[i], s.worker_threads(),
+                                  device=s.worker_devices[i],
+                                  **self._core_settings(s.worker_devices[i])))))
                 self.worker_metrics[addr] = f"http://{s.host}:{metrics_ports[i]}/metrics"
             self._wait([master])
             self._wait_store_nodes(self.store_address, [node])
@@ -274,22 +268,12 @@ class LocalCluster:
 
     def _router_argv(self, roles: dict[str, str]) -> list[str]:
         s = self.spec
-        http = [] if s.http_port is None else ["--http-host", s.http_host,
-                                               "--http-port", str(s.http_port)]
-        flags = [(f, v) for f, v in (("--max-in-flight", s.max_in_flight),
-                                     ("--api-keys-file", s.api_keys_file),
-                                     ("--max-predicted-ttft-s", s.max_predicted_ttft_s),
-                                     ("--max-local-prefill-tokens", s.max_local_prefill_tokens),
-                                     ("--shutdown-grace-s", s.shutdown_grace_s)) if v is not None]
-        # One request never holds more KV than a worker's pool: the router refuses longer
-        # ones up front, and chat's default max_tokens (the rest of the context) fits.
-        return ["pdserve.router", "--model", s.model_path, "--address", self.router_address,
-                "--control-address", self.router_control_address, *public_tls_args(s),
-                "--prefill", ",".join(a for a, r in roles.items() if r == "prefill"),
-                "--decode", ",".join(a for a, r in roles.items() if r == "decode"),
-                "--max-model-len-tokens", str(s.num_blocks * s.block_size_tokens),
-                *http, *self.routing_args(s.routing), *[str(x) for fv in flags for x in fv],
-                *s.router_args]
+        http = None if s.http_port is None else f"{s.http_host}:{s.http_port}"
+        return router_command(router_config(
+            s, self.router_address, self.router_control_address, self.store_address, http,
+            prefill_addresses=tuple(a for a, r in roles.items() if r == PREFILL),
+            decode_addresses=tuple(a for a, r in roles.items() if r == DECODE),
+            **public_tls(s)))
 
     def _serve_metrics(self) -> None:
         from pdserve.metrics import serve_worker
@@ -306,17 +290,16 @@ class LocalCluster:
     def audit_log(self) -> str:
         return os.path.join(self.log_dir, "controller-audit.jsonl")
 
-    def start_controller(self, extra_args: tuple[str, ...] = ()) -> str:
-        """Start the controller over this cluster's router; its address once healthy."""
+    def start_controller(self, settings: Mapping[str, Any] | None = None) -> str:
+        """Start the controller over this cluster's router, with `settings` (`ControllerConfig`
+        fields) over the spec's; its address once healthy."""
         s = self.spec
         address = f"{s.host}:{s.controller_port}"
         [metrics_port] = free_ports(1)
-        child = self._spawn("controller", "controller", address, [
-            "pdserve.controller", "--router", self.router_control_address, "--address", address,
-            "--mode", s.controller_mode, "--ttft-slo-ms", str(s.ttft_slo_ms),
-            "--itl-slo-ms", str(s.itl_slo_ms), "--audit-log", self.audit_log,
-            "--metrics-port", str(metrics_port), *self._offload_args(), *s.controller_args,
-            *extra_args])
+        cfg = controller_config(s, address, self.router_control_address, self.audit_log,
+                                metrics_port, **self._offload_settings())
+        child = self._spawn("controller", "controller", address,
+                            controller_command(dataclasses.replace(cfg, **(settings or {}))))
         self._wait([child])
         self.controller_address = address
         self.controller_metrics = f"http://{s.host}:{metrics_port}/metrics"
@@ -326,24 +309,20 @@ class LocalCluster:
         """Addresses of the running workers started in `role` ("prefill" or "decode")."""
         return [c.address for c in self.children if c.name.startswith(f"{role}-")]
 
-    def routing_args(self, routing: str) -> list[str]:
-        return ["--routing", routing, "--block-size-tokens", str(self.spec.block_size_tokens),
-                "--store-address", self.store_address]
-
-    def add_router(self, name: str, port: int, routing: str, extra_args: tuple[str, ...] = ()
-                   ) -> str:
-        """Start one more router (gRPC only) over this cluster's workers, with its own policy
-        and `extra_args` (e.g. admission bounds, an API key file); returns its address once
-        healthy. `stop()` stops it with the rest."""
+    def add_router(self, name: str, port: int, routing: str,
+                   settings: Mapping[str, Any] | None = None) -> str:
+        """Start one more router (gRPC only) over this cluster's workers, with its own policy,
+        the spec's `router_settings` and `settings` over them (`RouterConfig` fields: e.g.
+        admission bounds, an API key file); returns its address once healthy. `stop()` stops
+        it with the rest."""
         address = f"{self.spec.host}:{port}"
         control = f"{self.spec.host}:{free_ports(1)[0]}"
-        child = self._spawn(name, "router", address, [
-            "pdserve.router", "--model", self.spec.model_path, "--address", address,
-            "--control-address", control,
-            "--prefill", ",".join(self.worker_addresses("prefill")),
-            "--decode", ",".join(self.worker_addresses("decode")), *self.routing_args(routing),
-            "--max-model-len-tokens", str(self.spec.num_blocks * self.spec.block_size_tokens),
-            *self.spec.router_args, *extra_args], probe=control)
+        cfg = RouterConfig(**{
+            **router_base(self.spec, address, control, self.store_address, routing),
+            "prefill_addresses": tuple(self.worker_addresses(PREFILL)),
+            "decode_addresses": tuple(self.worker_addresses(DECODE)),
+            **self.spec.router_settings, **(settings or {})})
+        child = self._spawn(name, "router", address, router_command(cfg), probe=control)
         self._wait([child])
         return address
 
@@ -373,23 +352,23 @@ class LocalCluster:
                                    f"({child.log_path}) ends:\n{tail(child.log_path)}")
             time.sleep(0.05)
 
-    def _offload_args(self) -> list[str]:
+    def _offload_settings(self) -> dict[str, Any]:
         """Workers taking turns on this host's CPU cores have no slack to lend each other: a
         prefill on a decode worker only takes turns from the prefill worker (in a c32 burst
         the controller had it prefill 29-token chunks on the same two cores, each a slower
         decode step). The controller offloads no prefill then; its flips stay."""
         turns = (self.spec.share_cores and self.spec.core_sharing == "turns"
                  and any(not d.startswith("cuda") for d in self.spec.worker_devices))
-        return ["--fluid-token", "false"] if turns else []
+        return {"fluid_token": False} if turns else {}
 
-    def _core_args(self, device: str) -> list[str]:
-        """A CPU worker's flags for lending cores (`worker/cores.py`): the cluster's ledger file,
-        and up to all of this machine's cores while the others idle."""
+    def _core_settings(self, device: str) -> dict[str, Any]:
+        """A CPU worker's settings for lending cores (`worker/cores.py`): the cluster's ledger
+        file, and up to all of this machine's cores while the others idle."""
         if not self.spec.share_cores or device.startswith("cuda"):
-            return []  # "auto": the worker lends only if it resolves to the CPU
-        return ["--core-ledger", os.path.join(self.log_dir, f"cores-{self.spec.cluster_id}"),
-                "--max-threads", str(self.spec.worker_max_threads()),
-                "--core-sharing", self.spec.core_sharing]
+            return {}  # "auto": the worker lends only if it resolves to the CPU
+        return {"core_ledger": os.path.join(self.log_dir, f"cores-{self.spec.cluster_id}"),
+                "max_threads": self.spec.worker_max_threads(),
+                "core_sharing": self.spec.core_sharing}
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Supervision first (an intended stop is never a restart), then the router, given the

@@ -36,7 +36,7 @@ def test_bench_fluid_runs_static_and_controller_with_the_same_tokens(tiny_llama_
         prefill_rps=3.0, decode_rps=2.0, shape=Shape(max_prompt_tokens=300,
                                                      max_output_tokens=48),
         num_blocks=256, cpu_quota=False, engine_checks=3,
-        controller_args=("--sustain-s", "1", "--cooldown-s", "2", "--tick-s", "0.5"))
+        controller_settings={"sustain_s": 1.0, "cooldown_s": 2.0, "tick_s": 0.5})
     result = fluid.run_bench(s)
     runs = result["runs"]
     assert set(runs) == {"static-2:2", "fluid-both"}

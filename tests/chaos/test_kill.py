@@ -54,7 +54,7 @@ def chaos(tiny_llama_dir):
 
     spec = cluster_spec(tiny_llama_dir, prefill_workers=2, decode_workers=2, num_blocks=256,
                         controller=True, controller_mode="advisory", supervise=True,
-                        router_args=("--stats-interval-s", "0.2"))
+                        router_settings={"stats_interval_s": 0.2})
     cluster = LocalCluster(spec).start()
     try:
         specs = workload(REQUESTS, 24, MAX_TOKENS, load_model_config(tiny_llama_dir).vocab_size)

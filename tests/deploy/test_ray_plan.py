@@ -102,11 +102,50 @@ def test_command_lines_bind_the_node_ip_and_use_the_node_as_host_id():
     flags = flags_of(lines[plan.store_member(NODE_B)])
     assert flags["--host-id"] == NODE_B and flags["--data-address"] == "10.0.0.2:0"
     assert flags["--node-id"] == plan.store_node_id("c1", NODE_B)
-    flags = flags_of(lines["router"])
+    router = parsed(lines["router"])
     # Pools start empty: a restarted router learns every worker's current role from it.
-    assert flags["--prefill"] == flags["--decode"] == ""
-    assert flags["--http-host"] == "10.0.0.1" and flags["--http-port"] == "8000"
-    assert flags["--address"] == ROUTER
+    assert router.prefill_addresses == router.decode_addresses == ()
+    assert (router.http_host, router.http_port) == ("10.0.0.1", 8000)
+    assert router.address == ROUTER
+
+
+def parsed(argv: list[str]):
+    """The config a `pdserve <kind> ...` command line gives its process, by its own parser."""
+    import importlib
+
+    from pdserve.entrypoints import PROCESSES
+    from pdserve.flags import config_from_args
+    from pdserve.controller.config import ControllerConfig
+    from pdserve.kvstore.master.config import MasterConfig
+    from pdserve.kvstore.node.config import NodeConfig
+    from pdserve.router.config import RouterConfig
+    from pdserve.worker.config import WorkerConfig
+    from tests.helpers import parser_of
+
+    cls = {"master": MasterConfig, "node": NodeConfig, "worker": WorkerConfig,
+           "router": RouterConfig, "controller": ControllerConfig}[argv[0]]
+    main = importlib.import_module(PROCESSES[argv[0]][0]).main
+    return config_from_args(cls, parser_of(main).parse_args(argv[1:]))
+
+
+def test_every_command_line_is_its_process_config_as_the_spec_says():
+    s = spec(cluster=ClusterSpec(model_path="/m", cluster_id="c1", dtype="float32",
+                                 spec_method="ngram", max_in_flight=7,
+                                 router_settings={"kv_fetch_weight": 1.5},
+                                 controller_settings={"cooldown_s": 5.0}), worker_cpus=2)
+    configs = {m: parsed(a) for m, a in command_lines(s).items()}
+    assert configs["master"].journal_dir == "/j" and configs["master"].cluster_id == "c1"
+    assert configs[plan.store_member(NODE_B)].masters == (STORE,)
+    worker = configs["decode-1"]
+    assert (worker.model_path, worker.dtype, worker.spec_method, worker.threads,
+            worker.register_with, worker.metrics_port) == ("/m", "float32", "ngram", 2,
+                                                          CONTROL, 5001)
+    router = configs["router"]
+    assert (router.max_in_flight, router.kv_fetch_weight, router.store_address,
+            router.max_model_len_tokens) == (7, 1.5, STORE, 1024 * 16)
+    controller = configs["controller"]
+    assert (controller.router_address, controller.cooldown_s, controller.audit_log) == (
+        CONTROL, 5.0, "/a")
 
 
 def test_workers_and_the_controller_reach_the_routers_control_listener():
@@ -138,12 +177,15 @@ def test_insecure_internal_is_passed_to_every_process_and_no_folder():
         assert "--tls-dir" not in argv, member
 
 
-def test_the_client_ports_tls_files_reach_the_router_only():
-    s = spec(cluster=ClusterSpec(model_path="/m", cluster_id="c1", tls_cert="/c.pem",
-                                 tls_key="/k.pem"))
+def test_the_client_ports_tls_files_reach_the_router_only(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"  # the router's config checks they exist
+    cert.write_text("")
+    key.write_text("")
+    s = spec(cluster=ClusterSpec(model_path="/m", cluster_id="c1", tls_cert=str(cert),
+                                 tls_key=str(key)))
     lines = command_lines(s)
     flags = flags_of(lines["router"])
-    assert flags["--tls-cert"] == "/c.pem" and flags["--tls-key"] == "/k.pem"
+    assert flags["--tls-cert"] == str(cert) and flags["--tls-key"] == str(key)
     assert "--tls-client-ca" not in flags
     assert not [m for m, a in lines.items() if m != "router" and "--tls-cert" in a]
 

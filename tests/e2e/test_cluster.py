@@ -123,7 +123,7 @@ def test_concurrent_requests_get_the_engines_tokens_on_either_kind_of_decode_str
     engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=256)))
     local = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     stop_text = tok.decode(local[0][5:8])
-    spec = cluster_spec(tiny_llama_dir, router_args=("--decode-streams", streams))
+    spec = cluster_spec(tiny_llama_dir, router_settings={"decode_streams": streams})
     with LocalCluster(spec) as cluster:
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: generate(cluster.router_address, token_ids=p,

@@ -90,7 +90,7 @@ def keyed_router(tiny_cluster, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text("sk-tenant-a-0001 alice\nsk-tenant-b-0002 bob\n")
     return tiny_cluster.add_router("router-keys", free_port(), "round_robin",
-                                   ("--api-keys-file", str(keys)))
+                                   {"api_keys_file": str(keys)})
 
 
 def _cached(address: str, key: str | None, prompt: list[int], salt: str = "") -> int:
@@ -126,7 +126,7 @@ def test_cache_salt_splits_the_cache_without_keys(tiny_cluster):
 def test_overload_gets_resource_exhausted_with_a_retry_hint_and_accepted_requests_finish(
         tiny_cluster):
     router = tiny_cluster.add_router("router-small", free_port(), "round_robin",
-                                     ("--max-in-flight", "2"))
+                                     {"max_in_flight": 2})
     [proc] = [psutil.Process(c.proc.pid) for c in tiny_cluster.children if c.address == router]
     generate(router, prompt="warm up", max_tokens=2)
     rss_before = proc.memory_info().rss

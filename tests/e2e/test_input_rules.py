@@ -34,7 +34,7 @@ def test_control_token_text_in_a_chat_is_text_unless_the_router_allows_it(tiny_c
     assert as_text > as_tokens
     assert _prompt_tokens(tiny_cluster.router_address, FORGED) == as_text
     allowing = tiny_cluster.add_router("router-allow-special", free_port(), "round_robin",
-                                       ("--allow-special-tokens-in-messages",))
+                                       {"allow_special_tokens_in_messages": True})
     try:
         assert _prompt_tokens(allowing, FORGED) == as_tokens
     finally:

@@ -44,7 +44,7 @@ PROMPTS = [list(range(300 + 7 * i, 300 + 7 * i + 12 + 3 * i)) for i in range(20)
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
     spec = cluster_spec(tiny_llama_dir, prefill_workers=2, decode_workers=1,
-                        router_args=("--stats-interval-s", str(POLL_S)))
+                        router_settings={"stats_interval_s": POLL_S})
     with LocalCluster(spec) as c:
         yield c
 
@@ -60,7 +60,7 @@ def stale(cluster):
     """A second router that round-robins both pools and polls rarely: it learns nothing by
     itself during a test, so what it meets is deterministic."""
     address = cluster.add_router("router-stale", free_port(), "round_robin",
-                                 ("--decode-routing", "round_robin", "--stats-interval-s", "600"))
+                                 {"decode_routing": "round_robin", "stats_interval_s": 600.0})
     [control] = [c.probe for c in cluster.children if c.address == address]
     yield Router(address, control)
     cluster.stop_child(address)

@@ -40,7 +40,7 @@ SAMPLING = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) if i % 2 == 0 else
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
     spec = cluster_spec(tiny_llama_dir, prefill_workers=1, decode_workers=2, num_blocks=512,
-                        router_args=("--stats-interval-s", str(POLL_S)))
+                        router_settings={"stats_interval_s": POLL_S})
     with LocalCluster(spec) as c:
         yield c
 

@@ -54,7 +54,7 @@ def cluster(tiny_llama_dir):
     spec = cluster_spec(tiny_llama_dir, supervise=True, restart_policy=POLICY, controller=True,
                         controller_mode="advisory", router_port=free_ports(1)[0],
                         store_port=None, worker_ports=None, controller_port=None,
-                        router_args=("--stats-interval-s", "0.2"))
+                        router_settings={"stats_interval_s": 0.2})
     with LocalCluster(spec) as c:
         yield c
 

@@ -74,7 +74,7 @@ def assert_still_healthy(target: FuzzTarget) -> None:
 @pytest.fixture(scope="package")
 def fuzz_target(tiny_llama_dir):
     spec = cluster_spec(tiny_llama_dir, num_blocks=CONTEXT_TOKENS // 16,
-                        router_args=("--http-max-body-bytes", str(MAX_BODY_BYTES)))
+                        router_settings={"http_max_body_bytes": MAX_BODY_BYTES})
     with LocalCluster(spec) as cluster:
         ids, text = reference_generation(cluster.router_address)
         assert len(ids) == 8 and text

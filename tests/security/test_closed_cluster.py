@@ -49,8 +49,8 @@ def closed(tiny_llama_dir, tmp_path_factory):
     (d / "api").write_text(f"{TENANT_KEY} acme\n")
     spec = cluster_spec(tiny_llama_dir, controller=True, controller_mode="advisory",
                         api_keys_file=str(d / "api"),
-                        controller_args=("--admin-keys-file", str(d / "admin"),
-                                         "--api-keys-file", str(d / "api")))
+                        controller_settings={"admin_keys_file": str(d / "admin"),
+                                             "api_keys_file": str(d / "api")})
     with LocalCluster(spec) as cluster:
         yield cluster
 

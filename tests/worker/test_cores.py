@@ -577,9 +577,9 @@ def test_a_controller_over_workers_taking_turns_on_cpu_offloads_no_prefill():
 
     def args(**kw):
         spec = ClusterSpec("m.gguf", worker_devices=kw.pop("devices", ("cpu", "cpu")), **kw)
-        return LocalCluster(spec)._offload_args()
+        return LocalCluster(spec)._offload_settings()
 
-    assert args(core_sharing="turns") == ["--fluid-token", "false"]
-    assert args() == []  # lent cores (the default): a decode worker may have idle ones
-    assert args(core_sharing="turns", share_cores=False) == []
-    assert args(core_sharing="turns", devices=("cuda:0", "cuda:1")) == []  # no cores shared
+    assert args(core_sharing="turns") == {"fluid_token": False}
+    assert args() == {}  # lent cores (the default): a decode worker may have idle ones
+    assert args(core_sharing="turns", share_cores=False) == {}
+    assert args(core_sharing="turns", devices=("cuda:0", "cuda:1")) == {}  # no cores shared

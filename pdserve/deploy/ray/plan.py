@@ -4,13 +4,14 @@ Owns the `RaySpec` (the local `ClusterSpec` plus where things go on Ray: each wo
 bundle and custom resources per role, the control processes' bundles, the storage nodes' DRAM),
 the naming rule (actor and placement group `pdserve-<cluster>-<member>`, namespace `pdserve`;
 `member_of` reads a name back unambiguously), the command line of every process
-(`pdserve master|node|worker|router|controller ...`, the same flags the local launcher passes,
-bound to the Ray node's IP: the router's client port and its control listener, which the
-workers register with and the controller steers; and the internal TLS of each: `--tls-dir` the
-member's own folder on its node, `member_tls_dir`, or `--insecure-internal` when the spec says
-so), where each process answers health and which kind serves there (`probe_peer`), which
-members a cluster is expected to have given its placement groups (so a dead actor still shows
-in a status), and the status table's rows.
+(`pdserve master|node|worker|router|controller ...`, from the same configs and the same
+functions as the local launcher's, `launcher/commands.py`, bound to the Ray node's IP: the
+router's client port and its control listener, which the workers register with and the
+controller steers; and the internal TLS of each: `--tls-dir` the member's own folder on its
+node, `member_tls_dir`, or `--insecure-internal` when the spec says so), where each process
+answers health and which kind serves there (`probe_peer`), which members a cluster is expected
+to have given its placement groups (so a dead actor still shows in a status), and the status
+table's rows.
 
 Must not import Ray, start anything or read a clock: `backend.py` does the I/O.
 """
@@ -24,7 +25,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.launcher.cluster_spec import ClusterSpec
+from pdserve.launcher.commands import (as_cli, controller_command, controller_config,
+                                       master_command, node_command, router_command,
+                                       router_config, worker_command, worker_config)
 from pdserve.core.errors import ConfigError
+from pdserve.kvstore.master.config import MasterConfig
+from pdserve.kvstore.node.config import NodeConfig
 
 NAMESPACE = "pdserve"
 CONTROL_PG = "control"  # the placement group of the store master, the router, the controller
@@ -187,41 +193,30 @@ def cluster_marker(cluster_id: str) -> list[str]:
     return ["-X", f"pdserve_cluster={cluster_id}"]
 
 
-# The command lines, as `pdserve <kind> ...` arguments (the actor runs them with its Python).
+# The command lines, as `pdserve <kind> ...` arguments (the actor runs them with its Python),
+# each from its process's config as the local launcher writes it (`launcher/commands.py`).
 
 def master_args(spec: RaySpec, address: str, journal_dir: str) -> list[str]:
-    return ["master", "--address", address, "--journal-dir", journal_dir,
-            "--cluster-id", spec.cluster_id, *tls_args(spec, "master")]
+    cfg = MasterConfig(address=address, journal_dir=journal_dir, cluster_id=spec.cluster_id)
+    return as_cli(master_command(cfg, tls_args(spec, "master")))
 
 
 def node_args(spec: RaySpec, ray_node_id: str, ip: str, master: str) -> list[str]:
     # The host id is the Ray node: workers on it use shared memory, the others TCP (two Ray
     # nodes are two hosts, or two pods that do not share /dev/shm).
-    return ["node", "--node-id", store_node_id(spec.cluster_id, ray_node_id),
-            "--host-id", ray_node_id, "--data-address", f"{ip}:0",
-            "--dram-bytes", str(spec.store_dram_bytes), "--master", master,
-            "--cluster-id", spec.cluster_id, *tls_args(spec, store_member(ray_node_id))]
+    cfg = NodeConfig(node_id=store_node_id(spec.cluster_id, ray_node_id), host_id=ray_node_id,
+                     data_address=f"{ip}:0", dram_bytes=spec.store_dram_bytes,
+                     masters=(master,), cluster_id=spec.cluster_id)
+    return as_cli(node_command(cfg, tls_args(spec, store_member(ray_node_id))))
 
 
 def worker_args(spec: RaySpec, member: str, role: str, address: str, ray_node_id: str,
                 store: str, router_control: str, metrics_port: int) -> list[str]:
     """`router_control`: the router's control listener (its heartbeat re-registers it with a
     restarted router there)."""
-    s = spec.cluster
-    return ["worker", "--role", role, "--model", s.model_path, "--address", address,
-            "--advertise-address", address, "--host-id", ray_node_id, "--store-address", store,
-            "--dtype", s.dtype, "--num-blocks", str(s.num_blocks),
-            *(["--quantization", s.quantization] if s.quantization != "none" else []),
-            "--block-size-tokens", str(s.block_size_tokens),
-            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-            "--threads", str(spec.worker_threads()), "--metrics-port", str(metrics_port),
-            "--register-with", router_control, "--cluster-id", spec.cluster_id,
-            *tls_args(spec, member),
-            *(["--progressive-kv", "true"] if s.progressive_kv else []),
-            *(["--spec-method", s.spec_method, "--draft-path", s.draft_path,
-               "--num-speculative-tokens", str(s.num_speculative_tokens),
-               "--spec-schedule", str(s.spec_schedule)]
-              if s.spec_method and role == "decode" else [])]
+    cfg = worker_config(spec.cluster, role, address, store, router_control, metrics_port,
+                        spec.worker_threads(), advertise_address=address, host_id=ray_node_id)
+    return as_cli(worker_command(cfg, tls_args(spec, member)))
 
 
 def router_args(spec: RaySpec, address: str, http: str | None, control: str,
@@ -230,33 +225,14 @@ def router_args(spec: RaySpec, address: str, http: str | None, control: str,
     restarted router learns the roles as they are now, never as they were at start.
     `address` and `http` serve the clients; `control` (TLS, each call authenticated) the
     workers and the controller. Files of the client ports' TLS must exist on its node."""
-    s = spec.cluster
-    http_flags = [] if http is None else ["--http-host", http.rsplit(":", 1)[0],
-                                          "--http-port", http.rsplit(":", 1)[1]]
-    flags = [(f, v) for f, v in (("--max-in-flight", s.max_in_flight),
-                                 ("--api-keys-file", s.api_keys_file),
-                                 ("--max-predicted-ttft-s", s.max_predicted_ttft_s),
-                                 ("--max-local-prefill-tokens", s.max_local_prefill_tokens),
-                                 ("--shutdown-grace-s", s.shutdown_grace_s),
-                                 ("--tls-cert", s.tls_cert or None),
-                                 ("--tls-key", s.tls_key or None),
-                                 ("--tls-client-ca", s.tls_client_ca or None)) if v is not None]
-    return ["router", "--model", s.model_path, "--address", address,
-            "--control-address", control, *tls_args(spec, "router"), "--prefill", "",
-            "--decode", "", "--max-model-len-tokens", str(s.num_blocks * s.block_size_tokens),
-            "--routing", s.routing, "--block-size-tokens", str(s.block_size_tokens),
-            "--store-address", store, *http_flags, *[str(x) for fv in flags for x in fv],
-            *s.router_args]
+    cfg = router_config(spec.cluster, address, control, store, http)
+    return as_cli(router_command(cfg, tls_args(spec, "router")))
 
 
 def controller_args(spec: RaySpec, address: str, router_control: str, audit_log: str,
                     metrics_port: int) -> list[str]:
-    s = spec.cluster
-    return ["controller", "--router", router_control, "--address", address,
-            "--mode", s.controller_mode, "--ttft-slo-ms", str(s.ttft_slo_ms),
-            "--itl-slo-ms", str(s.itl_slo_ms), "--audit-log", audit_log,
-            "--metrics-port", str(metrics_port), *tls_args(spec, "controller"),
-            *s.controller_args]
+    cfg = controller_config(spec.cluster, address, router_control, audit_log, metrics_port)
+    return as_cli(controller_command(cfg, tls_args(spec, "controller")))
 
 
 # What a cluster is expected to hold, from its placement groups (they outlive a dead actor).

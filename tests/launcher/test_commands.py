@@ -1,0 +1,41 @@
+"""The local launcher and Ray's plan write each process's command line from the same config
+functions (`launcher/commands.py`): the router's differs between them only where it runs, and
+the spec's typed settings reach it, checked against the router's own parser."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.core.errors import ConfigError
+from pdserve.deploy.ray import plan
+from pdserve.launcher.cluster_spec import ClusterSpec
+from pdserve.launcher.local import LocalCluster
+from tests.deploy.test_ray_plan import parsed
+
+
+def test_the_local_and_the_ray_router_differ_only_where_they_run(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("")
+    key.write_text("")
+    spec = ClusterSpec("/m", cluster_id="c1", max_in_flight=7, tls_cert=str(cert),
+                       tls_key=str(key), router_settings={"stats_interval_s": 0.2,
+                                                          "max_in_flight": 9})
+    cluster = LocalCluster(spec.resolved())
+    local = parsed(["router", *cluster._router_argv({"h:1": "prefill", "h:2": "decode"})[1:]])
+    assert (local.prefill_addresses, local.decode_addresses) == (("h:1",), ("h:2",))
+    assert local.max_in_flight == 9 and local.stats_interval_s == 0.2  # the settings win
+    assert local.tls_cert == str(cert)
+    s = cluster.spec
+    ray = parsed(plan.router_args(plan.RaySpec(s), cluster.router_address,
+                                  f"{s.http_host}:{s.http_port}", cluster.router_control_address,
+                                  cluster.store_address))
+    assert dataclasses.replace(local, prefill_addresses=(), decode_addresses=()) == ray
+
+
+def test_a_setting_the_config_does_not_have_is_refused_naming_it():
+    with pytest.raises(ConfigError, match="router_settings: RouterConfig has no field 'nope'"):
+        ClusterSpec("/m", router_settings={"nope": 1})
+    with pytest.raises(ConfigError, match="controller_settings: .* 'max_in_flight'"):
+        ClusterSpec("/m", controller_settings={"max_in_flight": 1})
