@@ -70,6 +70,6 @@ def role_from_proto(value: int) -> str | None:
     return ROLE_OF_PROTO.get(value)
 
 
-def role_to_proto(role: str | None) -> int:
+def role_to_proto(role: str | None) -> worker_pb2.Role:
     """The wire value of `PREFILL` or `DECODE`; None is ROLE_UNSPECIFIED."""
     return worker_pb2.ROLE_UNSPECIFIED if role is None else PROTO_OF_ROLE[role]
