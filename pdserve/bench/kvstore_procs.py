@@ -11,6 +11,7 @@ anything or interpret results.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +25,9 @@ import uuid
 from typing import IO
 
 from pdserve import rpc
+from pdserve.kvstore.master.config import MasterConfig
+from pdserve.kvstore.node.config import NodeConfig
+from pdserve.launcher.commands import master_command, node_command
 from pdserve.security import cli as security_cli
 from pdserve.security import tls
 
@@ -147,21 +151,22 @@ class PdserveStore:
         self._journal = tempfile.TemporaryDirectory(prefix="pdserve-bench-journal-")
         self.master_address = f"{self.host}:{free_port()}"
         flags = security_cli.forward(self.security)
-        master = Child(f"{self.name} master", [
-            sys.executable, "-m", "pdserve.kvstore.master", "--address", self.master_address,
-            "--journal-dir", self._journal.name, "--lease-s", str(self.lease_s), *flags])
+        master = Child(f"{self.name} master", [sys.executable, "-m", *master_command(
+            MasterConfig(address=self.master_address, journal_dir=self._journal.name,
+                         lease_s=self.lease_s), flags)])
         self._children.append(master)
         try:
             rpc.wait_healthy(self.master_address, timeout_s=START_TIMEOUT_S,
                              peer="master", security_=self.security)
         except Exception as e:
             raise master.failed(f"not healthy on {self.master_address}: {e}") from None
+        node_cfg = NodeConfig(node_id=self.node_id, host_id=self.host_id,
+                              dram_bytes=self.node_dram_bytes, masters=(self.master_address,),
+                              ucx_port=0 if self.ucx else None)
+        if self.data_host:
+            node_cfg = dataclasses.replace(node_cfg, data_address=f"{self.data_host}:0")
         node = Child(f"{self.name} node", [
-            *self.node_prefix, sys.executable, "-m", "pdserve.kvstore.node",
-            "--node-id", self.node_id, "--host-id", self.host_id,
-            "--dram-bytes", str(self.node_dram_bytes), "--master", self.master_address,
-            *(["--data-address", f"{self.data_host}:0"] if self.data_host else []),
-            *(["--ucx-port", "0"] if self.ucx else []), *flags],
+            *self.node_prefix, sys.executable, "-m", *node_command(node_cfg, flags)],
             stdout=subprocess.PIPE)
         self._children.append(node)
         line = node.proc.stdout.readline() if node.proc.stdout else b""
