@@ -71,18 +71,28 @@ class StopSignals:
     (Ctrl-C in a shell whose trap also sends SIGTERM, or Ctrl-C pressed twice) runs the handler
     again on the same thread, which then waits forever for the lock it holds: the process never
     stops. Here the handler only records the signal and writes a byte to a pipe; a thread of
-    its own reads the byte and sets the event. Main thread only (signal handlers are).
+    its own reads the byte and sets the event.
+
+    The Python handler runs on the main thread, and only once that thread returns to the
+    interpreter. The kernel may deliver the signal to any of the process's threads; a main
+    thread asleep on a lock (an untimed `Event.wait`) is then never woken, and the handler
+    never runs. So the pipe is also the interpreter's wakeup fd: its C-level handler writes the
+    signal's number there at once, from whichever thread took it. Main thread only (signal
+    handlers and the wakeup fd are); the last instance in a process owns both.
     """
 
     def __init__(self, event: threading.Event,
                  signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.event = event
-        self.received: list[int] = []  # list.append takes no Python lock
+        self.signals = frozenset(int(s) for s in signals)
+        self.received: list[int] = []  # by the handler (list.append takes no Python lock)
+        self._woken: list[int] = []  # by the relay, from the wakeup fd
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         threading.Thread(target=self._relay, name="stop-signals", daemon=True).start()
         for sig in signals:
             signal.signal(sig, self._on_signal)
+        signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.received.append(signum)
@@ -92,5 +102,15 @@ class StopSignals:
             return
 
     def _relay(self) -> None:
-        while os.read(self._r, 1):
-            self.event.set()
+        # 0: from the handler; else a signal's number from the wakeup fd, which every signal
+        # with a Python handler writes (only the stop signals stop).
+        while (b := os.read(self._r, 1)):
+            if b[0] == 0 or b[0] in self.signals:
+                if b[0]:
+                    self._woken.append(b[0])
+                self.event.set()
+
+    @property
+    def first(self) -> int | None:
+        """The first stop signal taken (None before any): its handler may not have run yet."""
+        return (self.received or self._woken or [None])[0]

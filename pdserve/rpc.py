@@ -402,7 +402,9 @@ def wait_for_signal(poll_s: float = 0.5) -> int:
     # A timed wait keeps the main thread returning to the interpreter, where handlers run.
     while not _stop_requested.wait(poll_s):
         pass
-    return _stop_signals.received[0]
+    signum = _stop_signals.first
+    assert signum is not None  # the event is set only once a signal is recorded
+    return signum
 
 
 def run_until_signal(server: grpc.Server, health: health.HealthServicer, address: str,

@@ -135,3 +135,32 @@ def test_a_flood_of_stop_signals_stops_the_process():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+_TAKEN_ELSEWHERE = """
+import signal, threading
+from pdserve.lifecycle import StopSignals
+ev = threading.Event()
+stop = StopSignals(ev)
+# Only another thread can take the signal: the kernel never interrupts the main thread's wait.
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+print("ready", flush=True)
+ev.wait()
+print("stopped", stop.first == signal.SIGTERM, flush=True)
+"""
+
+
+def test_a_stop_signal_another_thread_takes_still_stops_a_main_thread_asleep_on_a_lock():
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", _TAKEN_ELSEWHERE], stdout=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGTERM)
+        assert p.wait(timeout=10) == 0
+        assert p.stdout.read().strip() == "stopped True"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
