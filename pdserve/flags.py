@@ -33,7 +33,8 @@ def addresses(text: str) -> tuple[str, ...]:
 def flag(default: Any = MISSING, *, name: str | None = None, help: str | None = None,
          switch: bool = False, choices: tuple[str, ...] | None = None) -> Any:
     """A dataclass field with how its flag is spelled: `name` (e.g. "--model"), `switch` (a
-    bool that is set by naming the flag alone; its default must be False), `choices`, `help`."""
+    bool that is set by naming the flag alone, or given a true/false word; its default must be
+    False), `choices`, `help`."""
     meta = {"flag": name, "help": help, "switch": switch, "choices": choices}
     return field(default=default, metadata={k: v for k, v in meta.items() if v})
 
@@ -74,7 +75,10 @@ def add_config_flags(parser: argparse.ArgumentParser, config_cls, skip: tuple[st
         if f.metadata.get("switch"):
             if default is not False:
                 raise TypeError(f"{f.name}: a switch defaults to False")
-            options.update(action="store_true", default=False)
+            # Named alone it is on; a true/false word may follow, as the environment form
+            # (`PDSERVE_<KIND>_<FLAG>=true`, pdserve.entrypoints) always gives one.
+            options.update(nargs="?", const=True, type=truth, default=False,
+                           metavar="true|false")
         else:
             kind, _ = _kind(f)
             options.update(type=kind, choices=f.metadata.get("choices"),

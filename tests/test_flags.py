@@ -107,8 +107,13 @@ def test_the_router_keeps_its_flag_spellings_and_derives_its_bounds():
         "--max-in-flight", "10", "--allow-special-tokens-in-messages"]
     with pytest.raises(SystemExit):
         p.parse_args(["--model", "m", "--routing", "fastest"])  # choices
+    # A switch: named alone it is on; a true/false word may follow (the environment's form).
+    for words, on in ((["--allow-special-tokens-in-messages", "false"], False),
+                      (["--allow-special-tokens-in-messages", "true"], True),
+                      (["--allow-special-tokens-in-messages"], True), ([], False)):
+        assert p.parse_args(["--model", "m", *words]).allow_special_tokens_in_messages is on
     with pytest.raises(SystemExit):
-        p.parse_args(["--model", "m", "--allow-special-tokens-in-messages", "true"])  # a switch
+        p.parse_args(["--model", "m", "--allow-special-tokens-in-messages", "maybe"])
     assert "workers to start with" in p.format_help()
 
 
@@ -127,6 +132,15 @@ def test_the_node_host_defaults_to_this_machine_and_the_store_keeps_its_flags():
     assert (a.host_id, a.masters, a.ssd_fsync) == (socket.gethostname(), ("m:1", "m:2"), True)
     s = parser_of(store_main).parse_args(["--capacity-bytes", "2048", "--max-workers", "3"])
     assert (s.capacity_bytes, s.max_workers) == (2048, 3)
+
+
+def test_a_switch_set_from_the_environment_reads_as_its_word_says():
+    from pdserve.entrypoints import env_flags
+
+    required = ["--node-id", "n", "--dram-bytes", "1048576"]
+    for word, on in (("true", True), ("1", True), ("false", False), ("off", False)):
+        argv = env_flags("node", {"PDSERVE_NODE_SSD_FSYNC": word}) + required
+        assert parser_of(node_main).parse_args(argv).ssd_fsync is on, word
 
 
 def test_a_field_the_flags_cannot_write_is_refused_not_mangled():
