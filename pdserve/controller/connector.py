@@ -1,10 +1,11 @@
 """How the controller's loop reaches a cluster: the live one, through the router's control API
 and the workers (the simulator has its own connector, `sim/control.py`).
 
-Owns `Connector`, what `service.Controller` asks of a cluster (its signals; which workers are
-switching; the offload budgets set; a flip carried out, blocking for an operator or in the
-background for the policy, its outcome handed back; a worker whose flip failed re-admitted),
-and `LiveConnector`, which does it with a `RouterControlStub` and a `flip.Flipper` (flips on
+Owns `Connector`, what `service.Controller`'s tick asks of a cluster (its signals; which
+workers are switching; the offload budgets set; a flip started in the background, its outcome
+handed back; a worker whose flip failed re-admitted); `OperatorFlips`, what an operator's flip
+needs besides (a flip carried out before returning: the live cluster's, which has operators);
+and `LiveConnector`, which does both with a `RouterControlStub` and a `flip.Flipper` (flips on
 threads of their own, waited for on close), as Dynamo's planner acts through its connectors.
 Must not decide anything: the controller's policy does.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from pdserve.controller.flip import Flipper, FlipOutcome
 from pdserve.proto import router_pb2 as rpb
@@ -39,15 +40,18 @@ class Connector(Protocol):
         """Begin a flip; `done(outcome, reason)` once it ended (or never: not started, e.g.
         the worker is no longer where the decision saw it)."""
 
-    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
-             ) -> FlipOutcome:
-        """A flip carried out before returning (an operator's)."""
-
     def readmit(self, address: str, reason: str) -> str | None:
         """A worker whose flip failed back into the pool of its role; that role, or None."""
 
     def close(self, wait_s: float) -> None:
         """Flips in flight get `wait_s` to end, then the connector lets go of the cluster."""
+
+
+@runtime_checkable
+class OperatorFlips(Protocol):
+    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
+             ) -> FlipOutcome:
+        """A flip carried out before returning (an operator's); FlipBusy if one is under way."""
 
 
 class LiveConnector:

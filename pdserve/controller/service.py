@@ -24,7 +24,7 @@ import grpc
 
 from pdserve.controller.audit import AuditLog
 from pdserve.controller.config import ControllerConfig
-from pdserve.controller.connector import Connector
+from pdserve.controller.connector import Connector, OperatorFlips
 from pdserve.controller.flip import FlipOutcome
 from pdserve.controller.metrics import ControllerMetrics
 from pdserve.controller.policy import (ControllerInput, Decision, PolicyConfig, PolicyState,
@@ -205,7 +205,10 @@ class Controller:
     # ---- flips ------------------------------------------------------------------------------
     def _flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
               by: str = AUTOMATIC) -> FlipOutcome:
-        """An operator's flip, carried out before returning."""
+        """An operator's flip, carried out before returning (a cluster with operators: the
+        live one's connector; the simulated cluster's flips are the policy's only)."""
+        if not isinstance(self.connector, OperatorFlips):
+            raise TypeError(f"{type(self.connector).__name__} carries out no operator flips")
         out = self.connector.flip(address, to_role, drain_timeout_s, reason)
         self.flipped(out, reason, by)
         return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.controller.config import ControllerConfig
-from pdserve.controller.flip import FlipOutcome
 from pdserve.controller.service import Controller
 from pdserve.controller.signals import Slo
 from pdserve.proto import router_pb2 as rpb
@@ -56,10 +55,6 @@ class SimConnector:
                    done) -> None:
         self.cluster.begin_flip(address, to_role, drain_timeout_s,
                                 lambda out: done(out, reason))
-
-    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
-             ) -> FlipOutcome:
-        raise NotImplementedError("the simulated cluster has no operator flips")
 
     def readmit(self, address: str, reason: str) -> str | None:
         return self.cluster.readmit(address, reason)
