@@ -46,6 +46,7 @@ FALLBACK = "fallback"  # the prefill hop gave up: a decode worker prefills the p
 RESUME = "resume"  # a decode stream broke after tokens: resume it on another decode worker
 GIVE_UP = "give_up"  # the client gets `status` (None: the client left, nothing to send)
 
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """A path, with what its first hop took: `address` (the worker chosen; "" for

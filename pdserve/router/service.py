@@ -130,8 +130,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         clear status instead (`door.stopping`); a retry, fall-through, resume or fallback is
         logged, counted and waited for; a give-up aborts the call with the status it names
         (`message` says what failed), or, when the client left, returns for a quiet end."""
-        if not (failure.code == "CANCELLED" and failure.client_left):
-            self.door.stopping(context)
+        self.door.stopping(context)
         n = after_failure(failure, self.retry)
         code = failure.code or "UNAVAILABLE"
         if n.action in (RETRY, FALL_THROUGH) and not n.clear_excluded:
