@@ -311,9 +311,7 @@ class WorkerSet:
         """A decode worker to prefill this prompt itself within its offload budget:
         (address, taken, chunk tokens), the prompt counted against the budget; None when no
         budget fits (`policy.choose_offload`)."""
-        return self._take_offload(len(request.prompt_ids))
-
-    def _take_offload(self, prompt_tokens: int) -> tuple[str, tuple[float, int], int] | None:
+        prompt_tokens = len(request.prompt_ids)
         with self._lock:
             candidates = self.membership.offload_candidates()
             i = choose_offload(candidates, prompt_tokens) if candidates else None
@@ -359,24 +357,7 @@ class WorkerSet:
         with self._lock:
             self.membership.release(address, taken[0], taken[1])
 
-    @contextmanager
-    def offload(self, prompt_tokens: int):
-        """`take_offload` as a block: yields (address, stub, chunk tokens) or None, released
-        when the block exits."""
-        got = self._take_offload(prompt_tokens)
-        with self._held(got) as out:
-            yield None if out is None else (out[0], out[1], got[2])
-
-    @contextmanager
-    def _held(self, got):
-        if got is None:
-            yield None
-            return
-        try:
-            yield got[0], self._stubs[got[0]]
-        finally:
-            self.release_taken(got[0], got[1])
-
+    # ---- the poller ----------------------------------------------------------------------------
     def poll_once(self) -> None:
         """GetStats to every member at once; apply answers and misses; forget the long gone."""
         with self._lock:

@@ -289,17 +289,18 @@ def test_serving_changes_reach_the_watcher_in_order_and_gone_forgets():
 
 
 def test_offload_lease_holds_the_budget_until_the_request_ends():
+    from pdserve.router.pool import LiveRequest
+
     ws = make_workers()
+    request = LiveRequest(list(range(100)))
     try:
-        with ws.offload(100) as lease:
-            assert lease is None  # no budget yet
+        assert ws.take_offload(request) is None  # no budget yet
         ws.set_offload_budgets({"127.0.0.1:3": (150, 32)})
-        with ws.offload(100) as lease:
-            address, _stub, chunk = lease
-            assert (address, chunk) == ("127.0.0.1:3", 32)
-            assert ws.get(address).offload_tokens == 100
-            with ws.offload(100) as second:
-                assert second is None  # 200 would pass the budget of 150
+        address, taken, chunk = ws.take_offload(request)
+        assert (address, chunk) == ("127.0.0.1:3", 32)
+        assert ws.get(address).offload_tokens == 100
+        assert ws.take_offload(request) is None  # 200 would pass the budget of 150
+        ws.release_taken(address, taken)
         assert ws.get("127.0.0.1:3").offload_tokens == 0
     finally:
         ws.close()
