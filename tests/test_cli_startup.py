@@ -165,7 +165,7 @@ def test_bench_flags_come_from_the_module_only_when_it_runs():
 def test_serve_admission_and_key_flags_reach_the_router_and_controller(tmp_path):
     from pdserve.controller.__main__ import main as controller_main
     from pdserve.controller.config import ControllerConfig
-    from pdserve.launcher.commands import controller_command, router_command
+    from pdserve.launcher.commands import command
     from pdserve.router.config import RouterConfig
     from pdserve.router.__main__ import main as router_main
 
@@ -179,12 +179,12 @@ def test_serve_admission_and_key_flags_reach_the_router_and_controller(tmp_path)
     admin.write_text("ak-1 ops\n")
     # As the launcher writes them into each process's command line, read by its own parser.
     router = RouterConfig("m", **extra["router_settings"])
-    r = parser_of(router_main).parse_args(router_command(router)[1:])
+    r = parser_of(router_main).parse_args(command(router)[1:])
     assert (r.model_name, r.max_in_flight_per_tenant, r.tenant_rate_rps, r.tenant_burst,
             r.allow_special_tokens_in_messages, r.admin_keys_file) == (
                 "smol", 3, 2.5, 4, True, str(admin))
     controller = ControllerConfig("h:1", **extra["controller_settings"])
-    c = parser_of(controller_main).parse_args(controller_command(controller)[1:])
+    c = parser_of(controller_main).parse_args(command(controller)[1:])
     assert (c.admin_keys_file, c.api_keys_file) == (str(admin), str(keys))
     # Unset flags pass nothing: the processes keep their own defaults.
     assert passthrough_args(cli.build_parser().parse_args(["serve"])) == {

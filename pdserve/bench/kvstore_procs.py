@@ -27,7 +27,7 @@ from typing import IO
 from pdserve import rpc
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.node.config import NodeConfig
-from pdserve.launcher.commands import master_command, node_command
+from pdserve.launcher.commands import command
 from pdserve.security import cli as security_cli
 from pdserve.security import tls
 
@@ -151,7 +151,7 @@ class PdserveStore:
         self._journal = tempfile.TemporaryDirectory(prefix="pdserve-bench-journal-")
         self.master_address = f"{self.host}:{free_port()}"
         flags = security_cli.forward(self.security)
-        master = Child(f"{self.name} master", [sys.executable, "-m", *master_command(
+        master = Child(f"{self.name} master", [sys.executable, "-m", *command(
             MasterConfig(address=self.master_address, journal_dir=self._journal.name,
                          lease_s=self.lease_s), flags)])
         self._children.append(master)
@@ -166,7 +166,7 @@ class PdserveStore:
         if self.data_host:
             node_cfg = dataclasses.replace(node_cfg, data_address=f"{self.data_host}:0")
         node = Child(f"{self.name} node", [
-            *self.node_prefix, sys.executable, "-m", *node_command(node_cfg, flags)],
+            *self.node_prefix, sys.executable, "-m", *command(node_cfg, flags)],
             stdout=subprocess.PIPE)
         self._children.append(node)
         line = node.proc.stdout.readline() if node.proc.stdout else b""

@@ -1,12 +1,12 @@
 """Every cluster process's command line from its config, and each process's config from a
 `ClusterSpec`: what the local launcher and Ray's plan both start.
 
-Owns one function per process (`master_command`, `node_command`, `worker_command`,
-`router_command`, `controller_command`: the module it runs as, the flags of its config that
-differ from the config's defaults, `pdserve.flags.config_argv`, then the internal-TLS flags it
-is given), their `pdserve <kind>` form (`as_cli`, as Ray's actors and containers run them), and
-the configs a spec gives a worker, a router and a controller (the launcher and the plan add only
-where each process lands: addresses, ports, folders). Must not start anything or pick ports.
+Owns one function for every process (`command`: the module its config's type runs as, the
+flags of its config that differ from the config's defaults, `pdserve.flags.config_argv`, then
+the internal-TLS flags it is given), its `pdserve <kind>` form (`as_cli`, as Ray's actors and
+containers run them), and the configs a spec gives a worker, a router and a controller (the
+launcher and the plan add only where each process lands: addresses, ports, folders). Must not
+start anything or pick ports.
 """
 
 from __future__ import annotations
@@ -22,36 +22,26 @@ from pdserve.launcher.cluster_spec import ClusterSpec
 from pdserve.router.config import RouterConfig
 from pdserve.worker.config import WorkerConfig
 
-# The module each kind of process runs as (`python -m MODULE`), as `pdserve <kind>` runs it.
-MODULES = {"master": "pdserve.kvstore.master", "node": "pdserve.kvstore.node",
-           "worker": "pdserve.worker", "router": "pdserve.router",
-           "controller": "pdserve.controller"}
+# The module each kind of process runs as (`python -m MODULE`), as `pdserve <kind>` runs it, by
+# the config it runs with.
+MODULES = {MasterConfig: "pdserve.kvstore.master", NodeConfig: "pdserve.kvstore.node",
+           WorkerConfig: "pdserve.worker", RouterConfig: "pdserve.router",
+           ControllerConfig: "pdserve.controller"}
+_KINDS = {"pdserve.kvstore.master": "master", "pdserve.kvstore.node": "node",
+          "pdserve.worker": "worker", "pdserve.router": "router",
+          "pdserve.controller": "controller"}
 
 
-def master_command(cfg: MasterConfig, security: Sequence[str] = ()) -> list[str]:
-    return [MODULES["master"], *config_argv(cfg), *security]
+def command(cfg: MasterConfig | NodeConfig | WorkerConfig | RouterConfig | ControllerConfig,
+            security: Sequence[str] = ()) -> list[str]:
+    """The process `cfg` configures: its module, the flags of `cfg` that differ from the
+    defaults, then the internal-TLS flags given."""
+    return [MODULES[type(cfg)], *config_argv(cfg), *security]
 
 
-def node_command(cfg: NodeConfig, security: Sequence[str] = ()) -> list[str]:
-    return [MODULES["node"], *config_argv(cfg), *security]
-
-
-def worker_command(cfg: WorkerConfig, security: Sequence[str] = ()) -> list[str]:
-    return [MODULES["worker"], *config_argv(cfg), *security]
-
-
-def router_command(cfg: RouterConfig, security: Sequence[str] = ()) -> list[str]:
-    return [MODULES["router"], *config_argv(cfg), *security]
-
-
-def controller_command(cfg: ControllerConfig, security: Sequence[str] = ()) -> list[str]:
-    return [MODULES["controller"], *config_argv(cfg), *security]
-
-
-def as_cli(command: Sequence[str]) -> list[str]:
+def as_cli(argv: Sequence[str]) -> list[str]:
     """A command's `pdserve <kind> ...` arguments (`pdserve.entrypoints`)."""
-    kinds = {module: kind for kind, module in MODULES.items()}
-    return [kinds[command[0]], *command[1:]]
+    return [_KINDS[argv[0]], *argv[1:]]
 
 
 def worker_config(spec: ClusterSpec, role: str, address: str, store: str, router_control: str,

@@ -37,9 +37,8 @@ from typing import Any
 from pdserve import rpc
 from pdserve.launcher.cluster_spec import ClusterSpec, check_free, free_ports
 from pdserve.launcher.cluster_tls import Renewal, internal_tls, public_tls
-from pdserve.launcher.commands import (controller_command, controller_config, master_command,
-                                       node_command, router_base, router_command,
-                                       router_config, worker_command, worker_config)
+from pdserve.launcher.commands import (command, controller_config, router_base, router_config,
+                                       worker_config)
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.node.config import NodeConfig
 from pdserve.router.config import RouterConfig
@@ -224,12 +223,12 @@ class LocalCluster:
             # The store: a master (metadata, journaled under the log dir, one journal per
             # cluster id so a later `serve` with the same --log-dir starts afresh) and one
             # storage node contributing a shared-memory DRAM segment of store_capacity_bytes.
-            master = self._spawn("kvmaster", "master", self.store_address, master_command(
+            master = self._spawn("kvmaster", "master", self.store_address, command(
                 MasterConfig(address=self.store_address, cluster_id=s.cluster_id,
                              journal_dir=os.path.join(self.log_dir, "kvmaster-journal",
                                                       s.cluster_id))))
             # Unique per cluster: a node removes stale segment files of its own id at start.
-            node = self._spawn("kvnode-0", "node", "", node_command(NodeConfig(
+            node = self._spawn("kvnode-0", "node", "", command(NodeConfig(
                 node_id=self.node_id, host_id=socket.gethostname(), data_address=f"{s.host}:0",
                 dram_bytes=s.store_capacity_bytes, masters=(self.store_address,),
                 cluster_id=s.cluster_id)))
@@ -238,7 +237,7 @@ class LocalCluster:
             metrics_ports = free_ports(len(roles))
             for i, role in enumerate(roles):
                 addr = f"{s.host}:{s.worker_port(i)}"
-                workers.append(self._spawn(f"{role}-{i}", "worker", addr, worker_command(
+                workers.append(self._spawn(f"{role}-{i}", "worker", addr, command(
                     worker_config(s, role, addr, self.store_address, self.router_control_address,
                                   metrics_ports[i], s.worker_threads(),
                                   device=s.worker_devices[i],
@@ -269,7 +268,7 @@ class LocalCluster:
     def _router_argv(self, roles: dict[str, str]) -> list[str]:
         s = self.spec
         http = None if s.http_port is None else f"{s.http_host}:{s.http_port}"
-        return router_command(router_config(
+        return command(router_config(
             s, self.router_address, self.router_control_address, self.store_address, http,
             prefill_addresses=tuple(a for a, r in roles.items() if r == PREFILL),
             decode_addresses=tuple(a for a, r in roles.items() if r == DECODE),
@@ -299,7 +298,7 @@ class LocalCluster:
         cfg = controller_config(s, address, self.router_control_address, self.audit_log,
                                 metrics_port, **self._offload_settings())
         child = self._spawn("controller", "controller", address,
-                            controller_command(dataclasses.replace(cfg, **(settings or {}))))
+                            command(dataclasses.replace(cfg, **(settings or {}))))
         self._wait([child])
         self.controller_address = address
         self.controller_metrics = f"http://{s.host}:{metrics_port}/metrics"
@@ -322,7 +321,7 @@ class LocalCluster:
             "prefill_addresses": tuple(self.worker_addresses(PREFILL)),
             "decode_addresses": tuple(self.worker_addresses(DECODE)),
             **self.spec.router_settings, **(settings or {})})
-        child = self._spawn(name, "router", address, router_command(cfg), probe=control)
+        child = self._spawn(name, "router", address, command(cfg), probe=control)
         self._wait([child])
         return address
 

@@ -244,6 +244,7 @@ class Cluster:
 
     def take_prefill(self, i: int, exclude: frozenset[str]
                      ) -> tuple[str, tuple[float, int]] | None:
+        # `exclude` is always empty here: a simulated prefill never fails, so none is retried.
         return self.router.take_prefill(self.reqs[i].prompt_tokens, self.hashes[i])
 
     def _decode_cached(self, hashes: list[bytes], prompt_tokens: int) -> dict[str, int]:

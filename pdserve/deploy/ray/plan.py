@@ -25,9 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.launcher.cluster_spec import ClusterSpec
-from pdserve.launcher.commands import (as_cli, controller_command, controller_config,
-                                       master_command, node_command, router_command,
-                                       router_config, worker_command, worker_config)
+from pdserve.launcher.commands import (as_cli, command, controller_config, router_config,
+                                       worker_config)
 from pdserve.core.errors import ConfigError
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.node.config import NodeConfig
@@ -198,7 +197,7 @@ def cluster_marker(cluster_id: str) -> list[str]:
 
 def master_args(spec: RaySpec, address: str, journal_dir: str) -> list[str]:
     cfg = MasterConfig(address=address, journal_dir=journal_dir, cluster_id=spec.cluster_id)
-    return as_cli(master_command(cfg, tls_args(spec, "master")))
+    return as_cli(command(cfg, tls_args(spec, "master")))
 
 
 def node_args(spec: RaySpec, ray_node_id: str, ip: str, master: str) -> list[str]:
@@ -207,7 +206,7 @@ def node_args(spec: RaySpec, ray_node_id: str, ip: str, master: str) -> list[str
     cfg = NodeConfig(node_id=store_node_id(spec.cluster_id, ray_node_id), host_id=ray_node_id,
                      data_address=f"{ip}:0", dram_bytes=spec.store_dram_bytes,
                      masters=(master,), cluster_id=spec.cluster_id)
-    return as_cli(node_command(cfg, tls_args(spec, store_member(ray_node_id))))
+    return as_cli(command(cfg, tls_args(spec, store_member(ray_node_id))))
 
 
 def worker_args(spec: RaySpec, member: str, role: str, address: str, ray_node_id: str,
@@ -216,7 +215,7 @@ def worker_args(spec: RaySpec, member: str, role: str, address: str, ray_node_id
     restarted router there)."""
     cfg = worker_config(spec.cluster, role, address, store, router_control, metrics_port,
                         spec.worker_threads(), advertise_address=address, host_id=ray_node_id)
-    return as_cli(worker_command(cfg, tls_args(spec, member)))
+    return as_cli(command(cfg, tls_args(spec, member)))
 
 
 def router_args(spec: RaySpec, address: str, http: str | None, control: str,
@@ -226,13 +225,13 @@ def router_args(spec: RaySpec, address: str, http: str | None, control: str,
     `address` and `http` serve the clients; `control` (TLS, each call authenticated) the
     workers and the controller. Files of the client ports' TLS must exist on its node."""
     cfg = router_config(spec.cluster, address, control, store, http)
-    return as_cli(router_command(cfg, tls_args(spec, "router")))
+    return as_cli(command(cfg, tls_args(spec, "router")))
 
 
 def controller_args(spec: RaySpec, address: str, router_control: str, audit_log: str,
                     metrics_port: int) -> list[str]:
     cfg = controller_config(spec.cluster, address, router_control, audit_log, metrics_port)
-    return as_cli(controller_command(cfg, tls_args(spec, "controller")))
+    return as_cli(command(cfg, tls_args(spec, "controller")))
 
 
 # What a cluster is expected to hold, from its placement groups (they outlive a dead actor).
