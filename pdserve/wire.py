@@ -9,6 +9,7 @@ from __future__ import annotations
 from pdserve.core import finish
 from pdserve.core.roles import DECODE, PREFILL
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.core.structured import StructuredOutput
 from pdserve.proto import common_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16  # as vLLM's completions API when the client sets none
@@ -36,6 +37,14 @@ def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_p=p.min_p,
+        min_tokens=p.min_tokens,
+        structured_output=(StructuredOutput(p.structured_output.kind, p.structured_output.spec)
+                           if p.HasField("structured_output") else None),
     )
 
 
@@ -47,6 +56,16 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    msg.presence_penalty = p.presence_penalty
+    msg.frequency_penalty = p.frequency_penalty
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
+    msg.logit_bias.update(dict(p.logit_bias))
+    msg.min_p = p.min_p
+    msg.min_tokens = p.min_tokens
+    if p.structured_output is not None:
+        msg.structured_output.kind = p.structured_output.kind
+        msg.structured_output.spec = p.structured_output.spec
     return msg
 
 

@@ -5,6 +5,7 @@ Owns `ConfigError`: a configuration value (a flag, a config file field, a benchm
 invalid, and the message names the field. Every service's `config.py` and every benchmark raise
 this type (or a subclass), so a command line prints one kind of error the same way and a caller
 catches one type. It is a `ValueError`, as the per-service classes it replaces were.
+`InvalidArgumentError`: a request field is invalid (INVALID_ARGUMENT / HTTP 400, naming it).
 The cores' errors live here too (`NoFreeBlocksError`, `QueueFullError`, `NoWorkerError`,
 `UnknownMemberError`; each core module re-exports its own), so the cores can be compiled
 (`scripts/compile.sh`) without subclassing a builtin exception in a compiled module.
@@ -12,6 +13,15 @@ Must not import torch or any service.
 """
 
 from __future__ import annotations
+
+
+class InvalidArgumentError(ValueError):
+    """A request field is invalid. `field` names it (mapped to INVALID_ARGUMENT / HTTP 400)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
 
 
 class ConfigError(ValueError):

@@ -13,17 +13,19 @@ import math
 import secrets
 from dataclasses import dataclass, field, replace
 
-
-class InvalidArgumentError(ValueError):
-    """A request field is invalid. `field` names it (mapped to INVALID_ARGUMENT / HTTP 400)."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
+from pdserve.core.errors import InvalidArgumentError  # noqa: F401 - re-exported
+from pdserve.core.structured import StructuredOutput
 
 
 MAX_LOGPROBS = 20  # most alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300  # most biased tokens per request, as OpenAI's limit
+
+
+def _finite_in(name: str, v: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            or v < lo or v > hi or (lo_open and v == lo)):
+        raise InvalidArgumentError(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], "
+                                   f"got {v}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
+    # Logits processing, with vLLM's meaning (`pdserve.engine.logits_process` applies them).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    min_p: float = 0.0
+    min_tokens: int = 0
+    structured_output: StructuredOutput | None = None
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processing applies (besides a structured output's mask)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_p
+                    or self.min_tokens)
 
     def validate(self, *, max_model_len: int | None = None, prompt_len: int | None = None,
                  vocab_size: int | None = None) -> None:
@@ -79,6 +96,26 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidArgumentError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], "
                                        f"got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _finite_in(name, getattr(self, name), -2.0, 2.0)
+        _finite_in("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        _finite_in("min_p", self.min_p, 0.0, 1.0)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgumentError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got "
+                                       f"{len(self.logit_bias)}")
+        seen: set[int] = set()
+        for t, b in self.logit_bias:
+            if vocab_size is not None and not 0 <= t < vocab_size:
+                raise InvalidArgumentError("logit_bias", f"token {t} is out of range")
+            if t in seen:
+                raise InvalidArgumentError("logit_bias", f"token {t} appears twice")
+            seen.add(t)
+            _finite_in(f"logit_bias[{t}]", b, -100.0, 100.0)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgumentError("min_tokens", f"must be in [0, max_tokens], got "
+                                       f"{self.min_tokens}")
+        if self.structured_output is not None:
+            self.structured_output.validate()
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a concrete seed, so every hop samples from the same stream."""

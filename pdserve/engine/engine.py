@@ -63,7 +63,7 @@ class LLMEngine:
         # Progressive KV: most tokens drafted on anchor precision before the exact KV lands.
         self.max_anchor_drafts = SHORT_SPAN - 1
         self.runner = ModelRunner(cfg, model_config, weights,
-                                  max_anchor_drafts=self.max_anchor_drafts)
+                                  max_anchor_drafts=self.max_anchor_drafts, tokenizer=tokenizer)
         self.model_config = model_config = self.runner.model_config
         self.tokenizer = tokenizer
         self.max_model_len = min(cfg.max_model_len_tokens or model_config.max_position_embeddings,

@@ -17,14 +17,19 @@ rows (`_keep_hidden`). Without drafts a step is exactly the plain one.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable
 
 import torch
 
+from pdserve.core.structured import Grammars
 from pdserve.engine.attention import PagedKVCache, build_attention_metadata
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.guided import Guides
 from pdserve.engine.loader import load_checkpoint
+from pdserve.engine.logits_process import Row
+from pdserve.engine.logits_process import apply as apply_controls
 from pdserve.engine.model import LlamaModel, StepInput
 from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.sampling import sample, token_logprobs
@@ -42,6 +47,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LayerSpansHook = Callable[[int, list[tuple[str, int, int]]], None]
 
 
+def _grammars(tokenizer, model_path: str, model_config: ModelConfig) -> Grammars:
+    """The grammars over the model's vocabulary (its logits' width, which may exceed the
+    tokenizer's)."""
+    if tokenizer is None:
+        from pdserve.engine.tokenizer import Tokenizer  # only for structured outputs
+        tokenizer = Tokenizer.from_path(model_path)
+    return Grammars(tokenizer.backend.to_str(), model_config.vocab_size,
+                    list(model_config.eos_token_ids))
+
+
 def _both(first: Callable[[int], None] | None,
           then: Callable[[int], None]) -> Callable[[int], None]:
     """One layer hook calling `first` (if any), then `then`."""
@@ -57,9 +72,11 @@ def _both(first: Callable[[int], None] | None,
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_config: ModelConfig | None = None,
                  weights: dict[str, torch.Tensor] | None = None, *,
-                 max_anchor_drafts: int) -> None:
+                 max_anchor_drafts: int, tokenizer=None) -> None:
         """`cfg` with its device and dtype resolved; the checkpoint at `cfg.model_path` is
-        loaded unless `model_config` and `weights` are given."""
+        loaded unless `model_config` and `weights` are given. `tokenizer` (else the one at
+        `cfg.model_path`, loaded on the first structured request) gives the grammars their
+        vocabulary."""
         dtype = DTYPES[cfg.dtype]
         if weights is None:
             model_config, weights = load_checkpoint(cfg.model_path, dtype)
@@ -69,6 +86,9 @@ class ModelRunner:
                                 quantization=cfg.quantization)
         del weights
         self.device = torch.device(cfg.device)
+        self.eos_ids = list(model_config.eos_token_ids)
+        self.guides = Guides(functools.partial(_grammars, tokenizer, cfg.model_path,
+                                               model_config), self.eos_ids)
         self.block_size = cfg.cache.block_size_tokens
         self.kv = PagedKVCache(model_config.num_hidden_layers, cfg.cache.num_blocks,
                                self.block_size, model_config.num_key_value_heads,
@@ -144,7 +164,9 @@ class ModelRunner:
         index = [s.num_output_tokens + j for s in seqs for j in range(1 + len(s.spec_token_ids))]
         # Each row is sampled with its own output position's seeded generator, so a
         # draft is accepted exactly when the target draws the same token (see _verify).
-        tokens = sample(logits, params, index)
+        # Logprobs stay the model's raw ones (vLLM's default); the controls and the grammar
+        # shape what is sampled.
+        tokens = sample(self._processed(logits, seqs), params, index)
         lps = token_logprobs(logits, tokens, [p.logprobs for p in params])
         r = 0
         for i, seq in zip(samplers, seqs):
@@ -160,6 +182,36 @@ class ModelRunner:
                 result.logprobs[i] = lps[r:r + len(emit)]
             r += n_rows
         return result
+
+    def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits to sample from: the raw ones, or (when a request asks for a structured
+        output or a logits control) a copy with its grammar's masks and controls applied, each
+        row with its own history (a draft's row as if the drafts before it were emitted)."""
+        if not any(s.params.structured_output is not None or s.params.processed for s in seqs):
+            return logits
+        out = logits.float().clone()
+        rows: list[Row | None] = []
+        guided = []
+        for s in seqs:
+            drafts = s.spec_token_ids
+            so = s.params.structured_output
+            emitted = s.output_ids
+            if so is not None:
+                if s.guide is None:
+                    s.guide = self.guides.state(so)
+                s.guide.sync(emitted)
+                guided.append((s.guide, drafts, len(rows)))
+            if s.params.processed:
+                stop = [*(() if s.params.ignore_eos else self.eos_ids), *s.params.stop_token_ids]
+                rows.extend(Row(s.params, s.prompt_ids, emitted + drafts[:j], stop)
+                            for j in range(1 + len(drafts)))
+            else:
+                rows.extend([None] * (1 + len(drafts)))
+        if guided:
+            idx, allowed = self.guides.masks(guided, len(rows), out.shape[-1])
+            idx = idx.to(out.device)
+            out[idx] = out[idx].masked_fill(~allowed.to(out.device), float("-inf"))
+        return apply_controls(out, rows)
 
     def _layer_hook(self, batch: ScheduledBatch) -> Callable[[int], None] | None:
         """What runs after each layer of this batch: the prefill streaming hook (when the

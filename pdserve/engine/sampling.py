@@ -1,7 +1,7 @@
 """The sampler (its parameters, validated at the boundary, are `pdserve.core.sampling_params`).
 
-Owns the rules that turn logits into tokens: greedy, temperature, top-k, top-p, and a per-request
-seed. Randomness is drawn from a generator seeded by (seed, output index), so the token at a given
+Owns the rules that turn logits into tokens: greedy, temperature, min-p, top-k, top-p, and a
+per-request seed (the controls that change logits first are `pdserve.engine.logits_process`). Randomness is drawn from a generator seeded by (seed, output index), so the token at a given
 position is the same whichever process samples it: the prefill worker samples the first token and
 the decode worker the rest, and a seeded request still reproduces the single-process result.
 
@@ -34,6 +34,10 @@ def probs_from_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     # Shift so the largest logit is 0 before scaling: a tiny temperature then gives -inf, never
     # inf, and the softmax stays finite (unshifted, 1e-40 overflows to inf - inf = nan).
     x = (logits - logits.max()) / p.temperature
+    if p.min_p:
+        # After temperature, as vLLM: drop what is less likely than min_p times the top token.
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -61,6 +61,9 @@ class Sequence:
     paused: bool = False
     forced_drafts: list[int] = field(default_factory=list)
     verifying_anchor: bool = False
+    # A structured output's matcher (`engine.guided.GuideState`), made by the runner on the
+    # request's first sampled step; it follows token_ids by itself.
+    guide: Any = None
     # len(prompt_ids), kept: read for every sequence at every step (the prompt never changes).
     prompt_len: int = field(init=False, repr=False, compare=False)
     # params.max_tokens, kept: a simulator's bulk decode reads it for every running sequence

@@ -279,9 +279,14 @@ class OpenAIApp:
         s = common_pb2.SamplingParams(top_k=req.top_k, stop=req.stop,
                                       stop_token_ids=req.stop_token_ids,
                                       ignore_eos=req.ignore_eos, temperature=req.temperature)
-        for name in ("top_p", "seed", "max_tokens", "logprobs"):
+        for name in ("top_p", "seed", "max_tokens", "logprobs", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"):
             if getattr(req, name) is not None:
                 setattr(s, name, getattr(req, name))
+        s.logit_bias.update(dict(req.logit_bias))
+        if req.structured_output is not None:
+            s.structured_output.kind = req.structured_output.kind
+            s.structured_output.spec = req.structured_output.spec
         g = api_pb2.GenerateRequest(request_id=rid, model=req.model or "", sampling=s,
                                     cache_salt=req.cache_salt)
         if req.kind == "chat":

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.core.sampling_params import MAX_LOGPROBS
+from pdserve.core.structured import StructuredOutput
+from pdserve.router.openai_controls import controls
 from pdserve.router.limits import (MAX_CACHE_SALT_BYTES, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
                                    MAX_STOP_TOKEN_IDS)
 
@@ -75,6 +77,13 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str = ""  # vLLM's extension: requests share cached prefixes only within a salt
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
     # gRPC field -> the request field it came from, for errors the gRPC path reports.
     params: dict[str, str] = field(default_factory=dict)
 
@@ -158,10 +167,8 @@ def _token_ids(v: Any, name: str) -> tuple[int, ...]:
 
 # Fields pdserve does not implement: accepted only at their no-op value, else a 400 naming them.
 _UNSUPPORTED = {
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "best_of": (None, 1),
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+    "functions": (None, []),
 }
 
 
@@ -200,6 +207,9 @@ def _common(body: dict) -> dict[str, Any]:
     out["cache_salt"] = _str(body, "cache_salt") or ""
     if len(out["cache_salt"].encode("utf-8")) > MAX_CACHE_SALT_BYTES:
         raise bad("cache_salt", f"must be at most {MAX_CACHE_SALT_BYTES} bytes")
+    ctl = controls(body, bad, _kind)
+    params.update(ctl.pop("params"))
+    out.update(ctl)
     out["params"] = params
     return out
 

@@ -32,6 +32,7 @@ import grpc
 
 from pdserve.core import finish as fin
 from pdserve.core.sampling_params import InvalidArgumentError
+from pdserve.core.structured import Grammars
 from pdserve.logctx import request_context
 from pdserve.metrics import RouterMetrics
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
@@ -89,6 +90,15 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self.door = Door(self.admission, workers, self.metrics, self.signals)
         # A prompt a decode worker caches all but this many tokens of is prefilled there (0: off).
         self.max_local_prefill_tokens = max_local_prefill_tokens
+        self._grammars: Grammars | None = None
+
+    def grammars(self) -> Grammars:
+        """The structured outputs' grammars over this model's vocabulary, built on first use
+        (a quarter of a second), then compiled once per constraint."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                      list(self.model_config.eos_token_ids))
+        return self._grammars
 
     def ListModels(self, request, context):
         # One entry per model, as /v1/models: its aliases are accepted, not listed.
@@ -179,7 +189,8 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             check_model(request.model, self.model_names)
             prompt_ids = prompt_ids_of(request, self.tokenizer, self.model_config.vocab_size,
                                        self.max_model_len)
-            params = sampling_of(request, len(prompt_ids), self.max_model_len, self.model_config)
+            params = sampling_of(request, len(prompt_ids), self.max_model_len, self.model_config,
+                                 self.grammars)
         except InvalidArgumentError as e:
             self._abort(context, trip, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         trip.prompt_tokens = len(prompt_ids)

@@ -9,8 +9,11 @@ tokenizer's `encode_chat` (text spelling a control token stays text unless the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdserve.engine.config import ModelConfig
 from pdserve.core.sampling_params import InvalidArgumentError, SamplingParams
+from pdserve.core.structured import Grammars
 from pdserve.engine.tokenizer import ChatTemplateError
 from pdserve.proto import api_pb2
 from pdserve.router import limits
@@ -107,11 +110,17 @@ def prompt_ids_of(request: api_pb2.GenerateRequest, tokenizer, vocab_size: int,
 
 
 def sampling_of(request: api_pb2.GenerateRequest, prompt_len: int, max_model_len: int,
-                model: ModelConfig) -> SamplingParams:
+                model: ModelConfig, grammars: Callable[[], Grammars] | None = None
+                ) -> SamplingParams:
+    """The request's validated sampling, with a concrete seed. `grammars` (the router's,
+    built on first use) compiles a structured output here, so that one that cannot be compiled
+    is refused before any worker sees it."""
     if prompt_len >= max_model_len:
         raise InvalidArgumentError("prompt", f"{prompt_len} tokens does not fit the context "
                                    f"length {max_model_len}")
     params = params_from_proto(request.sampling)
     params.validate(max_model_len=max_model_len, prompt_len=prompt_len,
                     vocab_size=model.vocab_size)
+    if params.structured_output is not None and grammars is not None:
+        grammars().check(params.structured_output)
     return params.with_seed()

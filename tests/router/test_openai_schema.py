@@ -30,7 +30,8 @@ FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "top_p", "top_k", "seed", "n", "stop", "stop_token_ids", "stream", "stream_options",
           "logprobs", "top_logprobs", "ignore_eos", "user", "presence_penalty",
           "frequency_penalty", "logit_bias", "echo", "suffix", "best_of", "response_format",
-          "tools", "cache_salt"}
+          "tools", "cache_salt", "repetition_penalty", "min_p", "min_tokens", "guided_json",
+          "guided_regex", "guided_choice", "guided_grammar"}
 
 
 def root(param: str) -> str:
@@ -87,7 +88,20 @@ def test_completion_prompt_forms_and_logprobs():
      "stream_options.include_usage"),
     ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": USER, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": USER, "min_p": "0.1"}, "min_p"),
+    ({"messages": USER, "min_tokens": -1}, "min_tokens"),
+    ({"messages": USER, "logit_bias": {"12": 101}}, "logit_bias.12"),
+    ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": USER, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "object", "properties": {
+            "a": {"type": "integer"}}}}}}, "response_format.json_schema.schema"),
+    ({"messages": USER, "guided_choice": []}, "guided_choice"),
+    ({"messages": USER, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"messages": []}, "messages"),
     ({}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
@@ -186,7 +200,13 @@ near = {
     "stop_token_ids": st.lists(st.integers(-2, 60000), max_size=3),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | junk}),
     "logprobs": st.booleans() | st.integers(-2, 25), "top_logprobs": st.integers(-2, 25),
-    "presence_penalty": st.sampled_from([0, 0.0, 1.5]), "echo": st.booleans(),
+    "presence_penalty": st.sampled_from([0, 0.0, 1.5, 3]), "echo": st.booleans(),
+    "repetition_penalty": st.floats(-1, 3), "min_p": st.floats(-0.5, 1.5),
+    "min_tokens": st.integers(-1, 3), "logit_bias": st.dictionaries(
+        st.sampled_from(["1", "2", "x"]), st.floats(-200, 200), max_size=2),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                        {"type": "json_schema"}, {"type": "nope"}]),
+    "guided_choice": st.lists(st.text(max_size=3), max_size=2),
     "best_of": st.integers(0, 3),
 }
 
