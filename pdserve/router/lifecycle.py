@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -109,6 +110,10 @@ class Trip:
     last_s: float | None = None  # when its last tokens went out
     sent: int = 0  # tokens sent
     finish: str | None = None
+    # Several choices (`choices.py`): the first one's `lead` says where its prompt is decoded;
+    # the others `follow` it there.
+    lead: Any = None
+    follow: Any = None
 
 
 class Door:

@@ -288,7 +288,7 @@ class OpenAIApp:
             s.structured_output.kind = req.structured_output.kind
             s.structured_output.spec = req.structured_output.spec
         g = api_pb2.GenerateRequest(request_id=rid, model=req.model or "", sampling=s,
-                                    cache_salt=req.cache_salt)
+                                    cache_salt=req.cache_salt, n=req.n, best_of=req.best_of or 0)
         if req.kind == "chat":
             g.chat.messages.extend(api_pb2.ChatMessage(role=r, content=c) for r, c in req.messages)
             if req.max_tokens is None:
@@ -333,7 +333,7 @@ class OpenAIApp:
         except BaseException:
             call.cancel()  # e.g. the server shutting down mid-request
             raise
-        if not msgs or not msgs[-1].finish_reason:
+        if not render.complete(msgs):
             return error_response(OpenAIError(500, "generation ended without a finish reason",
                                               code="internal_error"))
         return JSONResponse(render.full(msgs))
@@ -362,7 +362,7 @@ class OpenAIApp:
                 while msg is not grpc.aio.EOF:
                     for c in render.chunks(msg):
                         yield _sse(c)
-                    if msg.finish_reason:
+                    if render.done:
                         break
                     msg = await call.read()
                 else:

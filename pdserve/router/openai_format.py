@@ -50,15 +50,34 @@ class Renderer:
         self.model = model
         self.created = created
         self.token_text = token_text
-        self._offset = 0  # completions' text_offset runs across chunks
+        self._offset: dict[int, int] = {}  # completions' text_offset runs across chunks, per choice
         self.chat = req.kind == "chat"
+        self._finished: dict[int, api_pb2.Usage] = {}  # choice index -> its usage
+
+    @property
+    def done(self) -> bool:
+        """Every choice has ended."""
+        return len(self._finished) >= self.req.n
+
+    def complete(self, responses: list[api_pb2.GenerateResponse]) -> bool:
+        """Whether `responses` end every choice."""
+        return len({r.index for r in responses if r.finish_reason}) >= self.req.n
+
+    def usage(self, finals: Iterable[api_pb2.Usage]) -> dict[str, Any]:
+        """One usage for all choices: the prompt once, every choice's completion tokens."""
+        finals = list(finals)
+        total = api_pb2.Usage()
+        total.CopyFrom(finals[0])
+        total.completion_tokens = sum(u.completion_tokens for u in finals)
+        return usage_of(total)
 
     # ---- logprobs ---------------------------------------------------------------------------
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         t = self.token_text(token_id)
         return {"token": t, "logprob": _lp(logprob), "bytes": list(t.encode("utf-8"))}
 
-    def logprobs(self, lps: Iterable[common_pb2.TokenLogprobs]) -> dict[str, Any] | None:
+    def logprobs(self, lps: Iterable[common_pb2.TokenLogprobs],
+                 index: int = 0) -> dict[str, Any] | None:
         if self.req.logprobs is None:
             return None
         lps = list(lps)
@@ -75,8 +94,8 @@ class Renderer:
             top = {self.token_text(x.token_id): _lp(x.logprob) for x in lp.top}
             top.setdefault(t, _lp(lp.logprob))
             tops.append(top)
-            offsets.append(self._offset)
-            self._offset += len(t)
+            offsets.append(self._offset.get(index, 0))
+            self._offset[index] = offsets[-1] + len(t)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -91,42 +110,53 @@ class Renderer:
     def first_chunks(self) -> list[dict[str, Any]]:
         if not self.chat:
             return []
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])]
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+                for i in range(self.req.n)]
 
     def chunks(self, r: api_pb2.GenerateResponse) -> list[dict[str, Any]]:
-        """The SSE chunks for one gRPC message (the last one also carries finish and usage)."""
+        """The SSE chunks for one gRPC message (a choice's last one also carries its finish;
+        the usage follows the last choice's)."""
         out = []
+        i = r.index
         if r.text or (r.token_ids and self.req.logprobs is not None):
-            lps = self.logprobs(r.logprobs)
+            lps = self.logprobs(r.logprobs, i)
             if self.chat:
-                choice = {"index": 0, "delta": {"content": r.text}, "logprobs": lps,
+                choice = {"index": i, "delta": {"content": r.text}, "logprobs": lps,
                           "finish_reason": None}
             else:
-                choice = {"index": 0, "text": r.text, "logprobs": lps, "finish_reason": None}
+                choice = {"index": i, "text": r.text, "logprobs": lps, "finish_reason": None}
             out.append(self._chunk([choice]))
         if r.finish_reason:
             finish = FINISH.get(r.finish_reason, fin.STOP)
             if self.chat:
-                choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "text": "", "logprobs": None, "finish_reason": finish}
             out.append(self._chunk([choice]))
-            if self.req.include_usage:
-                out.append({**self._chunk([]), "usage": usage_of(r.usage)})
+            self._finished[i] = r.usage
+            if self.req.include_usage and self.done:
+                out.append({**self._chunk([]), "usage": self.usage(
+                    self._finished[k] for k in sorted(self._finished))})
         return out
 
     # ---- whole response ---------------------------------------------------------------------
     def full(self, responses: list[api_pb2.GenerateResponse]) -> dict[str, Any]:
-        text = "".join(r.text for r in responses)
-        last = responses[-1]
-        lps = self.logprobs(lp for r in responses for lp in r.logprobs)
-        finish = FINISH.get(last.finish_reason, fin.STOP)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": lps, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
+        by_index: dict[int, list[api_pb2.GenerateResponse]] = {}
+        for r in responses:
+            by_index.setdefault(r.index, []).append(r)
+        choices = []
+        for i in sorted(by_index):
+            rs = by_index[i]
+            text = "".join(r.text for r in rs)
+            lps = self.logprobs((lp for r in rs for lp in r.logprobs), i)
+            finish = FINISH.get(rs[-1].finish_reason, fin.STOP)
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": lps, "finish_reason": finish})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lps,
+                                "finish_reason": finish})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage_of(last.usage)}
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage(by_index[i][-1].usage for i in sorted(by_index))}

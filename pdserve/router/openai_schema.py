@@ -20,6 +20,7 @@ from typing import Any
 
 from pdserve.core.sampling_params import MAX_LOGPROBS
 from pdserve.core.structured import StructuredOutput
+from pdserve.router.choices import MAX_CHOICES
 from pdserve.router.openai_controls import controls
 from pdserve.router.limits import (MAX_CACHE_SALT_BYTES, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
                                    MAX_STOP_TOKEN_IDS)
@@ -84,6 +85,8 @@ class ApiRequest:
     min_tokens: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
+    n: int = 1  # choices
+    best_of: int | None = None  # None: n
     # gRPC field -> the request field it came from, for errors the gRPC path reports.
     params: dict[str, str] = field(default_factory=dict)
 
@@ -167,8 +170,7 @@ def _token_ids(v: Any, name: str) -> tuple[int, ...]:
 
 # Fields pdserve does not implement: accepted only at their no-op value, else a 400 naming them.
 _UNSUPPORTED = {
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-    "functions": (None, []),
+    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
 }
 
 
@@ -179,9 +181,13 @@ def _common(body: dict) -> dict[str, Any]:
             raise bad(name, f"is not supported by this server (allowed: "
                       f"{', '.join(json.dumps(a) for a in allowed)})", "unsupported_value")
     out: dict[str, Any] = {"model": _str(body, "model")}
-    n = _int(body, "n", 1, INT32_MAX)
-    if n not in (None, 1):
-        raise bad("n", "only n=1 is supported", "unsupported_value")
+    out["n"] = _int(body, "n", 1, MAX_CHOICES) or 1
+    best_of = _int(body, "best_of", 1, MAX_CHOICES)
+    if best_of is not None and best_of < out["n"]:
+        raise bad("best_of", f"must be >= n ({out['n']}), got {best_of}")
+    if best_of is not None and best_of > out["n"] and body.get("stream"):
+        raise bad("best_of", "cannot be streamed: the best choices are known only at the end")
+    out["best_of"] = best_of
     out["temperature"] = _number(body, "temperature", 0.0, 2.0)
     out["top_p"] = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", -1, INT32_MAX)  # vLLM's extension; -1 and 0 mean off
@@ -189,7 +195,8 @@ def _common(body: dict) -> dict[str, Any]:
     out["seed"] = _int(body, "seed", INT64_MIN, INT64_MAX)
     out["ignore_eos"] = bool(_bool(body, "ignore_eos"))
     params = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-              "stop": "stop", "stop_token_ids": "stop_token_ids", "cache_salt": "cache_salt"}
+              "stop": "stop", "stop_token_ids": "stop_token_ids", "cache_salt": "cache_salt",
+              "n": "n", "best_of": "best_of"}
     # max_completion_tokens replaces max_tokens in OpenAI's chat API; as vLLM, it wins.
     mt = _int(body, "max_tokens", 1, INT32_MAX)
     mct = _int(body, "max_completion_tokens", 1, INT32_MAX)

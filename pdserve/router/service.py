@@ -23,6 +23,7 @@ INTERNAL). Must not run the model.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -33,6 +34,8 @@ import grpc
 from pdserve.core import finish as fin
 from pdserve.core.sampling_params import InvalidArgumentError
 from pdserve.core.structured import Grammars
+from pdserve.router import choices
+from pdserve.router.choices import Leader
 from pdserve.logctx import request_context
 from pdserve.metrics import RouterMetrics
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
@@ -120,8 +123,16 @@ class RouterService(api_pb2_grpc.GenerationServicer):
 
     def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
-        arrival = time.monotonic()
-        trip = self.door.enter(self._tenant(request, context), context, arrival)
+        tenant = self._tenant(request, context)
+        if request.n > 1 or request.best_of > 1:
+            yield from self._choices(request, context, rid, tenant)
+            return
+        yield from self._one(request, context, rid, tenant)
+
+    def _one(self, request, context, rid: str, tenant: str, lead: Leader | None = None,
+             follow: Leader | None = None):
+        trip = self.door.enter(tenant, context, time.monotonic())
+        trip.lead, trip.follow = lead, follow
         try:
             with request_context(rid):
                 for resp in self._generate(request, context, rid, trip):
@@ -129,6 +140,37 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     yield resp
         finally:
             self.door.leave(trip)
+            if lead is not None:
+                lead.publish(None)  # ended without a decode the others could share
+
+    def _choices(self, request, context, rid: str, tenant: str):
+        """n (or best_of) choices, each a request of its own (`choices.py`), merged into one
+        stream: interleaved as they come, or, ranking best_of, the best n once all are done."""
+        try:
+            n, best_of = choices.check(request)
+        except InvalidArgumentError as e:
+            self.metrics.rejected("invalid_argument")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        reqs = choices.choice_requests(request, rid, best_of)
+        leader = choices.Leader()
+        streams = [functools.partial(self._one, r, context, r.request_id, tenant,
+                                     leader if i == 0 else None, leader if i else None)
+                   for i, r in enumerate(reqs)]
+        keep_logprobs = request.sampling.HasField("logprobs")
+        if best_of == n:
+            for i, msg in choices.merge(streams):
+                msg.request_id, msg.index = rid, i
+                yield msg
+            return
+        got: dict[int, list[api_pb2.GenerateResponse]] = {i: [] for i in range(best_of)}
+        for i, msg in choices.merge(streams):
+            got[i].append(msg)
+        for rank, i in enumerate(choices.ranked(got, n)):
+            for msg in got[i]:
+                msg.request_id, msg.index = rid, rank
+                if not keep_logprobs:
+                    del msg.logprobs[:]
+                yield msg
 
     @staticmethod
     def _abort(context, trip: Trip, code: grpc.StatusCode, message: str):
@@ -197,6 +239,11 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         self.door.admit_prefill(trip, prompt_ids, context)
         sampling = params_to_proto(params)
         text = OutputText(self.tokenizer, prompt_ids, params.stop)
+        if trip.follow is not None:  # another choice of a request: prefill where the first is
+            address = trip.follow.wait(self._timeout(context))
+            if address is not None and (yield from self._follow(
+                    context, rid, prompt_ids, sampling, text, trip, address)):
+                return
         want = LiveRequest(prompt_ids, trip.tenant, sampling.max_tokens)
         route = plan(self.workers, want, self.max_local_prefill_tokens)
         while route.kind in (CACHED_LOCAL, OFFLOAD):
@@ -290,7 +337,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     attempt += 1
                     call = self._decode_call(address, stub, req, context)
                     if (yield from self._relay(context, req.request_id, call, text, usage, hop,
-                                               trip)):
+                                               trip, address)):
                         return
                 # The worker's stream ended early: its failure, not the request's.
                 self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
@@ -336,6 +383,22 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         yield from self._decode(context, req, text, usage, trip, dead=frozenset({route.address}))
         return True
 
+    def _follow(self, context, rid, prompt_ids, sampling, text: OutputText, trip: Trip,
+                address: str):
+        """A further choice on the decode worker `address` that decodes the first choice: it
+        holds the prompt's full blocks, so this choice computes only the last partial block
+        (under a block: it takes no local-prefill lease). True when served (or resumed
+        elsewhere after that worker broke), False when refused before a token (plan on)."""
+        usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
+                              cached_prompt_tokens=0)
+        served = yield from self._local(context, rid, prompt_ids, sampling, text, usage, trip,
+                                        address, 0, "local_prefill")
+        if served is not None:
+            return served
+        req = self._local_request(rid, prompt_ids, sampling, trip)
+        yield from self._decode(context, req, text, usage, trip, dead=frozenset({address}))
+        return True
+
     def _local(self, context, rid, prompt_ids, sampling, text: OutputText, usage, trip: Trip,
                address: str, chunk: int, what: str):
         """The request on `address`, which prefills it itself (`chunk` tokens a step at most,
@@ -348,7 +411,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         trip.offloaded = what == "offload"
         try:
             call = self._decode_call(address, self.workers.stub(address), req, context)
-            if (yield from self._relay(context, rid, call, text, usage, hop, trip)):
+            if (yield from self._relay(context, rid, call, text, usage, hop, trip, address)):
                 return True
             self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
                         f"{what}: decode stream ended without a finish reason")
@@ -369,16 +432,20 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             return stub.Decode(req, timeout=self._timeout(context))
         return self.muxes.start(address, stub, req, self._timeout(context))
 
-    def _relay(self, context, rid: str, call, text: OutputText, usage, hop: _Hop, trip: Trip):
-        """Relay one decode stream as text deltas; True once it ended with a finish reason
-        (or a stop string cut it short), False if the stream ended without one. Every token
-        relayed is added to `trip.emitted`."""
+    def _relay(self, context, rid: str, call, text: OutputText, usage, hop: _Hop, trip: Trip,
+               address: str):
+        """Relay one decode stream (from `address`) as text deltas; True once it ended with a
+        finish reason (or a stop string cut it short), False if the stream ended without one.
+        Every token relayed is added to `trip.emitted`; the first one tells the other choices
+        of a request where this one decodes."""
         # A client that cancels or disconnects cancels the decode: the worker frees the KV.
         if not context.add_callback(call.cancel):
             call.cancel()  # the client already left: the callback never runs
         with self.door.worker_call(call):
             try:
                 for chunk in call:
+                    if trip.lead is not None:
+                        trip.lead.publish(address)
                     if chunk.made_unix_s > 0:
                         self.metrics.worker_hop.observe(max(0.0, time.time() - chunk.made_unix_s))
                     usage.completion_tokens += len(chunk.token_ids)

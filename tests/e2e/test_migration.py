@@ -1,8 +1,8 @@
 """No request is lost when a worker dies mid-request (tiny Llama, 1 prefill + 2 decode workers,
 real processes on loopback, a cluster of its own: these tests kill workers).
 
-- A decode worker killed with SIGKILL while six streaming requests (greedy and seeded-sampled)
-  decode on both decode workers: every request ends with exactly the tokens and text of a
+- A decode worker killed with SIGKILL while six streaming requests (greedy and seeded-sampled,
+  some with a structured output and penalties) decode on both decode workers: every request ends with exactly the tokens and text of a
   fault-free run of the same requests, its streams resumed on the other decode worker; the
   router's metrics and request samples count the resumes.
 - The only prefill worker killed with SIGKILL: requests sent at once (the router still lists
@@ -35,6 +35,12 @@ PROMPTS = [list(range(500 + 11 * i, 500 + 11 * i + 10 + 4 * i)) for i in range(6
 SAMPLING = [dict(max_tokens=MAX_TOKENS, ignore_eos=True) if i % 2 == 0 else
             dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, top_p=0.95,
                  seed=4000 + i) for i in range(len(PROMPTS))]
+# A structured output and the penalties follow a request to the worker it resumes on: its
+# grammar's state and its token counts are replayed from the tokens it already sent.
+SAMPLING[2].update(presence_penalty=0.5, structured_output=common_pb2.StructuredOutput(
+    kind="regex", spec="[a-z][a-z ,.]*"))
+SAMPLING[3].update(frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={17: 3.0},
+                   structured_output=common_pb2.StructuredOutput(kind="json_object"))
 
 
 @pytest.fixture(scope="module")

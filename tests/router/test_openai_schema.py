@@ -74,7 +74,9 @@ def test_completion_prompt_forms_and_logprobs():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "n": 17}, "n"),
+    ({"messages": USER, "n": 3, "best_of": 2}, "best_of"),
+    ({"messages": USER, "n": 1, "best_of": 2, "stream": True}, "best_of"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"messages": USER, "max_completion_tokens": "5"}, "max_completion_tokens"),
     ({"messages": USER, "temperature": 2.5}, "temperature"),
@@ -120,7 +122,7 @@ def test_bad_chat_fields_are_named(body, param):
     ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [-1]}, "prompt"),
     ({"prompt": None}, "prompt"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"), ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "stop_token_ids": [-1]},
+    ({"prompt": "x", "best_of": 0}, "best_of"), ({"prompt": "x", "stop_token_ids": [-1]},
                                                  "stop_token_ids"),
 ])
 def test_bad_completion_fields_are_named(body, param):
@@ -306,7 +308,7 @@ def test_http_errors_have_openai_shape_and_server_keeps_serving(http_router):
     assert err["code"] == "model_not_found"
     assert_openai_error(c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": "9"}),
                         400, "max_tokens")
-    assert_openai_error(c.post("/v1/chat/completions", json={"messages": USER, "n": 3}), 400, "n")
+    assert_openai_error(c.post("/v1/chat/completions", json={"messages": USER, "n": 0}), 400, "n")
     assert_openai_error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 10**5}),
                         400, "max_tokens")  # past the context: found by the gRPC path, mapped
     assert_openai_error(c.post("/v1/completions", json={"prompt": [10**6]}), 400, "prompt")
