@@ -33,8 +33,8 @@ MAX_CHOICES = 1024
 FIELD = "structured_output"
 
 # JSON as models write it: whitespace between tokens is free but bounded, so that a weak model
-# cannot fill max_tokens with blank lines inside an object.
-_JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
+# cannot fill max_tokens with blank lines inside an object. (Tool-call arguments use it too.)
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,13 @@ class StructuredOutput:
         """The llguidance grammar for this constraint (valid shape assumed: `validate`)."""
         if self.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults=_JSON_OPTIONS)
+                {"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                _ascii_patterns(_json_schema(self.spec)), defaults=_JSON_OPTIONS)
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    ascii_patterns(_json_schema(self.spec)), defaults=JSON_OPTIONS)
+            except RecursionError:  # nested deeper than Python walks (json.loads was fine)
+                raise InvalidArgumentError(FIELD, "the JSON schema is nested too deeply") from None
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(ascii_classes(self.spec))
         if self.kind == "choice":
@@ -110,13 +113,13 @@ def ascii_classes(rx: str) -> str:
     return "".join(out)
 
 
-def _ascii_patterns(schema):
+def ascii_patterns(schema):
     """The schema with every `pattern` keyword's classes made ASCII (see `ascii_classes`)."""
     if isinstance(schema, dict):
         return {k: (ascii_classes(v) if k == "pattern" and isinstance(v, str)
-                    else _ascii_patterns(v)) for k, v in schema.items()}
+                    else ascii_patterns(v)) for k, v in schema.items()}
     if isinstance(schema, list):
-        return [_ascii_patterns(v) for v in schema]
+        return [ascii_patterns(v) for v in schema]
     return schema
 
 

@@ -114,6 +114,8 @@ class LLMEngine:
         check_request(prompt_ids, params, vocab_size=self.model_config.vocab_size,
                       max_model_len=self.max_model_len, block_size=self.block_size,
                       num_blocks=self.pool.num_blocks)
+        if params.structured_output is not None:  # compiled once, cached: the runner's too
+            self.runner.guides.grammars.check(params.structured_output)
 
     def add_request(self, request_id: str | None, prompt_ids: list[int], params: SamplingParams,
                     *, salt: str = "", prefill_only: bool = False,

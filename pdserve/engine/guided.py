@@ -13,6 +13,7 @@ no path needs to move a matcher's state: the tokens are the state. Must not samp
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import llguidance
@@ -57,14 +58,23 @@ class Guides:
     def __init__(self, grammars: Callable[[], Grammars], eos_ids: list[int]) -> None:
         self._make_grammars = grammars
         self._grammars: Grammars | None = None
+        self._lock = threading.Lock()
         self.eos_ids = list(eos_ids)
         self._executor: llguidance.LLExecutor | None = None
 
     @property
     def grammars(self) -> Grammars:
-        if self._grammars is None:
-            self._grammars = self._make_grammars()
-        return self._grammars
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = self._make_grammars()
+            return self._grammars
+
+    def warm(self) -> threading.Thread:
+        """Build the grammars' vocabulary on a thread of its own now (a worker does, so that
+        its first structured request does not stall the running batch for it)."""
+        t = threading.Thread(target=lambda: self.grammars, name="grammars-warm", daemon=True)
+        t.start()
+        return t
 
     def state(self, so: StructuredOutput) -> GuideState:
         return GuideState(self.grammars.matcher(so))
@@ -86,11 +96,13 @@ class Guides:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 spec, bitmask.data_ptr(), words * 4, num_rows)
         rows = [r for st, drafts, first in entries for r in range(first, first + 1 + len(drafts))]
-        errored = [first for st, drafts, first in entries if st.matcher.is_error()]
+        # A matcher in its error state allows nothing, and one whose grammar is complete only
+        # the end of sequence (generated on under ignore_eos): both end the request.
+        errored = [first for st, drafts, first in entries
+                   if st.matcher.is_error() or st.matcher.is_stopped()]
         idx = torch.tensor(rows, dtype=torch.long)
         allowed = _unpack(bitmask[idx], vocab)
         if errored:
-            # A matcher in its error state allows nothing; end the request instead.
             pos = {r: k for k, r in enumerate(rows)}
             for r in errored:
                 allowed[pos[r]] = False

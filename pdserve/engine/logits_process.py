@@ -2,7 +2,8 @@
 
 Owns, for a batch of rows, in vLLM's order: the structured output's mask (tokens the grammar
 forbids get -inf), `min_tokens` (end-of-sequence and stop token ids forbidden until that many
-output tokens), `logit_bias` (added), then the penalties: `repetition_penalty` over every token
+output tokens; yielding where nothing else is left, as after a complete grammar),
+`logit_bias` (added), then the penalties: `repetition_penalty` over every token
 of the prompt and the output (a positive logit divided by it, a negative one multiplied),
 `frequency_penalty` times each token's count in the output, `presence_penalty` once per token
 present in the output. `min_p` acts after temperature and lives with the sampler.
@@ -59,7 +60,14 @@ def apply(logits: torch.Tensor, rows: list[Row | None]) -> torch.Tensor:
             bias_v.append(b)
     dev = logits.device
     if ban_r:
-        logits[torch.tensor(ban_r, device=dev), torch.tensor(ban_t, device=dev)] = float("-inf")
+        where = (torch.tensor(ban_r, device=dev), torch.tensor(ban_t, device=dev))
+        kept = logits[where]
+        logits[where] = float("-inf")
+        # A row the ban leaves with no token at all (a structured output whose grammar is
+        # complete allows only the end of sequence) keeps its stop tokens: the grammar's end
+        # wins over min_tokens, as nothing else could be sampled there.
+        empty = torch.isneginf(logits[where[0]]).all(dim=-1)  # per banned entry, its row's
+        logits[where] = torch.where(empty, kept, float("-inf"))  # (no device sync)
     if bias_r:
         logits.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
                           torch.tensor(bias_v, dtype=logits.dtype, device=dev), accumulate=True)

@@ -74,6 +74,7 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
                         draft_path=cfg.draft_path or None, schedule=cfg.spec_schedule)
         if cfg.spec_method else None))
     release_free_heap()
+    engine.runner.guides.warm()  # structured outputs' vocabulary, off the engine thread
     return engine
 
 
