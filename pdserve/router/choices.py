@@ -109,6 +109,27 @@ def merge(streams: list[Callable[[], Iterator[api_pb2.GenerateResponse]]]
             yield i, item
 
 
+def serve(streams: list[Callable[[], Iterator[api_pb2.GenerateResponse]]], rid: str, n: int,
+          keep_logprobs: bool) -> Iterator[api_pb2.GenerateResponse]:
+    """The request's stream: every choice's messages, tagged with its index, as they come; or,
+    with more streams than `n` (best_of), the best n once all are done, re-indexed by rank
+    (their logprobs dropped unless the client asked for them)."""
+    if len(streams) == n:
+        for i, msg in merge(streams):
+            msg.request_id, msg.index = rid, i
+            yield msg
+        return
+    got: dict[int, list[api_pb2.GenerateResponse]] = {i: [] for i in range(len(streams))}
+    for i, msg in merge(streams):
+        got[i].append(msg)
+    for rank, i in enumerate(ranked(got, n)):
+        for msg in got[i]:
+            msg.request_id, msg.index = rid, rank
+            if not keep_logprobs:
+                del msg.logprobs[:]
+            yield msg
+
+
 def ranked(messages: dict[int, list[api_pb2.GenerateResponse]], n: int) -> list[int]:
     """The n choices with the highest sum of their tokens' logprobs, best first (ties: the
     lower index)."""

@@ -11,7 +11,9 @@ Each request is one call of the router's own gRPC `Generate`: in process when th
 both (`LocalGeneration`: the servicer on a thread, no loopback stream to serialize every token
 into), over loopback gRPC otherwise; so HTTP and gRPC clients get the same validation, routing
 and tokens. A client that goes away cancels that call, which cancels the decode on the worker
-and frees the request's KV.
+and frees the request's KV. A chat's tools and its turns' tool calls travel in the gRPC chat's
+JSON fields (rendered by the router's chat template); a `required` or named `tool_choice`
+becomes the request's structured output (`openai_tools.tool_grammar`).
 With API keys configured, every `/v1` route (models included, unknown ones too) needs a known
 key before anything else is done, as vLLM's `--api-key`; `/health` and `/metrics` stay open.
 The gRPC service still decides the request's tenant from the key passed on.
@@ -53,9 +55,11 @@ from pdserve.security import failures
 from pdserve.security.access import NO_CREDENTIAL
 from pdserve.router.local_call import LocalGeneration
 from pdserve.router.openai_format import Renderer, token_texts
-from pdserve.router.openai_schema import (ApiRequest, OpenAIError, bad, error_from_status,
-                                          model_not_found, parse_chat, parse_completion,
-                                          with_defaults)
+from pdserve.router.openai_schema import (ApiRequest, ChatTurn, OpenAIError, bad,
+                                          error_from_status, model_not_found, parse_chat,
+                                          parse_completion, with_defaults)
+from pdserve.router.openai_tools import tool_grammar
+from pdserve.router.tool_prompt import has_tool_call_tokens
 from pdserve.router.validate import prompt_ids_of
 
 class HttpStartError(RuntimeError):
@@ -288,9 +292,16 @@ class OpenAIApp:
             s.structured_output.kind = req.structured_output.kind
             s.structured_output.spec = req.structured_output.spec
         g = api_pb2.GenerateRequest(request_id=rid, model=req.model or "", sampling=s,
-                                    cache_salt=req.cache_salt, n=req.n, best_of=req.best_of or 0)
+                                    cache_salt=req.cache_salt, n=req.n, best_of=req.best_of or 0,
+                                    suffix=req.suffix)
         if req.kind == "chat":
-            g.chat.messages.extend(api_pb2.ChatMessage(role=r, content=c) for r, c in req.messages)
+            g.chat.messages.extend(chat_message(t) for t in req.messages)
+            if req.tool_use is not None:
+                g.chat.tools_json = req.tool_use.tools_json()
+                so = tool_grammar(req.tool_use, has_tool_call_tokens(self.tokenizer))
+                if so is not None:  # required or named: the calls are forced (g holds a copy)
+                    g.sampling.structured_output.kind = so.kind
+                    g.sampling.structured_output.spec = so.spec
             if req.max_tokens is None:
                 # As vLLM: a chat without max_tokens may use the rest of the context. The ids
                 # counted for it are the prompt Generate gets: the chat is tokenized once.
@@ -318,8 +329,12 @@ class OpenAIApp:
             return error_response(e)
         assert self._stub is not None
         call = self._stub.Generate(greq, timeout=self.timeout_s, metadata=metadata)
+        echo = ""
+        if req.echo:
+            echo = req.prompt if req.prompt is not None else self.tokenizer.decode(
+                list(req.prompt_ids or ()), skip_special_tokens=False)
         render = Renderer(req, rid, req.model or self.model_names[0], int(time.time()),
-                          self.token_text)
+                          self.token_text, echo)
         try:
             if req.stream:
                 # Wait for the first message, so errors before any token get their own status.
@@ -393,6 +408,15 @@ class _CallStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._call.cancel()
+
+
+def chat_message(t: ChatTurn) -> api_pb2.ChatMessage:
+    """A chat turn as the gRPC API takes it (tool calls as JSON text, in OpenAI's shape)."""
+    m = api_pb2.ChatMessage(role=t.role, content=t.content, tool_call_id=t.tool_call_id,
+                            name=t.name)
+    if t.tool_calls:
+        m.tool_calls_json = json.dumps([c.openai() for c in t.tool_calls], ensure_ascii=False)
+    return m
 
 
 async def _collect(call) -> list[api_pb2.GenerateResponse]:

@@ -1,8 +1,9 @@
 """`pdserve.v1.GenerateResponse` messages in, OpenAI response bodies and stream chunks out.
 
 Owns the JSON shapes of `/v1/chat/completions` and `/v1/completions` (whole responses and SSE
-chunks, usage, both logprobs formats). Pure: no sockets, no asyncio; token ids become text
-through the `token_text` callable it is given.
+chunks, usage, both logprobs formats, and a chat's `tool_calls`, with finish_reason
+"tool_calls", when the request offered tools: read from the text by `tool_output`). Pure: no
+sockets, no asyncio; token ids become text through the `token_text` callable it is given.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 from pdserve.core import finish as fin
 from pdserve.proto import api_pb2, common_pb2
 from pdserve.router.openai_schema import ApiRequest
+from pdserve.router.tool_output import ToolCallStream, parse
 
 FINISH = {common_pb2.FINISH_REASON_STOP: fin.STOP, common_pb2.FINISH_REASON_LENGTH: fin.LENGTH,
           common_pb2.FINISH_REASON_ABORT: fin.ABORT}
 # JSON has no -inf; vLLM reports an impossible token's logprob as -9999.0 too.
 MIN_LOGPROB = -9999.0
+TOOL_CALLS = "tool_calls"  # OpenAI's finish_reason when the model called tools
 
 
 def token_texts(tokenizer, cache_size: int = 1 << 16) -> Callable[[int], str]:
@@ -44,7 +47,7 @@ class Renderer:
     """One request's response: chunks as gRPC messages arrive, or the whole body at the end."""
 
     def __init__(self, req: ApiRequest, request_id: str, model: str, created: int,
-                 token_text: Callable[[int], str]) -> None:
+                 token_text: Callable[[int], str], echo: str = "") -> None:
         self.req = req
         self.id = request_id
         self.model = model
@@ -53,6 +56,11 @@ class Renderer:
         self._offset: dict[int, int] = {}  # completions' text_offset runs across chunks, per choice
         self.chat = req.kind == "chat"
         self._finished: dict[int, api_pb2.Usage] = {}  # choice index -> its usage
+        self.echo = echo  # completions with echo: the prompt's text, before each choice's
+        use = req.tool_use
+        # A chat that may call tools: its output is read for calls, per choice.
+        self.tools = use if self.chat and use is not None and use.parses else None
+        self._calls: dict[int, ToolCallStream] = {}
 
     @property
     def done(self) -> bool:
@@ -109,7 +117,9 @@ class Renderer:
 
     def first_chunks(self) -> list[dict[str, Any]]:
         if not self.chat:
-            return []
+            return [self._chunk([{"index": i, "text": self.echo, "logprobs": None,
+                                  "finish_reason": None}])
+                    for i in range(self.req.n)] if self.echo else []
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
                 for i in range(self.req.n)]
@@ -119,7 +129,9 @@ class Renderer:
         the usage follows the last choice's)."""
         out = []
         i = r.index
-        if r.text or (r.token_ids and self.req.logprobs is not None):
+        if self.tools is not None:
+            out += self._tool_chunks(r)
+        elif r.text or (r.token_ids and self.req.logprobs is not None):
             lps = self.logprobs(r.logprobs, i)
             if self.chat:
                 choice = {"index": i, "delta": {"content": r.text}, "logprobs": lps,
@@ -129,6 +141,8 @@ class Renderer:
             out.append(self._chunk([choice]))
         if r.finish_reason:
             finish = FINISH.get(r.finish_reason, fin.STOP)
+            if finish == fin.STOP and i in self._calls and self._calls[i].called:
+                finish = TOOL_CALLS
             if self.chat:
                 choice = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}
             else:
@@ -139,6 +153,22 @@ class Renderer:
                 out.append({**self._chunk([]), "usage": self.usage(
                     self._finished[k] for k in sorted(self._finished))})
         return out
+
+    def _tool_chunks(self, r: api_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """A choice's text as `tool_output` reads it: content deltas (held back while they
+        may open a call), then each call's name and arguments; logprobs ride on the first."""
+        calls = self._calls.get(r.index)
+        if calls is None:
+            assert self.tools is not None
+            calls = self._calls[r.index] = ToolCallStream(self.tools.max_calls)
+        deltas = calls.feed(r.text)
+        if r.finish_reason:
+            deltas += calls.finish()
+        lps = self.logprobs(r.logprobs, r.index) if r.token_ids else None
+        if lps is not None and not deltas:
+            deltas = [{}]
+        return [self._chunk([{"index": r.index, "delta": d, "logprobs": lps if k == 0 else None,
+                              "finish_reason": None}]) for k, d in enumerate(deltas)]
 
     # ---- whole response ---------------------------------------------------------------------
     def full(self, responses: list[api_pb2.GenerateResponse]) -> dict[str, Any]:
@@ -152,10 +182,17 @@ class Renderer:
             lps = self.logprobs((lp for r in rs for lp in r.logprobs), i)
             finish = FINISH.get(rs[-1].finish_reason, fin.STOP)
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lps, "finish_reason": finish})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    found = parse(text, self.tools.max_calls)
+                    message["content"] = found.content
+                    if found.calls:
+                        message["tool_calls"] = [c.openai() for c in found.calls]
+                        finish = TOOL_CALLS if finish == fin.STOP else finish
+                choices.append({"index": i, "message": message, "logprobs": lps,
+                                "finish_reason": finish})
             else:
-                choices.append({"index": i, "text": text, "logprobs": lps,
+                choices.append({"index": i, "text": self.echo + text, "logprobs": lps,
                                 "finish_reason": finish})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,

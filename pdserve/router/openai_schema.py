@@ -22,6 +22,8 @@ from pdserve.core.sampling_params import MAX_LOGPROBS
 from pdserve.core.structured import StructuredOutput
 from pdserve.router.choices import MAX_CHOICES
 from pdserve.router.openai_controls import controls
+from pdserve.router.openai_tools import (ToolCall, ToolUse, tool_calls, tool_turn_name,
+                                         tool_use)
 from pdserve.router.limits import (MAX_CACHE_SALT_BYTES, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS,
                                    MAX_STOP_TOKEN_IDS)
 
@@ -58,12 +60,24 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> OpenAIE
 
 
 @dataclass(frozen=True)
+class ChatTurn:
+    """One chat message: its role and text, an assistant's tool calls, and for a tool turn the
+    call it answers (`tool_call_id`) and that call's function (`name`)."""
+
+    role: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
 class ApiRequest:
     """A validated OpenAI request, in the terms of `pdserve.v1.GenerateRequest`."""
 
     kind: str  # "chat" or "completion"
     model: str | None
-    messages: tuple[tuple[str, str], ...] = ()  # chat: (role, content)
+    messages: tuple[ChatTurn, ...] = ()  # chat
     prompt: str | None = None  # completion: text ...
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
     temperature: float | None = None
@@ -85,7 +99,10 @@ class ApiRequest:
     min_tokens: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: StructuredOutput | None = None
+    tool_use: ToolUse | None = None  # chat: the functions offered, and how they may be called
     n: int = 1  # choices
+    echo: bool = False  # completions: the prompt's text before the completion's
+    suffix: str = ""  # completions: fill in the middle, before this text
     best_of: int | None = None  # None: n
     # gRPC field -> the request field it came from, for errors the gRPC path reports.
     params: dict[str, str] = field(default_factory=dict)
@@ -169,13 +186,15 @@ def _token_ids(v: Any, name: str) -> tuple[int, ...]:
 # ---- fields shared by both endpoints -------------------------------------------------------------
 
 # Fields pdserve does not implement: accepted only at their no-op value, else a 400 naming them.
-_UNSUPPORTED = {
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
-}
+_UNSUPPORTED = {"functions": (None, [])}  # the legacy API; `tools` replaces it
+# The chat API has no echo or suffix (as OpenAI's): accepted only at their no-op value there.
+_COMPLETIONS_ONLY = {"echo": (None, False), "suffix": (None, "")}
+# The completions API has no tools (as OpenAI's): accepted only at their no-op value there.
+_CHAT_ONLY = {"tools": (None, [])}
 
 
-def _common(body: dict) -> dict[str, Any]:
-    for name, allowed in _UNSUPPORTED.items():
+def _common(body: dict, unsupported: Mapping[str, tuple] = _UNSUPPORTED) -> dict[str, Any]:
+    for name, allowed in unsupported.items():
         v = body.get(name)
         if not any(type(v) is type(a) and v == a for a in allowed):
             raise bad(name, f"is not supported by this server (allowed: "
@@ -265,24 +284,33 @@ def _object(body: Any) -> dict:
 
 def parse_chat(body: Any) -> ApiRequest:
     body = _object(body)
-    common = _common(body)
+    common = _common(body, {**_UNSUPPORTED, **_COMPLETIONS_ONLY})
     msgs = body.get("messages")
     if msgs is None:
         raise bad("messages", "is required", "missing_required_parameter")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty array of messages")
-    messages = tuple(_message(m, i) for i, m in enumerate(msgs))
+    calls: dict[str, str] = {}  # id -> function, of the calls made so far in the chat
+    messages = tuple(_message(m, i, calls) for i, m in enumerate(msgs))
     want = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want:
         raise bad("top_logprobs", "requires logprobs to be true")
     params = {**common.pop("params"), "prompt": "messages", "chat.messages": "messages",
-              "logprobs": "top_logprobs" if top is not None else "logprobs"}
+              "logprobs": "top_logprobs" if top is not None else "logprobs",
+              "chat.tools_json": "tools"}
+    tools = tool_use(body, bad, _kind)
+    if tools is not None and tools.choice in ("required", "named"):
+        # The tool grammar (openai_api) is the request's structured output.
+        if common["structured_output"] is not None:
+            raise bad("tool_choice", f"a required or named tool choice cannot be combined "
+                      f"with {params.get('structured_output', 'a structured output')}")
+        params["structured_output"] = "tools"
     return ApiRequest(kind="chat", messages=messages, logprobs=(top or 0) if want else None,
-                      params=params, **common)
+                      tool_use=tools, params=params, **common)
 
 
-def _message(m: Any, i: int) -> tuple[str, str]:
+def _message(m: Any, i: int, calls: dict[str, str]) -> ChatTurn:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(where, f"must be an object, got {_kind(m)}", "invalid_type")
@@ -304,18 +332,39 @@ def _message(m: Any, i: int) -> tuple[str, str]:
     if not isinstance(content, str):
         raise bad(f"{where}.content", f"must be a string or an array of text parts, got "
                   f"{_kind(content)}", "invalid_type")
-    return role, _utf8(content, f"{where}.content")
+    content = _utf8(content, f"{where}.content")
+    made: tuple[ToolCall, ...] = ()
+    if m.get("tool_calls") is not None:
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls", "only assistant turns make tool calls")
+        made = tool_calls(m["tool_calls"], f"{where}.tool_calls", bad, _kind)
+        calls.update((c.id, c.name) for c in made)
+    if role != "tool":
+        return ChatTurn(role, content, made)
+    call_id = m.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(f"{where}.tool_call_id", "is required for a tool turn: the id of the call "
+                  "it answers")
+    _utf8(call_id, f"{where}.tool_call_id")
+    return ChatTurn(role, content, (), call_id, tool_turn_name(call_id, calls, where, bad))
 
 
 def parse_completion(body: Any) -> ApiRequest:
     body = _object(body)
-    common = _common(body)
+    common = _common(body, {**_UNSUPPORTED, **_CHAT_ONLY})
     prompt, ids = _prompt(body.get("prompt"))
     k = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    echo = bool(_bool(body, "echo"))
+    if echo and k is not None:
+        raise bad("echo", "cannot be combined with logprobs: prompt logprobs are not computed",
+                  "unsupported_value")
+    suffix = _str(body, "suffix") or ""
+    if suffix and ids is not None:
+        raise bad("suffix", "needs a text prompt")
     params = {**common.pop("params"), "prompt": "prompt", "token_ids": "prompt",
-              "logprobs": "logprobs"}
+              "logprobs": "logprobs", "suffix": "suffix"}
     return ApiRequest(kind="completion", prompt=prompt, prompt_ids=ids, logprobs=k,
-                      params=params, **common)
+                      echo=echo, suffix=suffix, params=params, **common)
 
 
 def _prompt(v: Any) -> tuple[str | None, tuple[int, ...] | None]:
@@ -389,7 +438,8 @@ def _rename(head: str, params: dict[str, str]) -> str | None:
         return params[head]
     for grpc_name, http_name in params.items():
         if head.startswith((grpc_name + "[", grpc_name + ".")):
-            return http_name + head[len(grpc_name):]
+            # chat.messages[2].tool_calls_json: the turn's tool_calls, sent as JSON text
+            return (http_name + head[len(grpc_name):]).replace(".tool_calls_json", ".tool_calls")
     return None
 
 

@@ -144,8 +144,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 lead.publish(None)  # ended without a decode the others could share
 
     def _choices(self, request, context, rid: str, tenant: str):
-        """n (or best_of) choices, each a request of its own (`choices.py`), merged into one
-        stream: interleaved as they come, or, ranking best_of, the best n once all are done."""
+        """n (or best_of) choices, each a request of its own, merged into one stream."""
         try:
             n, best_of = choices.check(request)
         except InvalidArgumentError as e:
@@ -156,21 +155,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         streams = [functools.partial(self._one, r, context, r.request_id, tenant,
                                      leader if i == 0 else None, leader if i else None)
                    for i, r in enumerate(reqs)]
-        keep_logprobs = request.sampling.HasField("logprobs")
-        if best_of == n:
-            for i, msg in choices.merge(streams):
-                msg.request_id, msg.index = rid, i
-                yield msg
-            return
-        got: dict[int, list[api_pb2.GenerateResponse]] = {i: [] for i in range(best_of)}
-        for i, msg in choices.merge(streams):
-            got[i].append(msg)
-        for rank, i in enumerate(choices.ranked(got, n)):
-            for msg in got[i]:
-                msg.request_id, msg.index = rid, rank
-                if not keep_logprobs:
-                    del msg.logprobs[:]
-                yield msg
+        yield from choices.serve(streams, rid, n, request.sampling.HasField("logprobs"))
 
     @staticmethod
     def _abort(context, trip: Trip, code: grpc.StatusCode, message: str):

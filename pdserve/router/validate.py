@@ -4,7 +4,8 @@ Pure: a request message and the tokenizer in, token ids and sampling parameters 
 `InvalidArgumentError` whose `field` is the request field at fault (invariant 7). Sizes are
 checked first (`limits`): a request too large to ever fit is refused before it is tokenized or
 rendered, so refusing it costs about as much as reading it. Chat messages are encoded with the
-tokenizer's `encode_chat` (text spelling a control token stays text unless the router allows it).
+tokenizer's `encode_chat` (text spelling a control token stays text unless the router allows it);
+a chat with tools or tool turns is rendered by `tool_prompt`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pdserve.core.structured import Grammars
 from pdserve.engine.tokenizer import ChatTemplateError
 from pdserve.proto import api_pb2
 from pdserve.router import limits
+from pdserve.router.tool_prompt import chat_ids
 from pdserve.wire import params_from_proto
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -58,19 +60,43 @@ def check_sizes(request: api_pb2.GenerateRequest, max_model_len: int,
         n = len(request.prompt.encode("utf-8"))
         if n > most:
             raise InvalidArgumentError("prompt", f"{n} bytes of text {fits}")
+        n += len(request.suffix.encode("utf-8"))
+        if n > most:
+            raise InvalidArgumentError("suffix", f"{n} bytes of prompt and suffix {fits}")
     elif which == "chat":
         msgs = request.chat.messages
         # Every turn renders to at least one token (its role marker) in a chat template.
         if len(msgs) >= max_model_len:
             raise InvalidArgumentError("chat.messages", f"{len(msgs)} messages cannot fit the "
                                        f"context length {max_model_len}")
-        n = sum(len(m.content.encode("utf-8")) for m in msgs)
+        n = sum(len(m.content.encode("utf-8")) + len(m.tool_calls_json.encode("utf-8"))
+                for m in msgs) + len(request.chat.tools_json.encode("utf-8"))
         if n > most:
-            raise InvalidArgumentError("chat.messages", f"{n} bytes of content {fits}")
+            raise InvalidArgumentError("chat.messages", f"{n} bytes of content and tools {fits}")
     elif which == "token_ids" and len(request.token_ids.ids) >= max_model_len:
         # As a prompt found too long once tokenized: the prompt, whatever form it came in.
         raise InvalidArgumentError("prompt", f"{len(request.token_ids.ids)} tokens does not "
                                    f"fit the context length {max_model_len}")
+
+
+# The fill-in-the-middle control tokens, as the code models' tokenizers spell them.
+FIM_SPELLINGS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+                 ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+
+
+def fill_in_the_middle(tokenizer, prefix: str, suffix: str) -> list[int]:
+    """The prompt that asks a model for the text between `prefix` and `suffix`, in the
+    prefix-suffix-middle order the code models are trained on; INVALID_ARGUMENT naming
+    `suffix` when the tokenizer has no such tokens."""
+    for spelling in FIM_SPELLINGS:
+        ids = [tokenizer.token_to_id(t) for t in spelling]
+        if None not in ids:
+            pre, suf, mid = ids
+            return ([pre] + tokenizer.encode(prefix, add_special_tokens=False) + [suf]
+                    + tokenizer.encode(suffix, add_special_tokens=False) + [mid])
+    raise InvalidArgumentError("suffix", "this model has no fill-in-the-middle tokens "
+                               f"({', '.join(FIM_SPELLINGS[0])} or "
+                               f"{', '.join(FIM_SPELLINGS[1])})")
 
 
 def prompt_ids_of(request: api_pb2.GenerateRequest, tokenizer, vocab_size: int,
@@ -81,10 +107,13 @@ def prompt_ids_of(request: api_pb2.GenerateRequest, tokenizer, vocab_size: int,
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidArgumentError("prompt", "one of prompt, chat or token_ids is required")
+    if request.suffix and which != "prompt":
+        raise InvalidArgumentError("suffix", "needs a text prompt")
     if which == "prompt":
         if not request.prompt:
             raise InvalidArgumentError("prompt", "must not be empty")
-        ids = tokenizer.encode(request.prompt)
+        ids = (fill_in_the_middle(tokenizer, request.prompt, request.suffix) if request.suffix
+               else tokenizer.encode(request.prompt))
     elif which == "chat":
         msgs = request.chat.messages
         if not msgs:
@@ -94,7 +123,12 @@ def prompt_ids_of(request: api_pb2.GenerateRequest, tokenizer, vocab_size: int,
                 raise InvalidArgumentError(f"chat.messages[{i}].role",
                                            f"must be one of {', '.join(CHAT_ROLES)}")
         try:
-            ids = tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in msgs])
+            if request.chat.tools_json or any(m.tool_calls_json or m.role == "tool"
+                                              for m in msgs):
+                ids = chat_ids(request.chat, tokenizer)
+            else:
+                ids = tokenizer.encode_chat([{"role": m.role, "content": m.content}
+                                             for m in msgs])
         except ChatTemplateError as e:  # the template's own words, which may quote a message
             raise InvalidArgumentError("chat.messages", limits.cut(str(e))) from None
     else:

@@ -203,3 +203,17 @@ def test_best_of_returns_the_most_likely_choices(client, model):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt="x", max_tokens=2, n=2, best_of=1)
     assert err.value.body["param"] == "best_of"
+
+
+def test_echo_returns_the_prompt_before_the_completion(client, model):
+    plain = client.completions.create(model=model, prompt="The ocean is", max_tokens=6,
+                                      temperature=0)
+    r = client.completions.create(model=model, prompt="The ocean is", max_tokens=6,
+                                  temperature=0, echo=True)
+    assert r.choices[0].text == "The ocean is" + plain.choices[0].text
+    stream = client.completions.create(model=model, prompt="The ocean is", max_tokens=6,
+                                       temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:  # the default model has no FIM tokens
+        client.completions.create(model=model, prompt="def f(", suffix="):", max_tokens=4)
+    assert err.value.body["param"] == "suffix"

@@ -26,12 +26,14 @@ from pdserve.router.openai_schema import (DEFAULT_TEMPERATURE, OpenAIError, erro
 from tests.helpers import free_port, process_output, start_process, stop_process
 
 USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "seed", "n", "stop", "stop_token_ids", "stream", "stream_options",
           "logprobs", "top_logprobs", "ignore_eos", "user", "presence_penalty",
           "frequency_penalty", "logit_bias", "echo", "suffix", "best_of", "response_format",
           "tools", "cache_salt", "repetition_penalty", "min_p", "min_tokens", "guided_json",
-          "guided_regex", "guided_choice", "guided_grammar"}
+          "guided_regex", "guided_choice", "guided_grammar", "tool_choice", "parallel_tool_calls"}
 
 
 def root(param: str) -> str:
@@ -47,7 +49,7 @@ def test_chat_fields_map_to_the_generate_request():
                     "max_completion_tokens": 7, "max_tokens": 3, "temperature": 0, "seed": -5,
                     "stop": "x", "logprobs": True, "top_logprobs": 4, "stream": True,
                     "stream_options": {"include_usage": True}, "n": 1, "top_k": -1})
-    assert r.messages == (("system", "be brief"), ("user", "ab"))
+    assert [(m.role, m.content) for m in r.messages] == [("system", "be brief"), ("user", "ab")]
     assert (r.max_tokens, r.temperature, r.seed, r.stop, r.logprobs) == (7, 0.0, -5, ("x",), 4)
     assert r.stream and r.include_usage and r.top_k == 0
     assert r.params["max_tokens"] == "max_completion_tokens"  # errors name what the client sent
@@ -121,7 +123,7 @@ def test_bad_chat_fields_are_named(body, param):
 @pytest.mark.parametrize("body, param", [
     ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [-1]}, "prompt"),
     ({"prompt": None}, "prompt"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "logprobs": True}, "logprobs"), ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"), ({"prompt": "x", "echo": 1}, "echo"),
     ({"prompt": "x", "best_of": 0}, "best_of"), ({"prompt": "x", "stop_token_ids": [-1]},
                                                  "stop_token_ids"),
 ])
@@ -193,7 +195,8 @@ valid = {
 # ... and, for a few fields per body, values that are often wrong (near misses or any JSON).
 near = {
     "model": st.sampled_from(["", "nope"]), "messages": st.lists(st.fixed_dictionaries({
-        "role": st.sampled_from(["user", "robot"]), "content": text | junk}), max_size=2),
+        "role": st.sampled_from(["user", "robot", "tool"]), "content": text | junk}),
+        max_size=2),
     "prompt": text | st.lists(st.integers(-2, 60000), max_size=4),
     "max_tokens": small_ints, "max_completion_tokens": small_ints,
     "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-3, 50),
@@ -210,6 +213,12 @@ near = {
                                         {"type": "json_schema"}, {"type": "nope"}]),
     "guided_choice": st.lists(st.text(max_size=3), max_size=2),
     "best_of": st.integers(0, 3),
+    "tools": st.sampled_from([[TOOL], [TOOL, TOOL], [{"type": "function"}],
+                              [{"type": "function", "function": {"name": "a b"}}]]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", "any", {
+        "type": "function", "function": {"name": "get_weather"}}, {
+        "type": "function", "function": {"name": "nope"}}]),
+    "parallel_tool_calls": st.booleans(),
 }
 
 
