@@ -10,7 +10,8 @@ and the workers' metrics scraped before and after each level for the per-hop bre
 same prompts at each batch size with the decode worker's thread count (the ceiling,
 `serve_baseline.engine_ceiling`); then each optional baseline server (vLLM, llama.cpp)
 started by itself and sent the same workload. The result is one JSON
-document (`serve_report` prints it as tables and draws the PNG).
+document (`serve_report` prints it as tables and draws the PNG). `--workload structured|tools|n4`
+measures one feature instead, with it against without on one cluster (`serve_features`).
 Must not tune the cluster beyond the flags given: it measures what a user's `pdserve serve`
 does, and reports every failed request rather than retrying it.
 """
@@ -25,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from pdserve.bench import serve_features as features
 from pdserve.bench.common import number_list
 from pdserve.bench.serve_probe import (cpu_diff, cpu_seconds, get_text, scrape, scrape_diff,
                                        tree_rss_bytes)
@@ -149,16 +151,13 @@ def run_levels(address: str, model: str, reqs, levels: list[Any], s: ServeBenchS
     return out
 
 
-def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: str | None,
-                    ui: Ui, tls_mode: str = "on", tls_dir: str | None = None,
-                    label: str = "pdserve") -> dict[str, Any]:
-    """One pass: a cluster with internal TLS `tls_mode` (`serve_tls.cluster_setting`) under
-    every level; the command lines its processes ran with are kept (their TLS flags)."""
-    from pdserve.bench.serve_summary import hop_breakdown
+def cluster_spec(s: ServeBenchSettings, model: str, log_dir: str | None,
+                 tls_mode: str = "on", tls_dir: str | None = None):
+    """The cluster a pass runs: as `pdserve serve` starts it, with the bench's flags."""
     from pdserve.launcher.cluster_spec import free_ports
-    from pdserve.launcher.local import ClusterSpec, LocalCluster
+    from pdserve.launcher.local import ClusterSpec
 
-    spec = ClusterSpec(model_path=model, quantization=s.quantization,
+    return ClusterSpec(model_path=model, quantization=s.quantization,
                        router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=s.prefill_workers, decode_workers=s.decode_workers,
                        threads_per_worker=s.threads_per_worker, share_cores=s.share_cores,
@@ -169,6 +168,17 @@ def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: st
                        max_local_prefill_tokens=s.max_local_prefill_tokens, log_dir=log_dir,
                        supervise=True, ready_timeout_s=600,
                        **cluster_setting(tls_mode, tls_dir))
+
+
+def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: str | None,
+                    ui: Ui, tls_mode: str = "on", tls_dir: str | None = None,
+                    label: str = "pdserve") -> dict[str, Any]:
+    """One pass: a cluster with internal TLS `tls_mode` (`serve_tls.cluster_setting`) under
+    every level; the command lines its processes ran with are kept (their TLS flags)."""
+    from pdserve.bench.serve_summary import hop_breakdown
+    from pdserve.launcher.local import LocalCluster
+
+    spec = cluster_spec(s, model, log_dir, tls_mode, tls_dir)
     ui(f"{label}: starting {spec.prefill_workers} prefill + {spec.decode_workers} decode "
        f"workers, router, controller", 0, 1)
     t0 = time.monotonic()
@@ -363,12 +373,15 @@ def run_bench(s: ServeBenchSettings, out_dir: str | None, ui: Ui) -> dict[str, A
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = ServeBenchSettings()
     p.add_argument("--model", default="", help="GGUF file or HF folder (default: SmolLM2-135M)")
-    p.add_argument("--requests", type=int, default=d.requests,
-                   help="requests per concurrency level (with --trace: the trace's first N)")
-    p.add_argument("--concurrency", type=number_list("--concurrency"),
-                   default=d.concurrency, help="comma-separated levels (default 1,8,32)")
+    p.add_argument("--requests", type=int, default=None,
+                   help=f"requests per concurrency level (with --trace: the trace's first N; "
+                        f"default {d.requests}, {features.REQUESTS} with a feature workload)")
+    p.add_argument("--concurrency", type=number_list("--concurrency"), default=None,
+                   help="comma-separated levels (default 1,8,32; 1,32 with a feature workload)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens,
                    help="output tokens per request (ignore_eos: exactly this many)")
+    p.add_argument("--min-prompt-chars", type=int, default=d.min_prompt_chars,
+                   help="shortest ShareGPT first turn used, in characters")
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
                    help="longest ShareGPT first turn used, in characters")
     p.add_argument("--seed", type=int, default=d.seed, help="the ShareGPT sample's seed")
@@ -417,16 +430,23 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tls-pairs", type=int, default=d.tls_pairs,
                    help="with --internal-tls both: on/off pairs of passes, the order flipped "
                         "every pair (on, off, off, on, ...)")
+    features.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    p.add_argument("--out", metavar="DIR", help="write DIR/summary.json and DIR/bench_serve.png")
+    p.add_argument("--out", metavar="DIR", help="write DIR/summary.json and DIR/bench_serve.png "
+                   "(a feature workload: DIR/bench_serve_WORKLOAD.png)")
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     return p
 
 
 def settings_from(args: argparse.Namespace) -> ServeBenchSettings:
+    features.check_sharegpt(args)
+    d = {**asdict(ServeBenchSettings()), **features.defaults(args.workload)}
     return ServeBenchSettings(
-        model_path=args.model, requests=args.requests, concurrency=tuple(args.concurrency),
-        max_tokens=args.max_tokens, max_prompt_chars=args.max_prompt_chars, seed=args.seed,
+        model_path=args.model,
+        requests=d["requests"] if args.requests is None else args.requests,
+        concurrency=tuple(d["concurrency"] if args.concurrency is None else args.concurrency),
+        max_tokens=args.max_tokens, min_prompt_chars=args.min_prompt_chars,
+        max_prompt_chars=args.max_prompt_chars, seed=args.seed,
         trace=args.trace, token_scale=args.token_scale, speedup=args.speedup,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         threads_per_worker=args.threads_per_worker, quantization=args.quantization,
@@ -444,15 +464,21 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
                                TextColumn, TimeElapsedColumn)
 
-    from pdserve.bench import serve_report
+    from pdserve.bench import serve_features_report, serve_report
     from pdserve.output import emit
     from pdserve.bench.serve_workload import WorkloadError
 
     try:
         s = settings_from(args)
+        feature = None if args.workload == "sharegpt" else features.settings_from(args, s)
     except ValueError as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 2
+
+    def measure(ui: Ui) -> dict[str, Any]:
+        if feature is None:
+            return run_bench(s, args.out, ui)
+        return features.run_features(feature, args.out, ui)
     console = Console(stderr=True)
     try:
         if console.is_terminal or args.no_progress:
@@ -465,14 +491,18 @@ def run(args: argparse.Namespace) -> int:
                 def ui(what: str, completed: int | None = None,
                        total: int | None = None) -> None:
                     bar.update(task, description=what, completed=completed, total=total)
-                result = run_bench(s, args.out, ui)
+                result = measure(ui)
         else:  # a log file, not a terminal: a status line per step, and every 10 s within one
-            result = run_bench(s, args.out, StatusLines(console))
+            result = measure(StatusLines(console))
     except WorkloadError as e:
         print(f"pdserve bench serve: {e}", file=sys.stderr)
         return 2
+    except features.FeatureRefused as e:
+        print(f"pdserve bench serve: {e}", file=sys.stderr)
+        return 1
+    report = serve_report if feature is None else serve_features_report
     return emit(result, json_out=args.json, out_dir=args.out,
-                write_outputs=serve_report.write_outputs, print_tables=serve_report.print_tables)
+                write_outputs=report.write_outputs, print_tables=report.print_tables)
 
 
 class StatusLines:

@@ -1,11 +1,12 @@
 """The client of `pdserve bench serve`: OpenAI streaming requests over plain HTTP/1.1.
 
 Owns sending one request and timing its server-sent events (`stream_one`: the send, each chunk
-that carries text, the usage at the end), a closed loop at a fixed concurrency (`run_closed`:
-every request sent as soon as one of `concurrency` slots is free, as `benchmark_serving
---max-concurrency`), and an open-loop replay at the requests' arrival times (`run_open`). The
-same code drives every server measured, so their figures compare. Uses the standard library's
-`http.client` (one connection per request, one thread per request in flight).
+that carries text or a tool call's name or argument text, the usage at the end), a closed loop at a
+fixed concurrency (`run_closed`: every request sent as soon as one of `concurrency` slots is
+free, as `benchmark_serving --max-concurrency`), and an open-loop replay at the requests'
+arrival times (`run_open`). The same code drives every server measured, so their figures
+compare. Uses the standard library's `http.client` (one connection per request, one thread per
+request in flight).
 Must not retry a request or hide an error: each row records what happened.
 """
 
@@ -29,17 +30,28 @@ def _error_text(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {msg}"
 
 
+def _delta_text(delta: dict[str, Any]) -> str:
+    """A chat chunk's text: its content, or the tool calls it carries (a call's function name
+    when it opens, then its argument text)."""
+    if delta.get("content"):
+        return delta["content"]
+    return "".join(((c.get("function") or {}).get("name") or "")
+                   + ((c.get("function") or {}).get("arguments") or "")
+                   for c in delta.get("tool_calls") or ())
+
+
 def stream_one(address: str, req: Request, model: str, timeout_s: float,
                clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Send `req` to `address` ("host:port") and read its stream to the end.
 
     The row: `error` (None, or what went wrong), `output_tokens` (the usage's completion
-    tokens; without usage, the chunks with text), `expected_tokens`, `ttft_s` and
+    tokens; without usage, the chunks with text: content, or a tool call's name or arguments),
+    `expected_tokens`, `prompt_tokens` (the usage's; None without usage), `ttft_s` and
     `chunk_times_s` (from the send), `e2e_s`, `start_s`/`end_s` (on `clock`)."""
     host, port = address.rsplit(":", 1)
     body = json.dumps({**req.body, "model": model}).encode()
     times: list[float] = []
-    usage_tokens = None
+    usage_tokens = prompt_tokens = None
     error = None
     finish = None
     start = clock()
@@ -69,9 +81,10 @@ def stream_one(address: str, req: Request, model: str, timeout_s: float,
                     break
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
+                    prompt_tokens = obj["usage"].get("prompt_tokens")
                 for ch in obj.get("choices") or ():
                     delta = ch.get("delta")
-                    text = (delta or {}).get("content") if "delta" in ch else ch.get("text")
+                    text = _delta_text(delta or {}) if "delta" in ch else ch.get("text")
                     if text:
                         times.append(now - start)
                     finish = ch.get("finish_reason") or finish
@@ -84,6 +97,7 @@ def stream_one(address: str, req: Request, model: str, timeout_s: float,
         error = "no finish_reason"
     tokens = usage_tokens if usage_tokens is not None else len(times)
     return {"error": error, "output_tokens": tokens, "expected_tokens": req.max_tokens,
+            "prompt_tokens": prompt_tokens,
             "finish_reason": finish, "ttft_s": times[0] if times else None,
             "chunk_times_s": times, "e2e_s": end - start, "start_s": start, "end_s": end}
 

@@ -156,9 +156,15 @@ class Door:
         cfg = self.admission.config
         if cfg.max_predicted_ttft_s <= 0:
             return
-        cached = self.workers.cached_prefix_tokens(prompt_ids, trip.tenant)
-        # One token is always computed, however much of the prompt is cached.
-        own = max(1, len(prompt_ids) - cached)
+        if trip.follow is not None:
+            # A further choice computes only the prompt's last partial block, on the decode
+            # worker that holds the rest (`choices.py`).
+            bs = self.workers.block_size_tokens
+            own = len(prompt_ids) - (len(prompt_ids) - 1) // bs * bs
+        else:
+            cached = self.workers.cached_prefix_tokens(prompt_ids, trip.tenant)
+            # One token is always computed, however much of the prompt is cached.
+            own = max(1, len(prompt_ids) - cached)
         try:
             self.admission.admit_prefill(own, self.workers.prefill_rate(peak=True))
         except Overloaded as e:
