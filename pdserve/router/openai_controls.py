@@ -1,7 +1,7 @@
-"""OpenAI request fields that shape sampling beyond temperature: penalties, logit bias, min-p,
-min-tokens, and structured outputs (`response_format`, and vLLM's `guided_*` fields).
+"""OpenAI request fields that shape sampling beyond plain numbers: logit bias and structured
+outputs (`response_format`, and vLLM's `guided_*` fields).
 
-Owns their JSON types and ranges and which request field a later error names: a structured
+Owns their JSON shapes and which request field a later error names: a structured
 output that cannot be compiled is reported against the field it came from. The constraint
 itself is checked by the gRPC service (`pdserve.core.structured`). Pure.
 """
@@ -15,37 +15,17 @@ from typing import Any
 from pdserve.core.sampling_params import MAX_LOGIT_BIAS
 from pdserve.core.structured import StructuredOutput
 
-_PENALTIES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
-              "repetition_penalty": (0.0, 2.0), "min_p": (0.0, 1.0)}
 # vLLM's extra fields, one constraint each; at most one of them (or response_format) is sent.
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 
 
 def controls(body: dict, bad, kind) -> dict[str, Any]:
-    """The sampling controls of an OpenAI body, as `ApiRequest` fields, plus `params` entries
-    (gRPC field -> request field). `bad(param, message, code)` makes the 400; `kind(v)` names a
-    JSON value's type."""
+    """`logit_bias` and the structured output of an OpenAI body, as `ApiRequest` fields, plus
+    `params` entries (gRPC field -> request field). `bad(param, message, code)` makes the 400;
+    `kind(v)` names a JSON value's type. (The numeric controls are plain numbers: `_common`.)"""
     out: dict[str, Any] = {}
     params: dict[str, str] = {}
-    for name, (lo, hi) in _PENALTIES.items():
-        v = body.get(name)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise bad(name, f"must be a number, got {kind(v)}", "invalid_type")
-        v = float(v)
-        lo_open = name == "repetition_penalty"
-        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
-            raise bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-        out[name] = v
-        params[name] = name
-    mt = body.get("min_tokens")
-    if mt is not None:
-        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:
-            raise bad("min_tokens", "must be a non-negative integer", "invalid_type")
-        out["min_tokens"] = mt
-        params["min_tokens"] = "min_tokens"
     out["logit_bias"] = _logit_bias(body.get("logit_bias"), bad, kind)
     params["logit_bias"] = "logit_bias"
     so, source = _structured(body, bad, kind)

@@ -233,6 +233,13 @@ def _common(body: dict, unsupported: Mapping[str, tuple] = _UNSUPPORTED) -> dict
     out["cache_salt"] = _str(body, "cache_salt") or ""
     if len(out["cache_salt"].encode("utf-8")) > MAX_CACHE_SALT_BYTES:
         raise bad("cache_salt", f"must be at most {MAX_CACHE_SALT_BYTES} bytes")
+    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                         ("min_p", 0.0, 1.0)):
+        out[name] = _number(body, name, lo, hi)
+    out["repetition_penalty"] = _number(body, "repetition_penalty", 0.0, 2.0, lo_open=True)
+    out["min_tokens"] = _int(body, "min_tokens", 0, INT32_MAX)
+    params.update((name, name) for name in ("presence_penalty", "frequency_penalty", "min_p",
+                                            "repetition_penalty", "min_tokens"))
     ctl = controls(body, bad, _kind)
     params.update(ctl.pop("params"))
     out.update(ctl)
