@@ -5,20 +5,17 @@ from the document is checked against the rows it came from)."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
 import os
 import re
 import subprocess
 import sys
-import threading
 
 import pytest
 from rich.console import Console
 
 from pdserve.bench import serve as bench_serve
-from pdserve.bench import serve_client
 from pdserve.bench import serve_features as sf
 from pdserve.bench import serve_features_report as sfr
 from pdserve.bench import serve_features_summary as fsum
@@ -77,43 +74,6 @@ def test_n_choices_request_expects_every_choice_tokens_and_salts_are_fresh():
     assert len(set(salts)) == 6  # no request shares prompt KV with another
     assert all("cache_salt" not in r.body for r in reqs)
     assert [r.body["n"] for r in a] == [4, 4, 4] and [r.max_tokens for r in a] == [32] * 3
-
-
-def test_stream_one_counts_tool_call_argument_chunks_and_prompt_tokens():
-    """A chat stream whose text comes as a tool call: the chunk that names the function and
-    each argument delta count as chunks; a chunk with neither does not."""
-    args = ['{"topic"', ': "x"', ', "items": [']
-    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "id": "call_0", "type": "function",
-         "function": {"name": "record_findings", "arguments": ""}}]}}]}]
-    events += [{"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "function": {"arguments": a}}]}}]} for a in args]
-    events += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
-               {"choices": [], "usage": {"prompt_tokens": 123, "completion_tokens": 4}}]
-    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            self.wfile.write(body.encode())
-
-        def log_message(self, *a):
-            pass
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        row = serve_client.stream_one(f"127.0.0.1:{server.server_port}",
-                                      wl.Request("/v1/chat/completions", {}, 4), "m", 10.0)
-    finally:
-        server.shutdown()
-    assert row["error"] is None and row["finish_reason"] == "length"
-    assert len(row["chunk_times_s"]) == 1 + len(args)  # the name, then the arguments
-    assert row["output_tokens"] == 4 and row["prompt_tokens"] == 123
-    assert row["ttft_s"] == row["chunk_times_s"][0]
 
 
 # ---- the figures ----------------------------------------------------------------------------

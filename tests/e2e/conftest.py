@@ -37,6 +37,20 @@ def smollm2_cluster(smollm2_gguf_path):
         yield cluster
 
 
+@pytest.fixture(scope="module")
+def client(smollm2_cluster):
+    """The official `openai` client on the SmolLM2 cluster's HTTP API (no retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{smollm2_cluster.http_address}/v1", api_key="unused",
+                         max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
 @pytest.fixture(scope="session")
 def tiny_2p2d_cluster(tiny_llama_dir):
     """2 prefill + 2 decode workers, no controller: the controller tests start their own and

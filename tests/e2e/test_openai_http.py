@@ -13,7 +13,6 @@ import os
 import time
 
 import httpx
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,17 +23,6 @@ from tests.router.test_openai_schema import FIELDS, bodies, root
 
 QUESTION = "Name three colours of the rainbow."
 PROMPT = "The three primary colours are"
-
-
-@pytest.fixture(scope="module")
-def client(smollm2_cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{smollm2_cluster.http_address}/v1", api_key="unused",
-                         max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_models_and_health(smollm2_cluster, client, model):

@@ -59,17 +59,6 @@ SCHEMAS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def client(smollm2_cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{smollm2_cluster.http_address}/v1", api_key="unused",
-                         max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 

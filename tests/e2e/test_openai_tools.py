@@ -16,7 +16,6 @@ import os
 
 import jsonschema
 import openai
-import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -74,17 +73,6 @@ def streamed_calls(chunks) -> tuple[str, list[tuple[str, str, str]], str]:
                 calls[-1][2] += t.function.arguments
         finish = c.choices[0].finish_reason or finish
     return content, [tuple(c) for c in calls], finish
-
-
-@pytest.fixture(scope="module")
-def client(smollm2_cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{smollm2_cluster.http_address}/v1", api_key="unused",
-                         max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_named_tool_choice_round_trip(client, model):
@@ -169,3 +157,25 @@ def test_named_tool_choice_forces_a_valid_call_on_a_random_qwen2_model(tmp_path_
         _, calls, finish = streamed_calls(client.chat.completions.create(**ask, stream=True))
         assert finish == "tool_calls"
         assert [c[1:] for c in calls] == [("plan_trip", call.function.arguments)]
+
+
+def test_the_bench_client_times_every_chunk_of_a_streamed_tool_call(smollm2_cluster, client,
+                                                                     model):
+    """`pdserve bench serve`'s client counts the chunk that names the function and every
+    argument delta as chunks with text, and reads the prompt tokens from the usage."""
+    from pdserve.bench import serve_client
+    from pdserve.bench.serve_workload import Request
+
+    ask = dict(messages=CHAT, tools=[WEATHER], tool_choice=NAMED, temperature=0, max_tokens=64)
+    row = serve_client.stream_one(smollm2_cluster.http_address, Request(
+        "/v1/chat/completions", {**ask, "stream": True,
+                                 "stream_options": {"include_usage": True}}, 64), model, 300)
+    chunks = list(client.chat.completions.create(model=model, **ask, stream=True,
+                                                 stream_options={"include_usage": True}))
+    with_calls = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert row["error"] is None and row["finish_reason"] == "tool_calls"
+    assert len(with_calls) >= 2  # the name, then at least one delta of arguments
+    assert len(row["chunk_times_s"]) == len(with_calls)
+    assert row["ttft_s"] == row["chunk_times_s"][0]
+    assert row["prompt_tokens"] == chunks[-1].usage.prompt_tokens > 0
+    assert row["output_tokens"] == chunks[-1].usage.completion_tokens
