@@ -19,6 +19,7 @@ does, and reports every failed request rather than retrying it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import sys
@@ -170,21 +171,29 @@ def cluster_spec(s: ServeBenchSettings, model: str, log_dir: str | None,
                        **cluster_setting(tls_mode, tls_dir))
 
 
+@contextlib.contextmanager
+def started(spec, label: str, ui: Ui):
+    """The cluster `spec` started (progress says so), as (cluster, seconds it took to be ready,
+    its processes' command lines); stopped on leaving."""
+    from pdserve.launcher.local import LocalCluster
+
+    ui(f"{label}: starting {spec.prefill_workers} prefill + {spec.decode_workers} decode "
+       f"workers, router, controller", 0, 1)
+    t0 = time.monotonic()
+    with LocalCluster(spec) as cluster:
+        yield (cluster, time.monotonic() - t0,
+               {c.name: cmdline(c.proc.pid) for c in cluster.children})
+
+
 def measure_pdserve(model: str, reqs, levels, s: ServeBenchSettings, log_dir: str | None,
                     ui: Ui, tls_mode: str = "on", tls_dir: str | None = None,
                     label: str = "pdserve") -> dict[str, Any]:
     """One pass: a cluster with internal TLS `tls_mode` (`serve_tls.cluster_setting`) under
     every level; the command lines its processes ran with are kept (their TLS flags)."""
     from pdserve.bench.serve_summary import hop_breakdown
-    from pdserve.launcher.local import LocalCluster
 
     spec = cluster_spec(s, model, log_dir, tls_mode, tls_dir)
-    ui(f"{label}: starting {spec.prefill_workers} prefill + {spec.decode_workers} decode "
-       f"workers, router, controller", 0, 1)
-    t0 = time.monotonic()
-    with LocalCluster(spec) as cluster:
-        start_s = time.monotonic() - t0
-        cmdlines = {c.name: cmdline(c.proc.pid) for c in cluster.children}
+    with started(spec, label, ui) as (cluster, start_s, cmdlines):
         name = _model_name(cluster.http_address)
         lv = run_levels(cluster.http_address, name, reqs, levels, s, ui, label,
                         between=lambda: scrape(cluster),

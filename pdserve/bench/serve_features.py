@@ -194,9 +194,7 @@ def run_features(fs: FeatureSettings, out_dir: str | None, ui: Ui) -> dict[str, 
     from pdserve.bench import serve
     from pdserve.bench import serve_workload as wl
     from pdserve.bench.serve_probe import get_text, tree_rss_bytes
-    from pdserve.bench.serve_tls import cmdline
     from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.launcher.local import LocalCluster
 
     s, started, load_start = fs.serve, time.monotonic(), os.getloadavg()[0]
     model = s.model_path
@@ -215,12 +213,7 @@ def run_features(fs: FeatureSettings, out_dir: str | None, ui: Ui) -> dict[str, 
     lengths = [len(wl.prompt_ids(r, tok)) for r in base]
     order, levels = fsum.pass_order(fs.pairs), list(s.concurrency)
     spec = serve.cluster_spec(s, model, log_dir, s.internal_tls)
-    ui(f"{fs.workload}: starting {spec.prefill_workers} prefill + {spec.decode_workers} "
-       f"decode workers, router, controller", 0, 1)
-    t0 = time.monotonic()
-    with LocalCluster(spec) as cluster:
-        start_s = time.monotonic() - t0
-        cmdlines = {c.name: cmdline(c.proc.pid) for c in cluster.children}
+    with serve.started(spec, fs.workload, ui) as (cluster, start_s, cmdlines):
         name = json.loads(get_text(f"http://{cluster.http_address}/v1/models"))["data"][0]["id"]
         _probe(cluster.http_address, name, variants, fs.workload, s, ui)
         passes = []

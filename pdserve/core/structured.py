@@ -10,7 +10,7 @@ Must not sample or mask logits: `pdserve.engine.guided` applies a matcher's mask
 
 Why llguidance: on the 2-core build machine, with the default model's 49k vocabulary, it
 compiles a nested schema in about 2 ms (xgrammar: about 21 ms) and masks a token in about
-25 us (xgrammar: about 4 us, far below a decode step of 20-200 ms either way); it is one Rust
+27 us (xgrammar: about 4 us, far below a decode step of 20-200 ms either way); it is one Rust
 wheel with no dependencies, so the torch-free router can compile-check a schema, while
 xgrammar needs torch, transformers and tvm-ffi.
 """
