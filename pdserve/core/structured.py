@@ -46,8 +46,12 @@ class StructuredOutput:
         """Shape only (kind, size, JSON text where JSON is due); `Grammars.check` compiles."""
         if self.kind not in KINDS:
             raise InvalidArgumentError(f"{FIELD}.kind", f"must be one of {', '.join(KINDS)}, "
-                                       f"got {self.kind!r}")
-        size = len(self.spec.encode("utf-8"))
+                                       f"got {_short(repr(self.kind), 40)}")
+        try:
+            size = len(self.spec.encode("utf-8"))
+        except UnicodeEncodeError:  # JSON may carry lone surrogates; no grammar takes them
+            raise InvalidArgumentError(FIELD, "must be valid Unicode text (no lone "
+                                       "surrogates)") from None
         if size > MAX_SPEC_BYTES:
             raise InvalidArgumentError(FIELD, f"the {self.kind} is {size} bytes; at most "
                                        f"{MAX_SPEC_BYTES}")
@@ -169,10 +173,14 @@ class Grammars:
                 self._cache.move_to_end(key)
                 return m
         so.validate()
-        m = llguidance.LLMatcher(self.tokenizer, so.grammar(), log_level=0)
-        if m.is_error():
+        try:  # the grammar's own text is built by llguidance, which refuses some JSON values
+            m = llguidance.LLMatcher(self.tokenizer, so.grammar(), log_level=0)
+            error = m.get_error() if m.is_error() else None
+        except (ValueError, TypeError, OverflowError) as e:
+            error = str(e)
+        if error is not None:
             raise InvalidArgumentError(FIELD, f"the {so.kind.replace('_', ' ')} cannot be "
-                                       f"compiled: {_short(m.get_error())}")
+                                       f"compiled: {_short(error)}")
         with self._lock:
             self.compiled += 1
             self._cache[key] = m

@@ -18,7 +18,7 @@ import pytest
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.structured import (
-    MAX_CHOICES, MAX_SPEC_BYTES, Grammars, StructuredOutput, ascii_classes)
+    KINDS, MAX_CHOICES, MAX_SPEC_BYTES, Grammars, StructuredOutput, ascii_classes)
 
 FIELD = "structured_output"
 
@@ -179,6 +179,8 @@ def _shape_errors() -> list:
                      id="too-many-choices"),
         pytest.param(StructuredOutput("choice", json.dumps(["x" * 1000] * 70)),
                      id="choices-too-large"),
+        pytest.param(StructuredOutput("grammar", "start: \ud800"), id="lone-surrogate"),
+        pytest.param(StructuredOutput("x" * 3000), id="kind-long-and-unknown"),
     ]
 
 
@@ -192,6 +194,8 @@ def _compile_errors() -> list:
         pytest.param(StructuredOutput("json_schema", '{"type": "foo"}'), id="schema-bad-type"),
         pytest.param(StructuredOutput("json_schema", '{"$ref": "#/definitions/none"}'),
                      id="schema-dangling-ref"),
+        pytest.param(StructuredOutput("json_schema", '{"const": -9223372036854775809}'),
+                     id="schema-integer-past-int64"),
         pytest.param(StructuredOutput("json_schema", '{"type": "integer", "minimum": 5, '
                                       '"maximum": 1}'), id="schema-unsatisfiable"),
         pytest.param(StructuredOutput("json_schema", '{"type": "object", "properties": '
@@ -213,7 +217,8 @@ def test_a_badly_shaped_constraint_is_refused_naming_the_field(grammars, so):
         with pytest.raises(InvalidArgumentError) as info:
             check()
         assert info.value.field.split(".")[0] == FIELD
-    assert info.value.field == (f"{FIELD}.kind" if so.kind == "xml" else FIELD)
+    assert info.value.field == (f"{FIELD}.kind" if so.kind not in KINDS else FIELD)
+    assert len(str(info.value)) < 500  # a long value is not echoed whole
 
 
 @pytest.mark.parametrize("so", _compile_errors())

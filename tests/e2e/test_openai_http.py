@@ -140,7 +140,8 @@ def test_closing_a_stream_early_aborts_the_decode_and_frees_its_blocks(smollm2_c
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "25")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), chat=st.booleans())
 def test_random_bodies_succeed_or_get_a_named_400(tiny_cluster, tiny_llama_dir, data, chat):
     body = data.draw(bodies(chat, os.path.basename(tiny_llama_dir)))

@@ -13,6 +13,8 @@ as before.
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -25,7 +27,9 @@ from tests.fuzz.conftest import CONTEXT_TOKENS, assert_still_healthy
 
 METHOD = "/pdserve.v1.Generation/Generate"
 FIELDS = {"request_id", "model", "prompt", "chat", "token_ids", "cache_salt", "temperature",
-          "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs"}
+          "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "n",
+          "best_of", "suffix", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "logit_bias", "min_p", "min_tokens", "structured_output"}
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -66,6 +70,16 @@ valid = {
     "seed": int64, "max_tokens": st.integers(1, 6), "logprobs": st.integers(0, 5),
     "stop": st.lists(st.text("abcde ", min_size=1, max_size=3), max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "n": st.integers(1, 3), "best_of": st.sampled_from([0, 3]), "suffix": st.just(""),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1),
+    "min_tokens": st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.integers(0, 49151), st.floats(-100, 100), max_size=3),
+    "structured_output": st.sampled_from([
+        common_pb2.StructuredOutput(kind="json_object"),
+        common_pb2.StructuredOutput(kind="regex", spec="[ab]+"),
+        common_pb2.StructuredOutput(kind="choice", spec='["yes", "no"]'),
+        common_pb2.StructuredOutput(kind="json_schema", spec='{"type": "integer"}')]),
 }
 # ... and wild ones; max_tokens stays small when valid, so nothing generates for long.
 wild = {
@@ -74,9 +88,21 @@ wild = {
     "top_k": int32, "seed": int64, "logprobs": int32, "stop": wild_stops,
     "stop_token_ids": wild_ids,
     "max_tokens": st.integers(CONTEXT_TOKENS + 1, INT32[1]) | st.integers(INT32[0], 0),
+    "n": int32, "best_of": int32, "suffix": strings, "presence_penalty": floats,
+    "frequency_penalty": floats, "repetition_penalty": floats, "min_p": floats,
+    "min_tokens": int32,
+    "logit_bias": st.dictionaries(int32, floats, max_size=3) | st.builds(
+        lambda n: {i: 1.0 for i in range(n)}, st.sampled_from([301, 5000])),
+    "structured_output": st.builds(
+        common_pb2.StructuredOutput,
+        kind=strings | st.sampled_from(["json_object", "json_schema", "regex", "choice",
+                                        "grammar"]),
+        spec=strings | st.sampled_from(["{", "[", "(((", '{"type": "nope"}', "[]", "start: x", '{"type": "string", '
+         '"pattern": "(a|"}'])),
 }
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens", "logprobs", "stop",
-             "stop_token_ids")
+             "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "logit_bias", "min_p", "min_tokens", "structured_output")
 
 
 @st.composite
@@ -84,7 +110,8 @@ def requests(draw, model_name: str) -> api_pb2.GenerateRequest:
     """Valid fields (each present or not), then up to two of them, or the input, made wild."""
     kind = draw(st.sampled_from(["prompt", "chat", "token_ids", "prompt", "none"]))
     wilds = set(draw(st.lists(st.sampled_from(sorted(wild)), max_size=2, unique=True)))
-    names = [n for n in (*_SAMPLING, "request_id", "cache_salt", "model") if n in wilds
+    names = [n for n in (*_SAMPLING, "request_id", "cache_salt", "model", "n", "best_of",
+                         "suffix") if n in wilds
              or n == "max_tokens" or draw(st.booleans())]
 
     def value(name: str):
@@ -97,6 +124,10 @@ def requests(draw, model_name: str) -> api_pb2.GenerateRequest:
         v = value(name)
         if name in ("stop", "stop_token_ids"):
             getattr(r.sampling, name).extend(v)
+        elif name == "logit_bias":
+            r.sampling.logit_bias.update(v)
+        elif name == "structured_output":
+            r.sampling.structured_output.CopyFrom(v)
         elif name in _SAMPLING:
             setattr(r.sampling, name, v)
         else:
@@ -151,7 +182,8 @@ def generate(fuzz_target):
         yield channel.unary_stream(METHOD)  # raw bytes in, raw bytes out
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=list(HealthCheck))
 @given(draw=st.data())
 def test_every_generate_request_is_served_or_refused_naming_the_field(fuzz_target, generate,
                                                                       draw):
@@ -171,12 +203,17 @@ def test_every_generate_request_is_served_or_refused_naming_the_field(fuzz_targe
         return
     event("OK")
     request = api_pb2.GenerateRequest.FromString(data)
-    assert out and out[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in out[:-1])
-    generated = sum(len(m.token_ids) for m in out)
     s = request.sampling
     most = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    assert generated == out[-1].usage.completion_tokens <= most
+    by_choice: dict[int, list] = {}
+    for m in out:
+        by_choice.setdefault(m.index, []).append(m)
+    assert sorted(by_choice) == list(range(request.n or 1))
+    for msgs in by_choice.values():  # each choice: one complete generation
+        assert msgs[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+        generated = sum(len(m.token_ids) for m in msgs)
+        assert generated == msgs[-1].usage.completion_tokens <= most
 
 
 def test_oversized_and_unparsable_requests_are_refused_cheaply(fuzz_target, generate):
