@@ -2,7 +2,8 @@
 
 Owns `request_context(rid)` (set while a request's handler runs, on the thread that runs it) and
 `configure(level)`, which every process's `__main__` calls so each line reads
-`... [req=<id>] name: message` on every hop (router, prefill worker, decode worker share the id).
+`... [req=<id>] name: message` on every hop (router, prefill worker, decode worker share the id:
+ the client's, and after a `~` the router's suffix that keeps it unique on the workers).
 Must not log anything itself.
 """
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
     def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
         tenant = self._tenant(request, context)
-        if request.n > 1 or request.best_of > 1:
+        if request.n not in (0, 1) or request.best_of not in (0, 1):  # checked there
             yield from self._choices(request, context, rid, tenant)
             return
         yield from self._one(request, context, rid, tenant)
@@ -133,9 +134,13 @@ class RouterService(api_pb2_grpc.GenerationServicer):
              follow: Leader | None = None):
         trip = self.door.enter(tenant, context, time.monotonic())
         trip.lead, trip.follow = lead, follow
+        # The workers know the request by an id of its own: a client may reuse an id (even
+        # while its last use still ends on a worker), and two clients may send the same one.
+        wid = f"{rid}~{secrets.token_hex(4)}"
         try:
-            with request_context(rid):
-                for resp in self._generate(request, context, rid, trip):
+            with request_context(wid):
+                for resp in self._generate(request, context, wid, trip):
+                    resp.request_id = rid
                     self.door.sent(trip, resp)
                     yield resp
         finally:

@@ -223,8 +223,50 @@ def test_the_request_id_is_on_log_lines_of_every_hop(tiny_cluster):
         for c in tiny_cluster.children:
             if c.name in ("router", "prefill-0", "decode-1"):
                 with open(c.log_path, errors="replace") as f:
-                    hops[c.name] = f"[req={rid}]" in f.read()
+                    hops[c.name] = f"[req={rid}~" in f.read()  # and the router's suffix
         if len(hops) == 3 and all(hops.values()):
             break
         time.sleep(0.2)
     assert hops == {"router": True, "prefill-0": True, "decode-1": True}
+
+
+def test_a_request_id_sent_twice_at_once_serves_both(tiny_cluster):
+    # Clients reuse ids (and two clients may pick the same one): each use is a request of its
+    # own on the workers, and each stream carries the id its client sent.
+    rid = f"reused-{free_port()}"
+    req = api_pb2.GenerateRequest(request_id=rid, prompt="Twice at once",
+                                  sampling=common_pb2.SamplingParams(max_tokens=12,
+                                                                     ignore_eos=True))
+    results: list = [None, None]
+
+    def run(i: int) -> None:
+        with rpc.make_channel(tiny_cluster.router_address, rpc.PUBLIC) as ch:
+            try:
+                results[i] = list(api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=120))
+            except grpc.RpcError as e:
+                results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for out in results:
+        assert isinstance(out, list), out.details()
+        assert {m.request_id for m in out} == {rid}
+        assert sum(len(m.token_ids) for m in out) == 12
+    assert [t for m in results[0] for t in m.token_ids] == \
+        [t for m in results[1] for t in m.token_ids]  # greedy: the same answer
+
+
+@pytest.mark.parametrize("field,n,best_of", [("n", -1, 0), ("n", 17, 0), ("best_of", 1, -3),
+                                             ("best_of", 3, 2)])
+def test_a_choice_count_out_of_range_is_refused_naming_its_field(tiny_cluster, field, n,
+                                                                 best_of):
+    req = api_pb2.GenerateRequest(prompt="hi", n=n, best_of=best_of,
+                                  sampling=common_pb2.SamplingParams(max_tokens=2))
+    with rpc.make_channel(tiny_cluster.router_address, rpc.PUBLIC) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(f"{field}: "), e.value.details()
