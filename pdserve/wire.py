@@ -45,6 +45,7 @@ def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens,
         structured_output=(StructuredOutput(p.structured_output.kind, p.structured_output.spec)
                            if p.HasField("structured_output") else None),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -66,6 +67,8 @@ def params_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.structured_output is not None:
         msg.structured_output.kind = p.structured_output.kind
         msg.structured_output.spec = p.structured_output.spec
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 

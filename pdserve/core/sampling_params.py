@@ -56,6 +56,9 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     structured_output: StructuredOutput | None = None
+    # None: off; k: each prompt token's logprob (after the first) plus the top k. The prompt
+    # is then computed whole: no cached prefix is taken.
+    prompt_logprobs: int | None = None
 
     @property
     def processed(self) -> bool:
@@ -91,11 +94,12 @@ class SamplingParams:
         for s in self.stop:
             if not s:
                 raise InvalidArgumentError("stop", "stop strings must be non-empty")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool)
-                                          or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidArgumentError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], "
-                                       f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidArgumentError(name, f"must be an integer in [0, {MAX_LOGPROBS}], "
+                                           f"got {k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             _finite_in(name, getattr(self, name), -2.0, 2.0)
         _finite_in("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)

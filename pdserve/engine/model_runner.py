@@ -69,6 +69,9 @@ def _both(first: Callable[[int], None] | None,
     return hook
 
 
+# Rows of logits made at once for prompt logprobs (each row is a vocabulary of floats).
+_PROMPT_LOGITS_ROWS = 256
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_config: ModelConfig | None = None,
                  weights: dict[str, torch.Tensor] | None = None, *,
@@ -127,10 +130,15 @@ class ModelRunner:
         meta_in = []
         logit_rows: list[int] = []
         samplers: list[int] = []  # batch entries that draw tokens
+        prompt_spans: list[tuple[int, int, int, int]] = []  # (entry, row, first, end position)
         row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
             start = seq.num_computed
             n_spec = len(seq.spec_token_ids)  # drafts run after the sequence's own tokens
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+                end = min(start + n - n_spec, seq.prompt_len - 1)
+                if end > start:  # position p's logits score the prompt token at p + 1
+                    prompt_spans.append((i, row, start, end))
             ids.extend(seq.token_ids[start:start + n - n_spec])
             ids.extend(seq.spec_token_ids)
             pos.extend(range(start, start + n))
@@ -153,6 +161,8 @@ class ModelRunner:
                 row += n
         result = ModelRunnerOutput([[] for _ in batch.seqs],
                                    [None for _ in batch.seqs])
+        if prompt_spans:
+            result.prompt_logprobs = self._prompt_logprobs(batch, hidden, prompt_spans)
         if not samplers:
             return result
         rows = torch.tensor(logit_rows, dtype=torch.long, device=dev)
@@ -182,6 +192,24 @@ class ModelRunner:
                 result.logprobs[i] = lps[r:r + len(emit)]
             r += n_rows
         return result
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
+                         spans: list[tuple[int, int, int, int]]) -> list:
+        """Per batch entry, (position, records) for the prompt tokens its computed positions
+        score, or None. The logits are made a slice of rows at a time: a whole prompt's would
+        take prompt length x vocabulary floats at once."""
+        out: list = [None] * len(batch.seqs)
+        for i, row, first, end in spans:
+            seq = batch.seqs[i]
+            k = seq.params.prompt_logprobs
+            records = []
+            for a in range(first, end, _PROMPT_LOGITS_ROWS):
+                b = min(a + _PROMPT_LOGITS_ROWS, end)
+                logits = self.model.compute_logits(hidden[row + a - first:row + b - first])
+                nxt = seq.token_ids[a + 1:b + 1]
+                records.extend(token_logprobs(logits, nxt, [k] * len(nxt)))
+            out[i] = (first + 1, records)
+        return out
 
     def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits to sample from: the raw ones, or (when a request asks for a structured

@@ -36,6 +36,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Entry i: (position p, records) when it asked for prompt logprobs and computed prompt
+    # positions this step: records for the prompt tokens at p, p + 1, ...; else None.
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None] | None = None
 
 
 @dataclass
@@ -49,3 +52,6 @@ class StepOutput:
     prefill_done: bool = False  # prefill-only request: first token sampled, KV parked for export
     # Parallel to new_token_ids when the request asked for logprobs, else None.
     logprobs: list[TokenLogprobs] | None = None
+    # On the first output of a request that asked for prompt logprobs: one per prompt token
+    # after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None

@@ -158,8 +158,8 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest cached prefix; at least one token is left to compute."""
         hits: list[int] = []
-        if not self.enable_prefix_caching:
-            return hits
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return hits  # prompt logprobs need every prompt position computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for h in self._hashes(seq, max_blocks):
             bid = self.pool.lookup(h)
@@ -297,9 +297,12 @@ class Scheduler:
                              f"{len(sampled)} sequences")
         # A sequence that left (aborted) between the plan and its result is skipped.
         live = [seq.status is SeqStatus.RUNNING for seq in batch.seqs]
-        for seq, n, ok in zip(batch.seqs, batch.num_new, live):
+        for i, (seq, n, ok) in enumerate(zip(batch.seqs, batch.num_new, live)):
             if ok:
                 self.advance(seq, n - len(seq.spec_token_ids))
+                got = output.prompt_logprobs[i] if output.prompt_logprobs else None
+                if got is not None and got[0] <= 1 + len(seq.prompt_lps):
+                    seq.prompt_lps.extend(got[1][1 + len(seq.prompt_lps) - got[0]:])
         outputs: list[StepOutput] = []
         for i, (seq, toks, ok) in enumerate(zip(batch.seqs, sampled, live)):
             if not ok or not toks:
@@ -328,6 +331,8 @@ class Scheduler:
         out = StepOutput(seq.request_id, new, done, seq.finish_reason, seq.prompt_len,
                          seq.num_cached_tokens, prefill_done=seq.prefill_only,
                          logprobs=list(lps[:len(new)]) if lps is not None else None)
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(new):
+            out.prompt_logprobs, seq.prompt_lps = seq.prompt_lps, []
         if seq.prefill_only:
             self.finish(seq, seq.finish_reason)  # its blocks stay held: the KV waits for export
         elif done:

@@ -64,6 +64,9 @@ class Sequence:
     # A structured output's matcher (`engine.guided.GuideState`), made by the runner on the
     # request's first sampled step; it follows token_ids by itself.
     guide: Any = None
+    # Prompt logprobs gathered so far (prompt tokens 1..), while the request asks for them and
+    # has emitted nothing; handed out with its first token.
+    prompt_lps: list = field(default_factory=list)
     # len(prompt_ids), kept: read for every sequence at every step (the prompt never changes).
     prompt_len: int = field(init=False, repr=False, compare=False)
     # params.max_tokens, kept: a simulator's bulk decode reads it for every running sequence

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import common_pb2 as pdserve_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/proto/api.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"J\n\tChatInput\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.ChatInputH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x0f\n\x07\x62\x65st_of\x18\x08 \x01(\x05\x12\x0e\n\x06suffix\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\x14 \x01(\tB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xd6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\"\x13\n\x11ListModelsRequest\":\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x19max_context_length_tokens\x18\x02 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/proto/api.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"J\n\tChatInput\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.ChatInputH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x0f\n\x07\x62\x65st_of\x18\x08 \x01(\x05\x12\x0e\n\x06suffix\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\x14 \x01(\tB\x07\n\x05input\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xa4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\"\x13\n\x11ListModelsRequest\":\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x19max_context_length_tokens\x18\x02 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,13 +43,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=549
   _globals['_USAGE']._serialized_end=636
   _globals['_GENERATERESPONSE']._serialized_start=639
-  _globals['_GENERATERESPONSE']._serialized_end=853
-  _globals['_LISTMODELSREQUEST']._serialized_start=855
-  _globals['_LISTMODELSREQUEST']._serialized_end=874
-  _globals['_MODELINFO']._serialized_start=876
-  _globals['_MODELINFO']._serialized_end=934
-  _globals['_LISTMODELSRESPONSE']._serialized_start=936
-  _globals['_LISTMODELSRESPONSE']._serialized_end=995
-  _globals['_GENERATION']._serialized_start=998
-  _globals['_GENERATION']._serialized_end=1160
+  _globals['_GENERATERESPONSE']._serialized_end=931
+  _globals['_LISTMODELSREQUEST']._serialized_start=933
+  _globals['_LISTMODELSREQUEST']._serialized_end=952
+  _globals['_MODELINFO']._serialized_start=954
+  _globals['_MODELINFO']._serialized_end=1012
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1014
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1073
+  _globals['_GENERATION']._serialized_start=1076
+  _globals['_GENERATION']._serialized_end=1238
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/common.proto\x12\npdserve.v1\"\xc3\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0e \x01(\x02\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x37\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x03top\x18\x03 \x03(\x0b\x32\x13.pdserve.v1.Logprob*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/common.proto\x12\npdserve.v1\"\xf5\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0e \x01(\x02\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x37\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x03top\x18\x03 \x03(\x0b\x32\x13.pdserve.v1.Logprob*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=804
-  _globals['_FINISHREASON']._serialized_end=924
+  _globals['_FINISHREASON']._serialized_start=854
+  _globals['_FINISHREASON']._serialized_end=974
   _globals['_SAMPLINGPARAMS']._serialized_start=43
-  _globals['_SAMPLINGPARAMS']._serialized_end=622
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=488
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=536
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=624
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=670
-  _globals['_LOGPROB']._serialized_start=672
-  _globals['_LOGPROB']._serialized_end=716
-  _globals['_TOKENLOGPROBS']._serialized_start=718
-  _globals['_TOKENLOGPROBS']._serialized_end=802
+  _globals['_SAMPLINGPARAMS']._serialized_end=672
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=518
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=566
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=674
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=720
+  _globals['_LOGPROB']._serialized_start=722
+  _globals['_LOGPROB']._serialized_end=766
+  _globals['_TOKENLOGPROBS']._serialized_start=768
+  _globals['_TOKENLOGPROBS']._serialized_end=852
 # @@protoc_insertion_point(module_scope)

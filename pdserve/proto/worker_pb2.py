@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import common_pb2 as pdserve_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/worker.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"\xfc\x01\n\x08KvHandle\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0btenant_salt\x18\x02 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x0c\n\x04keys\x18\x06 \x03(\t\x12\x15\n\rstore_address\x18\x07 \x01(\t\x12\x11\n\tstream_id\x18\x08 \x01(\t\x12\x13\n\x0bspan_starts\x18\t \x03(\x05\x12\x11\n\tspan_ends\x18\n \x03(\x05\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x10\n\x08kv_dtype\x18\x0c \x01(\t\"\x81\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x04 \x01(\t\"\xde\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x02kv\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xf6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x17\n\x0fprefill_locally\x18\x06 \x01(\x08\x12\x1c\n\x14prefill_chunk_tokens\x18\x07 \x01(\x05\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\x05\"\x96\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x13\n\x0bmade_unix_s\x18\x04 \x01(\x01\"b\n\x11\x44\x65\x63odeManyRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x42\x04\n\x02op\"y\n\x0b\x44\x65\x63odeEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_details\x18\x04 \x01(\t\"=\n\x12\x44\x65\x63odeManyResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"X\n\x0eSetRoleRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\"t\n\x0fSetRoleResponse\x12\'\n\rprevious_role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x18\n\x10\x64rained_requests\x18\x03 \x01(\x05\"\x11\n\x0fGetStatsRequest\"\x93\x0b\n\x0bWorkerStats\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12#\n\x1bprefix_cache_queries_tokens\x18\x07 \x01(\x03\x12 \n\x18prefix_cache_hits_tokens\x18\x08 \x01(\x03\x12\x15\n\rkv_blocks_put\x18\t \x01(\x03\x12\x19\n\x11kv_blocks_fetched\x18\n \x01(\x03\x12\x1c\n\x14kv_blocks_local_hits\x18\x0b \x01(\x03\x12\x19\n\x11requests_finished\x18\x0c \x01(\x03\x12\x15\n\rrole_switches\x18\r \x01(\x03\x12\x14\n\x0cweight_loads\x18\x0e \x01(\x03\x12\x1c\n\x14kv_blocks_from_store\x18\x0f \x01(\x03\x12Y\n\x1bkv_store_reads_by_transport\x18\x10 \x03(\x0b\x32\x34.pdserve.v1.WorkerStats.KvStoreReadsByTransportEntry\x12\x1e\n\x16spec_decode_num_drafts\x18\x11 \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x12 \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x13 \x01(\x03\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x14 \x03(\x03\x12\x1c\n\x14progressive_requests\x18\x15 \x01(\x03\x12 \n\x18progressive_anchor_joins\x18\x16 \x01(\x03\x12\x1f\n\x17progressive_exact_joins\x18\x17 \x01(\x03\x12\x1d\n\x15progressive_fallbacks\x18\x18 \x01(\x03\x12\x19\n\x11\x61nchor_num_drafts\x18\x19 \x01(\x03\x12\x1f\n\x17\x61nchor_num_draft_tokens\x18\x1a \x01(\x03\x12\"\n\x1a\x61nchor_num_accepted_tokens\x18\x1b \x01(\x03\x12\x1c\n\x14kv_stream_layers_put\x18\x1c \x01(\x03\x12\x1b\n\x13kv_stream_fallbacks\x18\x1d \x01(\x03\x12\x1e\n\x16kv_stream_put_failures\x18\x1e \x01(\x03\x12\x1e\n\x16prompt_tokens_computed\x18\x1f \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18  \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_steps\x18! \x01(\x03\x12\x1b\n\x13\x64\x65\x63ode_step_seconds\x18\" \x01(\x01\x12\x1e\n\x16local_prefill_requests\x18# \x01(\x03\x12\x1c\n\x14local_prefill_tokens\x18$ \x01(\x03\x12\x10\n\x08\x64raining\x18% \x01(\x08\x12\x16\n\x0estore_degraded\x18\x32 \x01(\x08\x12\x1d\n\x15store_degraded_reason\x18\x33 \x01(\t\x12>\n\x0cstore_errors\x18\x34 \x03(\x0b\x32(.pdserve.v1.WorkerStats.StoreErrorsEntry\x12\x1e\n\x16kv_recomputed_requests\x18\x35 \x01(\x03\x1a>\n\x1cKvStoreReadsByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x32\n\x10StoreErrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x16\n\x14WatchKvEventsRequest\"I\n\x0cKvCacheEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.pdserve.v1.KvEventKind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"\x9c\x01\n\x0cKvEventBatch\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12(\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.KvCacheEvent\x12\x19\n\x11\x62lock_size_tokens\x18\x04 \x01(\x05\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x16\n\x0e\x65vents_dropped\x18\x06 \x01(\x04*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*a\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x32\xf3\x03\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponse\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12M\n\rWatchKvEvents\x12 .pdserve.v1.WatchKvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/worker.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"\xfc\x01\n\x08KvHandle\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0btenant_salt\x18\x02 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x0c\n\x04keys\x18\x06 \x03(\t\x12\x15\n\rstore_address\x18\x07 \x01(\t\x12\x11\n\tstream_id\x18\x08 \x01(\t\x12\x13\n\x0bspan_starts\x18\t \x03(\x05\x12\x11\n\tspan_ends\x18\n \x03(\x05\x12\x12\n\nnum_layers\x18\x0b \x01(\x05\x12\x10\n\x08kv_dtype\x18\x0c \x01(\t\"\x81\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x04 \x01(\t\"\x92\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x02kv\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xf6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x17\n\x0fprefill_locally\x18\x06 \x01(\x08\x12\x1c\n\x14prefill_chunk_tokens\x18\x07 \x01(\x05\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\x05\"\xca\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x13\n\x0bmade_unix_s\x18\x04 \x01(\x01\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"b\n\x11\x44\x65\x63odeManyRequest\x12*\n\x05start\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x42\x04\n\x02op\"y\n\x0b\x44\x65\x63odeEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_details\x18\x04 \x01(\t\"=\n\x12\x44\x65\x63odeManyResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"X\n\x0eSetRoleRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\"t\n\x0fSetRoleResponse\x12\'\n\rprevious_role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x18\n\x10\x64rained_requests\x18\x03 \x01(\x05\"\x11\n\x0fGetStatsRequest\"\x93\x0b\n\x0bWorkerStats\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\x05\x12#\n\x1bprefix_cache_queries_tokens\x18\x07 \x01(\x03\x12 \n\x18prefix_cache_hits_tokens\x18\x08 \x01(\x03\x12\x15\n\rkv_blocks_put\x18\t \x01(\x03\x12\x19\n\x11kv_blocks_fetched\x18\n \x01(\x03\x12\x1c\n\x14kv_blocks_local_hits\x18\x0b \x01(\x03\x12\x19\n\x11requests_finished\x18\x0c \x01(\x03\x12\x15\n\rrole_switches\x18\r \x01(\x03\x12\x14\n\x0cweight_loads\x18\x0e \x01(\x03\x12\x1c\n\x14kv_blocks_from_store\x18\x0f \x01(\x03\x12Y\n\x1bkv_store_reads_by_transport\x18\x10 \x03(\x0b\x32\x34.pdserve.v1.WorkerStats.KvStoreReadsByTransportEntry\x12\x1e\n\x16spec_decode_num_drafts\x18\x11 \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x12 \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x13 \x01(\x03\x12/\n\'spec_decode_num_accepted_tokens_per_pos\x18\x14 \x03(\x03\x12\x1c\n\x14progressive_requests\x18\x15 \x01(\x03\x12 \n\x18progressive_anchor_joins\x18\x16 \x01(\x03\x12\x1f\n\x17progressive_exact_joins\x18\x17 \x01(\x03\x12\x1d\n\x15progressive_fallbacks\x18\x18 \x01(\x03\x12\x19\n\x11\x61nchor_num_drafts\x18\x19 \x01(\x03\x12\x1f\n\x17\x61nchor_num_draft_tokens\x18\x1a \x01(\x03\x12\"\n\x1a\x61nchor_num_accepted_tokens\x18\x1b \x01(\x03\x12\x1c\n\x14kv_stream_layers_put\x18\x1c \x01(\x03\x12\x1b\n\x13kv_stream_fallbacks\x18\x1d \x01(\x03\x12\x1e\n\x16kv_stream_put_failures\x18\x1e \x01(\x03\x12\x1e\n\x16prompt_tokens_computed\x18\x1f \x01(\x03\x12\x14\n\x0c\x62usy_seconds\x18  \x01(\x01\x12\x14\n\x0c\x64\x65\x63ode_steps\x18! \x01(\x03\x12\x1b\n\x13\x64\x65\x63ode_step_seconds\x18\" \x01(\x01\x12\x1e\n\x16local_prefill_requests\x18# \x01(\x03\x12\x1c\n\x14local_prefill_tokens\x18$ \x01(\x03\x12\x10\n\x08\x64raining\x18% \x01(\x08\x12\x16\n\x0estore_degraded\x18\x32 \x01(\x08\x12\x1d\n\x15store_degraded_reason\x18\x33 \x01(\t\x12>\n\x0cstore_errors\x18\x34 \x03(\x0b\x32(.pdserve.v1.WorkerStats.StoreErrorsEntry\x12\x1e\n\x16kv_recomputed_requests\x18\x35 \x01(\x03\x1a>\n\x1cKvStoreReadsByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x32\n\x10StoreErrorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x16\n\x14WatchKvEventsRequest\"I\n\x0cKvCacheEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.pdserve.v1.KvEventKind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"\x9c\x01\n\x0cKvEventBatch\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12(\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.KvCacheEvent\x12\x19\n\x11\x62lock_size_tokens\x18\x04 \x01(\x05\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x16\n\x0e\x65vents_dropped\x18\x06 \x01(\x04*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*a\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x32\xf3\x03\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponse\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12M\n\rWatchKvEvents\x12 .pdserve.v1.WatchKvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,48 +36,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATS_KVSTOREREADSBYTRANSPORTENTRY']._serialized_options = b'8\001'
   _globals['_WORKERSTATS_STOREERRORSENTRY']._loaded_options = None
   _globals['_WORKERSTATS_STOREERRORSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=3353
-  _globals['_ROLE']._serialized_end=3416
-  _globals['_KVEVENTKIND']._serialized_start=3418
-  _globals['_KVEVENTKIND']._serialized_end=3515
+  _globals['_ROLE']._serialized_start=3457
+  _globals['_ROLE']._serialized_end=3520
+  _globals['_KVEVENTKIND']._serialized_start=3522
+  _globals['_KVEVENTKIND']._serialized_end=3619
   _globals['_KVHANDLE']._serialized_start=71
   _globals['_KVHANDLE']._serialized_end=323
   _globals['_PREFILLREQUEST']._serialized_start=326
   _globals['_PREFILLREQUEST']._serialized_end=455
   _globals['_PREFILLRESPONSE']._serialized_start=458
-  _globals['_PREFILLRESPONSE']._serialized_end=680
-  _globals['_DECODEREQUEST']._serialized_start=683
-  _globals['_DECODEREQUEST']._serialized_end=929
-  _globals['_DECODERESPONSE']._serialized_start=932
-  _globals['_DECODERESPONSE']._serialized_end=1082
-  _globals['_DECODEMANYREQUEST']._serialized_start=1084
-  _globals['_DECODEMANYREQUEST']._serialized_end=1182
-  _globals['_DECODEEVENT']._serialized_start=1184
-  _globals['_DECODEEVENT']._serialized_end=1305
-  _globals['_DECODEMANYRESPONSE']._serialized_start=1307
-  _globals['_DECODEMANYRESPONSE']._serialized_end=1368
-  _globals['_ABORTREQUEST']._serialized_start=1370
-  _globals['_ABORTREQUEST']._serialized_end=1404
-  _globals['_ABORTRESPONSE']._serialized_start=1406
-  _globals['_ABORTRESPONSE']._serialized_end=1436
-  _globals['_SETROLEREQUEST']._serialized_start=1438
-  _globals['_SETROLEREQUEST']._serialized_end=1526
-  _globals['_SETROLERESPONSE']._serialized_start=1528
-  _globals['_SETROLERESPONSE']._serialized_end=1644
-  _globals['_GETSTATSREQUEST']._serialized_start=1646
-  _globals['_GETSTATSREQUEST']._serialized_end=1663
-  _globals['_WORKERSTATS']._serialized_start=1666
-  _globals['_WORKERSTATS']._serialized_end=3093
-  _globals['_WORKERSTATS_KVSTOREREADSBYTRANSPORTENTRY']._serialized_start=2979
-  _globals['_WORKERSTATS_KVSTOREREADSBYTRANSPORTENTRY']._serialized_end=3041
-  _globals['_WORKERSTATS_STOREERRORSENTRY']._serialized_start=3043
-  _globals['_WORKERSTATS_STOREERRORSENTRY']._serialized_end=3093
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=3095
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=3117
-  _globals['_KVCACHEEVENT']._serialized_start=3119
-  _globals['_KVCACHEEVENT']._serialized_end=3192
-  _globals['_KVEVENTBATCH']._serialized_start=3195
-  _globals['_KVEVENTBATCH']._serialized_end=3351
-  _globals['_WORKER']._serialized_start=3518
-  _globals['_WORKER']._serialized_end=4017
+  _globals['_PREFILLRESPONSE']._serialized_end=732
+  _globals['_DECODEREQUEST']._serialized_start=735
+  _globals['_DECODEREQUEST']._serialized_end=981
+  _globals['_DECODERESPONSE']._serialized_start=984
+  _globals['_DECODERESPONSE']._serialized_end=1186
+  _globals['_DECODEMANYREQUEST']._serialized_start=1188
+  _globals['_DECODEMANYREQUEST']._serialized_end=1286
+  _globals['_DECODEEVENT']._serialized_start=1288
+  _globals['_DECODEEVENT']._serialized_end=1409
+  _globals['_DECODEMANYRESPONSE']._serialized_start=1411
+  _globals['_DECODEMANYRESPONSE']._serialized_end=1472
+  _globals['_ABORTREQUEST']._serialized_start=1474
+  _globals['_ABORTREQUEST']._serialized_end=1508
+  _globals['_ABORTRESPONSE']._serialized_start=1510
+  _globals['_ABORTRESPONSE']._serialized_end=1540
+  _globals['_SETROLEREQUEST']._serialized_start=1542
+  _globals['_SETROLEREQUEST']._serialized_end=1630
+  _globals['_SETROLERESPONSE']._serialized_start=1632
+  _globals['_SETROLERESPONSE']._serialized_end=1748
+  _globals['_GETSTATSREQUEST']._serialized_start=1750
+  _globals['_GETSTATSREQUEST']._serialized_end=1767
+  _globals['_WORKERSTATS']._serialized_start=1770
+  _globals['_WORKERSTATS']._serialized_end=3197
+  _globals['_WORKERSTATS_KVSTOREREADSBYTRANSPORTENTRY']._serialized_start=3083
+  _globals['_WORKERSTATS_KVSTOREREADSBYTRANSPORTENTRY']._serialized_end=3145
+  _globals['_WORKERSTATS_STOREERRORSENTRY']._serialized_start=3147
+  _globals['_WORKERSTATS_STOREERRORSENTRY']._serialized_end=3197
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=3199
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=3221
+  _globals['_KVCACHEEVENT']._serialized_start=3223
+  _globals['_KVCACHEEVENT']._serialized_end=3296
+  _globals['_KVEVENTBATCH']._serialized_start=3299
+  _globals['_KVEVENTBATCH']._serialized_end=3455
+  _globals['_WORKER']._serialized_start=3622
+  _globals['_WORKER']._serialized_end=4121
 # @@protoc_insertion_point(module_scope)

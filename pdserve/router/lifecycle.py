@@ -99,6 +99,7 @@ class Trip:
     tenant: str = ""
     waiting: bool = True  # no worker took it yet
     prompt_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)  # once tokenized
     retries: int = 0  # re-routes, resumes and the prefill fallback
     resumes: int = 0
     offloaded: bool = False

@@ -284,7 +284,8 @@ class OpenAIApp:
                                       stop_token_ids=req.stop_token_ids,
                                       ignore_eos=req.ignore_eos, temperature=req.temperature)
         for name in ("top_p", "seed", "max_tokens", "logprobs", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"):
+                     "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                     "prompt_logprobs"):
             if getattr(req, name) is not None:
                 setattr(s, name, getattr(req, name))
         s.logit_bias.update(dict(req.logit_bias))

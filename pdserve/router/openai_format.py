@@ -57,6 +57,7 @@ class Renderer:
         self.chat = req.kind == "chat"
         self._finished: dict[int, api_pb2.Usage] = {}  # choice index -> its usage
         self.echo = echo  # completions with echo: the prompt's text, before each choice's
+        self._echo_lps = bool(echo) and req.prompt_logprobs is not None  # ... with logprobs
         use = req.tool_use
         # A chat that may call tools: its output is read for calls, per choice.
         self.tools = use if self.chat and use is not None and use.parses else None
@@ -84,8 +85,10 @@ class Renderer:
         t = self.token_text(token_id)
         return {"token": t, "logprob": _lp(logprob), "bytes": list(t.encode("utf-8"))}
 
-    def logprobs(self, lps: Iterable[common_pb2.TokenLogprobs],
-                 index: int = 0) -> dict[str, Any] | None:
+    def logprobs(self, lps: Iterable[common_pb2.TokenLogprobs], index: int = 0,
+                 first: api_pb2.GenerateResponse | None = None) -> dict[str, Any] | None:
+        """A choice's logprobs in the API's format; completions with echo: the prompt's
+        first (from the choice's `first` message), its first token's logprob null."""
         if self.req.logprobs is None:
             return None
         lps = list(lps)
@@ -94,6 +97,11 @@ class Renderer:
                                  "top_logprobs": [self._entry(t.token_id, t.logprob)
                                                   for t in lp.top]} for lp in lps]}
         tokens, values, tops, offsets = [], [], [], []
+        if first is not None and self.req.prompt_logprobs is not None and first.prompt_token_ids:
+            t = self.token_text(first.prompt_token_ids[0])
+            tokens, values, tops, offsets = [t], [None], [None], [0]
+            self._offset[index] = len(t)
+            lps = [*first.prompt_logprobs, *lps]
         for lp in lps:
             t = self.token_text(lp.token_id)
             tokens.append(t)
@@ -116,10 +124,10 @@ class Renderer:
         return out
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        if not self.chat:
+        if not self.chat:  # with prompt logprobs, the echo comes with them (`chunks`)
             return [self._chunk([{"index": i, "text": self.echo, "logprobs": None,
                                   "finish_reason": None}])
-                    for i in range(self.req.n)] if self.echo else []
+                    for i in range(self.req.n)] if self.echo and not self._echo_lps else []
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
                 for i in range(self.req.n)]
@@ -129,6 +137,9 @@ class Renderer:
         the usage follows the last choice's)."""
         out = []
         i = r.index
+        if self._echo_lps and r.prompt_token_ids:  # the choice's first message
+            out.append(self._chunk([{"index": i, "text": self.echo, "logprobs": self.logprobs(
+                (), i, r), "finish_reason": None}]))
         if self.tools is not None:
             out += self._tool_chunks(r)
         elif r.text or (r.token_ids and self.req.logprobs is not None):
@@ -179,7 +190,7 @@ class Renderer:
         for i in sorted(by_index):
             rs = by_index[i]
             text = "".join(r.text for r in rs)
-            lps = self.logprobs((lp for r in rs for lp in r.logprobs), i)
+            lps = self.logprobs((lp for r in rs for lp in r.logprobs), i, rs[0])
             finish = FINISH.get(rs[-1].finish_reason, fin.STOP)
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}

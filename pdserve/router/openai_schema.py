@@ -104,6 +104,7 @@ class ApiRequest:
     echo: bool = False  # completions: the prompt's text before the completion's
     suffix: str = ""  # completions: fill in the middle, before this text
     best_of: int | None = None  # None: n
+    prompt_logprobs: int | None = None  # completions with echo and logprobs: the prompt's too
     # gRPC field -> the request field it came from, for errors the gRPC path reports.
     params: dict[str, str] = field(default_factory=dict)
 
@@ -186,7 +187,8 @@ def _token_ids(v: Any, name: str) -> tuple[int, ...]:
 # ---- fields shared by both endpoints -------------------------------------------------------------
 
 # Fields pdserve does not implement: accepted only at their no-op value, else a 400 naming them.
-_UNSUPPORTED = {"functions": (None, [])}  # the legacy API; `tools` replaces it
+_UNSUPPORTED = {"functions": (None, []),  # the legacy API; `tools` replaces it
+                "prompt_logprobs": (None,)}  # vLLM's own; completions take echo + logprobs
 # The chat API has no echo or suffix (as OpenAI's): accepted only at their no-op value there.
 _COMPLETIONS_ONLY = {"echo": (None, False), "suffix": (None, "")}
 # The completions API has no tools (as OpenAI's): accepted only at their no-op value there.
@@ -362,16 +364,14 @@ def parse_completion(body: Any) -> ApiRequest:
     prompt, ids = _prompt(body.get("prompt"))
     k = _int(body, "logprobs", 0, MAX_LOGPROBS)
     echo = bool(_bool(body, "echo"))
-    if echo and k is not None:
-        raise bad("echo", "cannot be combined with logprobs: prompt logprobs are not computed",
-                  "unsupported_value")
     suffix = _str(body, "suffix") or ""
     if suffix and ids is not None:
         raise bad("suffix", "needs a text prompt")
     params = {**common.pop("params"), "prompt": "prompt", "token_ids": "prompt",
               "logprobs": "logprobs", "suffix": "suffix"}
     return ApiRequest(kind="completion", prompt=prompt, prompt_ids=ids, logprobs=k,
-                      echo=echo, suffix=suffix, params=params, **common)
+                      echo=echo, suffix=suffix, params=params,
+                      prompt_logprobs=k if echo else None, **common)
 
 
 def _prompt(v: Any) -> tuple[str | None, tuple[int, ...] | None]:

@@ -137,10 +137,14 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         # The workers know the request by an id of its own: a client may reuse an id (even
         # while its last use still ends on a worker), and two clients may send the same one.
         wid = f"{rid}~{secrets.token_hex(4)}"
+        scored = request.sampling.HasField("prompt_logprobs")  # its first message says the ids
         try:
             with request_context(wid):
                 for resp in self._generate(request, context, wid, trip):
                     resp.request_id = rid
+                    if scored:
+                        resp.prompt_token_ids.extend(trip.prompt_ids)
+                        scored = False
                     self.door.sent(trip, resp)
                     yield resp
         finally:
@@ -225,7 +229,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                                  self.grammars)
         except InvalidArgumentError as e:
             self._abort(context, trip, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        trip.prompt_tokens = len(prompt_ids)
+        trip.prompt_tokens, trip.prompt_ids = len(prompt_ids), prompt_ids
         self.door.admit_prefill(trip, prompt_ids, context)
         sampling = params_to_proto(params)
         text = OutputText(self.tokenizer, prompt_ids, params.stop)
@@ -260,11 +264,12 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         delta = text.push([first])
         finish = fin.STOP if text.stopped else finish_from_proto(pre.finish_reason)
         if finish is not None:
-            yield self._final(rid, delta + text.finish(), [first], finish, usage, first_lps)
+            yield self._final(rid, delta + text.finish(), [first], finish, usage, first_lps,
+                              pre.prompt_logprobs)
             return
         trip.emitted.append(first)
         yield api_pb2.GenerateResponse(request_id=rid, text=delta, token_ids=[first],
-                                       logprobs=first_lps)
+                                       logprobs=first_lps, prompt_logprobs=pre.prompt_logprobs)
         req = wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids, first_token_id=first,
                                 sampling=sampling, kv=pre.kv)
         yield from self._decode(context, req, text, usage, trip)
@@ -450,13 +455,14 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     if finish is not None:
                         hop.relayed = True
                         yield self._final(rid, delta + text.finish(), list(chunk.token_ids), finish,
-                                          usage, chunk.logprobs)
+                                          usage, chunk.logprobs, chunk.prompt_logprobs)
                         return True
                     if delta or chunk.token_ids:
                         hop.relayed = True
                         yield api_pb2.GenerateResponse(request_id=rid, text=delta,
                                                        token_ids=list(chunk.token_ids),
-                                                       logprobs=chunk.logprobs)
+                                                       logprobs=chunk.logprobs,
+                                                       prompt_logprobs=chunk.prompt_logprobs)
             finally:
                 # Ended: a no-op. Left early (the relay closed, an error here): the worker
                 # stops decoding for nobody.
@@ -464,7 +470,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         return False
 
     @staticmethod
-    def _final(rid, text, token_ids, finish, usage, logprobs=()):
+    def _final(rid, text, token_ids, finish, usage, logprobs=(), prompt_logprobs=()):
         return api_pb2.GenerateResponse(request_id=rid, text=text, token_ids=token_ids,
                                         finish_reason=finish_to_proto(finish), usage=usage,
-                                        logprobs=logprobs)
+                                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)

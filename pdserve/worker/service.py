@@ -133,6 +133,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                   num_cached_tokens=res.num_cached_tokens)
         if res.first_logprobs is not None:
             resp.first_logprobs.CopyFrom(logprobs_to_proto(res.first_logprobs))
+        resp.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in res.prompt_logprobs or ())
         return resp
 
     def Decode(self, request, context):
@@ -151,7 +152,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 yield pb.DecodeResponse(
                     token_ids=c.token_ids, finish_reason=finish_to_proto(c.finish_reason),
                     logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()],
-                    made_unix_s=c.made_s)
+                    made_unix_s=c.made_s,
+                    prompt_logprobs=[logprobs_to_proto(lp) for lp in c.prompt_logprobs or ()])
 
     def _decode_chunks(self, request, context) -> Iterator[DecodeChunk]:
         params = params_from_proto(request.sampling)

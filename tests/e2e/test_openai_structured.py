@@ -7,6 +7,7 @@ token is sampled on the prefill worker, the rest on the decode worker).
 - A constraint that cannot be compiled is a 400 naming the field it came from.
 - Exactness: a choice list that holds the unconstrained greedy answer gives that very answer;
   penalties and logit_bias are honoured across the hand-over.
+- `echo` with `logprobs` scores the prompt as the completion scores the same tokens.
 - `n=3` gives 3 choices, greedy ones equal, seeded ones equal to separate requests with seeds
   seed, seed + 1, seed + 2; `best_of` returns the n most likely.
 """
@@ -206,3 +207,41 @@ def test_echo_returns_the_prompt_before_the_completion(client, model):
     with pytest.raises(openai.BadRequestError) as err:  # the default model has no FIM tokens
         client.completions.create(model=model, prompt="def f(", suffix="):", max_tokens=4)
     assert err.value.body["param"] == "suffix"
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_completion_scores_it(client, model):
+    # As evaluation harnesses ask: the prompt's tokens with their logprobs (the first null),
+    # then the completion's. The prompt is prefilled on the prefill worker; the completion's
+    # first token there too, from the same logits a longer prompt's last position gives.
+    text = "The ocean is deep and"
+    r = client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0,
+                                  echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + r.usage.completion_tokens == n_prompt + 3
+    assert "".join(lp.tokens) == r.choices[0].text and r.choices[0].text.startswith(text)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])  # top 2, plus the token when not in it
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # The completion's first token, made part of the prompt, gets the very same logprob.
+    longer = client.completions.create(model=model, prompt=text + lp.tokens[n_prompt],
+                                       max_tokens=1, temperature=0, echo=True, logprobs=0)
+    assert longer.usage.prompt_tokens == n_prompt + 1  # it tokenizes as it was generated
+    assert longer.choices[0].logprobs.token_logprobs[1:n_prompt + 1] == pytest.approx(
+        lp.token_logprobs[1:n_prompt + 1], abs=1e-4)
+    # Streamed: the echo with the prompt's logprobs first, then the completion's.
+    stream = client.completions.create(model=model, prompt=text, max_tokens=3, temperature=0,
+                                       echo=True, logprobs=2, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices and c.choices[0].logprobs]
+    assert chunks[0].text == text
+    assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
+    values = [v for c in chunks for v in c.logprobs.token_logprobs]
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    # A one-token prompt: its token, with a null logprob, then the completion's.
+    one = client.completions.create(model=model, prompt="Hello", max_tokens=1, temperature=0,
+                                    echo=True, logprobs=0)
+    assert one.usage.prompt_tokens == 1
+    assert one.choices[0].logprobs.tokens[0] == "Hello"
+    assert one.choices[0].logprobs.token_logprobs[0] is None
+    assert len(one.choices[0].logprobs.tokens) == 2

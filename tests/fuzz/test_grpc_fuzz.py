@@ -29,7 +29,7 @@ METHOD = "/pdserve.v1.Generation/Generate"
 FIELDS = {"request_id", "model", "prompt", "chat", "token_ids", "cache_salt", "temperature",
           "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs", "n",
           "best_of", "suffix", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "logit_bias", "min_p", "min_tokens", "structured_output"}
+          "logit_bias", "min_p", "min_tokens", "structured_output", "prompt_logprobs"}
 INT32 = (-(2**31), 2**31 - 1)
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -73,7 +73,7 @@ valid = {
     "n": st.integers(1, 3), "best_of": st.sampled_from([0, 3]), "suffix": st.just(""),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1),
-    "min_tokens": st.integers(0, 3),
+    "min_tokens": st.integers(0, 3), "prompt_logprobs": st.integers(0, 5),
     "logit_bias": st.dictionaries(st.integers(0, 49151), st.floats(-100, 100), max_size=3),
     "structured_output": st.sampled_from([
         common_pb2.StructuredOutput(kind="json_object"),
@@ -90,7 +90,7 @@ wild = {
     "max_tokens": st.integers(CONTEXT_TOKENS + 1, INT32[1]) | st.integers(INT32[0], 0),
     "n": int32, "best_of": int32, "suffix": strings, "presence_penalty": floats,
     "frequency_penalty": floats, "repetition_penalty": floats, "min_p": floats,
-    "min_tokens": int32,
+    "min_tokens": int32, "prompt_logprobs": int32,
     "logit_bias": st.dictionaries(int32, floats, max_size=3) | st.builds(
         lambda n: {i: 1.0 for i in range(n)}, st.sampled_from([301, 5000])),
     "structured_output": st.builds(
@@ -102,7 +102,7 @@ wild = {
 }
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "max_tokens", "logprobs", "stop",
              "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "logit_bias", "min_p", "min_tokens", "structured_output")
+             "logit_bias", "min_p", "min_tokens", "structured_output", "prompt_logprobs")
 
 
 @st.composite

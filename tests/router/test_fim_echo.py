@@ -15,7 +15,7 @@ import pytest
 from pdserve.core.errors import InvalidArgumentError
 from pdserve.engine.loader import default_model_path
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.proto import api_pb2
+from pdserve.proto import api_pb2, common_pb2
 from pdserve.router.openai_format import Renderer
 from pdserve.router.openai_schema import OpenAIError, parse_chat, parse_completion
 from pdserve.router.validate import fill_in_the_middle, prompt_ids_of
@@ -65,7 +65,7 @@ def test_a_model_without_fim_tokens_refuses_suffix_by_name():
 
 
 @pytest.mark.parametrize("parse,body,param", [
-    (parse_completion, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    (parse_completion, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     (parse_completion, {"prompt": [1, 2], "suffix": "y"}, "suffix"),
     (parse_completion, {"prompt": "x", "echo": "yes"}, "echo"),
     (parse_chat, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
@@ -90,3 +90,32 @@ def test_echo_puts_the_prompt_before_every_choice():
     whole = Renderer(req, "cmpl-1", "m", 0, str, echo="The sea").full(msgs)
     assert [c["text"] for c in whole["choices"]] == ["The sea is blue"] * 2
     assert whole["usage"]["completion_tokens"] == 4 and whole["usage"]["prompt_tokens"] == 2
+
+
+def test_echo_with_logprobs_puts_the_prompts_logprobs_first_for_every_choice():
+    req = parse_completion({"prompt": "ab", "echo": True, "logprobs": 1, "n": 2,
+                            "stream": True})
+    assert req.prompt_logprobs == 1
+    text = {1: "a", 2: "b", 3: "c", 4: "d"}.get
+    prompt = dict(prompt_token_ids=[1, 2], prompt_logprobs=[common_pb2.TokenLogprobs(
+        token_id=2, logprob=-0.5, top=[common_pb2.Logprob(token_id=3, logprob=-0.25)])])
+    msgs = [api_pb2.GenerateResponse(index=i, text="c", token_ids=[3], **prompt, logprobs=[
+        common_pb2.TokenLogprobs(token_id=3, logprob=-0.125)]) for i in (0, 1)] + [
+        api_pb2.GenerateResponse(index=i, text="d", token_ids=[4], finish_reason=2, logprobs=[
+            common_pb2.TokenLogprobs(token_id=4, logprob=-0.375)],
+            usage=api_pb2.Usage(prompt_tokens=2, completion_tokens=2)) for i in (1, 0)]
+    stream = Renderer(req, "cmpl-1", "m", 0, text, echo="ab")
+    assert stream.first_chunks() == []  # the echo waits for the prompt's logprobs
+    chunks = [c["choices"][0] for m in msgs for c in stream.chunks(m)]
+    for i in (0, 1):
+        mine = [c for c in chunks if c["index"] == i and c["logprobs"]]
+        assert mine[0]["text"] == "ab" and mine[0]["logprobs"] == {
+            "tokens": ["a", "b"], "token_logprobs": [None, -0.5],
+            "top_logprobs": [None, {"c": -0.25, "b": -0.5}], "text_offset": [0, 1]}
+        assert [c["logprobs"]["text_offset"] for c in mine[1:]] == [[2], [3]]
+    whole = Renderer(req, "cmpl-1", "m", 0, text, echo="ab").full(msgs)
+    for choice in whole["choices"]:
+        assert choice["text"] == "abcd"
+        assert choice["logprobs"]["tokens"] == ["a", "b", "c", "d"]
+        assert choice["logprobs"]["token_logprobs"] == [None, -0.5, -0.125, -0.375]
+        assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3]

@@ -160,6 +160,20 @@ def test_logprobs_stop_tokens_and_a_first_token_that_ends_it(stub, reference):
     assert got == want[:1] and reasons == [common_pb2.FINISH_REASON_LENGTH]
 
 
+def test_prompt_logprobs_come_with_the_first_token_even_for_a_cached_prompt(stub, tiny_llama_dir):
+    ids = prompt(40, seed=5)
+    engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(
+        block_size_tokens=16, num_blocks=NUM_BLOCKS)))
+    want = engine.prompt_logits(ids).float().log_softmax(-1)
+    collect(local_decode(stub, "warm", ids, max_tokens=2))  # its blocks are cached here now
+    msgs = list(local_decode(stub, "plp", ids, 16, max_tokens=3, prompt_logprobs=1))
+    assert [len(m.prompt_logprobs) for m in msgs] == [len(ids) - 1] + [0] * (len(msgs) - 1)
+    for i, lp in enumerate(msgs[0].prompt_logprobs):  # token i + 1, scored at position i
+        assert lp.token_id == ids[i + 1]
+        assert lp.logprob == pytest.approx(want[i, ids[i + 1]].item(), abs=1e-4)
+        assert [t.token_id for t in lp.top] == [int(want[i].argmax())]
+
+
 @pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, seed=99)],
                          ids=["greedy", "seeded"])
 def test_a_resumed_request_streams_only_what_follows(stub, reference, sampling):

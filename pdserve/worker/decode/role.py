@@ -41,6 +41,7 @@ class DecodeChunk:
     finish_reason: str | None  # set on the last chunk
     logprobs: list[TokenLogprobs] | None = None  # parallel to token_ids, when asked for
     made_s: float = 0.0  # wall clock when the step that made the first of token_ids ended
+    prompt_logprobs: list[TokenLogprobs] | None = None  # first chunk, when asked for
 
 
 class DecodeRole:
@@ -236,18 +237,20 @@ def _coalesce(item, out_stream: RequestStream) -> tuple[DecodeChunk, bool, objec
     tokens: list[int] = []
     logprobs: list[TokenLogprobs] | None = []
     made_s = item.made_s
+    prompt_lps = None
     while True:
         if item.error is not None:
             if tokens:
-                return DecodeChunk(tokens, None, logprobs, made_s), False, item
+                return DecodeChunk(tokens, None, logprobs, made_s, prompt_lps), False, item
             raise item.error
         out = item.output
         assert out is not None
         tokens.extend(out.new_token_ids)
         logprobs = None if out.logprobs is None or logprobs is None else logprobs + out.logprobs
+        prompt_lps = prompt_lps or out.prompt_logprobs
         if out.finished:
-            return DecodeChunk(tokens, out.finish_reason, logprobs, made_s), True, None
+            return DecodeChunk(tokens, out.finish_reason, logprobs, made_s, prompt_lps), True, None
         try:
             item = out_stream.q.get_nowait()
         except queue.Empty:
-            return DecodeChunk(tokens, None, logprobs, made_s), False, None
+            return DecodeChunk(tokens, None, logprobs, made_s, prompt_lps), False, None

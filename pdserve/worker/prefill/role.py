@@ -67,6 +67,7 @@ class PrefillResult:
     # ("" and [] for a plain transfer).
     stream_id: str = ""
     spans: list[tuple[int, int]] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when the request asked for them
 
 
 class PrefillRole:
@@ -95,9 +96,11 @@ class PrefillRole:
             log.warning("prefix lookup failed, computing the whole prompt: %s", e)
             return 0
 
-    def _enter(self, prompt_ids: list[int], salt: str, add: Callable[[], Any]):
+    def _enter(self, prompt_ids: list[int], salt: str, add: Callable[[], Any],
+               fetch: bool = True):
         """Put the request into the engine (`add`, run on the engine thread), first placing what
-        the store holds of its prefix beyond the local prefix cache; `add`'s result.
+        the store holds of its prefix beyond the local prefix cache (unless not `fetch`: a
+        request that computes its whole prompt); `add`'s result.
 
         The store is asked first, off the engine thread (while a step may run), so that a
         request the store cannot help joins the engine in one trip through the loop: the
@@ -105,7 +108,7 @@ class PrefillRole:
         of its own, and a burst arriving during a step would then miss the next step too."""
         engine = self.loop.engine
         hashes, keys = reusable_prefix(engine, self.model_id, prompt_ids, salt)
-        n_store = self._store_prefix(keys)
+        n_store = self._store_prefix(keys) if fetch else 0
 
         def first():
             n_local = engine.cached_prefix_blocks(hashes) if hashes else 0
@@ -144,7 +147,7 @@ class PrefillRole:
                 raise
             return stream
 
-        stream = self._enter(prompt_ids, salt, add)
+        stream = self._enter(prompt_ids, salt, add, fetch=params.prompt_logprobs is None)
         try:
             item = self._wait(request_id, stream, is_active)
         finally:
@@ -172,7 +175,8 @@ class PrefillRole:
         out = item.output
         return PrefillResult(out.new_token_ids[0], out.finish_reason if out.finished else None,
                              kv.block_hashes, keys, kv.num_tokens, out.num_cached_tokens,
-                             out.logprobs[0] if out.logprobs else None, stream_id, spans)
+                             out.logprobs[0] if out.logprobs else None, stream_id, spans,
+                             out.prompt_logprobs)
 
     def _wait(self, request_id: str, stream, is_active: Callable[[], bool]):
         """The request's one stream item (first token + KV); a caller gone, or no item within
