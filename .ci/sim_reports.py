@@ -13,7 +13,7 @@ from pathlib import Path
 from pdserve.bench.route_trace import default_trace_path
 from pdserve.compiled import MODULES, compiled
 from pdserve.sim.config import SimConfig
-from pdserve.sim.profile import load_profile
+from pdserve.core.step_profile import load_profile
 from pdserve.sim.run import simulate
 from pdserve.sim.trace import for_cluster, load_trace
 

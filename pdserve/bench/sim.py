@@ -106,7 +106,7 @@ def quarters(pace: list[list[float]], end_s: float) -> list[float]:
 def run_bench(s: SimBenchSettings, progress=None) -> dict[str, Any]:
     import pdserve.engine.scheduler  # noqa: F401 - loaded before timing starts
     from pdserve.sim.config import SimConfig
-    from pdserve.sim.profile import load_profile
+    from pdserve.core.step_profile import load_profile
     from pdserve.sim.trace import for_cluster, load_trace
 
     profile = load_profile(s.profile)

@@ -4,7 +4,7 @@ Owns the command's flags and what a person sees: progress on stderr, the summary
 JSON document with `--json`), and with `--out DIR` the full report (`report.json`, per-request
 records included), `summary.json` and `roles.png` (workers per role over time, TTFT and ITL
 distributions). Must not simulate itself (`run.simulate`) nor define step times (the profile,
-`pdserve.sim.profile.load_profile`).
+`pdserve.core.step_profile.load_profile`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_profile_named(name: str):
     try:
-        from pdserve.sim.profile import load_profile
+        from pdserve.core.step_profile import load_profile
     except ModuleNotFoundError as e:
         raise SimConfigError(f"--profile: step-time profiles are not available in this "
                              f"installation ({e.name} is missing)") from None

@@ -29,7 +29,7 @@ from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
 from pdserve.router.kv_index import STORED
-from pdserve.sim.profile import attn_pairs
+from pdserve.core.step_profile import step_work
 from pdserve.sim.tokens import RunTokens
 from pdserve.sim.trace import HASH_BLOCK_TOKENS
 
@@ -231,18 +231,7 @@ class EngineModel:
         batch = self.sched.schedule()
         if batch.empty:
             return None
-        prefill = decode = ctx = cached = 0
-        pairs = 0.0
-        for seq, n in zip(batch.seqs, batch.num_new):
-            done = seq.num_computed
-            if n == 1 and done >= seq.prompt_len and done + 1 >= len(seq.token_ids):
-                decode += 1
-                ctx += done
-            else:
-                prefill += n
-                cached += done
-                pairs += attn_pairs(n, done)
-        return PlannedStep(batch, prefill, decode, ctx, cached, pairs)
+        return PlannedStep(batch, *step_work(batch.seqs, batch.num_new))
 
     def complete(self, step: PlannedStep) -> list[tuple[str, str]]:
         """The step ran: [(request id, "first" | "done" | "parked")] for sequences that made

@@ -63,6 +63,13 @@ class Stretched:
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.base.prefill_s(new_tokens, cached_tokens) * self.factor
 
+    def work_s(self, prefill_tokens: int, decode_batch: int, context_tokens: int,
+               cached_tokens: int, pairs: float) -> float:
+        if prefill_tokens:
+            return self.base.work_s(prefill_tokens, decode_batch, context_tokens, cached_tokens,
+                                    pairs) * self.factor
+        return self.decode_s(decode_batch, context_tokens)
+
 
 class HostShare:
     """Hosts of `workers_per_host` consecutive workers each, sharing `profile.host_cores`."""

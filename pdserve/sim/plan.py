@@ -22,7 +22,7 @@ from typing import Any
 
 from pdserve.core.errors import ConfigError
 from pdserve.sim.config import SimConfig
-from pdserve.sim.profile import load_profile
+from pdserve.core.step_profile import load_profile
 
 DEFAULT_TTFT_SLO_MS = 2000.0  # a chat reply starts within 2 s
 DEFAULT_ITL_SLO_MS = 100.0  # 10 tokens/s per stream: faster than people read

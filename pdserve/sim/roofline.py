@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.sim.profile import ProfileError, StepProfile, TransportLink
+from pdserve.core.step_profile import ProfileError, StepProfile, TransportLink
 
 GiB = 1 << 30
 
@@ -153,5 +153,5 @@ def write_shipped(folder: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    for p in write_shipped(Path(__file__).parent / "profiles"):
+    for p in write_shipped(Path(__file__).parent.parent / "core" / "profiles"):
         print(p)

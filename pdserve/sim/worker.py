@@ -24,12 +24,8 @@ MAX_RUN_STEPS = 1 << 20
 
 
 def step_seconds(profile, step: PlannedStep) -> float:
-    if step.prefill_tokens:  # attention pairs per sequence: a batch is not one long prompt
-        return profile.step_s(
-            prefill_tokens=step.prefill_tokens, attn_pairs=step.attn_pairs,
-            decode_batch=step.decode_batch, decode_ctx=step.context_tokens,
-            kv_read_tokens=step.context_tokens + step.cached_tokens + step.prefill_tokens)
-    return profile.decode_s(step.decode_batch, step.context_tokens)
+    return profile.work_s(step.prefill_tokens, step.decode_batch, step.context_tokens,
+                          step.cached_tokens, step.attn_pairs)
 
 
 class Run:

@@ -31,7 +31,7 @@ from pdserve.simtools.calibrate_fit import (  # noqa: F401 - the fits, importabl
     FEATURES, SERVING, Point, build_profile, fit_serving, fit_serving_prefill, fit_steps,
     fit_transfer, with_serving)
 from pdserve.simtools.calibrate_host import calibrate_host, cores, host_slowdown
-from pdserve.sim.profile import StepProfile
+from pdserve.core.step_profile import StepProfile
 
 
 @dataclass(frozen=True)
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(f"[calibrate {time.monotonic() - t0:6.1f}s] {line}", file=sys.stderr, flush=True)
     if args.host_into:
-        from pdserve.sim.profile import load_profile
+        from pdserve.core.step_profile import load_profile
 
         prof = calibrate_host(load_profile(args.host_into), args.model, plan, args.threads,
                               say)

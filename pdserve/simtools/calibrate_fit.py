@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.sim.profile import StepProfile, TransportLink, attn_pairs
+from pdserve.core.step_profile import StepProfile, TransportLink, attn_pairs
 
 FEATURES = ("overhead_s", "prefill_fixed_s", "decode_fixed_s", "prefill_token_s",
             "prefill_attn_s", "decode_seq_s", "decode_ctx_s")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from pdserve.simtools.calibrate import Plan
-    from pdserve.sim.profile import StepProfile
+    from pdserve.core.step_profile import StepProfile
 
 
 def cores() -> int:

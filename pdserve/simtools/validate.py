@@ -293,7 +293,7 @@ def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
     is; with `--real-from`, the constants recorded with that run are reused when it has them.
     `--steps profile`: the profile as given."""
     from pdserve.simtools.calibrate import STEPS_NOW, STEPS_QUICK, steps_now
-    from pdserve.sim.profile import StepProfile, load_profile
+    from pdserve.core.step_profile import StepProfile, load_profile
 
     given = load_profile(s["profile"])
     if s["steps"] == "profile":

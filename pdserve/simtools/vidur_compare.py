@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.core.stats import percentile
-from pdserve.sim.profile import StepProfile
+from pdserve.core.step_profile import StepProfile
 from pdserve.sim.roofline import MODELS, roofline_profile
 from pdserve.sim.trace import HASH_BLOCK_TOKENS, SimRequest
 from pdserve.simtools.vidur_inputs import TRACE_DATE, attention_rows, write_hub_cache, write_trace_csv

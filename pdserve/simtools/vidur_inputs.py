@@ -26,7 +26,7 @@ import os
 import shutil
 from collections.abc import Iterable, Sequence
 
-from pdserve.sim.profile import StepProfile, attn_pairs
+from pdserve.core.step_profile import StepProfile, attn_pairs
 
 ATTENTION_COLUMNS = ("time_stats.attn_prefill.median", "time_stats.attn_decode.median",
                      "time_stats.attn_kv_cache_save.median", "n_embd", "n_q_head", "n_kv_head",

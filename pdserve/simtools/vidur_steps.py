@@ -15,7 +15,7 @@ import json
 import os
 import subprocess
 
-from pdserve.sim.profile import StepProfile, attn_pairs
+from pdserve.core.step_profile import StepProfile, attn_pairs
 
 # (name, prefill chunks as (tokens, context before the chunk), decode contexts)
 STEP_CASES: tuple[tuple[str, tuple[tuple[int, int], ...], tuple[int, ...]], ...] = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.sim.config import SimConfig
-from pdserve.sim.profile import load_profile
+from pdserve.core.step_profile import load_profile
 from pdserve.sim.run import simulate
 from pdserve.sim.trace import SimRequest, load_trace
 

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.sim.config import SimConfig, SimConfigError
 from pdserve.sim.host import contention
-from pdserve.sim.profile import ProfileError, StepProfile, load_profile
+from pdserve.core.step_profile import ProfileError, StepProfile, load_profile
 from pdserve.sim.run import simulate
 from pdserve.sim.trace import SimRequest, load_trace
 

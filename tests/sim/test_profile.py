@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim.profile import SHIPPED, ProfileError, StepProfile, TransportLink, load_profile
+from pdserve.core.step_profile import SHIPPED, ProfileError, StepProfile, TransportLink, load_profile
 from pdserve.sim.roofline import SHIPPED_ROOFLINES, roofline_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,13 +113,14 @@ def test_shipped_rooflines_are_current():
 
 def test_profiles_are_package_data():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    globs = cfg["tool"]["setuptools"]["package-data"]["pdserve.sim"]
-    files = {p.name for g in globs for p in (ROOT / "pdserve" / "sim").glob(g)}
+    globs = cfg["tool"]["setuptools"]["package-data"]["pdserve.core"]
+    files = {p.name for g in globs for p in (ROOT / "pdserve" / "core").glob(g)}
     assert {f"{n}.json" for n in SHIPPED} <= files
 
 
 def test_imports_without_torch():
-    code = ("import sys, pdserve.sim.profile, pdserve.sim.roofline, pdserve.simtools.calibrate, "
+    code = ("import sys, pdserve.core.step_profile, pdserve.sim.roofline, "
+            "pdserve.simtools.calibrate, "
             "pdserve.sim.plan, pdserve.sim.plan_report, pdserve.simtools.validate, "
             "pdserve.simtools.validate_report, pdserve.simtools.vidur_compare; "
             "assert 'torch' not in sys.modules")

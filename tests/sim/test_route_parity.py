@@ -173,7 +173,7 @@ def test_the_simulator_routes_through_the_live_route(monkeypatch):
     otherwise changes where the simulator sends requests."""
     import pdserve.sim.cluster as cluster_mod
     from pdserve.router.route import Route
-    from pdserve.sim.profile import load_profile
+    from pdserve.core.step_profile import load_profile
     from pdserve.sim.run import simulate
     from pdserve.sim.trace import load_trace
 

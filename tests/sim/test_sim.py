@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.sim import worker as sim_worker
 from pdserve.sim.config import SimConfig, SimConfigError
-from pdserve.sim.profile import load_profile
+from pdserve.core.step_profile import load_profile
 from pdserve.sim.run import simulate
 from pdserve.sim.trace import SimRequest, load_trace
 
@@ -39,7 +39,7 @@ def test_same_seed_gives_a_byte_identical_report():
 def test_the_report_is_the_same_across_processes_and_hash_seeds():
     code = ("import sys\n"
             "from pdserve.sim.config import SimConfig\n"
-            "from pdserve.sim.profile import load_profile\n"
+            "from pdserve.core.step_profile import load_profile\n"
             "from pdserve.sim.run import simulate\n"
             "from pdserve.sim.trace import SimRequest, load_trace\n"
             f"r = simulate(SimConfig(prefill_workers=2, decode_workers=2, controller=True, "

@@ -52,7 +52,7 @@ def test_a_simulation_runs_without_torch():
     torch-free, a whole run never loads torch."""
     out = _fresh("import sys\n"
                  "from pdserve.sim.config import SimConfig\n"
-                 "from pdserve.sim.profile import load_profile\n"
+                 "from pdserve.core.step_profile import load_profile\n"
                  "from pdserve.sim.run import simulate\n"
                  "from pdserve.sim.trace import load_trace\n"
                  "r = simulate(SimConfig(), load_trace('synthetic:poisson:n=5'), "

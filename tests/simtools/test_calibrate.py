@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.simtools.calibrate import Point, build_profile, fit_steps, fit_transfer
-from pdserve.sim.profile import StepProfile, TransportLink, attn_pairs, load_profile
+from pdserve.core.step_profile import StepProfile, TransportLink, attn_pairs, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 TRUE = StepProfile(origin="truth", model="m", overhead_s=0.004, prefill_fixed_s=0.01,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim.profile import StepProfile, load_profile
+from pdserve.core.step_profile import StepProfile, load_profile
 from pdserve.simtools.validate import (ValidateError, add_arguments, background_of, compare,
                                   parse_configs, settings_from_args, shared_fraction, sim_blocks)
 

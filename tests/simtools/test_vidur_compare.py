@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim.profile import attn_pairs
+from pdserve.core.step_profile import attn_pairs
 from pdserve.sim.roofline import MODELS, roofline_profile
 from pdserve.sim.trace import SimRequest
 from pdserve.simtools.vidur_compare import (LINEAR_OPS, dist, fit_requests, linear_times,

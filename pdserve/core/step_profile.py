@@ -165,6 +165,16 @@ class StepProfile:
                            decode_batch=decode_batch, decode_ctx=context_tokens,
                            kv_read_tokens=context_tokens + prefill_cached_tokens + prefill_tokens)
 
+    def work_s(self, prefill_tokens: int, decode_batch: int, context_tokens: int,
+               cached_tokens: int, pairs: float) -> float:
+        """One step carrying `step_work`'s sizes (attention pairs per sequence: a batch of
+        prompts is not one long prompt)."""
+        if prefill_tokens:
+            return self.step_s(prefill_tokens=prefill_tokens, attn_pairs=pairs,
+                               decode_batch=decode_batch, decode_ctx=context_tokens,
+                               kv_read_tokens=context_tokens + cached_tokens + prefill_tokens)
+        return self.decode_s(decode_batch, context_tokens)
+
     def transfer_s(self, nbytes: int, transport: str) -> float:
         """Uncontended time to move `nbytes` over `transport` (one of `self.transports`)."""
         if nbytes < 0:
@@ -223,6 +233,24 @@ def attn_pairs(new_tokens: int, cached_tokens: int) -> float:
     return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
 
 
+def step_work(seqs, num_new) -> tuple[int, int, int, int, float]:
+    """What a scheduled step carries, as `work_s` reads it: (prefill tokens, decode sequences,
+    their context tokens, the prefilling sequences' cached tokens, attention pairs). An entry
+    decodes when it runs one token past its prompt, its own last; any other entry prefills."""
+    prefill = decode = ctx = cached = 0
+    pairs = 0.0
+    for seq, n in zip(seqs, num_new):
+        done = seq.num_computed
+        if n == 1 and done >= seq.prompt_len and done + 1 >= len(seq.token_ids):
+            decode += 1
+            ctx += done
+        else:
+            prefill += n
+            cached += done
+            pairs += attn_pairs(n, done)
+    return prefill, decode, ctx, cached, pairs
+
+
 def _check_counts(**counts: int) -> None:
     for name, n in counts.items():
         if n < 0:
@@ -230,7 +258,7 @@ def _check_counts(**counts: int) -> None:
 
 
 def shipped_path(name: str):
-    return importlib.resources.files("pdserve.sim") / "profiles" / f"{name}.json"
+    return importlib.resources.files("pdserve.core") / "profiles" / f"{name}.json"
 
 
 def load_profile(path_or_name: str | Path) -> StepProfile:
