@@ -340,6 +340,11 @@ class PagedKVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 
+    def read_slots(self, layer: int, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of one layer's K and V at these cache slots (block * block_size + offset)."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.k.device)
+        return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
+
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one exported block: [layers, 2 (k, v), block_size, kv_heads, head_dim]."""
         return (self.k.shape[0], 2, self.block_size, self.k.shape[2], self.k.shape[3])

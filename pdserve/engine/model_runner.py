@@ -31,7 +31,7 @@ from pdserve.engine.loader import load_checkpoint
 from pdserve.engine.logits_process import Row
 from pdserve.engine.logits_process import apply as apply_controls
 from pdserve.engine.model import LlamaModel, StepInput
-from pdserve.engine.outputs import ModelRunnerOutput
+from pdserve.engine.outputs import LayerSpansHook, ModelRunnerOutput
 from pdserve.engine.sampling import sample, token_logprobs
 from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.engine.spec import DraftRequest, SpecStats, make_drafter, verify_greedy
@@ -43,8 +43,6 @@ _FORGET_WHEN_IDLE = 0.99
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# on_prefill_layer(layer, spans): spans = [(request id, start, end)] computed this step.
-LayerSpansHook = Callable[[int, list[tuple[str, int, int]]], None]
 
 
 def _grammars(tokenizer, model_path: str, model_config: ModelConfig) -> Grammars:
@@ -120,6 +118,10 @@ class ModelRunner:
         # worker's core sharing uses it to give borrowed threads back midway
         # (`worker/cores.py`). Must not touch the engine.
         self.between_layers: Callable[[int], None] | None = None
+
+    def check_structured(self, so) -> None:
+        """Compile-check a structured output (cached: the request's matcher reuses it)."""
+        self.guides.grammars.check(so)
 
     # ---- one batch ---------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:

@@ -9,6 +9,7 @@ Owns these types only. Must not hold logic or import torch: the engine fills a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from pdserve.core.sampling_params import TokenLogprobs
 
@@ -55,3 +56,6 @@ class StepOutput:
     # On the first output of a request that asked for prompt logprobs: one per prompt token
     # after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
+
+# on_prefill_layer(layer, spans): spans = [(request id, start, end)] computed this step.
+LayerSpansHook = Callable[[int, list[tuple[str, int, int]]], None]
