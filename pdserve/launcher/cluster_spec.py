@@ -75,6 +75,11 @@ class ClusterSpec:
     # Progressive KV transfer on every worker (--progressive-kv): layer-wise anchor/residual
     # streaming through the store instead of whole blocks.
     progressive_kv: bool = False
+    # Every worker's engine (`WorkerConfig.engine`): "emulated" runs the step-time `profile`
+    # with KV blocks of its bytes per token times `kv_scale` (`pdserve emulate`: a load tool).
+    engine: str = "model"
+    profile: str = ""
+    kv_scale: float = 1.0
     # More settings of every router, by `RouterConfig` field (e.g. {"kv_fetch_weight": 1.0}),
     # over those the launcher gives it.
     router_settings: Mapping[str, Any] = field(default_factory=dict)

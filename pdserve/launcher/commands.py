@@ -60,7 +60,8 @@ def worker_config(spec: ClusterSpec, role: str, address: str, store: str, router
         dtype=s.dtype, quantization=s.quantization, num_blocks=s.num_blocks,
         block_size_tokens=s.block_size_tokens, max_num_batched_tokens=s.max_num_batched_tokens,
         threads=threads, metrics_port=metrics_port, register_with=router_control,
-        cluster_id=s.cluster_id, progressive_kv=s.progressive_kv, **spec_fields, **placed)
+        cluster_id=s.cluster_id, progressive_kv=s.progressive_kv, engine=s.engine,
+        profile=s.profile, kv_scale=s.kv_scale, **spec_fields, **placed)
 
 
 def router_base(spec: ClusterSpec, address: str, control: str, store: str, routing: str

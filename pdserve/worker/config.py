@@ -19,6 +19,7 @@ from pdserve.kvstore.channel import check_cluster_id
 STEP_TOKENS = {"cpu": 512, "accelerator": 2048}
 
 CORE_SHARING = ("lend", "turns")  # `worker/cores.py`; the first is the default
+ENGINES = ("model", "emulated")  # the real model; or `engine/emulated.py`, a load tool
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,20 @@ class WorkerConfig:
     # a failover) before the worker serves without the store (degraded: the decode side
     # recomputes the KV); once one found no master, the next ones fail at once until one answers.
     store_retry_budget_s: float = 3.0
+    # "model": the model's weights compute every step. "emulated": no weights are read (only
+    # the model's shape and vocabulary); each step takes what the step-time `profile` (a
+    # shipped name or a JSON file) says, tokens are deterministic, and KV blocks are the
+    # profile's bytes per token times `kv_scale` (`engine/emulated.py`). A load tool.
+    engine: str = flag("model", choices=ENGINES, help="model: the weights compute each step; "
+                       "emulated: a step-time profile's timing, deterministic tokens (a load tool)")
+    profile: str = flag("", help="the emulated engine's step-time profile: a shipped name "
+                        "(cpu-smollm2-135m, h100-llama3-8b, ...) or a JSON file")
+    kv_scale: float = flag(1.0, help="the emulated engine's KV bytes per token, as a fraction "
+                           "of the profile's (so that a machine's memory holds the experiment)")
+
+    @property
+    def emulated(self) -> bool:
+        return self.engine == "emulated"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -149,6 +164,15 @@ class WorkerConfig:
         if not 0 <= self.store_retry_budget_s <= 60:
             raise ConfigError(f"store_retry_budget_s must be in [0, 60] seconds, got "
                               f"{self.store_retry_budget_s!r}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.emulated != bool(self.profile):
+            raise ConfigError("profile is needed with engine emulated, and only there")
+        if not 0 < self.kv_scale <= 1:
+            raise ConfigError(f"kv_scale must be in (0, 1], got {self.kv_scale}")
+        if self.emulated and (self.spec_method or self.progressive_kv):
+            raise ConfigError("the emulated engine runs neither speculative decoding nor "
+                              "progressive KV")
         if any(":" not in r for r in self.routers()):
             raise ConfigError(f"register_with must be host:port, comma-separated, got "
                               f"{self.register_with!r}")

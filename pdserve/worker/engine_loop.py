@@ -33,7 +33,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pdserve.engine.engine import LLMEngine, ParkedKV, StepOutput
+from pdserve.engine.engine_core import EngineCore, ParkedKV, StepOutput
 from pdserve.metrics import BucketCounts
 from pdserve.worker.cores import StepThreads
 
@@ -77,7 +77,7 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, call_timeout_s: float = 60.0,
+    def __init__(self, engine: EngineCore, call_timeout_s: float = 60.0,
                  handoff_s: float = 0.005, threads: StepThreads | None = None) -> None:
         if not call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s!r}")

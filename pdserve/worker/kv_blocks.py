@@ -5,6 +5,8 @@ store object (one object per block covering every layer, plane FULL). Blocks may
 memory: they leave and enter it through the process's host staging pool (`kv_staging`: pinned
 buffers, asynchronous copies); CPU blocks are handed to the store zero-copy. Progressive
 transfer streams (span, layer) anchor/residual planes under its own keys instead (`kv_stream`).
+An emulated engine's blocks are bytes (`engine/emulated.py`): put as they are, fetched into
+bytes of its block size, and torch is never imported for them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
-import torch
 
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.kvstore.client import BlockKey, Plane, StoreError, format_key
@@ -21,11 +22,12 @@ from pdserve.kvstore.dist_client import DistStoreError
 from pdserve.kvstore.store import ObjectMeta
 from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_staging import HostStaging, default_staging
+from pdserve.worker.torch_lazy import torch
 
 # Whatever keeps a block from being read: the caller recomputes it.
 _MISSING = (StoreError, DistStoreError, StoreFailure, KeyError, OSError)
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_BYTES = (bytes, bytearray, memoryview)  # an emulated engine's blocks
 
 
 def block_key(model_id: str, salt: str, block_hash: bytes, num_layers: int) -> str:
@@ -41,15 +43,20 @@ def reusable_prefix(engine, model_id: str, prompt_ids: list[int], salt: str
     return hashes, [block_key(model_id, salt, h, layers) for h in hashes]
 
 
-def block_meta(block: torch.Tensor) -> ObjectMeta:
-    return ObjectMeta(_DTYPE_NAMES[block.dtype], tuple(block.shape))
+def block_meta(block: torch.Tensor | bytes) -> ObjectMeta:
+    if isinstance(block, _BYTES):
+        return ObjectMeta("uint8", (len(block),))
+    return ObjectMeta(str(block.dtype).removeprefix("torch."), tuple(block.shape))
 
 
 @contextlib.contextmanager
-def blocks_as_buffers(blocks: list[torch.Tensor], staging: HostStaging | None = None
+def blocks_as_buffers(blocks: list[torch.Tensor] | list[bytes], staging: HostStaging | None = None
                       ) -> Iterator[list[tuple[memoryview, ObjectMeta]]]:
     """(bytes, meta) of each block for a store put, valid inside the `with` block: CPU blocks'
-    own bytes, device blocks' bytes copied to host staging first."""
+    own bytes, device blocks' bytes copied to host staging first, emulated blocks as they are."""
+    if blocks and isinstance(blocks[0], _BYTES):
+        yield [(memoryview(b), block_meta(b)) for b in blocks]
+        return
     with (staging or default_staging()).host_views(blocks) as views:
         yield [(v, block_meta(b)) for v, b in zip(views, blocks)]
 
@@ -84,6 +91,9 @@ def fetch_block(store, key: str, engine, staging: HostStaging | None = None
     Works with either store client (both have `get_into`); any store error means "not there":
     the caller recomputes what it cannot fetch.
     """
+    if _byte_blocks(engine):
+        got = _fetch_bytes(engine.kv.block_bytes, [_reader(store, key)])
+        return got[0] if got else None
     got = (staging or default_staging()).fetch_many(
         engine.kv.block_shape(), engine.model.dtype, engine.kv.k.device, [_reader(store, key)])
     return got[0] if got else None
@@ -93,7 +103,26 @@ def fetch_run(store, engine, hashes: list[bytes], keys: list[str],
               staging: HostStaging | None = None) -> list[tuple[bytes, torch.Tensor]]:
     """Fetch blocks in order until the first one the store cannot give; the rest is recomputed.
     On a GPU a block's copy to the device overlaps the next block's read."""
+    if _byte_blocks(engine):
+        return list(zip(hashes, _fetch_bytes(engine.kv.block_bytes,
+                                             [_reader(store, k) for k in keys])))
     got = (staging or default_staging()).fetch_many(
         engine.kv.block_shape(), engine.model.dtype, engine.kv.k.device,
         [_reader(store, k) for k in keys])
     return list(zip(hashes, got))
+
+
+def _byte_blocks(engine) -> bool:
+    """Whether the engine's KV blocks are bytes (an emulated engine's)."""
+    return isinstance(getattr(engine.kv, "block_bytes", None), int)
+
+
+def _fetch_bytes(nbytes: int, reads: list[Callable[[np.ndarray], int]]) -> list[bytes]:
+    """Blocks of `nbytes` bytes, in order, until the first one that cannot be read whole."""
+    out = []
+    for read in reads:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        if read(buf) != nbytes:
+            break
+        out.append(buf.tobytes())
+    return out

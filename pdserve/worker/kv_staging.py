@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 import numpy as np
-import torch
+from pdserve.worker.torch_lazy import torch
 
 _MIN_BUFFER_BYTES = 64 << 10
 log = logging.getLogger(__name__)

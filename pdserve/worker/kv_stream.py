@@ -16,13 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import quote
 
-import torch
 
-from pdserve.engine import kvcodec
 from pdserve.kvstore.store import ObjectMeta
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from pdserve.worker.torch_lazy import torch
 
 def stream_key(model_id: str, stream_id: str, start: int, end: int, layer: int,
                plane: str) -> str:
@@ -56,10 +52,12 @@ def layer_shape(n_tokens: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
 
 def split_layer(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(anchor, residual) uint8 planes of one layer's K and V over a span."""
+    from pdserve.engine import kvcodec  # torch: only on this path
     return kvcodec.split(torch.stack([k, v]))
 
 
 def plane_sizes(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
+    from pdserve.engine import kvcodec  # torch: only on this path
     spec = kvcodec.CodecSpec(dtype, shape)
     return spec.anchor_nbytes, spec.residual_nbytes
 

@@ -16,19 +16,16 @@ import logging
 import os
 import sys
 
-import torch
-
 from pdserve import rpc
 from pdserve.core.identity import WORKER
 from pdserve.worker.decode.publish import PromptPublisher
 from pdserve.worker.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from pdserve.engine.device import DeviceError, resolve_device
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_core import EngineCore
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.dist_client import ClusterRefused, DistStoreClient, DistStoreError
 from pdserve.kvstore.retry import StoreRetryPolicy
-from pdserve.worker.prefill.kv_sender import KvStreamSender
 from pdserve.worker.prefill.role import PrefillRole
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.worker.config import STEP_TOKENS, WorkerConfig
@@ -43,9 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def model_id_for(model_path: str, dtype: str, name: str | None = None,
-                 quantization: str = "none") -> str:
-    """The id KV keys carry: blocks of different weights, dtypes or quantizations never mix."""
+                 quantization: str = "none", emulated: str = "") -> str:
+    """The id KV keys carry: blocks of different weights, dtypes or quantizations never mix,
+    nor an emulated engine's (`emulated`: its profile and KV scale) with any other."""
     base = name or os.path.basename(os.path.normpath(model_path))
+    if emulated:
+        return f"{base}@emulated:{emulated}"
     return f"{base}@{dtype}" + ("" if quantization == "none" else f"+{quantization}")
 
 
@@ -61,8 +61,8 @@ def step_token_budget(cfg: WorkerConfig) -> int:
     return budget
 
 
-def build_engine(cfg: WorkerConfig) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(
+def engine_config(cfg: WorkerConfig) -> EngineConfig:
+    return EngineConfig(
         model_path=cfg.model_path, dtype=cfg.dtype, device=cfg.device,
         quantization=cfg.quantization,
         cache=CacheConfig(block_size_tokens=cfg.block_size_tokens, num_blocks=cfg.num_blocks),
@@ -72,17 +72,27 @@ def build_engine(cfg: WorkerConfig) -> LLMEngine:
         spec=SpecConfig(method=cfg.spec_method,
                         num_speculative_tokens=cfg.num_speculative_tokens,
                         draft_path=cfg.draft_path or None, schedule=cfg.spec_schedule)
-        if cfg.spec_method else None))
+        if cfg.spec_method else None)
+
+
+def build_engine(cfg: WorkerConfig) -> EngineCore:
+    if cfg.emulated:  # no torch, no weights: the step-time profile's engine
+        from pdserve.core.step_profile import load_profile
+        from pdserve.engine.emulated import emulated_engine
+        return emulated_engine(engine_config(cfg), load_profile(cfg.profile), cfg.kv_scale)
+    from pdserve.engine.engine import LLMEngine
+    engine = LLMEngine(engine_config(cfg))
     release_free_heap()
     engine.runner.guides.warm()  # structured outputs' vocabulary, off the engine thread
     return engine
 
 
-def lent_threads(cfg: WorkerConfig, engine: LLMEngine) -> StepThreads | None:
+def lent_threads(cfg: WorkerConfig, engine: EngineCore) -> StepThreads | None:
     """The engine thread's share of the host's cores (`worker/cores.py`), when the worker was
     given a ledger and computes on the CPU; None otherwise (threads fixed)."""
-    if not cfg.core_ledger or engine.cfg.device != "cpu":
+    if not cfg.core_ledger or engine.cfg.device != "cpu" or cfg.emulated:
         return None
+    import torch
     cores = len(os.sched_getaffinity(0))
     own = min(cfg.threads, cores)
     most = max(own, min(cfg.max_threads or cfg.threads, cores))
@@ -126,7 +136,8 @@ def store_refusal(store) -> str | None:
 def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
     rpc.catch_stop_signals()  # a SIGTERM while the weights load still shuts down cleanly
     try:  # before anything starts: `--device cuda` on a host without CUDA is a one-line error
-        cfg = dataclasses.replace(cfg, device=resolve_device(cfg.device))
+        cfg = dataclasses.replace(cfg, device="cpu" if cfg.emulated
+                                  else resolve_device(cfg.device))
     except DeviceError as e:
         print(f"pdserve.worker: {e}", file=sys.stderr, flush=True)
         return 2
@@ -138,15 +149,19 @@ def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
         raw_store.close()
         return 1
     store = GuardedStore(raw_store).start()
-    if cfg.threads:
+    if cfg.threads and not cfg.emulated:
+        import torch
         torch.set_num_threads(cfg.threads)
     engine = build_engine(cfg)
     loop = EngineLoop(engine, threads=lent_threads(cfg, engine)).start()
     # The dtype the engine resolved (auto: by device): KV of different dtypes never mixes.
-    model_id = model_id_for(cfg.model_path, engine.cfg.dtype, cfg.model_name, cfg.quantization)
+    model_id = model_id_for(cfg.model_path, engine.cfg.dtype, cfg.model_name, cfg.quantization,
+                            emulated=f"{cfg.profile}/{cfg.kv_scale:g}" if cfg.emulated else "")
     role = role_to_proto(cfg.role)
-    sender = (KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
-              if cfg.progressive_kv else None)
+    sender = None
+    if cfg.progressive_kv:
+        from pdserve.worker.prefill.kv_sender import KvStreamSender
+        sender = KvStreamSender(engine, store, cfg.progressive_queue_bytes).start()
     publisher = PromptPublisher(loop, store, model_id)
     service = WorkerService(loop, PrefillRole(loop, store, model_id, sender=sender),
                             DecodeRole(loop, store, stream_wait_s=cfg.progressive_wait_ms / 1000,

@@ -18,7 +18,10 @@ _CORES = ["pdserve.core.rates", "pdserve.core.sampling_params",
           "pdserve.engine.scheduler", "pdserve.engine.sequence", "pdserve.engine.block_pool",
           "pdserve.engine.outputs", "pdserve.router.policy", "pdserve.router.admission",
           "pdserve.router.kv_index", "pdserve.router.membership", "pdserve.controller.policy",
-          "pdserve.router.server", "pdserve.router.__main__", "pdserve.controller.server"]
+          "pdserve.router.server", "pdserve.router.__main__", "pdserve.controller.server",
+          # An emulated worker: the whole worker process, with the emulated engine.
+          "pdserve.core.step_profile", "pdserve.engine.engine_core", "pdserve.engine.emulated",
+          "pdserve.worker.server", "pdserve.worker.__main__"]
 
 
 # Also every module scripts/compile.sh compiles: a compiled simulator must stay torch-free.

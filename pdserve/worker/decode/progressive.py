@@ -24,16 +24,15 @@ import logging
 import threading
 import time
 
-import torch
 
-from pdserve.engine import kvcodec
 from pdserve.worker.guarded_store import StoreFailure
 from pdserve.worker.kv_blocks import _MISSING
 from pdserve.worker.kv_stream import StreamHandle, layer_shape, plane_sizes
+from pdserve.worker.torch_lazy import torch
 
 log = logging.getLogger(__name__)
 
-Planes = dict[tuple[tuple[int, int], int], torch.Tensor]  # (span, layer) -> uint8 plane
+Planes = "dict[tuple[tuple[int, int], int], torch.Tensor]"  # (span, layer) -> uint8 plane
 
 
 class StreamReader:
@@ -91,6 +90,7 @@ class StreamReader:
                   ) -> list[tuple[bytes, torch.Tensor]]:
         """The streamed blocks (from h.start to the prompt's end), anchor precision when
         `residuals` is None, else exact."""
+        from pdserve.engine import kvcodec  # torch: only on this path
         e = self.engine
         m = e.model_config
         dtype = e.model.dtype

@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 from pdserve.worker.decode.progressive import ResidualWaiter, StreamReader
 from pdserve.worker.decode.publish import PromptPublisher
-from pdserve.engine.sampling import SamplingParams, TokenLogprobs
+from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop, RequestStream
 from pdserve.worker.kv_blocks import fetch_run
 from pdserve.worker.kv_stream import StreamHandle

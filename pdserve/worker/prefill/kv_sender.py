@@ -20,10 +20,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 
 from pdserve.worker.kv_staging import HostStaging, default_staging
 from pdserve.worker.kv_stream import plane_meta, split_layer, stream_key
+from pdserve.worker.torch_lazy import torch
 
 log = logging.getLogger(__name__)
 

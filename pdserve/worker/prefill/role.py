@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pdserve.engine.sampling import SamplingParams, TokenLogprobs
+from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.prefill.kv_sender import KvStreamSender
 from pdserve.worker.guarded_store import StoreFailure
