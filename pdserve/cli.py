@@ -133,6 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """Every command, for parsing and --help. Light: the lazy commands are listed by name (their
     flags are `pdserve bench NAME --help`), nothing here imports torch, Ray or a benchmark."""
+    from pdserve.cli_emulate import add_emulate_parser
     from pdserve.cli_serve import add_serve_parser
     from pdserve.controller import ctl
     from pdserve.deploy.ray import cli as ray_cli
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
+    add_emulate_parser(sub)
 
     g = sub.add_parser("generate", help="stream a completion from a running cluster")
     g.add_argument("prompt")

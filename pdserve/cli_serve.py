@@ -35,8 +35,10 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
-def add_serve_parser(sub) -> argparse.ArgumentParser:
-    s = sub.add_parser("serve", help="start the embedded cluster in the foreground")
+def add_serve_parser(sub, name: str = "serve",
+                     help: str = "start the embedded cluster in the foreground"
+                     ) -> argparse.ArgumentParser:
+    s = sub.add_parser(name, help=help)
     s.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2-135M)")
     s.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
                    help="where the workers compute (auto: one GPU per worker when GPUs are "

@@ -34,31 +34,34 @@ class RequestSpec:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    request_id: str = ""  # "": the router picks one (an emulated engine's tokens follow it)
 
     def message(self) -> api_pb2.GenerateRequest:
         sampling = common_pb2.SamplingParams(max_tokens=self.max_tokens, ignore_eos=True,
                                              temperature=self.temperature, top_p=self.top_p)
         if self.seed is not None:
             sampling.seed = self.seed
-        req = api_pb2.GenerateRequest(sampling=sampling)
+        req = api_pb2.GenerateRequest(sampling=sampling, request_id=self.request_id)
         req.token_ids.ids.extend(self.prompt)
         return req
 
 
-def workload(n: int, prompt_tokens: int, max_tokens: int, vocab: int, seed: int = 0
-             ) -> list[RequestSpec]:
+def workload(n: int, prompt_tokens: int, max_tokens: int, vocab: int, seed: int = 0,
+             ids: str = "") -> list[RequestSpec]:
     """`n` requests: even ones greedy, odd ones sampled (temperature 0.9, top-p 0.95) with
-    their own seed; prompts of `prompt_tokens` ids drawn below `vocab`, distinct per request."""
+    their own seed; prompts of `prompt_tokens` ids drawn below `vocab`, distinct per request;
+    with `ids`, request i is called `ids` + i."""
     import random
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
         prompt = tuple(rng.randrange(10, vocab) for _ in range(prompt_tokens + i % 7))
+        rid = f"{ids}{i}" if ids else ""
         if i % 2 == 0:
-            out.append(RequestSpec(prompt, max_tokens))
+            out.append(RequestSpec(prompt, max_tokens, request_id=rid))
         else:
-            out.append(RequestSpec(prompt, max_tokens, 0.9, 0.95, 1000 + i))
+            out.append(RequestSpec(prompt, max_tokens, 0.9, 0.95, 1000 + i, request_id=rid))
     return out
 
 
