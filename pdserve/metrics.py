@@ -96,6 +96,11 @@ class RouterMetrics:
             "the decode worker to the message's arrival here (worker clock vs router clock: "
             "across hosts it includes their offset).", label, buckets=_HOP_BUCKETS_S,
             registry=r).labels(model_name)
+        self.kv_event_lag = Histogram(
+            "pdserve:kv_event_lag_seconds",
+            "Time from a worker seeing a prefix-cache change to the router's index holding it "
+            "(worker clock vs router clock: across hosts it includes their offset).", label,
+            buckets=_HOP_BUCKETS_S, registry=r).labels(model_name)
         self.queue_time = Histogram("pdserve:request_queue_time_seconds",
                                     "Time from arrival until a prefill worker took the request.",
                                     label, buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)

@@ -2,7 +2,7 @@
 
 Owns the metric definitions: decisions by action and reason, role switches by direction and
 their duration (drain + switch), workers by role and state, prefill tokens offloaded to decode
-workers, and the pressure per role. Must not decide anything.
+workers, the pressure per role, and each tick's time by part. Must not decide anything.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pdserve.core.roles import ROLES, WORKER_STATES as STATES
 from pdserve.security.failures import AuthFailureCollector
 
 _SWITCH_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TICK_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5)
 
 
 class ControllerMetrics:
@@ -35,6 +37,11 @@ class ControllerMetrics:
                              registry=r)
         self.offloaded_tokens = Counter("pdserve:prefill_offloaded_tokens",
                                         "Prompt tokens prefilled on decode workers.", registry=r)
+        self.tick_seconds = Histogram(
+            "pdserve:controller_tick_seconds",
+            "One tick, by part: observe (the router's signals and the cluster view), decide "
+            "(the policy), whole (both, the audit and the flips' start).", ["part"],
+            buckets=_TICK_BUCKETS_S, registry=r)
         self.pressure = Gauge("pdserve:pressure",
                               "Pressure per role (1.0: queued work just meets the SLO share).",
                               ["role"], registry=r)

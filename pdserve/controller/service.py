@@ -127,7 +127,9 @@ class Controller:
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.tick_s):
             try:
+                start = time.perf_counter()
                 self.tick()
+                self.metrics.tick_seconds.labels("whole").observe(time.perf_counter() - start)
             except grpc.RpcError as e:
                 log.warning("tick: router unreachable (%s: %s)", e.code().name, e.details())
             except Exception:  # a bad tick must not end the loop; the next one starts afresh
@@ -151,7 +153,9 @@ class Controller:
 
     def tick(self) -> Decision | None:
         now = self.clock()
+        start = time.perf_counter()
         view = self.observe()
+        self.metrics.tick_seconds.labels("observe").observe(time.perf_counter() - start)
         with self._lock:
             self.ticks += 1
             mode, target = self.mode, self.target
@@ -161,7 +165,9 @@ class Controller:
                 return None
             inp = ControllerInput(view.workers, view.prefill, view.decode, self.slo,
                                   self.state, target)
+            start = time.perf_counter()
             d = decide(inp, now, self.policy_cfg)
+            self.metrics.tick_seconds.labels("decide").observe(time.perf_counter() - start)
             self.state = d.state
             acted = mode == "active"
             self.metrics.decisions.labels(d.action, reason_label(d, inp, self.policy_cfg.high)

@@ -293,17 +293,19 @@ class KvCacheEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("snapshot", "seq", "events", "block_size_tokens", "model_id", "events_dropped")
+    __slots__ = ("snapshot", "seq", "events", "block_size_tokens", "model_id", "events_dropped", "first_event_unix_s")
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_EVENT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     snapshot: bool
     seq: int
     events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
     block_size_tokens: int
     model_id: str
     events_dropped: int
-    def __init__(self, snapshot: _Optional[bool] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., block_size_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., events_dropped: _Optional[int] = ...) -> None: ...
+    first_event_unix_s: float
+    def __init__(self, snapshot: _Optional[bool] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., block_size_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., events_dropped: _Optional[int] = ..., first_event_unix_s: _Optional[float] = ...) -> None: ...

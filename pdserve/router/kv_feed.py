@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -91,10 +92,14 @@ class KvFeeds:
     routed to by what it already caches."""
 
     def __init__(self, worker_addresses: Sequence[str] = (), store_address: str = "",
-                 index: KvIndex | None = None, retry_s: float = 1.0) -> None:
+                 index: KvIndex | None = None, retry_s: float = 1.0,
+                 on_lag: Callable[[float], None] | None = None) -> None:
         self.store_addresses = [a for a in store_address.split(",") if a]
         self.index = index if index is not None else KvIndex()
         self.retry_s = retry_s
+        # Called with each worker batch's lag: from the worker seeing its first event to the
+        # index holding it (worker clock vs this one: across hosts it includes their offset).
+        self.on_lag = on_lag
         self.lock = threading.Lock()
         self.model_ids: dict[str, str] = {}  # worker address -> model id it reported
         self.block_sizes: dict[str, int] = {}  # worker address -> block size it reported
@@ -223,6 +228,8 @@ class KvFeeds:
             self.block_sizes[address] = batch.block_size_tokens
             self.snapshots += batch.snapshot
             self.index.apply_all(events)
+        if self.on_lag is not None and batch.first_event_unix_s > 0:
+            self.on_lag(max(0.0, time.time() - batch.first_event_unix_s))
 
     def _reset_store(self) -> None:
         with self.lock:

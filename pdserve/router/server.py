@@ -62,7 +62,7 @@ def served_names(cfg: RouterConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in names if n))
 
 
-def build_workers(cfg: RouterConfig) -> WorkerSet:
+def build_workers(cfg: RouterConfig, on_kv_lag=None) -> WorkerSet:
     """Both pools over one membership: the flags' workers are the first members. The prefill
     policy (with kv_aware, the block index fed by every member's and the store's event
     streams) and the decode policy (over polled worker stats). The index is also kept when
@@ -70,7 +70,7 @@ def build_workers(cfg: RouterConfig) -> WorkerSet:
     weights = dict(overlap_weight=cfg.kv_overlap_weight, fetch_weight=cfg.kv_fetch_weight,
                    request_cost_tokens=cfg.kv_request_cost_tokens)
     name = cfg.prefill_policy()
-    feeds = (KvFeeds((), cfg.store_address).start()
+    feeds = (KvFeeds((), cfg.store_address, on_lag=on_kv_lag).start()
              if name == "kv_aware" or cfg.max_local_prefill_tokens > 0 else None)
     return WorkerSet(cfg.prefill_addresses, cfg.decode_addresses,
                      prefill_policy=make_policy(name, seed=cfg.routing_seed, **weights),
@@ -87,15 +87,16 @@ def build_service(cfg: RouterConfig) -> RouterService:
     max_len = min(cfg.max_model_len_tokens or model_config.max_position_embeddings,
                   model_config.max_position_embeddings)
     api_keys = ApiKeys.load(cfg.api_keys_file)  # before any thread starts: it may refuse
-    workers = build_workers(cfg)
     names = served_names(cfg)
+    metrics = RouterMetrics(names[0])
+    workers = build_workers(cfg, metrics.kv_event_lag.observe)
     admission = Admission(AdmissionConfig(
         max_in_flight=cfg.max_in_flight, max_in_flight_per_tenant=cfg.max_in_flight_per_tenant,
         tenant_rate_rps=cfg.tenant_rate_rps, tenant_burst=cfg.tenant_burst,
         max_predicted_ttft_s=cfg.max_predicted_ttft_s))
     return RouterService(tokenizer, model_config, names, max_len, workers,
                          cfg.request_timeout_s, admission=admission, api_keys=api_keys,
-                         metrics=RouterMetrics(names[0]), signals=RequestSignals(),
+                         metrics=metrics, signals=RequestSignals(),
                          decode_streams=cfg.decode_streams,
                          max_local_prefill_tokens=cfg.max_local_prefill_tokens)
 

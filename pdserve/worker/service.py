@@ -327,6 +327,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 continue
             if not pool.events.wait(seq, timeout_s=0.5):
                 continue
+            seen = time.time()
             time.sleep(_KV_EVENT_BATCH_S)  # let a step's events gather: fewer, larger messages
             events, lost = pool.events.since(seq)
             if lost:
@@ -335,4 +336,5 @@ class WorkerService(pb_grpc.WorkerServicer):
             seq = events[-1].seq
             yield pb.KvEventBatch(seq=seq, events=[
                 pb.KvCacheEvent(kind=_KV_EVENT_KINDS[e.kind], block_hash=e.block_hash)
-                for e in events], events_dropped=pool.events.dropped, **meta)
+                for e in events], events_dropped=pool.events.dropped, first_event_unix_s=seen,
+                **meta)
