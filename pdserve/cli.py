@@ -42,6 +42,8 @@ BENCHES: dict[str, Lazy] = {
                                                "link (time to the 2nd and 10th token per variant)"),
     "fluid": Lazy("pdserve.bench.fluid", "the controller vs static prefill:decode splits on a "
                                          "phase-shifting workload (SLO attainment, goodput)"),
+    "emulate": Lazy("pdserve.bench.emulate", "the control plane of emulated clusters against "
+                                             "their size: CPU, memory, ticks, flips, membership"),
     "chaos": Lazy("pdserve.bench.chaos", "kill -9 each process kind under streaming load: "
                                          "requests lost or changed, time to heal"),
     "serve": Lazy("pdserve.bench.serve", "the serving path vs the engine's own decode rate and "

@@ -167,6 +167,7 @@ SCENARIO_PATHS = (
     "tests/deploy/test_ray.py",
     "tests/test_gpu_check.py",
     "tests/bench/test_bench_chaos.py",
+    "tests/bench/test_bench_emulate.py",
     "tests/bench/test_bench_fluid.py",
 )
 

@@ -1,0 +1,310 @@
+"""`pdserve bench emulate`: the control plane of emulated clusters of N workers, against N.
+
+For each N: start an emulated cluster (`pdserve emulate`'s: store, router, controller in
+advisory mode, N workers of which a quarter prefill, supervised) and measure, with the real
+processes:
+- start-up: seconds until every process serves; memory (RSS) per process kind;
+- CPU per process kind over an idle window and under a steady load of streamed requests
+  (the clients check every token against the emulated model's);
+- the controller's tick by part (observe, decide, whole) and the router's KV event lag, from
+  their own histograms;
+- a rebalance under load (a sixteenth of the workers flipped at once): its wall time;
+- membership after kill -9 of a tenth of the decode workers at once: seconds until the router
+  holds every one of them out of its pools, and until all serve again after supervision
+  restarts them.
+Must not assert anything: it reports (`bench/emulate_report.py` makes the tables and PNG).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import threading
+import time
+from typing import Any
+
+from pdserve.bench.chaos_client import RequestSpec, StreamClient, workload
+
+PHASES = ("start", "idle", "load", "flip", "kill")
+
+
+def add_arguments(p):
+    p.add_argument("--workers", default="16,64", help="cluster sizes, comma-separated")
+    p.add_argument("--profile", default="h100-llama3-8b", help="the step-time profile")
+    p.add_argument("--kv-scale", type=float, default=1 / 64)
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second under load")
+    p.add_argument("--load-s", type=float, default=20.0, help="seconds of steady load")
+    p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--out", default=None, help="write emulate.json and emulate.png here")
+    p.add_argument("--model", default="", help="vocabulary and shape (default: SmolLM2-135M)")
+    return p
+
+
+# ---- process figures -----------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _kind(name: str) -> str:
+    for k in ("prefill", "decode", "router", "controller", "kvmaster", "kvnode"):
+        if name.startswith(k):
+            return "worker" if k in ("prefill", "decode") else k
+    return name
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _pids(cluster) -> dict[str, int]:
+    return {c.name: c.proc.pid for c in cluster.children if c.proc.poll() is None}
+
+
+def cpu_window(cluster, seconds: float) -> dict[str, dict[str, float]]:
+    """CPU seconds per second of wall time, per process kind (mean and max per process)."""
+    before = {n: _cpu_s(p) for n, p in _pids(cluster).items()}
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - t0
+    per: dict[str, list[float]] = {}
+    for n, p in _pids(cluster).items():
+        if n in before:
+            per.setdefault(_kind(n), []).append((_cpu_s(p) - before[n]) / wall)
+    return {k: {"processes": len(v), "mean": round(sum(v) / len(v), 4),
+                "max": round(max(v), 4), "sum": round(sum(v), 3)} for k, v in sorted(per.items())}
+
+
+def memory(cluster) -> dict[str, dict[str, float]]:
+    per: dict[str, list[float]] = {}
+    for n, p in _pids(cluster).items():
+        per.setdefault(_kind(n), []).append(_rss_mb(p))
+    return {k: {"processes": len(v), "mean_mb": round(sum(v) / len(v), 1),
+                "max_mb": round(max(v), 1), "sum_mb": round(sum(v), 1)}
+            for k, v in sorted(per.items())}
+
+
+# ---- histograms from /metrics --------------------------------------------------------------
+def histogram(url: str, name: str, labels: str = "") -> dict[str, float] | None:
+    """p50, p99 (bucket upper bounds) and count of histogram `name` (with `labels`, e.g.
+    'part="decide"') from a Prometheus text page."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    buckets: list[tuple[float, float]] = []
+    count = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{") and labels in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((math.inf if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+        elif line.startswith(f"{name}_count") and labels in line:
+            count = float(line.rsplit(" ", 1)[1])
+    if not count:
+        return None
+
+    def q(frac: float) -> float:
+        for le, c in sorted(buckets):
+            if c >= frac * count:
+                return le
+        return math.inf
+    return {"p50_le": q(0.5), "p99_le": q(0.99), "count": count}
+
+
+# ---- load ----------------------------------------------------------------------------------
+class Load(threading.Thread):
+    """Streams `rate` requests per second until stopped; each client checks its tokens."""
+
+    def __init__(self, router: str, specs: list[RequestSpec], rate: float) -> None:
+        super().__init__(daemon=True)
+        self.router, self.specs, self.rate = router, specs, rate
+        self.clients: list[StreamClient] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        for i, s in enumerate(self.specs):
+            if self.stop.wait(1 / self.rate if i else 0):
+                return
+            c = StreamClient(self.router, s, time.monotonic() + 300)
+            c.start()
+            self.clients.append(c)
+
+    def finish(self, expected) -> dict[str, Any]:
+        self.stop.set()
+        self.join()
+        for c in self.clients:
+            c.join(timeout=300)
+        ok = sum(1 for c in self.clients if c.error is None and c.ids == expected(c.spec))
+        return {"requests": len(self.clients), "correct": ok,
+                "errors": sorted({c.error for c in self.clients if c.error})[:3]}
+
+
+def _expected(config):
+    from pdserve.engine.emulated import token_of
+
+    eos = frozenset(config.eos_token_ids)
+
+    def tokens(s: RequestSpec) -> list[int]:
+        return [token_of(s.request_id, i, s.seed if s.temperature > 0 else None,
+                         config.vocab_size, eos) for i in range(s.max_tokens)]
+    return tokens
+
+
+# ---- membership ----------------------------------------------------------------------------
+def _members(cluster) -> dict[str, int]:
+    from pdserve import rpc
+    from pdserve.core.identity import ROUTER
+    from pdserve.proto import router_pb2 as rpb
+    from pdserve.proto import router_pb2_grpc as rpb_grpc
+
+    with rpc.make_channel(cluster.router_control_address, ROUTER) as ch:
+        r = rpb_grpc.RouterControlStub(ch).ListWorkers(rpb.ListWorkersRequest(), timeout=10)
+    return {w.address: w.state for w in r.workers}
+
+
+def kill_tenth(cluster, timeout_s: float = 300.0) -> dict[str, Any]:
+    """kill -9 a tenth of the decode workers at once: seconds until the router holds each out
+    of its pools, and until every one is back in them (restarted by supervision)."""
+    from pdserve.proto import router_pb2 as rpb
+
+    decode = [c for c in cluster.children if c.name.startswith("decode-")]
+    victims = decode[:max(1, len(decode) // 10)]
+    addresses = {c.address for c in victims}
+    t0 = time.monotonic()
+    for c in victims:
+        c.proc.kill()
+    out_s = back_s = None
+    while time.monotonic() - t0 < timeout_s:
+        states = _members(cluster)
+        now = time.monotonic() - t0
+        if out_s is None and all(states.get(a) != rpb.MEMBER_STATE_ACTIVE for a in addresses):
+            out_s = now
+        if out_s is not None and all(states.get(a) == rpb.MEMBER_STATE_ACTIVE
+                                     for a in addresses):
+            back_s = now
+            break
+        time.sleep(0.1)
+    return {"killed": len(victims), "out_of_pools_s": _r(out_s), "back_in_pools_s": _r(back_s)}
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def rebalance(cluster, prefill: int, decode: int) -> dict[str, Any]:
+    """The controller's rebalance to prefill:decode, as an operator asks it: wall time."""
+    from pdserve import rpc
+    from pdserve.core.identity import CONTROLLER
+    from pdserve.proto import controller_pb2 as cpb
+    from pdserve.proto import controller_pb2_grpc as cpb_grpc
+
+    t0 = time.monotonic()
+    with rpc.make_channel(cluster.controller_address, CONTROLLER) as ch:
+        r = cpb_grpc.ControllerStub(ch).Rebalance(
+            cpb.RebalanceRequest(prefill=prefill, decode=decode, drain_timeout_s=60),
+            timeout=600)
+    return {"to": f"{prefill}:{decode}", "seconds": round(time.monotonic() - t0, 2),
+            "flips": len(r.results), "ok": sum(1 for f in r.results if f.ok),
+            "flip_s_max": round(max((f.seconds for f in r.results), default=0.0), 2)}
+
+
+# ---- one size ------------------------------------------------------------------------------
+def measure(model: str, n: int, args, config, progress=lambda phase: None) -> dict[str, Any]:
+    from pdserve.cli_emulate import emulated_pools
+    from pdserve.launcher.cluster_spec import free_ports
+    from pdserve.launcher.local import ClusterSpec, LocalCluster
+
+    k, d = emulated_pools(n, None)
+    spec = ClusterSpec(model_path=model, prefill_workers=k, decode_workers=d,
+                       router_port=free_ports(1)[0], http_port=0, supervise=True,
+                       controller=True, controller_mode="advisory", engine="emulated",
+                       profile=args.profile, kv_scale=args.kv_scale,
+                       ready_timeout_s=max(180.0, 3.0 * n))
+    out: dict[str, Any] = {"workers": n, "prefill": k, "decode": d}
+    progress("start")
+    t0 = time.monotonic()
+    with LocalCluster(spec) as cluster:
+        out["start_s"] = round(time.monotonic() - t0, 1)
+        out["memory"] = memory(cluster)
+        progress("idle")
+        out["cpu_idle"] = cpu_window(cluster, args.idle_s)
+        progress("load")
+        specs = workload(int(args.rate * (args.load_s + 60)), args.prompt_tokens,
+                         args.max_tokens, config.vocab_size, seed=n, ids=f"n{n}-")
+        load = Load(cluster.router_address, specs, args.rate)
+        load.start()
+        time.sleep(min(5.0, args.load_s / 4))  # into the steady state
+        out["cpu_load"] = cpu_window(cluster, args.load_s)
+        progress("flip")
+        step = max(1, n // 16)
+        out["rebalance"] = rebalance(cluster, k + step, d - step)
+        out["load"] = load.finish(_expected(config))
+        out["controller_tick"] = {part: histogram(cluster.controller_metrics,
+                                                  "pdserve:controller_tick_seconds",
+                                                  f'part="{part}"')
+                                  for part in ("observe", "decide", "whole")}
+        out["kv_event_lag"] = histogram(f"http://{cluster.http_address}/metrics",
+                                        "pdserve:kv_event_lag_seconds")
+        progress("kill")
+        out["kill_tenth"] = kill_tenth(cluster)
+    return out
+
+
+def run_bench(model: str, sizes: list[int], args, progress=lambda n, phase: None) -> dict:
+    from pdserve.engine.checkpoint_config import load_model_config
+
+    config = load_model_config(model)
+    started = time.monotonic()
+    results = [measure(model, n, args, config, lambda phase, n=n: progress(n, phase))
+               for n in sizes]
+    return {"bench": "emulate", "model": os.path.basename(model), "profile": args.profile,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "settings": {"kv_scale": args.kv_scale, "rate_rps": args.rate, "load_s": args.load_s,
+                         "idle_s": args.idle_s, "prompt_tokens": args.prompt_tokens,
+                         "max_tokens": args.max_tokens},
+            "sizes": results, "seconds": round(time.monotonic() - started, 1)}
+
+
+def run(args) -> int:
+    from rich.progress import Progress
+
+    from pdserve.bench import emulate_report
+    from pdserve.output import emit
+
+    try:
+        sizes = [int(x) for x in args.workers.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--workers: comma-separated integers, got {args.workers!r}") from None
+    if not sizes or min(sizes) < 4:
+        raise SystemExit("--workers: each size must be >= 4")
+    model = args.model
+    if not model:
+        from pdserve.engine.model_files import default_model_path
+        model = default_model_path()
+    with Progress(transient=True, disable=args.json) as bar:
+        task = bar.add_task("starting", total=len(sizes) * len(PHASES))
+
+        def progress(n: int, phase: str) -> None:
+            bar.update(task, advance=1, description=f"{n} workers: {phase}")
+        result = run_bench(model, sizes, args, progress)
+    return emit(result, json_out=args.json, out_dir=args.out,
+                write_outputs=emulate_report.write_outputs,
+                print_tables=emulate_report.print_tables)
