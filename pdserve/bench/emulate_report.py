@@ -15,7 +15,8 @@ from pdserve.output import write_json
 COLUMNS = ("workers", "start s", "worker RSS MB", "router RSS MB", "router CPU idle",
            "router CPU load", "controller CPU idle", "master CPU load", "workers CPU load",
            "tick observe p99 ms", "tick decide p99 ms", "KV event lag p99 ms",
-           "rebalance s (flips)", "killed", "out of pools s", "back s", "requests correct")
+           "rebalance s (flips)", "killed", "out of pools s", "restarted s", "back s",
+           "requests correct")
 
 
 def _ms(h: dict | None) -> str:
@@ -38,7 +39,8 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
                     _ms(tick.get("observe")), _ms(tick.get("decide")), _ms(s["kv_event_lag"]),
                     f"{s['rebalance']['seconds']:.1f} ({s['rebalance']['ok']}/"
                     f"{s['rebalance']['flips']})",
-                    str(kill["killed"]), str(kill["out_of_pools_s"]), str(kill["back_in_pools_s"]),
+                    str(kill["killed"]), str(kill["out_of_pools_s"]), str(kill["restarted_s"]),
+                    str(kill["back_in_pools_s"]),
                     f"{s['load']['correct']}/{s['load']['requests']}"])
     return out
 
@@ -95,10 +97,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_title("latency of the control loops")
     ax.legend(fontsize=7)
     ax = axes[2]
-    ax.plot(n, [s["kill_tenth"]["out_of_pools_s"] or 0 for s in sizes], "o-",
-            label="a tenth killed: out of the pools")
-    ax.plot(n, [s["kill_tenth"]["back_in_pools_s"] or 0 for s in sizes], "s-",
-            label="... back in them")
+    def secs(key: str) -> list[float]:  # None (never happened) is left out of the line
+        return [float("nan") if s["kill_tenth"][key] is None else s["kill_tenth"][key]
+                for s in sizes]
+    ax.plot(n, secs("out_of_pools_s"), "o-", label="a tenth killed: out of the pools")
+    ax.plot(n, secs("restarted_s"), "v-", label="... restarted")
+    ax.plot(n, secs("back_in_pools_s"), "s-", label="... back in the pools")
     ax.plot(n, [s["rebalance"]["seconds"] for s in sizes], "^-", label="rebalance (N/16 flips)")
     ax.plot(n, [s["start_s"] for s in sizes], "d--", label="cluster start")
     ax.set_xlabel("workers")
