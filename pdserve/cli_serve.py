@@ -53,7 +53,8 @@ def add_serve_parser(sub, name: str = "serve",
                         "activations fp32 (CPU and float32 only; costs some accuracy: "
                         "`pdserve bench quant`; default none)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    s.add_argument("--port", type=int, default=50051,
+                   help="router gRPC port (0: a free port, printed when ready)")
     s.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP API host")
     s.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API port (0: a free port, printed when ready)")

@@ -168,7 +168,7 @@ class ClusterSpec:
         """This spec with its cluster id and every internal port fixed (free ports where
         unset), so that a restarted child comes back at the same address."""
         n = self.prefill_workers + self.decode_workers
-        ports = iter(free_ports(n + 4))
+        ports = iter(free_ports(n + 5))
         pick = (lambda p: p or next(ports))
         workers = self.worker_ports or (
             tuple(self.worker_base_port + i for i in range(n)) if self.worker_base_port
@@ -176,7 +176,8 @@ class ClusterSpec:
         devices = self.worker_devices or tuple(plan_worker_devices(
             self.device, n, visible_gpus(), share=self.share_gpus))
         return dataclasses.replace(
-            self, store_port=pick(self.store_port), worker_ports=workers, worker_devices=devices,
+            self, router_port=pick(self.router_port), store_port=pick(self.store_port),
+            worker_ports=workers, worker_devices=devices,
             controller_port=pick(self.controller_port),
             router_control_port=pick(self.router_control_port),
             http_port=None if self.http_port is None else pick(self.http_port),

@@ -39,3 +39,10 @@ def test_a_setting_the_config_does_not_have_is_refused_naming_it():
         ClusterSpec("/m", router_settings={"nope": 1})
     with pytest.raises(ConfigError, match="controller_settings: .* 'max_in_flight'"):
         ClusterSpec("/m", controller_settings={"max_in_flight": 1})
+
+
+def test_port_0_means_a_free_port_the_cluster_then_reports():
+    spec = ClusterSpec("/m", router_port=0, http_port=0, store_port=0).resolved()
+    ports = {spec.router_port, spec.http_port, spec.store_port, *spec.worker_ports}
+    assert 0 not in ports and len(ports) == 3 + len(spec.worker_ports)
+    assert LocalCluster(spec).router_address == f"{spec.host}:{spec.router_port}"
