@@ -33,7 +33,7 @@ from pdserve.security import tls as security
 from pdserve.security.guard import CONTROL, INTERNAL, Guard
 
 __all__ = ["CONTROL", "INTERNAL", "PUBLIC", "Guard", "PublicTls", "add_health_and_reflection",
-           "add_servicer", "bind", "bind_public", "caller", "make_channel",
+           "add_servicer", "bind", "bind_public", "caller", "make_aio_channel", "make_channel",
            "make_public_aio_channel", "make_public_channel", "make_server", "run_until_signal",
            "serve_health", "wait_healthy"]
 
@@ -312,6 +312,17 @@ def make_channel(address: str, peer: str, options: Iterable[tuple[str, Any]] = (
     if sec.insecure:
         return grpc.insecure_channel(address, options=opts)
     return RotatingChannel(address, peer, sec, opts)
+
+
+def make_aio_channel(address: str, peer: str) -> grpc.aio.Channel:
+    """As make_channel, for asyncio callers (create it inside the event loop that uses it):
+    with the certificates on disk now; a caller that reconnects makes a new one, so a rotation
+    takes effect at its next connection."""
+    sec = security.current()
+    if sec.insecure:
+        return grpc.aio.insecure_channel(address, options=_OPTIONS)
+    creds, options, _ = sec.channel_credentials(peer)
+    return grpc.aio.secure_channel(address, creds, options=[*_OPTIONS, *options])
 
 
 def bind(server: grpc.Server, address: str, kind: str, plane: str = INTERNAL) -> int:

@@ -1,10 +1,11 @@
 """Keeps the router's block index (`KvIndex`) current from the cluster's event streams.
 
-Owns one daemon thread per known worker (started when it joins, stopped when it is forgotten),
+Owns one stream per known worker (started when it joins, cancelled when it is forgotten),
 subscribed to its `WatchKvEvents` (a snapshot of the worker's prefix cache, then its changes),
-and one for the store master's `WatchEvents` (objects stored, evicted, removed; keys mapped
-back to block hashes with `parse_key`). Each thread reconnects after an error; a snapshot, a
-reconnect to the store or lost store events reset what the index knows of that source first.
+and one to the store master's `WatchEvents` (objects stored, evicted, removed; keys mapped
+back to block hashes with `parse_key`), all of them tasks on one event loop in one thread.
+Each stream reconnects after an error; a snapshot, a reconnect to the store or lost store
+events reset what the index knows of that source first.
 The index is read under the same lock (`overlaps`). Must not choose workers: that is the
 policy's job (`policy.py`).
 
@@ -14,12 +15,12 @@ is gone, and the worker simply computes it. Routing gets less good, never wrong.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -79,11 +80,12 @@ def resume_after(details: str) -> int | None:
     return int(m.group(1)) - 1 if m else None
 
 
-@dataclass
 class _WorkerFeed:
-    """One worker's event stream: the event that stops its thread."""
+    """One worker's event stream: its task on the feeds' event loop (None until started)."""
 
-    stop: threading.Event = field(default_factory=threading.Event)
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.stopped = False
 
 
 class KvFeeds:
@@ -105,10 +107,10 @@ class KvFeeds:
         self.block_sizes: dict[str, int] = {}  # worker address -> block size it reported
         self.snapshots = 0  # worker snapshots applied (first subscription, resyncs)
         self.store_resets = 0
-        self._stop = threading.Event()
-        self._started = False
-        self._calls: dict = {}  # streaming call -> the worker feed it serves (None: the store's)
-        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._store_task: asyncio.Task | None = None
         self._feeds: dict[str, _WorkerFeed] = {a: _WorkerFeed() for a in worker_addresses}
 
     @property
@@ -118,24 +120,36 @@ class KvFeeds:
             return list(self._feeds)
 
     def start(self) -> "KvFeeds":
+        """Start the event loop every stream runs on (one thread, whatever the workers)."""
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+            loop.close()
+        self._thread = threading.Thread(target=run, name="kv-feeds", daemon=True)
+        self._thread.start()
+        ready.wait()
         with self.lock:
-            self._started = True
+            self._loop = loop
             feeds = list(self._feeds.items())
         for a, f in feeds:
-            self._start_worker(a, f)
+            self._submit(self._start_worker, a, f)
         if self.store_addresses:
-            self._spawn("kv-feed-store", self._watch_store)
+            self._submit(self._start_store)
         return self
 
     def add(self, address: str) -> None:
         """Follow `address`'s prefix cache (a worker joined); a no-op if already followed."""
         with self.lock:
-            if address in self._feeds or self._stop.is_set():
+            if address in self._feeds or self._closed:
                 return
             f = self._feeds[address] = _WorkerFeed()
-            started = self._started
+            started = self._loop is not None
         if started:
-            self._start_worker(address, f)
+            self._submit(self._start_worker, address, f)
 
     def remove(self, address: str) -> None:
         """Stop following `address` (it was forgotten) and forget what it cached."""
@@ -143,24 +157,30 @@ class KvFeeds:
             f = self._feeds.pop(address, None)
             if f is None:
                 return
-            f.stop.set()
+            f.stopped = True
             self.model_ids.pop(address, None)
             self.block_sizes.pop(address, None)
             self.index.apply(KvEvent(address, CLEARED))
-            calls = [c for c, owner in self._calls.items() if owner is f]
-        for c in calls:
-            c.cancel()
+        self._submit(self._cancel, f)
 
     def close(self) -> None:
-        self._stop.set()
         with self.lock:
-            calls = list(self._calls)
+            self._closed = True
+            loop, self._loop = self._loop, None
             for f in self._feeds.values():
-                f.stop.set()
-        for c in calls:
-            c.cancel()
-        for t in self._threads:
-            t.join(timeout=5)
+                f.stopped = True
+        if loop is None:
+            return
+
+        async def stop() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            loop.stop()
+        asyncio.run_coroutine_threadsafe(stop(), loop)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
     def overlaps(self, hashes: Sequence[bytes], block_size_tokens: int,
                  addresses: Sequence[str] | None = None) -> tuple[list[int], int]:
@@ -177,52 +197,52 @@ class KvFeeds:
             store = max((self.index.overlap(store_source(m), hashes) for m in models), default=0)
         return local, store
 
-    # ---- threads -------------------------------------------------------------------------------
-    def _spawn(self, name: str, target, *args) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        t.start()  # before the filter below, which would drop a thread not yet started
+    # ---- the event loop ------------------------------------------------------------------------
+    # Every stream is a task on one loop: no thread per worker, and a stream waiting for events
+    # costs nothing (the synchronous API wakes each blocked stream every 0.1 s, and keeps a
+    # polling thread per channel).
+    def _submit(self, fn, *args) -> None:
         with self.lock:
-            # Finished threads go: workers that come and go must not grow this list forever.
-            self._threads = [x for x in self._threads if x.is_alive()]
-            self._threads.append(t)
+            loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(fn, *args)
 
     def _start_worker(self, address: str, feed: _WorkerFeed) -> None:
-        self._spawn(f"kv-feed-{address}", self._watch_worker, address, feed)
+        if not feed.stopped:
+            feed.task = asyncio.get_running_loop().create_task(self._watch_worker(address, feed))
 
-    def _stream(self, call, feed: _WorkerFeed | None = None):
-        """Iterate a streaming call that close() (and remove(), for a worker's) can cancel."""
-        with self.lock:
-            self._calls[call] = feed
-        try:
-            if feed is not None and feed.stop.is_set():
-                return  # removed while connecting: remove() may have missed this call
-            yield from call
-        finally:
-            with self.lock:
-                self._calls.pop(call, None)
+    def _start_store(self) -> None:
+        self._store_task = asyncio.get_running_loop().create_task(self._watch_store())
 
-    def _watch_worker(self, address: str, feed: _WorkerFeed) -> None:
+    @staticmethod
+    def _cancel(feed: _WorkerFeed) -> None:
+        if feed.task is not None:
+            feed.task.cancel()
+
+    async def _watch_worker(self, address: str, feed: _WorkerFeed) -> None:
         warned = False
-        while not feed.stop.is_set():
+        while not feed.stopped:
+            channel = rpc.make_aio_channel(address, WORKER)
             try:
-                with rpc.make_channel(address, WORKER) as ch:
-                    call = wpb_grpc.WorkerStub(ch).WatchKvEvents(wpb.WatchKvEventsRequest())
-                    for batch in self._stream(call, feed):
-                        self._apply_worker(address, batch, feed)
-                        warned = False
+                call = wpb_grpc.WorkerStub(channel).WatchKvEvents(wpb.WatchKvEventsRequest())
+                async for batch in call:
+                    self._apply_worker(address, batch, feed)
+                    warned = False
             except grpc.RpcError as e:
-                if feed.stop.is_set():
+                if feed.stopped:
                     return
                 if not warned:  # once per outage, not once per retry
                     log.warning("kv events of %s: %s %s; retrying every %.1fs", address,
                                 e.code(), e.details(), self.retry_s)
                     warned = True
-            feed.stop.wait(self.retry_s)
+            finally:
+                await channel.close()
+            await asyncio.sleep(self.retry_s)
 
     def _apply_worker(self, address: str, batch, feed: _WorkerFeed) -> None:
         events = worker_batch_events(address, batch)
         with self.lock:
-            if feed.stop.is_set():
+            if feed.stopped:
                 return  # removed: a late batch must not bring its blocks back
             self.model_ids[address] = batch.model_id
             self.block_sizes[address] = batch.block_size_tokens
@@ -238,27 +258,25 @@ class KvFeeds:
                 if s.startswith("store:"):
                     self.index.apply(KvEvent(s, CLEARED))
 
-    def _watch_store(self) -> None:
+    async def _watch_store(self) -> None:
         i, after, fresh = 0, 0, True
-        while not self._stop.is_set():
+        while True:
             address = self.store_addresses[i % len(self.store_addresses)]
             if fresh:  # a new connection (maybe a new leader, whose event numbers restart)
                 self._reset_store()
                 after, fresh = 0, False
+            channel = rpc.make_aio_channel(address, MASTER)
             try:
-                with rpc.make_channel(address, MASTER) as ch:
-                    call = mpb_grpc.KVMasterStub(ch).WatchEvents(
-                        mpb.WatchEventsRequest(after_seq=after))
-                    for ev in self._stream(call):
-                        after = ev.seq
-                        e = store_event(ev.kind, ev.key)
-                        if e is not None:
-                            with self.lock:
-                                self.index.apply(e)
+                call = mpb_grpc.KVMasterStub(channel).WatchEvents(
+                    mpb.WatchEventsRequest(after_seq=after))
+                async for ev in call:
+                    after = ev.seq
+                    e = store_event(ev.kind, ev.key)
+                    if e is not None:
+                        with self.lock:
+                            self.index.apply(e)
                 continue  # the master ended the stream: ask again from `after`
             except grpc.RpcError as e:
-                if self._stop.is_set():
-                    return
                 resume = resume_after(e.details())
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and resume is not None:
                     # We fell behind the master's bounded event log: forget, resume at its start.
@@ -271,4 +289,6 @@ class KvFeeds:
                 log.warning("store events from %s: %s %s", address, e.code(), e.details())
                 i += 1
                 fresh = True
-            self._stop.wait(self.retry_s)
+            finally:
+                await channel.close()
+            await asyncio.sleep(self.retry_s)

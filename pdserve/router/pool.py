@@ -1,9 +1,9 @@
 """The router's workers: membership applied to channels, polls and routing choices.
 
 Owns a channel and stub per known worker (made when it joins, closed when it is forgotten),
-the `Membership` table behind one lock, the stats poller (one thread: GetStats to every member
-each `stats_interval_s`, in parallel; an answer is a `report` in the role it names, no answer
-is a `missed` poll), the KV event feeds following membership, and `pick()`: build the policy's
+the `Membership` table behind one lock, the stats poller (one thread running an event loop:
+GetStats to every member each `stats_interval_s`, all at once, over channels of its own; an
+answer is a `report` in the role it names, no answer is a `missed` poll), the KV event feeds following membership, and `pick()`: build the policy's
 `RouteInput` from the ACTIVE members of a role (the prompt's chained block hashes looked up in
 the block index for KV-aware prefill), ask the policy, and count the choice in flight for the
 request's duration. Also `offload()`, the same for a prefill offloaded onto a decode worker,
@@ -17,12 +17,14 @@ pure functions of their inputs; this module only feeds them and carries out the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
@@ -83,6 +85,8 @@ class WorkerSet:
         self._lock = threading.RLock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, wpb_grpc.WorkerStub] = {}
+        # Bumped when a member's channel is made anew: the poller's own channel follows.
+        self._generation: dict[str, int] = {}
         self._serving: bool | None = None
         self._notify_lock = threading.Lock()
         self._stop = threading.Event()
@@ -196,6 +200,7 @@ class WorkerSet:
             old.close()
         self._channels[address] = ch = rpc.make_channel(address, WORKER)
         self._stubs[address] = wpb_grpc.WorkerStub(ch)
+        self._generation[address] = self._generation.get(address, 0) + 1
         if self.feeds is not None:
             self.feeds.add(address)
 
@@ -204,6 +209,7 @@ class WorkerSet:
             self.membership.forget(a)
             self.rates.forget(a)
             self._stubs.pop(a, None)
+            self._generation.pop(a, None)
             ch = self._channels.pop(a, None)
             if ch is not None:
                 ch.close()
@@ -358,18 +364,31 @@ class WorkerSet:
             self.membership.release(address, taken[0], taken[1])
 
     # ---- the poller ----------------------------------------------------------------------------
-    def poll_once(self) -> None:
-        """GetStats to every member at once; apply answers and misses; forget the long gone."""
+    # One asyncio loop in one thread asks every member: a poll costs one task per member, not
+    # a thread (the synchronous API keeps a polling thread per channel with a call in flight).
+    async def _poll_once(self, channels: dict[str, tuple[int, Any]]) -> None:
+        """GetStats to every member at once; apply answers and misses; forget the long gone.
+        `channels`: the poller's own (generation, aio channel) per member, kept in step."""
         with self._lock:
-            stubs = dict(self._stubs)
+            wanted = dict(self._generation)
+        for a in [a for a, (g, _) in channels.items() if wanted.get(a) != g]:
+            await channels.pop(a)[1].close()
+        for a, g in wanted.items():
+            if a not in channels:
+                channels[a] = (g, rpc.make_aio_channel(a, WORKER))
         timeout = max(_POLL_TIMEOUT_S, 2 * self.stats_interval_s)
         asked = self.clock()
-        futures = {a: s.GetStats.future(wpb.GetStatsRequest(), timeout=timeout)
-                   for a, s in stubs.items()}
-        for a, f in futures.items():
-            try:
-                stats = f.result()
-            except grpc.RpcError as e:
+        addresses = list(channels)
+        answers = await asyncio.gather(
+            *(wpb_grpc.WorkerStub(channels[a][1]).GetStats(wpb.GetStatsRequest(),
+                                                           timeout=timeout)
+              for a in addresses), return_exceptions=True)
+        for a, stats in zip(addresses, answers):
+            if isinstance(stats, BaseException):
+                e = stats
+                if not isinstance(e, grpc.RpcError):
+                    log.warning("stats of %s: %r", a, e)
+                    continue
                 if e.code() in _MISSED_CODES:
                     with self._lock:
                         m = self.membership.missed(a, self.clock())
@@ -386,11 +405,22 @@ class WorkerSet:
         self._changed()
 
     def _poll_loop(self) -> None:
-        while not self._stop.wait(self.stats_interval_s):
-            try:
-                self.poll_once()
-            except Exception:  # the poller must outlive any one bad poll
-                log.exception("stats poll failed")
+        asyncio.run(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        channels: dict[str, tuple[int, Any]] = {}
+        try:
+            while not self._stop.is_set():
+                await asyncio.sleep(self.stats_interval_s)
+                if self._stop.is_set():
+                    break
+                try:
+                    await self._poll_once(channels)
+                except Exception:  # the poller must outlive any one bad poll
+                    log.exception("stats poll failed")
+        finally:
+            for _, ch in channels.values():
+                await ch.close()
 
     def close(self) -> None:
         self._stop.set()
