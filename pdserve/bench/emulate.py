@@ -64,15 +64,19 @@ def _cpu_s(pid: int) -> float:
         return 0.0
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_pss_mb(pid: int) -> tuple[float, float]:
+    """(RSS, PSS) in MB: resident pages, and the process's share of them (a library's pages
+    mapped by k processes count 1/k each: what one more process adds to the machine)."""
+    out = {"Rss:": 0.0, "Pss:": 0.0}
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
+                key = line.split(maxsplit=1)[0]
+                if key in out:
+                    out[key] = int(line.split()[1]) / 1024
     except OSError:
         pass
-    return 0.0
+    return out["Rss:"], out["Pss:"]
 
 
 def _pids(cluster) -> dict[str, int]:
@@ -94,11 +98,14 @@ def cpu_window(cluster, seconds: float) -> dict[str, dict[str, float]]:
 
 
 def memory(cluster) -> dict[str, dict[str, float]]:
-    per: dict[str, list[float]] = {}
+    """Per process kind: RSS mean and max, and PSS mean and sum (the machine's share)."""
+    per: dict[str, list[tuple[float, float]]] = {}
     for n, p in _pids(cluster).items():
-        per.setdefault(_kind(n), []).append(_rss_mb(p))
-    return {k: {"processes": len(v), "mean_mb": round(sum(v) / len(v), 1),
-                "max_mb": round(max(v), 1), "sum_mb": round(sum(v), 1)}
+        per.setdefault(_kind(n), []).append(_rss_pss_mb(p))
+    return {k: {"processes": len(v), "mean_mb": round(sum(r for r, _ in v) / len(v), 1),
+                "max_mb": round(max(r for r, _ in v), 1),
+                "pss_mean_mb": round(sum(q for _, q in v) / len(v), 1),
+                "pss_sum_mb": round(sum(q for _, q in v), 1)}
             for k, v in sorted(per.items())}
 
 

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from pdserve.output import write_json
 
-COLUMNS = ("workers", "start s", "worker RSS MB", "router RSS MB", "router CPU idle",
+COLUMNS = ("workers", "start s", "worker RSS / PSS MB", "router RSS MB", "router CPU idle",
            "router CPU load", "controller CPU idle", "master CPU load", "workers CPU load",
            "tick observe p99 ms", "tick decide p99 ms", "KV event lag p99 ms",
            "rebalance s (flips)", "killed", "out of pools s", "restarted s", "back s",
@@ -32,7 +32,8 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     for s in result["sizes"]:
         m, tick, kill = s["memory"], s["controller_tick"], s["kill_tenth"]
         out.append([str(s["workers"]), f"{s['start_s']:.0f}",
-                    f"{m['worker']['mean_mb']:.0f}", f"{m['router']['mean_mb']:.0f}",
+                    f"{m['worker']['mean_mb']:.0f} / {m['worker']['pss_mean_mb']:.0f}",
+                    f"{m['router']['mean_mb']:.0f}",
                     _cpu(s["cpu_idle"], "router"), _cpu(s["cpu_load"], "router"),
                     _cpu(s["cpu_idle"], "controller"), _cpu(s["cpu_load"], "kvmaster"),
                     _cpu(s["cpu_load"], "worker"),

@@ -26,7 +26,8 @@ def test_bench_emulate_json_table_and_png(tmp_path):
     assert [s["workers"] for s in result["sizes"]] == [4, 8]
     for s in result["sizes"]:
         assert s["prefill"] + s["decode"] == s["workers"]
-        assert s["memory"]["worker"]["processes"] == s["workers"]
+        w = s["memory"]["worker"]
+        assert w["processes"] == s["workers"] and 0 < w["pss_mean_mb"] < w["mean_mb"]
         assert s["load"]["requests"] > 0 and s["load"]["correct"] == s["load"]["requests"], s
         assert s["rebalance"]["ok"] == s["rebalance"]["flips"] >= 1, s
         assert s["controller_tick"]["decide"]["count"] > 0
