@@ -16,6 +16,7 @@ or assert an error bound.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -198,10 +199,13 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
     # the simulator does not model cores lent between the workers of a host. Conditional
     # disaggregation (a decode worker prefilling a prompt it caches) is off on both sides:
     # every prompt takes the prefill worker, whose model is what this compares.
+    emulated = s.get("engine") == "emulated"
     spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=p, decode_workers=d, controller=False,
                        routing=s["routing"], ready_timeout_s=600, share_cores=False,
-                       max_local_prefill_tokens=0)
+                       max_local_prefill_tokens=0,
+                       **(dict(engine="emulated", profile=s["profile"], kv_scale=s["kv_scale"])
+                          if emulated else {}))
     before = os.getloadavg()[0]  # the cluster's own start-up raises the 1-minute average
     say(f"{p}P{d}D: starting the cluster (load average {before:.2f})")
     with LocalCluster(spec) as cluster:
@@ -249,11 +253,13 @@ def sim_side(sims, p: int, d: int, profile, s: dict[str, Any], background: float
     from pdserve.sim.config import SimConfig
     from pdserve.sim.run import simulate
 
+    wph = s.get("workers_per_host")
+    if s.get("engine") == "emulated":  # each emulated worker waits out its own steps
+        wph = 0
     cfg = SimConfig(prefill_workers=p, decode_workers=d, prefill_policy=s["routing_policy"],
                     max_num_batched_tokens=s["max_num_batched_tokens"], max_num_seqs=64,
                     transport="shm", seed=s["seed"], max_local_prefill_tokens=0,
-                    workers_per_host=(p + d if s.get("workers_per_host") is None
-                                      else s["workers_per_host"] or None),
+                    workers_per_host=p + d if wph is None else wph or None,
                     host_background_threads=background)
     t0 = time.monotonic()
     rep = simulate(cfg, sims, profile)
@@ -296,6 +302,10 @@ def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
     from pdserve.core.step_profile import StepProfile, load_profile
 
     given = load_profile(s["profile"])
+    if s.get("engine") == "emulated":  # the emulated engine is the profile: its KV scaled too
+        scaled = dataclasses.replace(given, kv_bytes_per_token=max(
+            1, round(given.kv_bytes_per_token * s["kv_scale"])))
+        return scaled, scaled
     if s["steps"] == "profile":
         return given, given
     if recorded_doc.get("profile"):
@@ -375,6 +385,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host-background", default="0",
                    help="other work's threads on the simulated host: a number, or 'measured' "
                         "(the real run's other runnable threads, sampled during it; default 0)")
+    p.add_argument("--engine", choices=("model", "emulated"), default="model",
+                   help="the real cluster's engine: the model's weights (default), or emulated "
+                        "workers running --profile (`pdserve emulate`): a check of the "
+                        "simulator's cluster model at sizes the machine cannot compute")
+    p.add_argument("--kv-scale", type=float, default=1 / 64,
+                   help="with --engine emulated: KV bytes per token as a fraction of the "
+                        "profile's, on both sides (default 1/64)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     return p
 
@@ -399,8 +416,12 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
                                 f"{a.host_background!r}")
     if not a.rate > 0:
         raise ValidateError("--rate must be > 0")
+    if not 0 < a.kv_scale <= 1:
+        raise ValidateError(f"--kv-scale must be in (0, 1], got {a.kv_scale}")
     if not 0 <= a.stagger_ms < 10_000:
         raise ValidateError(f"--stagger-ms must be >= 0 and < 10000, got {a.stagger_ms}")
+    if not os.path.isfile(a.trace):
+        raise ValidateError(f"--trace: no such file: {a.trace}")
     return {"trace": a.trace, "token_scale": a.token_scale, "requests": a.requests,
             "rate": a.rate, "max_tokens": a.max_tokens, "max_prompt_tokens": a.max_prompt_tokens,
             "stagger_ms": a.stagger_ms,
@@ -408,7 +429,8 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "model": a.model,
             "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,
             "seed": a.seed, "max_num_batched_tokens": STEP_TOKENS["cpu"], "real_from": a.real_from,
-            "workers_per_host": a.workers_per_host, "host_background": a.host_background}
+            "workers_per_host": a.workers_per_host, "host_background": a.host_background,
+            "engine": a.engine, "kv_scale": a.kv_scale}
 
 
 def run(args: argparse.Namespace) -> int:

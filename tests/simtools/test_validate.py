@@ -127,6 +127,33 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     assert json.loads(third.stdout)["scale"]["stagger_ms"] == 0.0
 
 
+def test_an_emulated_cluster_is_replayed_against_the_simulator_on_the_same_profile(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.simtools.validate", "--trace", str(TRACE), "--requests",
+         "12", "--scale", "64", "--max-tokens", "16", "--rate", "4", "--configs", "2p3d",
+         "--engine", "emulated", "--profile", "h100-llama3-8b", "--kv-scale", "0.01",
+         "--out", str(tmp_path / "e"), "--json"], capture_output=True, text=True, timeout=600,
+        cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    run = doc["runs"][0]
+    assert run["config"] == "2P3D" and run["real"]["ok"] == run["sim"]["ok"] == 12
+    # Both sides use the profile as shipped, its KV bytes scaled as the emulated workers'.
+    shipped = load_profile("h100-llama3-8b")
+    prof = StepProfile.from_dict(doc["profile"])
+    assert prof.decode_fixed_s == shipped.decode_fixed_s
+    assert prof.kv_bytes_per_token == round(shipped.kv_bytes_per_token * 0.01)
+    assert doc["settings"]["engine"] == "emulated"
+    for m in ("ttft_s", "itl_s", "e2e_s"):
+        assert run["compare"][m]["mean"]["real"] > 0 and run["compare"][m]["mean"]["sim"] > 0
+
+
+def test_bad_trace_is_one_line_not_a_traceback():
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--trace", "/no/such.jsonl"])
+    with pytest.raises(ValidateError, match="--trace: no such file"):
+        settings_from_args(args)
+
+
 def test_simultaneous_arrivals_are_spaced_in_trace_order():
     from pdserve.bench.serve_workload import token_request
     from pdserve.simtools.validate import stagger
