@@ -37,25 +37,13 @@ def add_emulate_parser(sub) -> argparse.ArgumentParser:
     return e
 
 
-def emulated_pools(workers: int, prefill: int | None) -> tuple[int, int]:
-    """(prefill, decode) workers: `prefill` of them (default a quarter, at least one), the
-    rest decode; at least one of each."""
-    if workers < 2:
-        raise ValueError("--workers must be >= 2 (one prefill and one decode worker at least)")
-    k = max(1, workers // 4) if prefill is None else prefill
-    if not 1 <= k < workers:
-        raise ValueError(f"--prefill must be in [1, {workers - 1}] for {workers} workers, "
-                         f"got {k}")
-    return k, workers - k
-
-
 def cmd_emulate(args: argparse.Namespace) -> int:
     from pdserve.core.errors import ConfigError
     from pdserve.core.step_profile import load_profile
     from pdserve.engine.emulated import kv_block_bytes
     from pdserve.engine.model_files import default_model_path
 
-    from pdserve.launcher.cluster_spec import ClusterSpec
+    from pdserve.launcher.cluster_spec import ClusterSpec, emulated_pools
 
     if args.backend != "local":
         print("pdserve emulate: error: emulated clusters run on this host (--backend local)",

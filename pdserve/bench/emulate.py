@@ -242,8 +242,7 @@ def rebalance(cluster, prefill: int, decode: int) -> dict[str, Any]:
 
 # ---- one size ------------------------------------------------------------------------------
 def measure(model: str, n: int, args, config, progress=lambda phase: None) -> dict[str, Any]:
-    from pdserve.cli_emulate import emulated_pools
-    from pdserve.launcher.cluster_spec import free_ports
+    from pdserve.launcher.cluster_spec import emulated_pools, free_ports
     from pdserve.launcher.local import ClusterSpec, LocalCluster
 
     k, d = emulated_pools(n, None)

@@ -263,3 +263,15 @@ def check_free(host: str, port: int, what: str) -> None:
         except OSError as e:
             raise PortInUseError(f"{host}:{port} ({what}) is in use ({e.strerror}): another "
                                  f"pdserve serve may be running; choose another port") from None
+
+
+def emulated_pools(workers: int, prefill: int | None) -> tuple[int, int]:
+    """(prefill, decode) workers: `prefill` of them (default a quarter, at least one), the
+    rest decode; at least one of each."""
+    if workers < 2:
+        raise ValueError("--workers must be >= 2 (one prefill and one decode worker at least)")
+    k = max(1, workers // 4) if prefill is None else prefill
+    if not 1 <= k < workers:
+        raise ValueError(f"--prefill must be in [1, {workers - 1}] for {workers} workers, "
+                         f"got {k}")
+    return k, workers - k
