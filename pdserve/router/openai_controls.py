@@ -90,6 +90,10 @@ def _structured(body: dict, bad, kind) -> tuple[StructuredOutput | None, str | N
         return StructuredOutput(k, json.dumps(v)), name
     if not isinstance(v, str) or not v:
         raise bad(name, f"must be a non-empty string, got {kind(v)}", "invalid_type")
+    try:  # JSON may carry lone surrogates ("\ud800"); no grammar or protobuf string takes them
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(name, "must be valid Unicode text (no lone surrogates)") from None
     return StructuredOutput(k, v), name
 
 

@@ -106,6 +106,8 @@ def test_completion_prompt_forms_and_logprobs():
             "a": {"type": "integer"}}}}}}, "response_format.json_schema.schema"),
     ({"messages": USER, "guided_choice": []}, "guided_choice"),
     ({"messages": USER, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"messages": USER, "guided_grammar": "\ud800"}, "guided_grammar"),
+    ({"messages": USER, "guided_regex": "a\udfff"}, "guided_regex"),
     ({"messages": []}, "messages"),
     ({}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
