@@ -16,13 +16,16 @@ from pdserve import rpc
 from pdserve.core.step_profile import load_profile
 from pdserve.engine.checkpoint_config import load_model_config
 from pdserve.engine.emulated import kv_block_bytes, token_of
+from pdserve.core.identity import MASTER
 from pdserve.launcher.local import LocalCluster
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
+from pdserve.proto import kvmaster_pb2 as mpb
+from pdserve.proto import kvmaster_pb2_grpc as mpb_grpc
 from tests.e2e.conftest import cluster_spec
 from tests.e2e.test_cluster import worker_stats, workers
 
 PROFILE = "h100-llama3-8b"
-KV_SCALE = 1 / 1024
+KV_SCALE = 1 / 256  # 8 KiB blocks: whole pages, as the store allocates
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +83,12 @@ def test_the_prompts_kv_goes_through_the_store_at_the_scaled_size(emulated, smol
     _generate(emulated, "emu-kv", "Move this prompt's blocks " * 12, max_tokens=4)
     assert worker_stats(prefill).kv_blocks_put >= 4
     assert worker_stats(decode).kv_blocks_fetched - before >= 4
-    # The store holds blocks of the emulated size.
+    # The store holds blocks of the emulated size: the profile's bytes per token, scaled.
     block = kv_block_bytes(load_profile(PROFILE), 16, KV_SCALE)
-    assert block == round(load_profile(PROFILE).kv_bytes_per_token * 16 * KV_SCALE)
+    with rpc.make_channel(emulated.store_address, MASTER) as ch:
+        tiers = mpb_grpc.KVMasterStub(ch).Stats(mpb.MasterStatsRequest(), timeout=30).tiers
+    objects = sum(t.objects for t in tiers)
+    assert objects >= 4 and sum(t.used_bytes for t in tiers) == objects * block
 
 
 def test_the_openai_api_serves_emulated_text(emulated, expected):
