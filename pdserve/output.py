@@ -41,3 +41,17 @@ def write_json(result: dict[str, Any], out_dir: str, name: str) -> str:
         json.dump(result, f, indent=2)
         f.write("\n")
     return path
+
+
+def write_report(result: dict[str, Any], out_dir: str, name: str,
+                 plot: Callable[[dict[str, Any], str], None],
+                 markdown: Callable[[dict[str, Any]], str]) -> list[str]:
+    """`name`.json, `name`.png (drawn by `plot`) and `name`.md (`markdown`'s table) in
+    `out_dir`; the paths written."""
+    j = write_json(result, out_dir, f"{name}.json")
+    png = os.path.join(out_dir, f"{name}.png")
+    plot(result, png)
+    md = os.path.join(out_dir, f"{name}.md")
+    with open(md, "w") as f:
+        f.write(markdown(result) + "\n")
+    return [j, png, md]

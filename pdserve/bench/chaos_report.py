@@ -5,12 +5,11 @@ Owns presentation only. Must not measure anything.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from rich.table import Table
 
-from pdserve.output import write_json
+from pdserve.output import write_report
 
 COLUMNS = ("fault", "killed", "requests", "in flight at kill", "sent after kill",
            "completed correct", "wrong", "lost",
@@ -74,10 +73,4 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
-    j = write_json(result, out_dir, "chaos.json")
-    png = os.path.join(out_dir, "chaos.png")
-    plot(result, png)
-    md = os.path.join(out_dir, "chaos.md")
-    with open(md, "w") as f:
-        f.write(markdown(result) + "\n")
-    return [j, png, md]
+    return write_report(result, out_dir, "chaos", plot, markdown)

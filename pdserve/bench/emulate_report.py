@@ -5,12 +5,11 @@ Owns presentation only. Must not measure anything.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from rich.table import Table
 
-from pdserve.output import write_json
+from pdserve.output import write_report
 
 COLUMNS = ("workers", "start s", "worker RSS / PSS MB", "router RSS MB", "router CPU idle",
            "router CPU load", "controller CPU idle", "master CPU load", "workers CPU load",
@@ -117,10 +116,4 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
-    j = write_json(result, out_dir, "emulate.json")
-    png = os.path.join(out_dir, "emulate.png")
-    plot(result, png)
-    md = os.path.join(out_dir, "emulate.md")
-    with open(md, "w") as f:
-        f.write(markdown(result) + "\n")
-    return [j, png, md]
+    return write_report(result, out_dir, "emulate", plot, markdown)
