@@ -49,6 +49,12 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A peer that restarts (a supervised router, master or worker comes back in about a
+    # second) is found again within a second: gRPC's default backoff waits 1 s, then 1.6 s,
+    # 2.6 s, ... between attempts, so a client would see a healed server as down for longer
+    # than it was.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
