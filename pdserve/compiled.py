@@ -32,6 +32,7 @@ MODULES = (
     "pdserve.sim.events",
     "pdserve.sim.host",
     "pdserve.sim.network",
+    "pdserve.sim.prompts",
     "pdserve.sim.router",
     "pdserve.sim.tokens",
     "pdserve.sim.worker",

@@ -16,7 +16,8 @@ from a snapshot of the cached hashes. The worker streams it to routers (KV-aware
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from array import array
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,39 +87,78 @@ class PoolStats:
 
 
 class BlockPool:
+    """Blocks with no holder are free, in the order they are reused: plain blocks released
+    since the start, the most recent first; then those never taken yet, by id; then cached
+    ones, the least recently released first (taking one evicts its hash). Kept in three parts
+    so that a pool of tens of thousands of blocks costs a few bytes per block, not an ordered
+    map entry each: a stack of released plain blocks, the id the untaken ones start at, and a
+    doubly linked list of the cached ones in two arrays indexed by block id."""
+
     def __init__(self, num_blocks: int, max_events: int = 4096) -> None:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}
-        # Blocks with ref 0, oldest first: a plain free block or a cached one to evict last-used-first.
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._plain: list[int] = []  # released plain blocks; the last is reused first
+        self._untaken = 0  # blocks [_untaken, num_blocks) were never taken
+        # Cached blocks with no holder, least recently released first: a ring through the
+        # sentinel `num_blocks` (its next is the oldest, its previous the newest).
+        self._next = array("i", [num_blocks]) * (num_blocks + 1)
+        self._prev = array("i", [num_blocks]) * (num_blocks + 1)
+        self._idle_cached = 0
         self.evictions = 0
         # Where the changes go: a `BlockEventLog`, or what else takes `append(kind, hash)`.
         self.events: EventSink = BlockEventLog(max_events)
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self._plain) + self.num_blocks - self._untaken + self._idle_cached
 
     def lookup(self, h: bytes) -> int | None:
         return self.by_hash.get(h)
 
+    def _unlink(self, bid: int) -> None:
+        """Take a cached block with no holder out of the reuse order."""
+        nxt, prev = self._next, self._prev
+        before, after = prev[bid], nxt[bid]
+        nxt[before] = after
+        prev[after] = before
+        self._idle_cached -= 1
+
+    def _take_free(self) -> int:
+        """The next free block in reuse order (one must exist), held by nobody yet."""
+        plain = self._plain
+        if plain:
+            return plain.pop()
+        end = self.num_blocks
+        bid = self._untaken
+        if bid < end:
+            self._untaken = bid + 1
+            return bid
+        nxt = self._next
+        bid = nxt[end]  # the oldest cached: unlinked here, as `_unlink` does
+        after = nxt[bid]
+        nxt[end] = after
+        self._prev[after] = end
+        self._idle_cached -= 1
+        return bid
+
     def take_cached(self, block_id: int) -> None:
         """Hold a cached block (prefix hit)."""
         if self.ref[block_id] == 0:
-            del self.free[block_id]
+            assert self.block_hash[block_id] is not None, f"block {block_id} is not cached"
+            self._unlink(block_id)
         self.ref[block_id] += 1
 
     def allocate(self, n: int) -> list[int]:
         """n blocks, each as `allocate_one` takes it (one loop: a prompt takes dozens)."""
-        free = self.free
-        if n > len(free):
-            raise NoFreeBlocksError(f"need {n} blocks, {len(free)} free")
-        popitem, block_hash, ref = free.popitem, self.block_hash, self.ref
+        free = self.num_free
+        if n > free:
+            raise NoFreeBlocksError(f"need {n} blocks, {free} free")
+        block_hash, ref, plain, take = self.block_hash, self.ref, self._plain, self._take_free
         out = []
         for _ in range(n):
-            bid = popitem(last=False)[0]
+            bid = plain.pop() if plain else take()
             if block_hash[bid] is not None:
                 self._evict(bid)
             ref[bid] = 1
@@ -128,9 +168,9 @@ class BlockPool:
     def allocate_one(self) -> int:
         """One block, held once: a plain free block, else the least recently released cached
         one, evicted (its hash leaves the index: a "removed" event)."""
-        if not self.free:
+        if not self.num_free:
             raise NoFreeBlocksError("need 1 block, 0 free")
-        bid = self.free.popitem(last=False)[0]
+        bid = self._take_free()
         if self.block_hash[bid] is not None:
             self._evict(bid)
         self.ref[bid] = 1
@@ -152,18 +192,17 @@ class BlockPool:
         Stops at the first that can be neither. Returns (the blocks held, (index, block id) of
         those whose data the caller writes). The same as `lookup`, `take_cached`,
         `allocate_one` and `register` per block, in one loop."""
-        by_hash, free, ref, block_hash = self.by_hash, self.free, self.ref, self.block_hash
-        popitem, events = free.popitem, self.events
+        by_hash, ref, block_hash, events = self.by_hash, self.ref, self.block_hash, self.events
         table: list[int] = []
         writes: list[tuple[int, int]] = []
         for i, (h, data) in enumerate(zip(hashes, has_data)):
             bid = by_hash.get(h) if i < n_full else None
             if bid is not None:
                 if ref[bid] == 0:
-                    del free[bid]
+                    self._unlink(bid)
                 ref[bid] += 1
-            elif data and free:
-                bid = popitem(last=False)[0]
+            elif data and self.num_free:
+                bid = self._take_free()
                 if block_hash[bid] is not None:
                     self._evict(bid)
                 ref[bid] = 1
@@ -181,18 +220,26 @@ class BlockPool:
     def release(self, block_ids: list[int]) -> None:
         """Drop one hold on each block; blocks are released tail first so a prompt's
         last blocks are evicted before its first ones (the first are shared more)."""
-        ref, block_hash, free = self.ref, self.block_hash, self.free
+        ref, block_hash, plain = self.ref, self.block_hash, self._plain
+        nxt, prev, end = self._next, self._prev, self.num_blocks
         for bid in reversed(block_ids):
             held = ref[bid]
             assert held > 0, f"block {bid} released twice"
             ref[bid] = held - 1
             if held == 1:
-                free[bid] = None
                 if block_hash[bid] is None:
-                    free.move_to_end(bid, last=False)  # plain blocks are reused first
+                    plain.append(bid)  # plain blocks are reused first
+                else:  # cached: the newest in their reuse order
+                    newest = prev[end]
+                    nxt[newest] = bid
+                    prev[bid] = newest
+                    nxt[bid] = end
+                    prev[end] = bid
+                    self._idle_cached += 1
 
     def register(self, block_id: int, h: bytes) -> None:
         """Mark a held, fully written block as caching the prefix `h`."""
+        assert self.ref[block_id] > 0, f"block {block_id} is registered with no holder"
         if self.block_hash[block_id] is not None:
             return  # already cached
         if self.by_hash.setdefault(h, block_id) != block_id:
@@ -200,9 +247,18 @@ class BlockPool:
         self.block_hash[block_id] = h
         self.events.append(STORED, h)
 
+    def free_order(self) -> list[int]:
+        """The free blocks in the order they would be reused (plain, untaken, cached)."""
+        out = self._plain[::-1] + list(range(self._untaken, self.num_blocks))
+        bid = self._next[self.num_blocks]
+        while bid != self.num_blocks:
+            out.append(bid)
+            bid = self._next[bid]
+        return out
+
     def cached_hashes(self) -> list[bytes]:
         """Every hash the prefix cache holds now (the snapshot a resync starts from)."""
         return list(self.by_hash)
 
     def stats(self) -> PoolStats:
-        return PoolStats(self.num_blocks, len(self.free), len(self.by_hash), self.evictions)
+        return PoolStats(self.num_blocks, self.num_free, len(self.by_hash), self.evictions)

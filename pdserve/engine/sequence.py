@@ -7,6 +7,7 @@ model, for a simulator). It must not schedule, run the model or import torch.
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +44,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks registered so far
     # The chained hashes of the prompt's leading full blocks, when the caller already has them
     # (the router and the prefill role compute them; a simulator derives them from its trace):
-    # the scheduler hashes token ids only past them. Empty: it hashes every block itself.
-    known_hashes: tuple[bytes, ...] | list[bytes] = ()
+    # the scheduler hashes token ids only past them. Empty: it hashes every block itself. Any
+    # sequence of them (a simulator's may be made when first read).
+    known_hashes: collections.abc.Sequence[bytes] = ()
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or an import
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None

@@ -11,7 +11,8 @@ admit, schedule or decide itself: the real cores do (through `router.SimRouter`,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdserve.controller.flip import FlipOutcome
@@ -26,18 +27,18 @@ from pdserve.router.route import (CACHED_LOCAL, DECODE_FALLBACK, FALLBACK, OFFLO
                                   Failure, after_failure, plan)
 from pdserve.sim.config import SimConfig
 from pdserve.sim.control import SimConnector, controller
-from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
+from pdserve.sim.engine_model import EngineModel
 from pdserve.sim.events import EventQueue
 from pdserve.sim.host import HostShare
 from pdserve.sim.network import KvStore, Link
-from pdserve.sim.report import OK, SimReport
+from pdserve.sim.prompts import RequestPrompt, prompt_tokens_of
+from pdserve.sim.report import NONE, OK, SimReport
 from pdserve.sim.router import SimRouter
-from pdserve.sim.trace import SimRequest
+from pdserve.sim.trace import SimRequest, columns
 from pdserve.sim.worker import SimWorker
 
 if TYPE_CHECKING:
     from pdserve.controller.service import Controller
-    from pdserve.engine.sequence import TokenIds
 
 
 # The route's event when no prefill worker can take a request (`route.after_failure`).
@@ -48,19 +49,21 @@ STALL_S = 600.0
 
 
 class Cluster:
-    def __init__(self, cfg: SimConfig, requests: list[SimRequest], profile,
+    def __init__(self, cfg: SimConfig, requests: Sequence[SimRequest], profile,
                  progress: Callable[[float, int, int], None] | None = None) -> None:
         self.cfg, self.reqs, self.profile, self.progress = cfg, requests, profile, progress
         self.q = EventQueue()
         n = len(requests)
+        arrivals, prompt_tokens, output_tokens = columns(requests)
+        self.arrivals: array = arrivals
         roles = [PREFILL] * cfg.prefill_workers + [DECODE] * cfg.decode_workers
         width = max(4, len(str(len(roles))))
         self.kv_blocks = cfg.kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
         self.store = KvStore(cfg.store_capacity_blocks)
-        # Every block stored by a decode-role worker's cache since the set was last rebuilt from
-        # the decode pool's caches (a superset of what they hold): a block not in it is held by
-        # no decode worker, and `_decode_cached` need not ask every decode cache about it.
-        self._decode_seen: set[bytes] = set()
+        # How many decode-role workers' caches hold each block (with conditional
+        # disaggregation on): a block not in it is held by no decode worker, and
+        # `_decode_cached` need not ask every decode cache about it.
+        self._decode_held: dict[bytes, int] = {}
         self.router = SimRouter(cfg, {f"w{i:0{width}d}": r for i, r in enumerate(roles)},
                                 store=self.store)
         # The KV index follows the prefix caches of prefill workers, the only ones it is asked
@@ -75,7 +78,8 @@ class Cluster:
                                  cfg.max_num_batched_tokens, cfg.max_waiting,
                                  cfg.prefix_caching, record_events=feed and role == PREFILL)
             self.workers[a] = SimWorker(a, role, engine, STARTING if cfg.cold_start else SERVING)
-            engine.recorder.seen = self._decode_seen if role == DECODE else None
+            if role == DECODE and cfg.max_local_prefill_tokens > 0:
+                engine.recorder.holders = self._decode_held
         self.host = HostShare.of(profile, cfg.workers_per_host, list(self.workers),
                                  cfg.host_background_threads)
         shared = Link("shared")
@@ -92,16 +96,17 @@ class Cluster:
         self.bpt = cfg.block_size * profile.kv_bytes_per_token  # bytes per KV block
         self.report = SimReport(
             config={}, profile=getattr(profile, "origin", type(profile).__name__),
-            request_ids=[r.request_id for r in requests],
-            arrival_s=[r.arrival_s for r in requests],
-            prompt_tokens=[r.prompt_tokens for r in requests],
-            output_tokens=[r.output_tokens for r in requests],
-            ttft_s=[None] * n, end_s=[None] * n, status=["unfinished"] * n,
+            requests=requests, arrival_s=arrivals, prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens, ttft_s=array("d", [NONE]) * n,
+            end_s=array("d", [NONE]) * n, status=["unfinished"] * n,
             prefill_worker=[""] * n, decode_worker=[""] * n,
             slo_ttft_s=self.slo.ttft_s, slo_itl_s=self.slo.itl_s, workers=len(roles))
-        self.prompt: dict[int, TokenIds] = {}
+        self._statuses: dict[str, str] = {}  # one string per distinct status
         self.hashes: dict[int, list[bytes]] = {}
-        self.known: dict[int, list[bytes]] = {}  # full blocks' hashes, until the prompt is queued
+        # A request's prompt (its tokens and full blocks' hashes), until it is queued; a trace
+        # may make its requests as they are read (`self.reqs[i]`), so no other state than
+        # these maps is kept per request in flight.
+        self.known: dict[int, RequestPrompt] = {}
         self.held: dict[int, tuple[str, float, int]] = {}  # router's in-flight count to release
         self.own: dict[int, int] = {}  # prefill work queued in admission
         self.offloaded: set[int] = set()  # prefilled on a decode worker within its budget
@@ -123,7 +128,7 @@ class Cluster:
     def run(self) -> SimReport:
         q = self.q
         if self.reqs:
-            q.push(self.reqs[0].arrival_s, "arrive", 0)
+            q.push(self.arrivals[0], "arrive", 0)
         q.push(0.0, "poll")
         if self.ctl is not None:
             q.push(self.cfg.tick_s, "tick")
@@ -160,18 +165,21 @@ class Cluster:
         return self.report
 
     # ---- requests ------------------------------------------------------------------------------
-    def _reject(self, i: int, reason: str) -> None:
-        self.report.status[i] = f"rejected: {reason}"
+    def _resolved(self, i: int, status: str) -> None:
+        self.report.status[i] = self._statuses.setdefault(status, status)
         self.unresolved -= 1
-        self.prompt.pop(i, None)
+
+    def _reject(self, i: int, reason: str) -> None:
+        self._resolved(i, f"rejected: {reason}")
         self.hashes.pop(i, None)
         self.known.pop(i, None)
 
     def _arrive(self, i: int) -> None:
-        now, r, router = self.q.now, self.reqs[i], self.router
+        now, router = self.q.now, self.router
+        r = self.reqs[i]
         self.arrived = i + 1
-        if i + 1 < len(self.reqs):
-            self.q.push(max(now, self.reqs[i + 1].arrival_s), "arrive", i + 1)
+        if i + 1 < len(self.arrivals):
+            self.q.push(max(now, self.arrivals[i + 1]), "arrive", i + 1)
         try:
             router.admission.admit("", now)
         except Overloaded as e:
@@ -179,11 +187,9 @@ class Cluster:
             return
         if self.connector is not None:
             self.connector.started()
-        prompt = self.prompt[i] = prompt_tokens_of(r.block_hashes, r.prompt_tokens, i + 1)
         # The full blocks' hashes come from the trace's block ids (the scheduler takes them as
         # known); the router's are those of the reusable blocks (all tokens but the last).
-        known = self.known[i] = prompt_hashes_of(r.block_hashes, r.prompt_tokens, i + 1,
-                                                 self.cfg.block_size)
+        known = self.known[i] = RequestPrompt(self.reqs, i, r.prompt_tokens, self.cfg.block_size)
         hashes = self.hashes[i] = known[:(r.prompt_tokens - 1) // self.cfg.block_size]
         if self.cfg.admission.max_predicted_ttft_s > 0:
             cached, store = router.prefix(hashes)
@@ -201,17 +207,17 @@ class Cluster:
         if kind == CACHED_LOCAL:  # conditional disaggregation: it caches all but a short tail
             self.held[i] = (address, route.taken[0], 0)
             self.counts["local_prefills"] += 1
-            self._on_decode(i, address, prompt)
+            self._on_decode(i, address)
             return
         if kind == OFFLOAD:
             self.held[i] = (address, 0.0, r.prompt_tokens)
             self.counts["offloaded"] += 1
             self.offloaded.add(i)
-            self._on_decode(i, address, prompt, route.chunk_tokens)
+            self._on_decode(i, address, route.chunk_tokens)
             return
         if kind == DECODE_FALLBACK:  # no prefill worker: a decode worker prefills it
             if (after_failure(_NO_PREFILL, self.retry).action == FALLBACK
-                    and self._prefill_on_decode(i, prompt)):
+                    and self._prefill_on_decode(i)):
                 return
             router.admission.release("")
             self._prefilled(i)
@@ -258,19 +264,15 @@ class Cluster:
             return {}
         h = hashes[m]
         pool = self.router.pool(DECODE)  # the same list until the membership changes
-        seen = self._decode_seen
-        if self._decode_caches[0] is not pool or len(seen) > 4 * self.kv_blocks * len(pool):
+        if self._decode_caches[0] is not pool:
             self._decode_caches = (pool, [(a, self.workers[a].engine,
                                            self.workers[a].engine.pool.by_hash) for a in pool])
-            seen.clear()  # rebuilt from what the pool holds now (and bounded so)
-            for _, _, cached in self._decode_caches[1]:
-                seen.update(cached)
-        if h not in seen:
+        if h not in self._decode_held:
             return {}
         return {a: engine.cached_blocks(hashes) for a, engine, cached in self._decode_caches[1]
                 if h in cached}
 
-    def _prefill_on_decode(self, i: int, prompt: TokenIds) -> bool:
+    def _prefill_on_decode(self, i: int) -> bool:
         """No prefill worker: a decode worker takes the whole request (False: none can)."""
         r = self.reqs[i]
         try:
@@ -278,25 +280,26 @@ class Cluster:
         except NoWorkerError:
             return False
         self.held[i] = (address, tokens, 0)
-        self._on_decode(i, address, prompt)
+        self._on_decode(i, address)
         return True
 
-    def _on_decode(self, i: int, address: str, prompt: TokenIds, chunk: int = 0) -> None:
+    def _on_decode(self, i: int, address: str, chunk: int = 0) -> None:
         """The request prefills and decodes on decode worker `address` (its counts held)."""
-        r, w = self.reqs[i], self.workers[address]
+        w, output_tokens = self.workers[address], self.reqs[i].output_tokens
         self.report.prefill_worker[i] = self.report.decode_worker[i] = address
         known = self.known.pop(i)
-        self._join(w, lambda: w.engine.add(str(i), prompt, r.output_tokens,
-                                           max_chunk_tokens=chunk, known_hashes=known))
+        self.hashes.pop(i, None)  # not read again: no hand-over
+        self._join(w, lambda: w.engine.add(str(i), known, output_tokens, max_chunk_tokens=chunk))
 
     def _to_prefill(self, w: SimWorker, i: int) -> None:
         local, in_store = self.store_hits.pop(i, (0, 0))
-        hashes, prompt, known = self.hashes[i], self.prompt[i], self.known.pop(i)
+        # Not read again before the hand-over (which names its blocks by the prefill's).
+        hashes, known = self.hashes.pop(i), self.known.pop(i)
 
         def enter() -> None:
             if in_store > local:
                 w.engine.import_cached(hashes[local:in_store])
-            w.engine.add(str(i), prompt, 1, prefill_only=True, known_hashes=known)
+            w.engine.add(str(i), known, 1, prefill_only=True)
 
         self._join(w, enter)
 
@@ -321,8 +324,7 @@ class Cluster:
             d_addr, d_tokens = self.router.pick(DECODE, r.prompt_tokens, r.output_tokens)
         except NoWorkerError:
             self.router.admission.release("")
-            self.report.status[i] = "failed: no decode worker"
-            self.unresolved -= 1
+            self._resolved(i, "failed: no decode worker")
             return
         self.held[i] = (d_addr, d_tokens, 0)
         self.report.decode_worker[i] = d_addr
@@ -338,22 +340,19 @@ class Cluster:
         now, r = self.q.now, self.reqs[i]
         rep = self.report
         rep.end_s[i] = now
-        rep.status[i] = OK
         held = self.held.pop(i, None)
         if held is not None:
             self.router.release(*held)
         self.router.admission.release("")
         self._prefilled(i)
         if self.connector is not None:
-            ttft = rep.ttft_s[i]
-            assert ttft is not None  # it made its first token before it ended
+            ttft = rep.ttft_s[i]  # it made its first token before it ended
             self.connector.finished(now, now - r.arrival_s, ttft, r.prompt_tokens,
                                     r.output_tokens, i in self.offloaded)
         self.offloaded.discard(i)
-        self.prompt.pop(i, None)
         self.hashes.pop(i, None)
         self.known.pop(i, None)
-        self.unresolved -= 1
+        self._resolved(i, OK)
 
     # ---- transfers -----------------------------------------------------------------------------
     def _send(self, link: Link, key, nbytes: int) -> None:
@@ -376,9 +375,13 @@ class Cluster:
             if kind == "fetch":
                 self._to_prefill(w, i)
             else:
-                self._join(w, lambda w=w, i=i: w.engine.add_prefilled(
-                    str(i), self.prompt[i], self.hashes[i], self.reqs[i].output_tokens))
+                self._join(w, lambda w=w, i=i: self._hand_over(w, i))
         self._arm(link)
+
+    def _hand_over(self, w: SimWorker, i: int) -> None:
+        r = self.reqs[i]  # its KV named by the blocks the prefill worker put
+        w.engine.add_prefilled(str(i), prompt_tokens_of(r.block_hashes, r.prompt_tokens, i + 1),
+                               self.hashes[i], r.output_tokens)
 
     # ---- workers -------------------------------------------------------------------------------
     def _join(self, w: SimWorker, join) -> None:
@@ -418,7 +421,7 @@ class Cluster:
             if kind == "parked":
                 self._first_token(i, w)
             elif kind == "first":
-                self.report.ttft_s[i] = self.q.now - self.reqs[i].arrival_s
+                self.report.ttft_s[i] = self.q.now - self.arrivals[i]
                 self._prefilled(i)
             else:
                 w.finished += 1
@@ -435,7 +438,7 @@ class Cluster:
         for a, w in self.workers.items():
             if w.state != STARTING:
                 self.router.report(a, w.role, w.stats(), now)
-        if (self.arrived == len(self.reqs) and now - self.last_work_s > STALL_S
+        if (self.arrived == len(self.arrivals) and now - self.last_work_s > STALL_S
                 and not any(w.busy for w in self.workers.values())):
             self.stalled = True  # e.g. a worker whose waiting requests hold the blocks it needs
         self.q.push(now + self.cfg.stats_interval_s, "poll")
@@ -514,9 +517,18 @@ class Cluster:
 
     def _feed(self, w: SimWorker) -> None:
         """The index follows `w`'s prefix cache while it prefills: from a snapshot when it
-        turns prefill (as a router resyncs), and not at all while it decodes; the decode pool's
-        seen set follows it while it decodes (rebuilt when the pool changes)."""
-        w.engine.recorder.seen = self._decode_seen if w.role == DECODE else None
+        turns prefill (as a router resyncs), and not at all while it decodes; the decode
+        workers' count of holders per block counts its cache while it decodes."""
+        recorder, held = w.engine.recorder, self._decode_held
+        counted = w.role == DECODE and self.cfg.max_local_prefill_tokens > 0
+        if counted != (recorder.holders is not None):
+            for h in w.engine.pool.by_hash:
+                left = held.get(h, 0) + (1 if counted else -1)
+                if left:
+                    held[h] = left
+                else:
+                    del held[h]
+            recorder.holders = held if counted else None
         if self.router.kv_aware:
             w.engine.recorder.keep = w.role == PREFILL
             w.engine.block_events()  # changes already in the snapshot, or not followed

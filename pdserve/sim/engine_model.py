@@ -8,8 +8,15 @@ finishing, freeing and parking a prefill-only request's KV are the scheduler's. 
 prompt, placing KV blocks computed elsewhere (a store fetch; a hand-over through the scheduler's
 `add_prefilled`), and the bulk form of pure decode steps (`decode_run` / `run_decode`). Token
 ids are synthesized from a request's prefix ids, and the prompt's block hashes derived from
-those ids (`prompt_hashes_of`, handed to the scheduler as known), so equal prefixes name equal
-blocks and the real prefix cache hits where the trace says it should, with no token hashed.
+those ids (`prompts.prompt_hashes_of`, handed to the scheduler as known), so equal prefixes
+name equal blocks and the real prefix cache hits where the trace says it should, with no token
+hashed.
+
+A long queue stays small: a prompt queued behind `held` others (more than one step can take)
+waits outside the scheduler as its `RequestPrompt` (a few hundred bytes, made into a sequence
+as the queue drains), one behind `long_queue` others forgets its hashes until it is scheduled;
+the scheduler sees the same queue in the same order, so it decides the same. With many
+workers the decode workers' caches are counted per block (`_Recorder.holders`).
 
 Must not model time (the worker does, from the profile) and must not import the engine at
 module import: the scheduler module is loaded on first use.
@@ -25,76 +32,23 @@ finishes and frees those that reach max_tokens, as `update_from_output` would).
 from __future__ import annotations
 
 import itertools
-from hashlib import blake2b
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from pdserve.router.kv_index import STORED
+from pdserve.core.errors import QueueFullError
 from pdserve.core.step_profile import step_work
-from pdserve.sim.tokens import RunTokens
-from pdserve.sim.trace import HASH_BLOCK_TOKENS
+from pdserve.router.kv_index import STORED
+from pdserve.sim.prompts import RequestPrompt
 
 if TYPE_CHECKING:
     from pdserve.engine.sequence import TokenIds
 
 SAMPLED_TOKEN = 1  # the simulator's sampled token: only its count and position matter
+# A `RequestPrompt` queued behind this many others forgets its hashes until it is scheduled.
+LONG_QUEUE = 8
 # Sampling parameters by output length, shared by every engine and request of that length
 # (frozen, so sharing is safe; one per length a trace has).
 _PARAMS: dict[int, Any] = {}
-
-
-def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
-                     unique: int) -> RunTokens:
-    """Token ids of a prompt whose `HASH_BLOCK_TOKENS`-token blocks carry `block_hashes`
-    (token value: the block's id + 2; blocks past the ids get `-unique`, never shared), as
-    runs (`RunTokens`: one per block, not a list of every token)."""
-    values: list[int] = []
-    ends: list[int] = []
-    end = 0
-    for h in block_hashes:
-        if end >= prompt_tokens:
-            break
-        end = min(end + HASH_BLOCK_TOKENS, prompt_tokens)
-        values.append(h + 2)
-        ends.append(end)
-    if end < prompt_tokens:
-        values.append(-unique)
-        ends.append(prompt_tokens)
-    return RunTokens.from_ends(values, ends)
-
-
-def prompt_hashes_of(block_hashes: tuple[int, ...], prompt_tokens: int, unique: int,
-                     block_size: int) -> list[bytes]:
-    """The chained hashes of the full `block_size`-token blocks of the prompt that
-    `prompt_tokens_of` makes, derived from the trace's block ids without reading its tokens:
-    each block is named by its runs of equal tokens (value x count) and its parent's hash. Two
-    blocks get equal hashes exactly when their token ids and everything before them are equal,
-    as with `hash_block`, whose names these never equal (a different encoding), so the
-    scheduler can hash the blocks past them (decoded tokens) from token ids as usual."""
-    seg = HASH_BLOCK_TOKENS
-    n_ids = min(len(block_hashes), -(-prompt_tokens // seg))
-    out: list[bytes] = []
-    parent = b""
-    for k in range(prompt_tokens // block_size):
-        pos, hi = k * block_size, (k + 1) * block_size
-        j = pos // seg
-        if j >= n_ids or hi <= (j + 1) * seg:  # one run: the common case
-            v = block_hashes[j] + 2 if j < n_ids else -unique
-            parent = blake2b(parent + b"|runs:%dx%d" % (v, block_size), digest_size=16).digest()
-            out.append(parent)
-            continue
-        runs: list[list[int]] = []
-        while pos < hi:
-            j = pos // seg
-            v, end = (block_hashes[j] + 2, min(hi, (j + 1) * seg)) if j < n_ids else (-unique, hi)
-            if runs and runs[-1][0] == v:
-                runs[-1][1] += end - pos
-            else:
-                runs.append([v, end - pos])
-            pos = end
-        parent = blake2b(parent + b"|runs:" + ",".join(f"{v}x{c}" for v, c in runs).encode(),
-                         digest_size=16).digest()
-        out.append(parent)
-    return out
 
 
 def leading_run(items, holds) -> int:
@@ -104,23 +58,30 @@ def leading_run(items, holds) -> int:
 
 class _Recorder:
     """Stands in for the block pool's `BlockEventLog` (`append(kind, hash)`): keeps the events
-    for the router's KV index, or (`keep` False) drops them; and, given a `seen` set, adds
-    every hash the pool stores to it (never removes: the set names a superset of the blocks
-    the pool holds, for whoever must ask many pools whether any holds a block)."""
+    for the router's KV index, or (`keep` False) drops them; and, given a `holders` map shared
+    by several pools, counts in it how many of them cache each hash (for whoever must ask many
+    pools whether any holds a block; a hash none holds leaves it)."""
 
-    __slots__ = ("events", "keep", "seen")
+    __slots__ = ("events", "keep", "holders")
 
     def __init__(self, keep: bool) -> None:
         self.events: list[tuple[str, bytes]] = []
         self.keep = keep
-        self.seen: set[bytes] | None = None
+        self.holders: dict[bytes, int] | None = None
 
     def append(self, kind: str, block_hash: bytes) -> None:
         if self.keep:
             self.events.append((kind, block_hash))
-        seen = self.seen
-        if seen is not None and kind == STORED:  # the pool's kinds are the index's
-            seen.add(block_hash)
+        holders = self.holders
+        if holders is not None:
+            if kind == STORED:  # the pool's kinds are the index's
+                holders[block_hash] = holders.get(block_hash, 0) + 1
+            else:
+                left = holders[block_hash] - 1
+                if left:
+                    holders[block_hash] = left
+                else:
+                    del holders[block_hash]
 
 
 class PlannedStep:
@@ -162,6 +123,12 @@ class EngineModel:
             block_size, enable_prefix_caching)
         self.seqs: dict[str, Any] = {}  # by request id, until they end (or leave parked)
         self.parked: dict[str, Any] = {}  # prefill-only sequences done, KV held for export
+        # Prompts queued behind `held` others, kept as (request id, output tokens, prefill
+        # only, max chunk tokens, prompt) and queued in the scheduler as its queue drains.
+        self.backlog: deque[tuple[str, int, bool, int, RequestPrompt]] = deque()
+        self.held = max_num_seqs + 1
+        self.long_queue = LONG_QUEUE
+        self.backlog_peak = 0  # the most prompts the backlog held at once
 
     # ---- requests in ---------------------------------------------------------------------------
     def _seq(self, rid: str, prompt: TokenIds, output_tokens: int, **kw):
@@ -174,13 +141,46 @@ class EngineModel:
         self.seqs[rid] = seq
         return seq
 
-    def add(self, rid: str, prompt: TokenIds, output_tokens: int, *, prefill_only: bool = False,
-            max_chunk_tokens: int = 0, known_hashes=()) -> None:
+    def add(self, rid: str, prompt: TokenIds | RequestPrompt, output_tokens: int, *,
+            prefill_only: bool = False, max_chunk_tokens: int = 0, known_hashes=()) -> None:
         """Queue a prompt; `known_hashes` (its full blocks' chained hashes, if the caller has
-        them) spare the scheduler hashing its token ids."""
+        them) spare the scheduler hashing its token ids. A `RequestPrompt` gives both, and
+        queued behind many others it costs a few hundred bytes, not its tokens and a hash per
+        block: behind `long_queue` its hashes are forgotten until the scheduler reads them,
+        behind `held` it waits in `backlog` until the scheduler's queue drains (`plan`). The
+        scheduler sees the same queue: it takes at most `max_num_seqs` of it in one step."""
+        if isinstance(prompt, RequestPrompt):
+            waiting = len(self.sched.waiting)
+            if self.backlog or waiting >= self.held:
+                if waiting + len(self.backlog) >= self.sched.cfg.max_waiting:
+                    raise QueueFullError(f"waiting queue is full "
+                                         f"({self.sched.cfg.max_waiting} requests)")
+                prompt.forget()
+                self.backlog.append((rid, output_tokens, prefill_only, max_chunk_tokens, prompt))
+                self.backlog_peak = max(self.backlog_peak, len(self.backlog))
+                return
+            self._add_prompt(rid, output_tokens, prefill_only, max_chunk_tokens, prompt)
+            return
         self.sched.add(self._seq(rid, prompt, 1 if prefill_only else output_tokens,
                                  prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens,
                                  known_hashes=known_hashes))
+
+    def _add_prompt(self, rid: str, output_tokens: int, prefill_only: bool,
+                    max_chunk_tokens: int, prompt: RequestPrompt) -> None:
+        known: Any = prompt
+        if len(self.sched.waiting) >= self.long_queue:
+            prompt.forget()
+        else:  # read soon: the list itself
+            known = prompt.hashes()
+        self.sched.add(self._seq(rid, prompt.token_ids(), 1 if prefill_only else output_tokens,
+                                 prefill_only=prefill_only, max_chunk_tokens=max_chunk_tokens,
+                                 known_hashes=known))
+
+    def _drain_backlog(self, everything: bool = False) -> None:
+        """Queue backlog prompts in the scheduler, until it holds `held` (or all of them)."""
+        backlog, waiting = self.backlog, self.sched.waiting
+        while backlog and (everything or len(waiting) < self.held):
+            self._add_prompt(*backlog.popleft())
 
     def block_events(self) -> list[tuple[str, bytes]]:
         """The prefix cache's changes since the last call: (\"stored\" | \"removed\", hash)."""
@@ -217,6 +217,7 @@ class EngineModel:
         it). False if the first token already ended it (nothing is queued)."""
         if output_tokens <= 1:
             return False
+        self._drain_backlog(everything=True)  # it queues behind them
         full = len(prompt) // self.block_size
         # Named as the prefill named them, also when a preemption makes it recompute here.
         seq = self._seq(rid, prompt, output_tokens, known_hashes=list(hashes[:full]))
@@ -228,6 +229,7 @@ class EngineModel:
 
     # ---- steps ---------------------------------------------------------------------------------
     def plan(self) -> PlannedStep | None:
+        self._drain_backlog()
         batch = self.sched.schedule()
         if batch.empty:
             return None
@@ -330,7 +332,7 @@ class EngineModel:
 
     @property
     def waiting(self) -> int:
-        return len(self.sched.waiting)
+        return len(self.sched.waiting) + len(self.backlog)
 
     @property
     def free_blocks(self) -> int:
@@ -345,7 +347,8 @@ class EngineModel:
         return self.sched.prompt_tokens_computed
 
     def has_work(self) -> bool:
-        return self.sched.has_work()
+        return self.sched.has_work() or bool(self.backlog)
 
     def idle(self) -> bool:
-        return not self.sched.running and not self.sched.waiting and not self.parked
+        return (not self.sched.running and not self.sched.waiting and not self.backlog
+                and not self.parked)

@@ -4,25 +4,28 @@ trace on a cluster of N workers best, answered by simulating each candidate.
 Owns the candidate set (static splits over a range of prefill shares; every prefill routing
 policy at the best static split; the controller in several settings from an even split), the
 phase-shifting trace (a prefill-heavy half, then a decode-heavy half: the best static split of
-one half is wrong for the other), running the candidates (in parallel processes, each
-deterministic by its seed) and ranking them. Tables, JSON and plots are `plan_report`'s.
+one half is wrong for the other), how many candidates run at once (from the memory one is
+estimated to take, `plan_jobs`, unless `--jobs` says) and ranking them. Each candidate runs in
+a process of its own, deterministic by its seed; a plan that cannot fit, or a candidate whose
+process dies, ends with one line naming why. Tables, JSON and plots are `plan_report`'s.
 Must not model time itself (the simulator does) or change what a policy decides.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.core.errors import ConfigError
-from pdserve.sim.config import SimConfig
 from pdserve.core.step_profile import load_profile
+from pdserve.sim.config import SimConfig
+from pdserve.sim.plan_jobs import (GB, JobFailed, JobSize, available_memory_bytes, choose_jobs,
+                                   job_memory_bytes, run_jobs, usable_cpus)
+from pdserve.sim.plan_progress import PlanProgress, stderr_console
 
 DEFAULT_TTFT_SLO_MS = 2000.0  # a chat reply starts within 2 s
 DEFAULT_ITL_SLO_MS = 100.0  # 10 tokens/s per stream: faster than people read
@@ -48,17 +51,17 @@ class Candidate:
 
 # ---- the phase-shifting trace ---------------------------------------------------------------
 def phase_shift_trace(*, duration_s: float, rate: float, heavy_prefill: tuple[int, int] = (
-        8192, 32), heavy_decode: tuple[int, int] = (256, 6144), seed: int = 0) -> list:
+        8192, 32), heavy_decode: tuple[int, int] = (256, 6144), seed: int = 0):
     """Poisson arrivals at `rate`/s for `duration_s`: the first half asks for long prompts and
     short answers (`heavy_prefill` = mean prompt, mean output tokens), the second half for short
     prompts and long answers. Each request's prompt has its own prefix ids (no sharing), so the
-    shift in work is the only thing that changes."""
-    from pdserve.sim.trace import HASH_BLOCK_TOKENS, SimRequest
+    shift in work is the only thing that changes. An `OwnIdsTrace`: requests made when read."""
+    from pdserve.sim.trace import HASH_BLOCK_TOKENS, OwnIdsTrace
 
     if not duration_s > 0 or not rate > 0:
         raise PlanError(f"duration_s and rate must be > 0, got {duration_s}, {rate}")
     rng = random.Random(seed)
-    out, t, next_id = [], 0.0, 0
+    out, t, next_id = OwnIdsTrace(), 0.0, 0
     while True:
         t += rng.expovariate(rate)
         if t >= duration_s:
@@ -66,13 +69,12 @@ def phase_shift_trace(*, duration_s: float, rate: float, heavy_prefill: tuple[in
         p_mean, o_mean = heavy_prefill if t < duration_s / 2 else heavy_decode
         p = max(1, round(rng.expovariate(1.0 / p_mean)))
         o = max(1, round(rng.expovariate(1.0 / o_mean)))
-        k = -(-p // HASH_BLOCK_TOKENS)
-        out.append(SimRequest(f"r{len(out)}", t, p, o, tuple(range(next_id, next_id + k))))
-        next_id += k
+        out.append(t, p, o, next_id)
+        next_id += -(-p // HASH_BLOCK_TOKENS)
 
 
 def load_requests(trace: str, *, workers: int, workers_per_copy: int, duration_s: float,
-                  rate: float, seed: int) -> list:
+                  rate: float, seed: int):
     """`phase` (the phase-shifting trace at `rate` arrivals per second per worker), or a trace
     file / synthetic spec scaled to the cluster: one copy per `workers_per_copy` workers."""
     from pdserve.sim.trace import for_cluster, load_trace
@@ -133,34 +135,63 @@ def _sim_config(c: Candidate, s: dict[str, Any]):
                                                     SimConfig.max_local_prefill_tokens))
 
 
-def run_candidate(c: Candidate, requests: list, profile_name: str,
-                  s: dict[str, Any]) -> dict[str, Any]:
-    """Simulate one candidate; its row of the plan (see `plan_report.row_of`)."""
+def run_candidate(c: Candidate, requests, profile_name: str, s: dict[str, Any],
+                  progress=None) -> dict[str, Any]:
+    """Simulate one candidate; its row of the plan (see `plan_report.row_of`).
+    `progress(now_s, done, total)` is called now and then (`run.simulate`)."""
     from pdserve.sim.plan_report import row_of
     from pdserve.sim.run import simulate
 
     t0 = time.monotonic()
-    report = simulate(_sim_config(c, s), requests, load_profile(profile_name))
+    report = simulate(_sim_config(c, s), requests, load_profile(profile_name), progress)
     return row_of(c, report, time.monotonic() - t0)
 
 
-def _run_all(cands: list[Candidate], requests: list, s: dict[str, Any], jobs: int,
-             say) -> list[dict[str, Any]]:
-    if jobs <= 1:
-        rows = []
-        for c in cands:
-            rows.append(run_candidate(c, requests, s["profile"], s))
-            say(f"{c.name}: attainment {rows[-1]['attainment']:.3f} "
-                f"({rows[-1]['sim_wall_s']:.1f} s)")
-        return rows
-    with ProcessPoolExecutor(jobs) as ex:
-        futs = [ex.submit(run_candidate, c, requests, s["profile"], s) for c in cands]
-        rows = []
-        for c, f in zip(cands, futs):
-            rows.append(f.result())
-            say(f"{c.name}: attainment {rows[-1]['attainment']:.3f} "
-                f"({rows[-1]['sim_wall_s']:.1f} s)")
-        return rows
+def job_size(s: dict[str, Any], requests) -> JobSize:
+    """What one candidate's memory grows with, for these settings and requests."""
+    from pdserve.sim.trace import columns
+
+    bs = s.get("block_size", 16)
+    prompts = columns(requests)[1]
+    return JobSize(workers=s["workers"],
+                   blocks_per_worker=max(1, load_profile(s["profile"]).kv_capacity_tokens // bs),
+                   store_blocks=SimConfig.store_capacity_blocks, requests=len(requests),
+                   prompt_blocks=sum(prompts) / max(1, len(prompts)) / bs)
+
+
+def jobs_for(s: dict[str, Any], requests, candidates: int, say) -> dict[str, Any]:
+    """How many candidates run at once: `--jobs`, or as many as memory and cores allow. Raises
+    `PlanError` when the estimate of one is more than the memory available."""
+    per_job = job_memory_bytes(job_size(s, requests))
+    avail = s.get("max_memory_bytes") or available_memory_bytes()
+    cpus = usable_cpus()
+    fit = choose_jobs(avail, per_job, cpus, candidates)
+    room = "unknown" if avail is None else f"{avail / GB:.1f} GB"
+    if fit == 0 and not s["jobs"]:
+        raise PlanError(
+            f"one candidate needs about {per_job / GB:.1f} GB ({s['workers']} workers' KV "
+            f"pools and caches at --block-size {s.get('block_size', 16)}, the store, "
+            f"{len(requests)} requests) and {room} is available: use a larger --block-size, "
+            f"fewer --workers or a shorter --duration-s (--max-memory-gb if the estimate is "
+            f"wrong for this machine)")
+    jobs = s["jobs"] or fit
+    how = "--jobs" if s["jobs"] else f"{cpus} cores"
+    say(f"jobs: {jobs} at once ({how}; about {per_job / GB:.1f} GB per job estimated, "
+        f"{room} available)")
+    if s["jobs"] and avail is not None and s["jobs"] * per_job > avail:
+        say(f"warning: {s['jobs']} jobs may need {s['jobs'] * per_job / GB:.1f} GB, more "
+            f"than the {room} available")
+    return {"jobs": jobs, "per_job_estimate_bytes": per_job, "available_bytes": avail,
+            "cpus": cpus}
+
+
+def _what_to_try(jobs: dict[str, Any]) -> str:
+    """The end of the message of a job that dies: the estimate, and what to change."""
+    avail = jobs["available_bytes"]
+    room = "unknown" if avail is None else f"{avail / GB:.1f} GB"
+    return (f"about {jobs['per_job_estimate_bytes'] / GB:.1f} GB per job was estimated, "
+            f"{jobs['jobs']} at once, {room} available: try fewer --jobs, a larger "
+            f"--block-size or a shorter --duration-s")
 
 
 def best_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -169,24 +200,33 @@ def best_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                     r["name"]))
 
 
-def plan(s: dict[str, Any], say=lambda line: None) -> dict[str, Any]:
+def plan(s: dict[str, Any], say=lambda line: None, live: bool = False) -> dict[str, Any]:
     """The whole sweep: static splits, then routing policies at the best split, then the
-    controller; every candidate sees the same requests."""
+    controller; every candidate sees the same requests. Progress goes to `say` (and bars
+    with `live`)."""
     workers = s["workers"]
     requests = load_requests(s["trace"], workers=workers, workers_per_copy=s["workers_per_copy"],
                              duration_s=s["duration_s"], rate=s["rate"], seed=s["seed"])
     if not requests:
         raise PlanError(f"--trace {s['trace']!r} gave no requests")
-    say(f"{len(requests)} requests over {requests[-1].arrival_s:.0f} s on {workers} workers")
-    rows = _run_all(static_candidates(workers), requests, s, s["jobs"], say)
-    best_static = best_of(rows)
-    best_c = Candidate(best_static["name"], "static", best_static["prefill_workers"],
-                       best_static["decode_workers"])
-    more = (routing_candidates(best_c) if s["routing"] else []) + \
-        (controller_candidates(workers) if s["controller"] else [])
-    rows += _run_all(more, requests, s, s["jobs"], say)
+    span = requests[-1].arrival_s
+    say(f"{len(requests)} requests over {span:.0f} s on {workers} workers")
+    statics = static_candidates(workers)
+    controllers = controller_candidates(workers) if s["controller"] else []
+    routings = len(routing_candidates(statics[0])) if s["routing"] else 0
+    jobs = jobs_for(s, requests, max(len(statics), routings + len(controllers)), say)
+    with PlanProgress(stderr_console(), span, say, live=live) as progress:
+        rows = run_jobs(statics, requests, s, min(jobs["jobs"], len(statics)), progress,
+                        _what_to_try(jobs))
+        best_static = best_of(rows)
+        best_c = Candidate(best_static["name"], "static", best_static["prefill_workers"],
+                           best_static["decode_workers"])
+        more = (routing_candidates(best_c) if s["routing"] else []) + controllers
+        if more:
+            rows += run_jobs(more, requests, s, min(jobs["jobs"], len(more)), progress,
+                             _what_to_try(jobs))
     return {"settings": s, "profile_origin": load_profile(s["profile"]).origin,
-            "requests": len(requests), "trace_span_s": requests[-1].arrival_s,
+            "requests": len(requests), "trace_span_s": span, "jobs": jobs,
             "rows": rows, "best": best_of(rows)["name"],
             "best_static": best_static["name"]}
 
@@ -222,8 +262,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "%(default)s; 0: every prompt takes a prefill worker)")
     p.add_argument("--no-routing", action="store_true", help="skip the routing-policy sweep")
     p.add_argument("--no-controller", action="store_true", help="skip the controller sweep")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                   help="candidates simulated at once (processes)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="candidates simulated at once, each in a process of its own (default: "
+                        "as many as the memory available holds at the estimate of one, at most "
+                        "one per core)")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="memory the plan's jobs may take together (default: the machine's "
+                        "available memory, MemAvailable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="plan_out", help="folder for plan.json and plan.png")
     p.add_argument("--json", action="store_true", help="print the JSON document, not the table")
@@ -231,9 +276,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
-    for name in ("workers", "workers_per_copy", "jobs", "block_size"):
+    for name in ("workers", "workers_per_copy", "block_size"):
         if getattr(a, name) < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be >= 1")
+    if a.jobs is not None and a.jobs < 1:
+        raise PlanError("--jobs must be >= 1")
+    if a.max_memory_gb is not None and not a.max_memory_gb > 0:
+        raise PlanError("--max-memory-gb must be > 0")
     if a.max_local_prefill_tokens < 0:
         raise PlanError("--max-local-prefill-tokens must be >= 0")
     if a.workers < 2:
@@ -250,14 +299,17 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "itl_slo_ms": a.itl_slo_ms, "profile": profile, "duration_s": a.duration_s,
             "workers_per_copy": a.workers_per_copy, "rate": a.rate, "transport": a.transport,
             "routing": not a.no_routing, "controller": not a.no_controller, "jobs": a.jobs,
+            "max_memory_bytes": None if a.max_memory_gb is None else int(a.max_memory_gb * GB),
             "block_size": a.block_size, "seed": a.seed,
             "max_local_prefill_tokens": a.max_local_prefill_tokens}
 
 
 def run_command(args: argparse.Namespace, tag: str, settings, work, errors: tuple,
-                write_outputs, print_table) -> int:
+                write_outputs, print_table, failures: tuple = ()) -> int:
     """A `pdserve sim` command: settings (a bad one: its message and exit 2), the work with
-    progress lines on stderr, then files and a table or JSON (`output.emit`)."""
+    progress lines on stderr (one of `errors` raised by it: its message and exit 2; one of
+    `failures`: its detail, if any, its message and exit 1), then files and a table or JSON
+    (`output.emit`)."""
     from pdserve.output import emit
 
     try:
@@ -266,18 +318,32 @@ def run_command(args: argparse.Namespace, tag: str, settings, work, errors: tupl
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
+    console = stderr_console()
 
     def say(line: str) -> None:
-        print(f"[{tag} {time.monotonic() - t0:7.1f}s] {line}", file=sys.stderr, flush=True)
-    return emit(work(s, say), json_out=args.json, out_dir=args.out,
+        console.print(f"[{tag} {time.monotonic() - t0:7.1f}s] {line}", markup=False,
+                      highlight=False)
+    try:
+        result = work(s, say)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except failures as e:
+        if getattr(e, "detail", ""):
+            print(e.detail, file=sys.stderr, end="")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return emit(result, json_out=args.json, out_dir=args.out,
                 write_outputs=write_outputs, print_tables=print_table)
 
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.sim.plan_report import print_table, write_outputs
 
-    return run_command(args, "plan", settings_from_args, plan, (PlanError, ValueError),
-                       write_outputs, print_table)
+    live = not args.json and stderr_console().is_terminal
+    return run_command(args, "plan", settings_from_args,
+                       lambda s, say: plan(s, say, live=live), (PlanError, ValueError),
+                       write_outputs, print_table, failures=(JobFailed,))
 
 
 def main(argv: list[str] | None = None) -> int:

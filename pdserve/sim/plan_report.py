@@ -2,7 +2,8 @@
 
 Owns turning a `SimReport` into a plan row (SLO attainment overall and in each half of the trace,
 goodput, worker-hours, flips, seconds draining, TTFT/ITL percentiles, the roles over time of a
-controller run, thinned to at most `MAX_ROLE_POINTS`) and drawing them: attainment against the
+controller run, thinned to at most `MAX_ROLE_POINTS`), the table (with each job's peak memory
+and the jobs' estimate) and drawing them: attainment against the
 prefill share of the static splits (each half's too, with the controller runs as lines), and
 prefill workers over time for each controller setting. Must not simulate or rank.
 """
@@ -74,6 +75,18 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _jobs_caption(j: dict | None) -> str | None:
+    if not j:
+        return None
+    avail = "unknown" if j["available_bytes"] is None else f"{j['available_bytes'] / 1e9:.1f} GB"
+    return (f"{j['jobs']} jobs at once; about {j['per_job_estimate_bytes'] / 1e9:.1f} GB per job "
+            f"estimated, {avail} available; peak GB: each job's peak resident memory")
+
+
+def _gb(x: int | None) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f}"
+
+
 def print_table(doc: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -81,16 +94,18 @@ def print_table(doc: dict[str, Any], console=None) -> None:
     s = doc["settings"]
     t = Table(title=(f"sim plan: {s['trace']} on {s['workers']} workers, "
                      f"SLO TTFT {s['ttft_slo_ms']:.0f} ms / ITL {s['itl_slo_ms']:.0f} ms; "
-                     f"{doc['requests']} requests; profile {doc['profile_origin']}"))
+                     f"{doc['requests']} requests; profile {doc['profile_origin']}"),
+              caption=_jobs_caption(doc.get("jobs")))
     for col in ("candidate", "attain", "1st half", "2nd half", "goodput r/s", "worker-h",
-                "flips", "drain s", "TTFT p90 ms", "ITL p90 ms", "sim s"):
+                "flips", "drain s", "TTFT p90 ms", "ITL p90 ms", "sim s", "peak GB"):
         t.add_column(col, justify="left" if col == "candidate" else "right")
     for r in doc["rows"]:
         mark = " *" if r["name"] == doc["best"] else ""
         t.add_row(r["name"] + mark, _pct(r["attainment"]), _pct(r["attainment_first_half"]),
                   _pct(r["attainment_second_half"]), f"{r['goodput_rps']:.2f}",
                   f"{r['worker_hours']:.1f}", str(r["flips"]), f"{r['drain_s']:.0f}",
-                  _ms(r["ttft_p90_s"]), _ms(r["itl_p90_s"]), f"{r['sim_wall_s']:.1f}")
+                  _ms(r["ttft_p90_s"]), _ms(r["itl_p90_s"]), f"{r['sim_wall_s']:.1f}",
+                  _gb(r.get("peak_rss_bytes")))
     (console or Console(width=160)).print(t)
 
 

@@ -2,24 +2,31 @@
 capacity planner reads.
 
 Owns `SimReport`: per-request records (arrival, time to first token, end, tokens, workers,
-status), the role timeline, counts (flips, seconds spent draining and switching, events,
-steps, rejections), `summary()` (mean/p50/p90/p99 of TTFT, ITL per request as AIPerf defines
-it: (e2e - ttft) / (output tokens - 1), and e2e; SLO attainment; goodput; worker-hours) and
-`to_json()`, byte-identical for the same inputs (wall time is kept apart, in `wall_s`, and never
-written by `to_json`). Must not simulate.
+status), held as columns (arrays of numbers, lists of shared strings; the ids are read from the
+trace when written), so a run of a million requests keeps tens of bytes for each; the role
+timeline, counts (flips, seconds spent draining and switching, events, steps, rejections),
+`summary()` (mean/p50/p90/p99 of TTFT, ITL per request as AIPerf defines it: (e2e - ttft) /
+(output tokens - 1), and e2e; SLO attainment; goodput; worker-hours) and `to_json()`,
+byte-identical for the same inputs (wall time is kept apart, in `wall_s`, and never written by
+`to_json`). Must not simulate.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.core.stats import percentile
 
 OK = "ok"
+NONE = math.nan  # in `ttft_s` and `end_s`: no first token, did not finish
 
 
-def _dist(values: list[float]) -> dict:
+def _dist(values: Sequence[float]) -> dict:
     if not values:
         return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
     return {"n": len(values), "mean": sum(values) / len(values),
@@ -27,16 +34,20 @@ def _dist(values: list[float]) -> dict:
             "p99": percentile(values, 99)}
 
 
+def _none_for_nan(values: array) -> list[float | None]:
+    return [None if x != x else x for x in values]
+
+
 @dataclass
 class SimReport:
     config: dict
     profile: str
-    request_ids: list[str] = field(default_factory=list)
-    arrival_s: list[float] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    output_tokens: list[int] = field(default_factory=list)
-    ttft_s: list[float | None] = field(default_factory=list)  # None: no first token
-    end_s: list[float | None] = field(default_factory=list)  # None: did not finish
+    requests: Sequence[Any] = ()  # the trace: request ids are read from it by `to_dict`
+    arrival_s: array = field(default_factory=lambda: array("d"))
+    prompt_tokens: array = field(default_factory=lambda: array("q"))
+    output_tokens: array = field(default_factory=lambda: array("q"))
+    ttft_s: array = field(default_factory=lambda: array("d"))  # NONE: no first token
+    end_s: array = field(default_factory=lambda: array("d"))  # NONE: did not finish
     status: list[str] = field(default_factory=list)  # "ok", "rejected: <reason>", "unfinished"
     prefill_worker: list[str] = field(default_factory=list)  # "" when none
     decode_worker: list[str] = field(default_factory=list)
@@ -50,22 +61,28 @@ class SimReport:
     def itl_s(self, i: int) -> float | None:
         """AIPerf's inter-token latency of request i: (e2e - ttft) / (output tokens - 1)."""
         ttft, end, out = self.ttft_s[i], self.end_s[i], self.output_tokens[i]
-        if ttft is None or end is None or out < 2:
+        if ttft != ttft or end != end or out < 2:
             return None
         return (end - self.arrival_s[i] - ttft) / (out - 1)
 
+    def done(self) -> list[int]:
+        """Indices of the requests that finished."""
+        return [i for i, s in enumerate(self.status) if s == OK]
+
     def summary(self) -> dict:
-        done = [i for i, s in enumerate(self.status) if s == OK]
-        ttft = [self.ttft_s[i] for i in done]
-        e2e = [self.end_s[i] - self.arrival_s[i] for i in done]
-        itls = [self.itl_s(i) for i in done]
-        itl = [x for x in itls if x is not None]
-        met = sum(1 for i, x in zip(done, itls) if self.ttft_s[i] <= self.slo_ttft_s
-                  and (x is None or x <= self.slo_itl_s))
+        done = self.done()
+        ttft = array("d", (self.ttft_s[i] for i in done))
+        e2e = array("d", (self.end_s[i] - self.arrival_s[i] for i in done))
+        itl, met = array("d"), 0
+        for i, first in zip(done, ttft):
+            x = self.itl_s(i)
+            if x is not None:
+                itl.append(x)
+            met += first <= self.slo_ttft_s and (x is None or x <= self.slo_itl_s)
         n = len(self.status)
-        first = min(self.arrival_s, default=0.0)
-        last = max([e for e in self.end_s if e is not None] or [first])
-        span = max(1e-9, last - first)
+        first_s = min(self.arrival_s, default=0.0)
+        last = max([e for e in self.end_s if e == e] or [first_s])
+        span = max(1e-9, last - first_s)
         return {
             "requests": n, "finished": len(done),
             "rejected": sum(1 for s in self.status if s.startswith("rejected")),
@@ -83,10 +100,13 @@ class SimReport:
                "roles": [list(r) for r in self.roles]}
         if requests:
             out["requests"] = {
-                "id": self.request_ids, "arrival_s": self.arrival_s,
-                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "ttft_s": self.ttft_s, "end_s": self.end_s, "status": self.status,
-                "prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker}
+                "id": [r.request_id for r in self.requests],
+                "arrival_s": self.arrival_s.tolist(),
+                "prompt_tokens": self.prompt_tokens.tolist(),
+                "output_tokens": self.output_tokens.tolist(),
+                "ttft_s": _none_for_nan(self.ttft_s), "end_s": _none_for_nan(self.end_s),
+                "status": self.status, "prefill_worker": self.prefill_worker,
+                "decode_worker": self.decode_worker}
         return out
 
     def to_json(self, requests: bool = True) -> str:

@@ -3,7 +3,9 @@ synthetic Poisson or gamma arrivals, with the transforms a capacity planner need
 
 Owns `SimRequest` and the readers and transforms: rate scaling (time compression), length
 scaling, tiling in time to a target duration and overlaying copies of a trace (each with its
-own prefix namespace, at a seeded offset) to load a larger cluster (`for_cluster`). Must not
+own prefix namespace, at a seeded offset) to load a larger cluster (`for_cluster`), held as
+columns that make each request when it is read (`TiledTrace`; `OwnIdsTrace` for generated
+requests with prefixes of their own). Must not
 know about workers or policies; randomness comes from the `seed` given.
 
 Prefixes: `SimRequest.block_hashes` holds one id per `HASH_BLOCK_TOKENS` (512) prompt tokens,
@@ -17,6 +19,8 @@ import csv
 import json
 import math
 import random
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -149,13 +153,108 @@ def scale(requests: list[SimRequest], *, rate: float = 1.0, lengths: float = 1.0
     return out
 
 
-def tile(requests: list[SimRequest], *, duration_s: float | None = None, copies: int = 1,
-         seed: int = 0) -> list[SimRequest]:
-    """Repeat the trace back to back until `duration_s` (its own span if None), then overlay
-    `copies` of that, each shifted by a seeded offset (wrapping at the end) and given prefix
-    ids of its own. Ordered by arrival."""
+class TiledTrace(Sequence[SimRequest]):
+    """What `tile` makes, held as columns: each request's arrival, the trace request it copies
+    and which copy it is (16 bytes a request, where a `SimRequest` with its prefix ids takes
+    about a kilobyte); a request is made when read (`[i]`, iteration). Arrivals, prompt and
+    output lengths read as columns without making any (`columns`)."""
+
+    def __init__(self, base: list[SimRequest], arrival_s: array, source: array, copy: array,
+                 id_span: int, repeats: int, suffixed: bool) -> None:
+        self.base, self.arrival_s, self.source, self.copy = base, arrival_s, source, copy
+        self.id_span, self.repeats, self.suffixed = id_span, repeats, suffixed
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def _make(self, i: int) -> SimRequest:
+        r, slot = self.base[self.source[i]], self.copy[i]
+        ns = slot * self.id_span
+        c, k = divmod(slot, self.repeats)
+        return SimRequest(f"{r.request_id}.{c}.{k}" if self.suffixed else r.request_id,
+                          self.arrival_s[i], r.prompt_tokens, r.output_tokens,
+                          tuple(h + ns for h in r.block_hashes))
+
+    def __getitem__(self, key):  # type: ignore[override]
+        if isinstance(key, slice):
+            return [self._make(i) for i in range(*key.indices(len(self)))]
+        if key < 0:
+            key += len(self)
+        if not 0 <= key < len(self):
+            raise IndexError("TiledTrace index out of range")
+        return self._make(key)
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        return (self._make(i) for i in range(len(self)))
+
+    def columns(self) -> tuple[array, array, array]:
+        """(arrival s, prompt tokens, output tokens) of every request, in order."""
+        prompt = array("q", (r.prompt_tokens for r in self.base))
+        output = array("q", (r.output_tokens for r in self.base))
+        return (self.arrival_s, array("q", (prompt[j] for j in self.source)),
+                array("q", (output[j] for j in self.source)))
+
+
+class OwnIdsTrace(Sequence[SimRequest]):
+    """Requests whose prompts share no prefix, held as columns (arrival, prompt and output
+    tokens, first prefix id: 32 bytes a request); request i is `r<i>`, its prefix ids
+    consecutive from its first, one per `HASH_BLOCK_TOKENS` prompt tokens. Made when read."""
+
+    def __init__(self) -> None:
+        self.arrival_s, self.prompt, self.output, self.first_id = (
+            array("d"), array("q"), array("q"), array("q"))
+
+    def append(self, arrival_s: float, prompt_tokens: int, output_tokens: int,
+               first_id: int) -> None:
+        self.arrival_s.append(arrival_s)
+        self.prompt.append(prompt_tokens)
+        self.output.append(output_tokens)
+        self.first_id.append(first_id)
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def _make(self, i: int) -> SimRequest:
+        p, first = self.prompt[i], self.first_id[i]
+        return SimRequest(f"r{i}", self.arrival_s[i], p, self.output[i],
+                          tuple(range(first, first + _blocks_for(p))))
+
+    def __getitem__(self, key):  # type: ignore[override]
+        if isinstance(key, slice):
+            return [self._make(i) for i in range(*key.indices(len(self)))]
+        if key < 0:
+            key += len(self)
+        if not 0 <= key < len(self):
+            raise IndexError("OwnIdsTrace index out of range")
+        return self._make(key)
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        return (self._make(i) for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, OwnIdsTrace):
+            return NotImplemented
+        return (self.arrival_s, self.prompt, self.output, self.first_id) == (
+            other.arrival_s, other.prompt, other.output, other.first_id)
+
+    def columns(self) -> tuple[array, array, array]:
+        return self.arrival_s, self.prompt, self.output
+
+
+def columns(requests: Sequence[SimRequest]) -> tuple[array, array, array]:
+    """(arrival s, prompt tokens, output tokens) of `requests` as arrays."""
+    if isinstance(requests, (TiledTrace, OwnIdsTrace)):
+        return requests.columns()
+    return (array("d", (r.arrival_s for r in requests)),
+            array("q", (r.prompt_tokens for r in requests)),
+            array("q", (r.output_tokens for r in requests)))
+
+
+def tiled(requests: list[SimRequest], *, duration_s: float | None = None, copies: int = 1,
+          seed: int = 0) -> TiledTrace:
+    """`tile`'s requests as a `TiledTrace` (made when read)."""
     if not requests:
-        return []
+        return TiledTrace([], array("d"), array("l"), array("l"), 1, 1, False)
     if copies < 1:
         raise TraceError(f"copies must be >= 1, got {copies}")
     base = sorted(requests, key=lambda r: r.arrival_s)
@@ -167,39 +266,46 @@ def tile(requests: list[SimRequest], *, duration_s: float | None = None, copies:
         raise TraceError(f"duration_s must be > 0, got {duration_s}")
     id_span = 1 + max((h for r in base for h in r.block_hashes), default=0)
     rng = random.Random(seed)
-    out: list[tuple[float, int, SimRequest]] = []
+    times, source, copy = array("d"), array("l"), array("l")
     repeats = max(1, math.ceil(duration / period))
     for c in range(copies):
         shift = 0.0 if c == 0 else rng.uniform(0.0, duration)
         for k in range(repeats):
-            ns = (c * repeats + k) * id_span
             for i, r in enumerate(base):
                 t = r.arrival_s - t0 + k * period
                 if t >= duration:
                     break
-                t = (t + shift) % duration
-                out.append((t, len(out), replace(
-                    r, request_id=f"{r.request_id}.{c}.{k}" if (copies, repeats) != (1, 1)
-                    else r.request_id, arrival_s=t,
-                    block_hashes=tuple(h + ns for h in r.block_hashes))))
-    out.sort(key=lambda x: (x[0], x[1]))
-    return [r for _, _, r in out]
+                times.append((t + shift) % duration)
+                source.append(i)
+                copy.append(c * repeats + k)
+    order = sorted(range(len(times)), key=times.__getitem__)  # stable: ties in making order
+    return TiledTrace(base, array("d", (times[j] for j in order)),
+                      array("l", (source[j] for j in order)), array("l", (copy[j] for j in order)),
+                      id_span, repeats, (copies, repeats) != (1, 1))
+
+
+def tile(requests: list[SimRequest], *, duration_s: float | None = None, copies: int = 1,
+         seed: int = 0) -> list[SimRequest]:
+    """Repeat the trace back to back until `duration_s` (its own span if None), then overlay
+    `copies` of that, each shifted by a seeded offset (wrapping at the end) and given prefix
+    ids of its own. Ordered by arrival."""
+    return list(tiled(requests, duration_s=duration_s, copies=copies, seed=seed))
 
 
 def for_cluster(requests: list[SimRequest], *, workers: int, workers_per_copy: int,
-                duration_s: float, seed: int = 0) -> list[SimRequest]:
+                duration_s: float, seed: int = 0) -> TiledTrace:
     """The trace's arrival rate scaled to a cluster of `workers`: one copy of the trace per
     `workers_per_copy` workers (the cluster size the trace's rate is taken to load), tiled to
-    `duration_s`."""
+    `duration_s`; its requests are made as they are read (`TiledTrace`)."""
     if workers < 1 or workers_per_copy < 1:
         raise TraceError("workers and workers_per_copy must be >= 1")
-    return tile(requests, duration_s=duration_s,
-                copies=max(1, round(workers / workers_per_copy)), seed=seed)
+    return tiled(requests, duration_s=duration_s,
+                 copies=max(1, round(workers / workers_per_copy)), seed=seed)
 
 
 def load_trace(path_or_spec: str | Path, *, scale_rate: float = 1.0, scale_lengths: float = 1.0,
                limit: int | None = None, seed: int = 0, duration_s: float | None = None,
-               copies: int = 1) -> list[SimRequest]:
+               copies: int = 1) -> Sequence[SimRequest]:
     """Read a trace (`.jsonl`: Mooncake; `.csv`: Azure; `synthetic:...`: generated), scale its
     rate and lengths, tile it if asked, and keep the first `limit` requests."""
     src = str(path_or_spec)
@@ -215,9 +321,9 @@ def load_trace(path_or_spec: str | Path, *, scale_rate: float = 1.0, scale_lengt
     if scale_rate != 1 or scale_lengths != 1:
         reqs = scale(reqs, rate=scale_rate, lengths=scale_lengths)
     if duration_s is not None or copies != 1:
-        reqs = tile(reqs, duration_s=duration_s, copies=copies, seed=seed)
+        reqs = tiled(list(reqs), duration_s=duration_s, copies=copies, seed=seed)
     if limit is not None:
         if limit < 0:
             raise TraceError(f"limit must be >= 0, got {limit}")
-        reqs = reqs[:limit]
+        reqs = list(reqs[:limit])
     return reqs

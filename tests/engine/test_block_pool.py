@@ -134,6 +134,55 @@ def test_freed_plain_blocks_are_reused_before_cached_ones():
     assert pool.lookup(hash_block(None, [9])) == cached and pool.evictions == 0
 
 
+def test_reuse_order_is_that_of_one_ordered_free_list():
+    """The pool's free blocks (a stack, the untaken ids, a linked list of cached ones) are
+    reused in the order of one ordered free list where a released plain block goes first and a
+    released cached one last, through random allocations, hits, registrations and releases."""
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(3)
+    for trial in range(40):
+        n = rng.randrange(1, 24)
+        pool, model = BlockPool(n, max_events=1), OrderedDict((i, None) for i in range(n))
+        held: list[int] = []
+        next_hash = 0
+        for _ in range(200):
+            op = rng.random()
+            if op < 0.4 and model:
+                k = rng.randrange(1, len(model) + 1)
+                want = list(model)[:k]
+                for bid in want:
+                    del model[bid]
+                assert pool.allocate(k) == want
+                held += want
+            elif op < 0.6 and held:
+                bid = rng.choice(held)
+                if pool.block_hash[bid] is None:
+                    next_hash += 1
+                    pool.register(bid, next_hash.to_bytes(4, "big"))
+            elif op < 0.75 and pool.by_hash:
+                bid = pool.by_hash[rng.choice(list(pool.by_hash))]
+                if pool.ref[bid] == 0:
+                    del model[bid]
+                pool.take_cached(bid)
+                held.append(bid)
+            elif held:
+                out = rng.sample(held, rng.randrange(1, len(held) + 1))
+                for bid in out:
+                    held.remove(bid)
+                pool.release(out)
+                left = {bid: held.count(bid) + out.count(bid) for bid in out}
+                for bid in reversed(out):  # as released, tail first
+                    left[bid] -= 1
+                    if not left[bid]:  # its last hold
+                        model[bid] = None
+                        if pool.block_hash[bid] is None:
+                            model.move_to_end(bid, last=False)
+            assert pool.free_order() == list(model), trial
+            assert pool.num_free == len(model)
+
+
 def test_register_is_idempotent():
     pool = make_pool(4)
     h1, h2 = hash_block(None, [1, 2]), hash_block(None, [3, 4])
@@ -264,7 +313,7 @@ def test_placing_a_prompts_blocks_in_one_call_matches_placing_them_one_by_one():
         return table, writes
 
     def state(pool):
-        return (pool.ref, pool.block_hash, pool.by_hash, list(pool.free), pool.evictions,
+        return (pool.ref, pool.block_hash, pool.by_hash, pool.free_order(), pool.evictions,
                 [(e.kind, e.block_hash) for e in pool.events.since(0)[0]])
 
     BS = 4

@@ -1,6 +1,8 @@
 """Planning: the phase-shifting trace shifts its work half way, the candidate set covers the
 splits, policies and controller settings, bad flags are named, and a small plan runs end to end
-through the simulator and writes its table, JSON and plot."""
+through the simulator and writes its table, JSON and plot; jobs are chosen from the memory a
+candidate is estimated to take, each job's peak memory is reported, a plan that cannot fit or
+a job that dies ends in one line, and progress says the time left."""
 
 from __future__ import annotations
 
@@ -98,5 +100,141 @@ def test_small_plan_end_to_end(tmp_path):
         assert r["worker_hours"] > 0
         assert r["finished"] + r["rejected"] <= r["requests"]
     assert all(r["roles"] for r in doc["rows"] if r["controller"])
+    assert all(r["peak_rss_bytes"] > 10_000_000 for r in doc["rows"])
+    assert doc["jobs"]["jobs"] == 1 and doc["jobs"]["per_job_estimate_bytes"] > 0
+    assert "jobs: 1 at once (--jobs" in proc.stderr
+    assert "static 1P:3D: started" in proc.stderr
     assert (out / "plan.png").stat().st_size > 10_000
     assert json.loads((out / "plan.json").read_text())["rows"] == doc["rows"]
+
+
+# ---- jobs, memory, progress and failures -------------------------------------------------------
+
+def test_jobs_are_as_many_as_memory_holds_at_most_one_per_core_and_candidate():
+    from pdserve.sim.plan_jobs import choose_jobs
+
+    GB = 10**9
+    assert choose_jobs(21 * GB, 7 * GB, cpus=2, candidates=6) == 2
+    assert choose_jobs(21 * GB, 7 * GB, cpus=16, candidates=6) == 2  # 90% of 21 holds 2
+    assert choose_jobs(64 * GB, 1 * GB, cpus=16, candidates=6) == 6
+    assert choose_jobs(10 * GB, 7 * GB, cpus=2, candidates=6) == 1
+    assert choose_jobs(6 * GB, 7 * GB, cpus=2, candidates=6) == 0  # not even one fits
+    assert choose_jobs(None, 7 * GB, cpus=3, candidates=6) == 3  # memory unknown: the cores
+
+
+def test_available_memory_is_read_from_meminfo(tmp_path):
+    from pdserve.sim.plan_jobs import available_memory_bytes
+
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   21000000 kB\n")
+    assert available_memory_bytes(str(f)) == 21_000_000 * 1024
+    f.write_text("MemTotal:       24000000 kB\n")
+    assert available_memory_bytes(str(f)) is None
+    assert available_memory_bytes(str(tmp_path / "missing")) is None
+
+
+def test_the_memory_estimate_grows_with_pools_store_and_requests_and_saturates():
+    from pdserve.sim.plan_jobs import JobSize, job_memory_bytes
+
+    hour = JobSize(workers=1000, blocks_per_worker=25_127, store_blocks=10_000_000,
+                   requests=1_524_625, prompt_blocks=750.0)
+    est = job_memory_bytes(hour)
+    assert 8e9 < est < 16e9  # the hour, 16-token blocks (measured: 9.5 GB after 2 minutes)
+    coarse = job_memory_bytes(JobSize(1000, 785, 10_000_000, 1_524_625, 23.0))
+    assert coarse < est / 2  # 512-token blocks: a 32nd of the pools
+    # Past the pools' and the store's size, more requests cost only their own records.
+    longer = job_memory_bytes(JobSize(1000, 25_127, 10_000_000, 2 * 1_524_625, 750.0))
+    assert 0 < longer - est < 1_524_625 * 2_000
+    tiny = job_memory_bytes(JobSize(4, 100, 10_000_000, 100, 2.0))
+    assert tiny < 0.5e9
+
+
+def test_a_plan_that_cannot_fit_says_so_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.sim.plan", "--trace", "phase", "--workers", "4",
+         "--duration-s", "20", "--max-memory-gb", "0.01", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "GB" in errors[0] and "--block-size" in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+class _KilledOnArrival:
+    """A candidate whose job process dies (SIGKILL, as the out-of-memory killer sends) as it
+    unpickles it."""
+    name = "static 9P:9D"
+
+    def __reduce__(self):
+        import signal
+        return (signal.raise_signal, (signal.SIGKILL,))
+
+
+def _settings(**kw):
+    s = settings_from_args(_parse("--trace", "phase", "--workers", "2", "--duration-s", "20",
+                                  "--rate", "0.5"))
+    s.update(kw)
+    return s
+
+
+def test_a_job_process_that_dies_is_named_and_the_others_are_stopped():
+    import io
+
+    from rich.console import Console
+
+    from pdserve.sim.plan import load_requests
+    from pdserve.sim.plan_jobs import JobFailed, run_jobs
+    from pdserve.sim.plan_progress import PlanProgress
+
+    s = _settings()
+    reqs = load_requests("phase", workers=2, workers_per_copy=8, duration_s=20, rate=0.5,
+                         seed=0)
+    lines: list[str] = []
+    cands = [Candidate("static 1P:1D", "static", 1, 1), _KilledOnArrival()]
+    with PlanProgress(Console(file=io.StringIO()), 20.0, lines.append, live=False) as bar:
+        with pytest.raises(JobFailed, match=r"'static 9P:9D'.*SIGKILL.*out-of-memory.*try"):
+            run_jobs(cands, reqs, s, 2, bar, hint="try --jobs 1")
+    rows = run_jobs(cands[:1], reqs, s, 1, PlanProgress(Console(file=io.StringIO()), 20.0,
+                                                        lines.append, live=False))
+    assert rows[0]["peak_rss_bytes"] > 10_000_000  # each job's own peak resident memory
+    assert any("attainment" in line and "peak" in line for line in lines)
+
+
+def test_progress_says_simulated_time_wall_time_and_time_left():
+    import io
+
+    from rich.console import Console
+
+    from pdserve.sim.plan_progress import PlanProgress, duration, progress_text, time_left_s
+
+    assert time_left_s(0.0, 100.0, 5.0) is None
+    assert time_left_s(25.0, 100.0, 10.0) == pytest.approx(30.0)
+    assert time_left_s(150.0, 100.0, 10.0) == 0.0  # past the span: the tail drains
+    assert (duration(45), duration(720), duration(3 * 3600 + 360)) == ("45 s", "12 min", "3.1 h")
+    assert (progress_text(900.0, 3600.0, 600.0)
+            == "simulated 900/3600 s, 10 min wall, about 30 min left")
+
+    now = [0.0]
+    lines: list[str] = []
+    with PlanProgress(Console(file=io.StringIO()), 3600.0, lines.append, live=False,
+                      every_s=30.0, clock=lambda: now[0]) as bar:
+        bar.start(0, "static 1P:1D")
+        for t in range(1, 100):
+            now[0] = float(t)
+            bar.tick(0, 10.0 * t)
+        assert bar.end(0) == 99.0
+    assert lines[0] == "static 1P:1D: started"
+    assert lines[1:] == [f"static 1P:1D: {progress_text(10.0 * t, 3600.0, t)}"
+                         for t in (30, 60, 90)]
+
+    out = io.StringIO()
+    with PlanProgress(Console(file=out, force_terminal=True, width=150), 3600.0, lines.append,
+                      live=True, clock=lambda: now[0]) as bar:
+        bar.start(1, "controller (defaults)")
+        now[0] += 60.0
+        bar.tick(1, 1800.0)
+        bar._bar.refresh()
+    shown = out.getvalue()
+    assert "controller (defaults)" in shown and "simulated 1800/3600 s" in shown
+    assert "about 60 s left" in shown

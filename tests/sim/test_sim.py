@@ -214,7 +214,7 @@ def test_only_decode_workers_that_cannot_qualify_are_left_out_of_the_local_prefi
     import random
 
     from pdserve.sim.cluster import Cluster
-    from pdserve.sim.engine_model import prompt_hashes_of
+    from pdserve.sim.prompts import prompt_hashes_of
 
     rng = random.Random(6)
     c = Cluster(SimConfig(prefill_workers=1, decode_workers=6, block_size=16, kv_blocks=40),
@@ -241,9 +241,12 @@ def test_only_decode_workers_that_cannot_qualify_are_left_out_of_the_local_prefi
     assert chosen > 20
 
 
-def test_the_decode_pools_seen_set_names_every_block_a_decode_worker_holds_also_after_flips():
-    """`_decode_cached` skips the decode caches for a block outside the seen set, so the set
-    must hold every block any decode worker caches, including workers that turned decode."""
+def test_the_decode_holders_count_every_block_each_decode_worker_holds_also_after_flips():
+    """`_decode_cached` skips the decode caches for a block outside the holders map, so the
+    map must count, for every block, the decode workers caching it, including workers that
+    turned decode, and nothing else (a block no decode worker holds leaves it)."""
+    from collections import Counter
+
     from pdserve.sim.cluster import Cluster
 
     reqs = load_trace("synthetic:poisson:rate=12,n=400,in=200,out=2000", seed=4)
@@ -253,9 +256,9 @@ def test_the_decode_pools_seen_set_names_every_block_a_decode_worker_holds_also_
     turned = [w for w in c.workers.values() if w.switches and w.role == "decode"]
     assert turned  # prefill workers turned decode
     decode = [w for w in c.workers.values() if w.role == "decode"]
-    assert all(w.engine.pool.by_hash and w.engine.pool.by_hash.keys() <= c._decode_seen
-               for w in decode)
-    assert not any(w.engine.recorder.seen is not None for w in c.workers.values()
+    assert all(w.engine.pool.by_hash for w in decode)
+    assert c._decode_held == Counter(h for w in decode for h in w.engine.pool.by_hash)
+    assert not any(w.engine.recorder.holders is not None for w in c.workers.values()
                    if w.role == "prefill")
 
 

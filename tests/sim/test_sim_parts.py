@@ -167,7 +167,8 @@ def test_trace_derived_hashes_name_blocks_as_hashing_their_tokens_would():
     are (shared ids, a prompt cut inside a trace block, the unique tail, block sizes that do
     and do not divide the trace's 512), and the scheduler registers them as given."""
     from pdserve.core.block_hash import prompt_block_hashes
-    from pdserve.sim.engine_model import EngineModel, prompt_hashes_of, prompt_tokens_of
+    from pdserve.sim.engine_model import EngineModel
+    from pdserve.sim.prompts import prompt_hashes_of, prompt_tokens_of
 
     prompts = [((3, 9, 4), 1300, 1), ((3, 9, 5), 1400, 2), ((3, 9), 1100, 3), ((3, 3), 900, 4),
                ((3,), 512, 5), ((), 700, 6), ((7, 9, 4), 1300, 7), ((3, 9, 4), 1200, 8)]
@@ -197,7 +198,7 @@ def test_run_tokens_read_and_change_as_the_list_they_stand_for():
     import random
 
     from pdserve.core.block_hash import iter_block_hashes
-    from pdserve.sim.engine_model import prompt_tokens_of
+    from pdserve.sim.prompts import prompt_tokens_of
     from pdserve.sim.tokens import RunTokens
 
     rng = random.Random(3)
@@ -260,7 +261,7 @@ def test_a_planned_decode_step_completes_as_the_scheduler_would():
     def state(e):
         seqs = {rid: (s.num_computed, list(s.token_ids), list(s.block_table),
                       list(s.block_hashes), s.status) for rid, s in e.seqs.items()}
-        return (seqs, list(e.pool.free), dict(e.pool.by_hash), list(e.pool.ref),
+        return (seqs, e.pool.free_order(), dict(e.pool.by_hash), list(e.pool.ref),
                 [s.request_id for s in e.sched.running], e.sched.prompt_tokens_computed)
 
     engines = [EngineModel(40, 4, 8, 64, 16, record_events=True) for _ in range(2)]
