@@ -21,11 +21,20 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
+from typing import TYPE_CHECKING
 
 from pdserve.core.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+def _llg():
+    """llguidance, imported at first use: a process that never compiles a grammar (an
+    emulated worker, a storage node) does not pay its memory."""
+    import llguidance
+
+    return llguidance
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_BYTES = 64 * 1024  # a schema, pattern, choice list or grammar, as text
@@ -66,6 +75,7 @@ class StructuredOutput:
 
     def grammar(self) -> str:
         """The llguidance grammar for this constraint (valid shape assumed: `validate`)."""
+        llguidance = _llg()
         if self.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
                 {"type": "object"}, defaults=JSON_OPTIONS)
@@ -80,6 +90,8 @@ class StructuredOutput:
         if self.kind == "choice":
             alts = " | ".join(json.dumps(c) for c in _choices(self.spec))
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alts}")
+        from llguidance.gbnf_to_lark import any_to_lark
+
         try:
             lark = any_to_lark(self.spec)  # GBNF (vLLM's EBNF form) or Lark as is
         except Exception as e:  # the converter raises its own parse errors
@@ -157,7 +169,7 @@ class Grammars:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int], *,
                  cache_size: int = 256) -> None:
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+        self.tokenizer = _llg().LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_ids))
         self.vocab_size = vocab_size
         self.cache_size = cache_size
@@ -174,7 +186,7 @@ class Grammars:
                 return m
         so.validate()
         try:  # the grammar's own text is built by llguidance, which refuses some JSON values
-            m = llguidance.LLMatcher(self.tokenizer, so.grammar(), log_level=0)
+            m = _llg().LLMatcher(self.tokenizer, so.grammar(), log_level=0)
             error = m.get_error() if m.is_error() else None
         except (ValueError, TypeError, OverflowError) as e:
             error = str(e)

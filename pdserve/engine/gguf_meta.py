@@ -2,7 +2,7 @@
 
 `gguf.GGUFReader` builds a numpy view per array element, which costs ~2 s for the 49k-token
 vocabulary of even a 135M model; the tokenizer and the config only need plain Python values, so
-this parses the header with `struct` and `numpy.frombuffer` (~0.1 s) and never touches tensor data.
+this parses the header with `struct` (~0.1 s) and never touches tensor data.
 Owns the byte layout of the header (GGUF v2/v3, little-endian); must not dequantize or import torch,
 so the router can tokenize without loading the model runtime. The loader memory-maps tensor data
 at the offsets found here (tests check this parse against GGUFReader's).
@@ -13,8 +13,6 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32  # bytes; the data section and every tensor start on this boundary
@@ -27,10 +25,6 @@ _SCALAR = {
     _UINT8: ("<B", 1), _INT8: ("<b", 1), _UINT16: ("<H", 2), _INT16: ("<h", 2),
     _UINT32: ("<I", 4), _INT32: ("<i", 4), _FLOAT32: ("<f", 4), _BOOL: ("<?", 1),
     _UINT64: ("<Q", 8), _INT64: ("<q", 8), _FLOAT64: ("<d", 8),
-}
-_NUMPY = {
-    _UINT8: "<u1", _INT8: "<i1", _UINT16: "<u2", _INT16: "<i2", _UINT32: "<u4", _INT32: "<i4",
-    _FLOAT32: "<f4", _BOOL: "?", _UINT64: "<u8", _INT64: "<i8", _FLOAT64: "<f8",
 }
 
 
@@ -49,7 +43,7 @@ class GGUFTensorInfo:
 @dataclass(frozen=True)
 class GGUFHeader:
     version: int
-    metadata: dict[str, Any]  # arrays become lists (numeric ones via numpy, then .tolist())
+    metadata: dict[str, Any]  # arrays become lists
     tensors: tuple[GGUFTensorInfo, ...]
     data_offset_bytes: int  # where the tensor data section starts in the file
 
@@ -88,14 +82,14 @@ class _Cursor:
         if vtype == _ARRAY:
             etype = self.scalar(_UINT32)
             count = self.scalar(_UINT64)
-            if etype in _NUMPY:
-                dt = np.dtype(_NUMPY[etype])
-                end = self.pos + count * dt.itemsize
+            if etype in _SCALAR:  # a numeric array: one C-level unpack
+                fmt, size = _SCALAR[etype]
+                end = self.pos + count * size
                 if end > len(self.buf):
                     raise EOFError
-                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
+                values = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)
                 self.pos = end
-                return arr.tolist()
+                return list(values)
             return [self.value(etype) for _ in range(count)]
         if vtype not in _SCALAR:
             raise GGUFFormatError(f"unknown GGUF value type {vtype} at byte {self.pos}")

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-
-import numpy as np
+from typing import Any
 
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.kvstore.client import BlockKey, Plane, StoreError, format_key
@@ -74,8 +73,9 @@ def put_missing(store, keys: list[str], blocks: list[torch.Tensor]) -> int:
     return len(todo)
 
 
-def _reader(store, key: str) -> Callable[[np.ndarray], int]:
-    def read(buf: np.ndarray) -> int:
+def _reader(store, key: str) -> Callable[[Any], int]:
+    """Reads the object into a writable buffer (bytearray, numpy array); -1 when it cannot."""
+    def read(buf: Any) -> int:
         try:
             return store.get_into(key, buf)
         except _MISSING:  # missing, evicted, node lost, corrupt, the store down: recompute
@@ -117,12 +117,12 @@ def _byte_blocks(engine) -> bool:
     return isinstance(getattr(engine.kv, "block_bytes", None), int)
 
 
-def _fetch_bytes(nbytes: int, reads: list[Callable[[np.ndarray], int]]) -> list[bytes]:
+def _fetch_bytes(nbytes: int, reads: list[Callable[[bytearray], int]]) -> list[bytes]:
     """Blocks of `nbytes` bytes, in order, until the first one that cannot be read whole."""
     out = []
     for read in reads:
-        buf = np.empty(nbytes, dtype=np.uint8)
+        buf = bytearray(nbytes)
         if read(buf) != nbytes:
             break
-        out.append(buf.tobytes())
+        out.append(bytes(buf))
     return out

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
-import numpy as np
 from pdserve.worker.torch_lazy import torch
 
 _MIN_BUFFER_BYTES = 64 << 10
@@ -151,7 +152,7 @@ class HostStaging:
 
     # ---- host -> device -------------------------------------------------------------------------
     def fetch_many(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
-                   reads: list[Callable[[np.ndarray], int]]) -> list[torch.Tensor | None]:
+                   reads: list[Callable[[Any], int]]) -> list[torch.Tensor | None]:
         """One tensor of (shape, dtype) on `device` per read, in order, up to the first read
         that does not fill one. A read fills a host byte array and returns how many bytes it
         wrote (-1: not there).
@@ -160,7 +161,7 @@ class HostStaging:
         fills a staging buffer whose copy to the device runs while the next read goes on; the
         tensors are ready for the device's current stream when this returns."""
         device = torch.device(device)
-        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         out: list[torch.Tensor | None] = []
         if device.type == "cpu" and not self.stage_cpu:
             for read in reads:

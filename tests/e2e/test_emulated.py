@@ -106,8 +106,11 @@ def test_the_openai_api_serves_emulated_text(emulated, expected):
 
 
 def test_emulated_workers_load_no_torch(emulated):
+    """Nor numpy nor the grammar engine, after serving: a worker's memory is what hundreds of
+    them on one machine multiply (KV blocks are bytes, grammars are never compiled)."""
     for child in emulated.children:
         if child.name.startswith(("prefill", "decode")):
             with open(f"/proc/{child.proc.pid}/maps") as f:
                 maps = f.read()
             assert "libtorch" not in maps, child.name
+            assert "/numpy/" not in maps and "/llguidance/" not in maps, child.name
