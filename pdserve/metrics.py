@@ -29,7 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, start_http_server
 
 from pdserve.security.failures import AuthFailureCollector
 
-__all__ = ["BucketCounts", "RouterMetrics", "WorkerCollector", "CONTENT_TYPE_LATEST", "render",
+__all__ = ["BucketCounts", "HOP_BUCKETS_S", "RouterMetrics", "WorkerCollector", "CONTENT_TYPE_LATEST", "render",
            "serve_worker"]
 
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -37,7 +37,7 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                   0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 # One token's trip from the decode worker's engine to the router: sub-millisecond on one host.
-_HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+HOP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                   0.5, 1.0, 2.5)
 
 
@@ -94,13 +94,13 @@ class RouterMetrics:
             "pdserve:worker_to_router_seconds",
             "Time from the end of the engine step that made a decode message's first token on "
             "the decode worker to the message's arrival here (worker clock vs router clock: "
-            "across hosts it includes their offset).", label, buckets=_HOP_BUCKETS_S,
+            "across hosts it includes their offset).", label, buckets=HOP_BUCKETS_S,
             registry=r).labels(model_name)
         self.kv_event_lag = Histogram(
             "pdserve:kv_event_lag_seconds",
             "Time from a worker seeing a prefix-cache change to the router's index holding it "
             "(worker clock vs router clock: across hosts it includes their offset).", label,
-            buckets=_HOP_BUCKETS_S, registry=r).labels(model_name)
+            buckets=HOP_BUCKETS_S, registry=r).labels(model_name)
         self.queue_time = Histogram("pdserve:request_queue_time_seconds",
                                     "Time from arrival until a prefill worker took the request.",
                                     label, buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)

@@ -7,7 +7,8 @@ processes:
 - CPU per process kind over an idle window and under a steady load of streamed requests
   (the clients check every token against the emulated model's);
 - the controller's tick by part (observe, decide, whole) and the router's KV event lag, from
-  their own histograms;
+  their own histograms; the store master's calls per second and their p99 handler time over
+  the load window, from the master's own counts (its Stats answer);
 - a rebalance under load (a sixteenth of the workers flipped at once): its wall time;
 - membership after kill -9 of a tenth of the decode workers at once: seconds until the router
   holds every one of them out of its pools, and until all serve again after supervision
@@ -134,6 +135,43 @@ def histogram(url: str, name: str, labels: str = "") -> dict[str, float] | None:
                 return le
         return math.inf
     return {"p50_le": q(0.5), "p99_le": q(0.99), "count": count}
+
+
+def master_calls(address: str) -> dict[str, dict[str, Any]]:
+    """The store master's counts now: per method, calls and the cumulative histogram."""
+    from pdserve import rpc
+    from pdserve.core.identity import MASTER
+    from pdserve.proto import kvmaster_pb2 as pb
+    from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
+
+    with rpc.make_channel(address, MASTER) as ch:
+        stats = pb_grpc.KVMasterStub(ch).Stats(pb.MasterStatsRequest(), timeout=30)
+    return {m.method: {"calls": m.calls, "bounds": list(m.bounds_s),
+                       "cumulative": list(m.cumulative)} for m in stats.methods}
+
+
+def master_window(before: dict, after: dict, seconds: float) -> dict[str, Any]:
+    """Calls per second and the p99 handler time (a bucket bound) between two counts, per
+    method and over all of them."""
+    def p99(bounds: list[float], cum: list[int]) -> float | None:
+        if not cum or not cum[-1]:
+            return None
+        for le, c in zip([*bounds, math.inf], cum):
+            if c >= 0.99 * cum[-1]:
+                return le
+        return math.inf
+
+    per, total_cum, bounds = {}, None, []
+    for m, a in sorted(after.items()):
+        b = before.get(m, {"cumulative": [0] * len(a["cumulative"])})
+        cum = [x - y for x, y in zip(a["cumulative"], b["cumulative"])]
+        if not cum[-1]:
+            continue
+        bounds = a["bounds"]
+        per[m] = {"per_s": round(cum[-1] / seconds, 1), "p99_le": p99(bounds, cum)}
+        total_cum = cum if total_cum is None else [x + y for x, y in zip(total_cum, cum)]
+    return {"per_s": round((total_cum[-1] if total_cum else 0) / seconds, 1),
+            "p99_le": p99(bounds, total_cum or []), "methods": per}
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -265,7 +303,10 @@ def measure(model: str, n: int, args, config, progress=lambda phase: None) -> di
         load = Load(cluster.router_address, specs, args.rate)
         load.start()
         time.sleep(min(5.0, args.load_s / 4))  # into the steady state
+        before, t_before = master_calls(cluster.store_address), time.monotonic()
         out["cpu_load"] = cpu_window(cluster, args.load_s)
+        out["master_calls"] = master_window(before, master_calls(cluster.store_address),
+                                            time.monotonic() - t_before)
         progress("flip")
         step = max(1, n // 16)
         out["rebalance"] = rebalance(cluster, k + step, d - step)

@@ -12,7 +12,8 @@ from rich.table import Table
 from pdserve.output import write_report
 
 COLUMNS = ("workers", "start s", "worker RSS / PSS MB", "router RSS MB", "router CPU idle",
-           "router CPU load", "controller CPU idle", "master CPU load", "workers CPU load",
+           "router CPU load", "controller CPU idle", "master CPU load", "master calls/s",
+           "master call p99 ms", "workers CPU load",
            "tick observe p99 ms", "tick decide p99 ms", "KV event lag p99 ms",
            "rebalance s (flips)", "killed", "out of pools s", "restarted s", "back s",
            "requests correct")
@@ -26,6 +27,12 @@ def _cpu(d: dict, kind: str, key: str = "sum") -> str:
     return f"{d[kind][key]:.2f}" if kind in d else "-"
 
 
+def _master(m: dict | None) -> list[str]:
+    if not m:
+        return ["-", "-"]
+    return [f"{m['per_s']:g}", "-" if m["p99_le"] is None else f"<={m['p99_le'] * 1000:g}"]
+
+
 def rows(result: dict[str, Any]) -> list[list[str]]:
     out = []
     for s in result["sizes"]:
@@ -35,6 +42,7 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
                     f"{m['router']['mean_mb']:.0f}",
                     _cpu(s["cpu_idle"], "router"), _cpu(s["cpu_load"], "router"),
                     _cpu(s["cpu_idle"], "controller"), _cpu(s["cpu_load"], "kvmaster"),
+                    *_master(s.get("master_calls")),
                     _cpu(s["cpu_load"], "worker"),
                     _ms(tick.get("observe")), _ms(tick.get("decide")), _ms(s["kv_event_lag"]),
                     f"{s['rebalance']['seconds']:.1f} ({s['rebalance']['ok']}/"
@@ -91,6 +99,8 @@ def plot(result: dict[str, Any], path: str) -> None:
                     for s in sizes], style, label=f"controller tick: {part} p99")
     ax.plot(n, [((s["kv_event_lag"] or {}).get("p99_le") or 0) * 1000 for s in sizes], "d--",
             label="KV event lag p99")
+    ax.plot(n, [((s.get("master_calls") or {}).get("p99_le") or 0) * 1000 for s in sizes], "v:",
+            label="store master call p99 (under load)")
     ax.set_xlabel("workers")
     ax.set_ylabel("ms (histogram bucket bound)")
     ax.set_yscale("log")

@@ -265,13 +265,29 @@ class MasterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MasterStatsResponse(_message.Message):
-    __slots__ = ("tiers", "pending_puts", "nodes_alive", "cluster_id")
+    __slots__ = ("tiers", "pending_puts", "nodes_alive", "cluster_id", "methods")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
     NODES_ALIVE_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    METHODS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     pending_puts: int
     nodes_alive: int
     cluster_id: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_puts: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., cluster_id: _Optional[str] = ...) -> None: ...
+    methods: _containers.RepeatedCompositeFieldContainer[MethodCalls]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_puts: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., cluster_id: _Optional[str] = ..., methods: _Optional[_Iterable[_Union[MethodCalls, _Mapping]]] = ...) -> None: ...
+
+class MethodCalls(_message.Message):
+    __slots__ = ("method", "calls", "bounds_s", "cumulative", "seconds")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDS_S_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    calls: int
+    bounds_s: _containers.RepeatedScalarFieldContainer[float]
+    cumulative: _containers.RepeatedScalarFieldContainer[int]
+    seconds: float
+    def __init__(self, method: _Optional[str] = ..., calls: _Optional[int] = ..., bounds_s: _Optional[_Iterable[float]] = ..., cumulative: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -237,10 +237,25 @@ def test_batch_get_reads_many_objects_with_one_master_call(cluster):
         objs = {f"b{i}": payload(i, 64 * 1024) for i in range(50)}
         for k, v in objs.items():
             client.put_from(k, v)
+        before = _calls(client)
         bufs = [np.zeros(64 * 1024, dtype=np.uint8) for _ in range(51)]
         sizes = client.batch_get_into(list(objs) + ["missing"], bufs)
         assert sizes == [64 * 1024] * 50 + [None]
         assert all(np.array_equal(b, v) for b, v in zip(bufs, objs.values()))
+        after = _calls(client)
+        # The master's own count: one Get for the 51 keys, and the 50 puts before it.
+        assert after["Get"].calls - before.get("Get", _NONE).calls == 1
+        assert after["PutStart"].calls >= 50 and after["PutCommit"].calls >= 50
+        for m in after.values():  # a histogram as Prometheus lists one
+            assert list(m.cumulative) == sorted(m.cumulative) and m.cumulative[-1] == m.calls
+            assert len(m.cumulative) == len(m.bounds_s) + 1 and m.seconds > 0
+
+
+_NONE = pb.MethodCalls()
+
+
+def _calls(client: DistStoreClient) -> dict[str, pb.MethodCalls]:
+    return {m.method: m for m in client.stats().methods}
 
 
 def test_a_restarted_node_removes_the_segment_file_its_killed_predecessor_left(tmp_path):

@@ -12,6 +12,7 @@ anything the core decides.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from pdserve.kvstore.master.journal import JournalFenced
 from pdserve.kvstore.master.model import (AlreadyExists, InvalidArgument, MasterError, NoSpace,
                                           NotFound, Placement, PutInProgress, UnknownNode)
 from pdserve.kvstore.transport.base import Extent, TransportError
+from pdserve.metrics import HOP_BUCKETS_S, BucketCounts
 from pdserve.proto import kvmaster_pb2 as pb
 from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
 
@@ -53,6 +55,42 @@ def _extent(p: Placement) -> Extent:
     return Extent(**p.to_dict())
 
 
+class MethodTimes:
+    """Calls per method and a histogram of their handler seconds (waiting for the lock, the
+    core, the journal write), for the Stats answer: what a master serving every worker of a
+    large cluster spends on each kind of call."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by: dict[str, BucketCounts] = {}  # bounded: the service's methods
+
+    def observe(self, method: str, seconds: float) -> None:
+        with self._lock:
+            b = self._by.get(method)
+            if b is None:
+                b = self._by[method] = BucketCounts(HOP_BUCKETS_S)
+            b.observe(seconds)
+
+    def snapshot(self) -> list[pb.MethodCalls]:
+        with self._lock:
+            snaps = {m: b.snapshot() for m, b in self._by.items()}
+        return [pb.MethodCalls(method=m, calls=s["cumulative"][-1], bounds_s=s["bounds"],
+                               cumulative=s["cumulative"], seconds=s["sum"])
+                for m, s in sorted(snaps.items())]
+
+
+def _timed(handler):
+    """Counts a unary handler's calls and times them into the service's MethodTimes."""
+    @functools.wraps(handler)
+    def timed(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            return handler(self, request, context)
+        finally:
+            self.method_times.observe(handler.__name__, time.perf_counter() - t0)
+    return timed
+
+
 class MasterService(pb_grpc.KVMasterServicer):
     def __init__(self, config: MasterConfig, journal, *, election=None, address: str = "",
                  clock: Callable[[], float] = time.time, transport=None,
@@ -66,6 +104,7 @@ class MasterService(pb_grpc.KVMasterServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.cluster_id = cluster_id  # as started; the journal's, once loaded, if it had one
         self._lock = threading.RLock()
+        self.method_times = MethodTimes()
         self.core: MasterCore | None = None
         if election is None:
             self._load()
@@ -182,6 +221,7 @@ class MasterService(pb_grpc.KVMasterServicer):
             return False
 
     # ---- RPCs ---------------------------------------------------------------------------------
+    @_timed
     def RegisterNode(self, request, context):
         segs = [(s.segment_id, s.size_bytes, s.tier, s.shm_path) for s in request.segments]
         self._serve(context, lambda now: self.core.register_node(
@@ -189,6 +229,7 @@ class MasterService(pb_grpc.KVMasterServicer):
             request.ucx_address))
         return pb.RegisterNodeResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
+    @_timed
     def Heartbeat(self, request, context):
         def beat(now):
             try:
@@ -198,6 +239,7 @@ class MasterService(pb_grpc.KVMasterServicer):
                 return False
         return pb.HeartbeatResponse(known=self._serve(context, beat))
 
+    @_timed
     def PutStart(self, request, context):
         def start(now):
             try:
@@ -210,14 +252,17 @@ class MasterService(pb_grpc.KVMasterServicer):
             return pb.PutStartResponse(already_exists=True)
         return pb.PutStartResponse(placements=[placement_pb(p) for p in placements])
 
+    @_timed
     def PutCommit(self, request, context):
         self._serve(context, lambda now: self.core.put_commit(request.key, now))
         return pb.PutCommitResponse()
 
+    @_timed
     def PutAbort(self, request, context):
         self._serve(context, lambda now: self.core.put_abort(request.key))
         return pb.PutAbortResponse()
 
+    @_timed
     def Get(self, request, context):
         def get(now):
             out = []
@@ -234,10 +279,12 @@ class MasterService(pb_grpc.KVMasterServicer):
             return out
         return pb.MasterGetResponse(objects=self._serve(context, get))
 
+    @_timed
     def Exists(self, request, context):
         return pb.MasterExistsResponse(
             exists=self._serve(context, lambda now: self.core.exists(list(request.keys))))
 
+    @_timed
     def Remove(self, request, context):
         def remove(now):
             try:
@@ -247,6 +294,7 @@ class MasterService(pb_grpc.KVMasterServicer):
                 return False
         return pb.MasterRemoveResponse(removed=self._serve(context, remove))
 
+    @_timed
     def Pin(self, request, context):
         def pin(now):
             try:
@@ -256,11 +304,13 @@ class MasterService(pb_grpc.KVMasterServicer):
                 return False
         return pb.PinResponse(pinned=self._serve(context, pin))
 
+    @_timed
     def LongestPrefix(self, request, context):
         n, locs = self._serve(context, lambda now: self.core.longest_prefix(list(request.keys), now))
         return pb.LongestPrefixResponse(cached_blocks=n, locations=[
             pb.ReplicaList(replicas=[placement_pb(p) for p in reps]) for reps in locs])
 
+    @_timed
     def ReportCorrupt(self, request, context):
         def report(now):
             try:
@@ -294,5 +344,5 @@ class MasterService(pb_grpc.KVMasterServicer):
                                     used_bytes=t.used_bytes, objects=t.objects,
                                     evictions=t.evictions) for t in tiers.values()],
                 pending_puts=self.core.pending_puts, nodes_alive=self.core.nodes_alive,
-                cluster_id=self.core.cluster_id)
+                cluster_id=self.core.cluster_id, methods=self.method_times.snapshot())
         return self._serve(context, stats)
