@@ -293,6 +293,24 @@ def steps_now(profile: StepProfile, model: str | None = None, plan: Plan = STEPS
     return dataclasses.replace(prof, fit={**profile.fit, "steps_now": now})
 
 
+def serving_now(profile: StepProfile, name: str, model: str, plan: Plan, kv_scale: float,
+                say: Callable[[str], None] = lambda s: None) -> StepProfile:
+    """`profile` with its serving costs measured on this machine now, on a fresh 1P1D cluster
+    of emulated workers running the profile `name` (`profile`, KV at `kv_scale`): the real processes' time around
+    steps the profile models (the router, the gRPC hops, the worker's loop, the store), which
+    a GPU profile leaves at zero. The step constants are the profile's own: the emulated
+    workers wait them out."""
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    say("measuring the serving costs on an emulated 1P1D cluster")
+    times = serving_times(model, plan.served_batches, plan.served_prompts, say,
+                          engine="emulated", profile=name, kv_scale=kv_scale)
+    prof = with_serving(profile, times)
+    return dataclasses.replace(
+        prof, origin=f"{profile.origin}; serving costs of emulated workers measured {stamp}",
+        fit={**profile.fit, "serving_now": {"at": stamp, **times,
+                                           "replaced": {k: getattr(profile, k) for k in SERVING}}})
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M GGUF)")

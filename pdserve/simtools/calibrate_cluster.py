@@ -69,16 +69,17 @@ def serving_firsts(cluster, prompts: tuple[int, ...], repeats: int, say) -> list
     return rows
 
 
-def _one_p_one_d(model: str):
+def _one_p_one_d(model: str, **spec):
     """A fresh 1P1D cluster, each worker on its own share of the cores (as the profile's
-    threads say), to be entered with `with`."""
+    threads say), to be entered with `with`; `spec`: more ClusterSpec fields (an emulated
+    engine's)."""
     from pdserve.launcher.cluster_spec import free_ports
     from pdserve.launcher.local import ClusterSpec, LocalCluster
 
     return LocalCluster(ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                                     controller=False, ready_timeout_s=600, share_cores=False,
                                     # every prompt through the prefill worker, as simulated
-                                    max_local_prefill_tokens=0))
+                                    max_local_prefill_tokens=0, **spec))
 
 
 def _serving(cluster, batches: tuple[int, ...], prompts: tuple[int, ...], say) -> dict[str, Any]:
@@ -87,10 +88,11 @@ def _serving(cluster, batches: tuple[int, ...], prompts: tuple[int, ...], say) -
 
 
 def serving_times(model: str, served_batches: tuple[int, ...], served_prompts: tuple[int, ...],
-                  say) -> dict[str, Any]:
-    """What serving adds to the engine's steps on a fresh 1P1D cluster: the decode gaps
-    (`serving_gaps`) and the first tokens of single prompts (`serving_firsts`)."""
-    with _one_p_one_d(model) as cluster:
+                  say, **spec) -> dict[str, Any]:
+    """What serving adds to the engine's steps on a fresh 1P1D cluster (`spec`: more of its
+    ClusterSpec): the decode gaps (`serving_gaps`) and the first tokens of single prompts
+    (`serving_firsts`)."""
+    with _one_p_one_d(model, **spec) as cluster:
         return _serving(cluster, served_batches, served_prompts, say)
 
 

@@ -298,14 +298,20 @@ def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
     serving costs on a 1P1D cluster) before the real runs, so both sides see the machine as it
     is; with `--real-from`, the constants recorded with that run are reused when it has them.
     `--steps profile`: the profile as given."""
-    from pdserve.simtools.calibrate import STEPS_NOW, STEPS_QUICK, steps_now
+    from pdserve.simtools.calibrate import STEPS_NOW, STEPS_QUICK, serving_now, steps_now
     from pdserve.core.step_profile import StepProfile, load_profile
 
     given = load_profile(s["profile"])
     if s.get("engine") == "emulated":  # the emulated engine is the profile: its KV scaled too
         scaled = dataclasses.replace(given, kv_bytes_per_token=max(
             1, round(given.kv_bytes_per_token * s["kv_scale"])))
-        return scaled, scaled
+        if s["steps"] == "profile":
+            return scaled, scaled
+        if recorded_doc.get("profile"):
+            say("serving costs: those measured with the recorded run")
+            return StepProfile.from_dict(recorded_doc["profile"]), scaled
+        # The steps are the profile's; what this machine adds around them is measured.
+        return serving_now(scaled, s["profile"], model, STEPS_NOW, s["kv_scale"], say), scaled
     if s["steps"] == "profile":
         return given, given
     if recorded_doc.get("profile"):

@@ -138,11 +138,17 @@ def test_an_emulated_cluster_is_replayed_against_the_simulator_on_the_same_profi
     doc = json.loads(proc.stdout)
     run = doc["runs"][0]
     assert run["config"] == "2P3D" and run["real"]["ok"] == run["sim"]["ok"] == 12
-    # Both sides use the profile as shipped, its KV bytes scaled as the emulated workers'.
+    # Both sides use the profile's steps as shipped, its KV bytes scaled as the emulated
+    # workers'; the simulator adds what this machine's processes take around those steps,
+    # measured on an emulated 1P1D cluster (a GPU profile has no serving costs of its own).
     shipped = load_profile("h100-llama3-8b")
     prof = StepProfile.from_dict(doc["profile"])
     assert prof.decode_fixed_s == shipped.decode_fixed_s
     assert prof.kv_bytes_per_token == round(shipped.kv_bytes_per_token * 0.01)
+    assert shipped.serve_prefill_step_s == shipped.serve_step_s == 0
+    assert prof.serve_prefill_step_s + prof.serve_prefill_token_s > 0
+    assert prof.serve_step_s + prof.serve_seq_s > 0
+    assert [r["tokens"] for r in prof.fit["serving_now"]["serving_prefill"]] == [32, 128, 512]
     assert doc["settings"]["engine"] == "emulated"
     for m in ("ttft_s", "itl_s", "e2e_s"):
         assert run["compare"][m]["mean"]["real"] > 0 and run["compare"][m]["mean"]["sim"] > 0
