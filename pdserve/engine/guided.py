@@ -72,7 +72,9 @@ class Guides:
     def warm(self) -> threading.Thread:
         """Build the grammars' vocabulary on a thread of its own now (a worker does, so that
         its first structured request does not stall the running batch for it)."""
-        t = threading.Thread(target=lambda: self.grammars, name="grammars-warm", daemon=True)
+        # Not a daemon: a worker stopped while the native tokenizer code still ran on this
+        # thread crashed in the interpreter's teardown (SIGSEGV); exit waits the second out.
+        t = threading.Thread(target=lambda: self.grammars, name="grammars-warm", daemon=False)
         t.start()
         return t
 
