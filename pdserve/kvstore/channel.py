@@ -24,6 +24,8 @@ CLUSTER_ID_METADATA = "pdserve-cluster-id"
 MISMATCH_METADATA = "pdserve-cluster-mismatch"
 # A standby names the leader it knows in this trailing metadata when it refuses a call.
 LEADER_METADATA = "pdserve-leader"
+# Items in one batch call to the master (BatchPutStart, BatchPutCommit); clients split larger.
+MAX_BATCH_ITEMS = 4096
 
 _CLUSTER_ID = re.compile(r"[A-Za-z0-9._:-]{0,128}")
 

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -101,6 +102,54 @@ class PutCommitRequest(_message.Message):
 class PutCommitResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class BatchPutStartRequest(_message.Message):
+    __slots__ = ("puts",)
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    puts: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
+    def __init__(self, puts: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
+
+class BatchPutStartResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutStartItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartItem, _Mapping]]] = ...) -> None: ...
+
+class PutStartItem(_message.Message):
+    __slots__ = ("outcome", "placements", "error")
+    class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STARTED: _ClassVar[PutStartItem.Outcome]
+        ALREADY_EXISTS: _ClassVar[PutStartItem.Outcome]
+        IN_PROGRESS: _ClassVar[PutStartItem.Outcome]
+        NO_SPACE: _ClassVar[PutStartItem.Outcome]
+        INVALID: _ClassVar[PutStartItem.Outcome]
+    STARTED: PutStartItem.Outcome
+    ALREADY_EXISTS: PutStartItem.Outcome
+    IN_PROGRESS: PutStartItem.Outcome
+    NO_SPACE: PutStartItem.Outcome
+    INVALID: PutStartItem.Outcome
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    outcome: PutStartItem.Outcome
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    error: str
+    def __init__(self, outcome: _Optional[_Union[PutStartItem.Outcome, str]] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class BatchPutCommitRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BatchPutCommitResponse(_message.Message):
+    __slots__ = ("failed_keys", "errors")
+    FAILED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    failed_keys: _containers.RepeatedScalarFieldContainer[str]
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, failed_keys: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutAbortRequest(_message.Message):
     __slots__ = ("key",)

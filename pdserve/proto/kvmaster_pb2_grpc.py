@@ -59,6 +59,16 @@ class KVMasterStub:
                 request_serializer=pdserve_dot_proto_dot_kvmaster__pb2.PutAbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_kvmaster__pb2.PutAbortResponse.FromString,
                 _registered_method=True)
+        self.BatchPutStart = channel.unary_unary(
+                '/pdserve.v1.KVMaster/BatchPutStart',
+                request_serializer=pdserve_dot_proto_dot_kvmaster__pb2.BatchPutStartRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_kvmaster__pb2.BatchPutStartResponse.FromString,
+                _registered_method=True)
+        self.BatchPutCommit = channel.unary_unary(
+                '/pdserve.v1.KVMaster/BatchPutCommit',
+                request_serializer=pdserve_dot_proto_dot_kvmaster__pb2.BatchPutCommitRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_kvmaster__pb2.BatchPutCommitResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/pdserve.v1.KVMaster/Get',
                 request_serializer=pdserve_dot_proto_dot_kvmaster__pb2.MasterGetRequest.SerializeToString,
@@ -134,6 +144,18 @@ class KVMasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutAbort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPutStart(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPutCommit(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -220,6 +242,16 @@ def add_KVMasterServicer_to_server(servicer, server):
                     servicer.PutAbort,
                     request_deserializer=pdserve_dot_proto_dot_kvmaster__pb2.PutAbortRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_kvmaster__pb2.PutAbortResponse.SerializeToString,
+            ),
+            'BatchPutStart': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutStart,
+                    request_deserializer=pdserve_dot_proto_dot_kvmaster__pb2.BatchPutStartRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_kvmaster__pb2.BatchPutStartResponse.SerializeToString,
+            ),
+            'BatchPutCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutCommit,
+                    request_deserializer=pdserve_dot_proto_dot_kvmaster__pb2.BatchPutCommitRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_kvmaster__pb2.BatchPutCommitResponse.SerializeToString,
             ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
@@ -402,6 +434,60 @@ class KVMaster:
             '/pdserve.v1.KVMaster/PutAbort',
             pdserve_dot_proto_dot_kvmaster__pb2.PutAbortRequest.SerializeToString,
             pdserve_dot_proto_dot_kvmaster__pb2.PutAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPutStart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMaster/BatchPutStart',
+            pdserve_dot_proto_dot_kvmaster__pb2.BatchPutStartRequest.SerializeToString,
+            pdserve_dot_proto_dot_kvmaster__pb2.BatchPutStartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPutCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVMaster/BatchPutCommit',
+            pdserve_dot_proto_dot_kvmaster__pb2.BatchPutCommitRequest.SerializeToString,
+            pdserve_dot_proto_dot_kvmaster__pb2.BatchPutCommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

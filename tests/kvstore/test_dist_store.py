@@ -20,7 +20,8 @@ import pytest
 
 from pdserve import rpc
 from pdserve.core.identity import MASTER
-from pdserve.kvstore.dist_client import DistStoreClient, DistStoreError, ObjectNotFound
+from pdserve.kvstore.dist_client import (DistStoreClient, DistStoreError, ObjectNotFound,
+                                          StoreFull)
 from pdserve.kvstore.transport.base import Extent
 from pdserve.kvstore.transport.shm import ShmTransport
 from pdserve.proto import kvmaster_pb2 as pb
@@ -249,6 +250,42 @@ def test_batch_get_reads_many_objects_with_one_master_call(cluster):
         for m in after.values():  # a histogram as Prometheus lists one
             assert list(m.cumulative) == sorted(m.cumulative) and m.cumulative[-1] == m.calls
             assert len(m.cumulative) == len(m.bounds_s) + 1 and m.seconds > 0
+
+
+def test_batch_put_stores_many_objects_with_two_master_calls(cluster):
+    master, *_ = cluster
+    with DistStoreClient(master) as client:
+        wait_nodes(client, 2)
+        objs = {f"p{i}": payload(100 + i, 4096 + i) for i in range(40)}
+        before = _calls(client)
+        assert client.batch_put_from(list(objs.items())) == 40
+        after = _calls(client)
+        # One call to start the 40 puts and one to commit them, each one journal write.
+        for m in ("BatchPutStart", "BatchPutCommit"):
+            assert after[m].calls - before.get(m, _NONE).calls == 1, m
+        assert after.get("PutStart", _NONE).calls == before.get("PutStart", _NONE).calls
+        for k, v in objs.items():
+            out = np.zeros(v.size, dtype=np.uint8)
+            assert client.get_into(k, out) == v.size and np.array_equal(out, v)
+        # Keys name content: the stored ones are skipped, the new one is stored.
+        again = [*objs.items(), ("p-new", payload(7, 100))]
+        assert client.batch_put_from(again) == 1
+        assert client.exists(["p0", "p-new"]) == [True, True]
+
+
+def test_batch_put_stores_what_fits_and_says_the_store_is_full(cluster):
+    master, *_ = cluster
+    with DistStoreClient(master) as client:  # two nodes of 64 MiB, one replica each
+        wait_nodes(client, 2)
+        big = [(f"f{i}", payload(200 + i, 40 * MIB)) for i in range(4)]
+        with pytest.raises(StoreFull, match="BatchPutStart: f"):
+            client.batch_put_from(big)
+        stored = client.exists([k for k, _ in big])
+        assert 1 <= sum(stored) < 4
+        for (k, v), ok in zip(big, stored):
+            if ok:
+                out = np.zeros(v.size, dtype=np.uint8)
+                assert client.get_into(k, out) == v.size and np.array_equal(out, v)
 
 
 _NONE = pb.MethodCalls()

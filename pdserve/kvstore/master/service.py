@@ -20,8 +20,8 @@ from typing import Callable
 
 import grpc
 
-from pdserve.kvstore.channel import (CLUSTER_ID_METADATA, LEADER_METADATA, MISMATCH_METADATA,
-                                     cluster_mismatch)
+from pdserve.kvstore.channel import (CLUSTER_ID_METADATA, LEADER_METADATA, MAX_BATCH_ITEMS,
+                                     MISMATCH_METADATA, cluster_mismatch)
 from pdserve.kvstore.master.config import MasterConfig
 from pdserve.kvstore.master.core import MasterCore
 from pdserve.kvstore.master.journal import JournalFenced
@@ -77,6 +77,12 @@ class MethodTimes:
         return [pb.MethodCalls(method=m, calls=s["cumulative"][-1], bounds_s=s["bounds"],
                                cumulative=s["cumulative"], seconds=s["sum"])
                 for m, s in sorted(snaps.items())]
+
+
+def _check_batch(context, n: int, field: str) -> None:
+    if n > MAX_BATCH_ITEMS:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{field}: at most {MAX_BATCH_ITEMS} in one call, got {n}")
 
 
 def _timed(handler):
@@ -251,6 +257,47 @@ class MasterService(pb_grpc.KVMasterServicer):
         if placements is None:
             return pb.PutStartResponse(already_exists=True)
         return pb.PutStartResponse(placements=[placement_pb(p) for p in placements])
+
+    @_timed
+    def BatchPutStart(self, request, context):
+        """PutStart for many keys under one lock and one journal write: a prefill's blocks
+        cost the master one call and one fsync, not two per block."""
+        _check_batch(context, len(request.puts), "puts")
+
+        def start(now):
+            items = []
+            for r in request.puts:
+                try:
+                    placements = self.core.put_start(r.key, r.size_bytes, r.checksum,
+                                                     max(1, r.replicas), now)
+                except AlreadyExists:
+                    items.append(pb.PutStartItem(outcome=pb.PutStartItem.ALREADY_EXISTS))
+                except PutInProgress:
+                    items.append(pb.PutStartItem(outcome=pb.PutStartItem.IN_PROGRESS))
+                except NoSpace as e:
+                    items.append(pb.PutStartItem(outcome=pb.PutStartItem.NO_SPACE, error=str(e)))
+                except InvalidArgument as e:
+                    items.append(pb.PutStartItem(outcome=pb.PutStartItem.INVALID, error=str(e)))
+                else:
+                    items.append(pb.PutStartItem(placements=[placement_pb(p) for p in placements]))
+            return items
+        return pb.BatchPutStartResponse(items=self._serve(context, start))
+
+    @_timed
+    def BatchPutCommit(self, request, context):
+        _check_batch(context, len(request.keys), "keys")
+
+        def commit(now):
+            failed, errors = [], []
+            for key in request.keys:
+                try:
+                    self.core.put_commit(key, now)
+                except MasterError as e:
+                    failed.append(key)
+                    errors.append(str(e))
+            return failed, errors
+        failed, errors = self._serve(context, commit)
+        return pb.BatchPutCommitResponse(failed_keys=failed, errors=errors)
 
     @_timed
     def PutCommit(self, request, context):
