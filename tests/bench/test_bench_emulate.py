@@ -34,7 +34,7 @@ def test_bench_emulate_json_table_and_png(tmp_path):
         assert s["kv_event_lag"] is not None and s["kv_event_lag"]["count"] > 0
         calls = s["master_calls"]  # the prefill workers put KV, the decode workers fetch it
         assert calls["per_s"] > 0 and calls["p99_le"] is not None, calls
-        assert {"PutStart", "PutCommit", "Get"} <= set(calls["methods"]), calls
+        assert {"BatchPutStart", "BatchPutCommit", "Get"} <= set(calls["methods"]), calls
         kill = s["kill_tenth"]
         assert kill["killed"] >= 1 and kill["back_in_pools_s"] >= kill["restarted_s"] > 0
     with open(tmp_path / "emulate.json") as fh:
