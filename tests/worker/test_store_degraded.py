@@ -138,6 +138,10 @@ def test_a_master_without_storage_nodes_refuses_puts_and_the_probe_waits_for_a_n
     master, store, prefill, decode, service = roles
     procs = [start_master(master, str(tmp_path / "journal"))]
     try:
+        # While the store is down the worker's store client fails fast; its probe finds the
+        # master (which has no nodes): only then does a put reach it.
+        wait_for("the probe reached the new master",
+                 lambda: "no storage node" in store.view().reason)
         assert run(prefill, decode, 2) == reference[2]
         view = store.view()
         assert view.degraded and "no storage nodes are registered" in view.reason
