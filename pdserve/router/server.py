@@ -200,7 +200,6 @@ def run(cfg: RouterConfig, extra_routes: Sequence = (), health_address: str | No
         service.workers.close()
         return 1
     server.start()
-    control.start()
     where = f"{cfg.address.rsplit(':', 1)[0]}:{port}"
     control_where = f"{cfg.control_address.rsplit(':', 1)[0]}:{control_port}"
     http = None
@@ -214,6 +213,9 @@ def run(cfg: RouterConfig, extra_routes: Sequence = (), health_address: str | No
         control.stop(grace=None)
         service.workers.close()
         return 1
+    # The control listener answers last: its health is the launcher's and a startup probe's
+    # sign that the router is up, so the HTTP front door listens by then.
+    control.start()
     http_note = f" http={http.address}" if http is not None else ""
     print(f"pdserve.router ready on {where} model={service.model_names[0]}{http_note} "
           f"control={control_where}", flush=True)
