@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from abc import abstractmethod
 import random
 from array import array
 from collections.abc import Iterator, Sequence
@@ -153,7 +154,27 @@ def scale(requests: list[SimRequest], *, rate: float = 1.0, lengths: float = 1.0
     return out
 
 
-class TiledTrace(Sequence[SimRequest]):
+class _ColumnTrace(Sequence[SimRequest]):
+    """Requests held as columns and made when read: a subclass gives `__len__` and `_make(i)`."""
+
+    @abstractmethod
+    def _make(self, i: int) -> SimRequest:
+        """Request i, made from the columns."""
+
+    def __getitem__(self, key):  # type: ignore[override]
+        if isinstance(key, slice):
+            return [self._make(i) for i in range(*key.indices(len(self)))]
+        if key < 0:
+            key += len(self)
+        if not 0 <= key < len(self):
+            raise IndexError(f"{type(self).__name__} index out of range")
+        return self._make(key)
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        return (self._make(i) for i in range(len(self)))
+
+
+class TiledTrace(_ColumnTrace):
     """What `tile` makes, held as columns: each request's arrival, the trace request it copies
     and which copy it is (16 bytes a request, where a `SimRequest` with its prefix ids takes
     about a kilobyte); a request is made when read (`[i]`, iteration). Arrivals, prompt and
@@ -175,17 +196,6 @@ class TiledTrace(Sequence[SimRequest]):
                           self.arrival_s[i], r.prompt_tokens, r.output_tokens,
                           tuple(h + ns for h in r.block_hashes))
 
-    def __getitem__(self, key):  # type: ignore[override]
-        if isinstance(key, slice):
-            return [self._make(i) for i in range(*key.indices(len(self)))]
-        if key < 0:
-            key += len(self)
-        if not 0 <= key < len(self):
-            raise IndexError("TiledTrace index out of range")
-        return self._make(key)
-
-    def __iter__(self) -> Iterator[SimRequest]:
-        return (self._make(i) for i in range(len(self)))
 
     def columns(self) -> tuple[array, array, array]:
         """(arrival s, prompt tokens, output tokens) of every request, in order."""
@@ -195,7 +205,7 @@ class TiledTrace(Sequence[SimRequest]):
                 array("q", (output[j] for j in self.source)))
 
 
-class OwnIdsTrace(Sequence[SimRequest]):
+class OwnIdsTrace(_ColumnTrace):
     """Requests whose prompts share no prefix, held as columns (arrival, prompt and output
     tokens, first prefix id: 32 bytes a request); request i is `r<i>`, its prefix ids
     consecutive from its first, one per `HASH_BLOCK_TOKENS` prompt tokens. Made when read."""
@@ -219,17 +229,6 @@ class OwnIdsTrace(Sequence[SimRequest]):
         return SimRequest(f"r{i}", self.arrival_s[i], p, self.output[i],
                           tuple(range(first, first + _blocks_for(p))))
 
-    def __getitem__(self, key):  # type: ignore[override]
-        if isinstance(key, slice):
-            return [self._make(i) for i in range(*key.indices(len(self)))]
-        if key < 0:
-            key += len(self)
-        if not 0 <= key < len(self):
-            raise IndexError("OwnIdsTrace index out of range")
-        return self._make(key)
-
-    def __iter__(self) -> Iterator[SimRequest]:
-        return (self._make(i) for i in range(len(self)))
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, OwnIdsTrace):
