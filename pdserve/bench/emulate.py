@@ -128,13 +128,17 @@ def histogram(url: str, name: str, labels: str = "") -> dict[str, float] | None:
             count = float(line.rsplit(" ", 1)[1])
     if not count:
         return None
+    buckets.sort()
+    return {"p50_le": _bound(buckets, 0.5), "p99_le": _bound(buckets, 0.99), "count": count}
 
-    def q(frac: float) -> float:
-        for le, c in sorted(buckets):
-            if c >= frac * count:
-                return le
-        return math.inf
-    return {"p50_le": q(0.5), "p99_le": q(0.99), "count": count}
+
+def _bound(buckets: list[tuple[float, float]], frac: float) -> float | None:
+    """The smallest bucket bound holding `frac` of the observations ((bound, cumulative
+    count) pairs in order, the last the total); None without any."""
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    return next((le for le, c in buckets if c >= frac * total), math.inf)
 
 
 def master_calls(address: str) -> dict[str, dict[str, Any]]:
@@ -153,14 +157,6 @@ def master_calls(address: str) -> dict[str, dict[str, Any]]:
 def master_window(before: dict, after: dict, seconds: float) -> dict[str, Any]:
     """Calls per second and the p99 handler time (a bucket bound) between two counts, per
     method and over all of them."""
-    def p99(bounds: list[float], cum: list[int]) -> float | None:
-        if not cum or not cum[-1]:
-            return None
-        for le, c in zip([*bounds, math.inf], cum):
-            if c >= 0.99 * cum[-1]:
-                return le
-        return math.inf
-
     per, total_cum, bounds = {}, None, []
     for m, a in sorted(after.items()):
         b = before.get(m, {"cumulative": [0] * len(a["cumulative"])})
@@ -168,10 +164,12 @@ def master_window(before: dict, after: dict, seconds: float) -> dict[str, Any]:
         if not cum[-1]:
             continue
         bounds = a["bounds"]
-        per[m] = {"per_s": round(cum[-1] / seconds, 1), "p99_le": p99(bounds, cum)}
+        per[m] = {"per_s": round(cum[-1] / seconds, 1),
+                  "p99_le": _bound(list(zip([*bounds, math.inf], cum)), 0.99)}
         total_cum = cum if total_cum is None else [x + y for x, y in zip(total_cum, cum)]
     return {"per_s": round((total_cum[-1] if total_cum else 0) / seconds, 1),
-            "p99_le": p99(bounds, total_cum or []), "methods": per}
+            "p99_le": _bound(list(zip([*bounds, math.inf], total_cum or [])), 0.99),
+            "methods": per}
 
 
 # ---- load ----------------------------------------------------------------------------------
