@@ -189,7 +189,8 @@ class Cluster:
             self.connector.started()
         # The full blocks' hashes come from the trace's block ids (the scheduler takes them as
         # known); the router's are those of the reusable blocks (all tokens but the last).
-        known = self.known[i] = RequestPrompt(self.reqs, i, r.prompt_tokens, self.cfg.block_size)
+        known = self.known[i] = RequestPrompt(self.reqs, i, r.prompt_tokens, self.cfg.block_size,
+                                              self.cfg.prefix_block_tokens)
         hashes = self.hashes[i] = known[:(r.prompt_tokens - 1) // self.cfg.block_size]
         if self.cfg.admission.max_predicted_ttft_s > 0:
             cached, store = router.prefix(hashes)
@@ -380,7 +381,8 @@ class Cluster:
 
     def _hand_over(self, w: SimWorker, i: int) -> None:
         r = self.reqs[i]  # its KV named by the blocks the prefill worker put
-        w.engine.add_prefilled(str(i), prompt_tokens_of(r.block_hashes, r.prompt_tokens, i + 1),
+        w.engine.add_prefilled(str(i), prompt_tokens_of(r.block_hashes, r.prompt_tokens, i + 1,
+                                                        self.cfg.prefix_block_tokens),
                                self.hashes[i], r.output_tokens)
 
     # ---- workers -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pdserve.core.errors import ConfigError
 from pdserve.router.admission import AdmissionConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import DECODE_POLICIES, PREFILL_POLICIES
+from pdserve.sim.trace import HASH_BLOCK_TOKENS
 
 LINKS = ("per_worker", "shared")
 
@@ -50,6 +51,9 @@ class SimConfig:
     # The engine: token budget per step, batch size, KV block size (tokens) and blocks per
     # worker (None: the profile's kv_capacity_tokens / block_size).
     block_size: int = 16
+    # Prompt tokens per prefix id in the trace's `block_hashes` (the Mooncake trace's 512; a
+    # trace of prompts scaled down shares finer prefixes).
+    prefix_block_tokens: int = HASH_BLOCK_TOKENS
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
     max_waiting: int = 1_000_000
@@ -84,7 +88,8 @@ class SimConfig:
                      "stats_interval_s",
                      "slo_ttft_ms", "slo_itl_ms"):
             need(getattr(self, name) > 0, name, "must be > 0")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("block_size", "prefix_block_tokens", "max_num_seqs",
+                     "max_num_batched_tokens", "max_waiting"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         need(self.kv_blocks is None or self.kv_blocks >= 1, "kv_blocks", "must be >= 1")
         need(self.workers_per_host is None or self.workers_per_host >= 1, "workers_per_host",

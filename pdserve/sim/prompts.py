@@ -20,17 +20,17 @@ from pdserve.sim.trace import HASH_BLOCK_TOKENS, SimRequest
 
 
 def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
-                     unique: int) -> RunTokens:
-    """Token ids of a prompt whose `HASH_BLOCK_TOKENS`-token blocks carry `block_hashes`
-    (token value: the block's id + 2; blocks past the ids get `-unique`, never shared), as
-    runs (`RunTokens`: one per block, not a list of every token)."""
+                     unique: int, seg: int = HASH_BLOCK_TOKENS) -> RunTokens:
+    """Token ids of a prompt whose `seg`-token blocks carry `block_hashes` (token value: the
+    block's id + 2; blocks past the ids get `-unique`, never shared), as runs (`RunTokens`:
+    one per block, not a list of every token)."""
     values: list[int] = []
     ends: list[int] = []
     end = 0
     for h in block_hashes:
         if end >= prompt_tokens:
             break
-        end = min(end + HASH_BLOCK_TOKENS, prompt_tokens)
+        end = min(end + seg, prompt_tokens)
         values.append(h + 2)
         ends.append(end)
     if end < prompt_tokens:
@@ -40,14 +40,13 @@ def prompt_tokens_of(block_hashes: tuple[int, ...], prompt_tokens: int,
 
 
 def prompt_hashes_of(block_hashes: tuple[int, ...], prompt_tokens: int, unique: int,
-                     block_size: int) -> list[bytes]:
+                     block_size: int, seg: int = HASH_BLOCK_TOKENS) -> list[bytes]:
     """The chained hashes of the full `block_size`-token blocks of the prompt that
     `prompt_tokens_of` makes, derived from the trace's block ids without reading its tokens:
     each block is named by its runs of equal tokens (value x count) and its parent's hash. Two
     blocks get equal hashes exactly when their token ids and everything before them are equal,
     as with `hash_block`, whose names these never equal (a different encoding), so the
     scheduler can hash the blocks past them (decoded tokens) from token ids as usual."""
-    seg = HASH_BLOCK_TOKENS
     n_ids = min(len(block_hashes), -(-prompt_tokens // seg))
     out: list[bytes] = []
     parent = b""
@@ -80,25 +79,26 @@ class RequestPrompt:
     (`len`, indexing, slices, iteration; made on first read and kept). `forget` drops the
     list, and the next read makes it again, the same hashes: a 12,000-token prompt has 750
     blocks of 16 tokens, an object and a pointer each. The request's unique id (for tokens
-    past its prefix ids) is `index` + 1."""
+    past its prefix ids) is `index` + 1; each prefix id stands for `seg` tokens."""
 
-    __slots__ = ("trace", "index", "tokens", "block_size", "made")
+    __slots__ = ("trace", "index", "tokens", "block_size", "seg", "made")
 
     def __init__(self, trace: Sequence[SimRequest], index: int, tokens: int,
-                 block_size: int) -> None:
+                 block_size: int, seg: int = HASH_BLOCK_TOKENS) -> None:
         self.trace, self.index, self.tokens, self.block_size = trace, index, tokens, block_size
+        self.seg = seg
         self.made: list[bytes] | None = None
 
     def token_ids(self) -> RunTokens:
         r = self.trace[self.index]
-        return prompt_tokens_of(r.block_hashes, r.prompt_tokens, self.index + 1)
+        return prompt_tokens_of(r.block_hashes, r.prompt_tokens, self.index + 1, self.seg)
 
     def hashes(self) -> list[bytes]:
         made = self.made
         if made is None:
             r = self.trace[self.index]
             made = self.made = prompt_hashes_of(r.block_hashes, r.prompt_tokens,
-                                                self.index + 1, self.block_size)
+                                                self.index + 1, self.block_size, self.seg)
         return made
 
     def forget(self) -> None:

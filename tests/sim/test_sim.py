@@ -83,6 +83,17 @@ def test_prefixes_cached_by_another_worker_come_from_the_store():
     assert with_store["prompt_tokens_computed"] < without["prompt_tokens_computed"]
 
 
+def test_prefix_ids_stand_for_the_tokens_the_trace_says():
+    # Two 96-token prompts that share their first 64 tokens: prefix ids per 32 tokens tell
+    # them apart after that; as one id per 512 tokens, the first id covers both prompts whole.
+    reqs = [SimRequest("a", 0.0, 96, 4, (1, 2, 3)), SimRequest("b", 10.0, 96, 4, (1, 2, 4))]
+    computed = {seg: run(SimConfig(prefill_workers=1, decode_workers=1,
+                                   prefix_block_tokens=seg), reqs).summary()
+                ["prompt_tokens_computed"] for seg in (32, 512)}
+    # 96 + the 32 unshared (the last full block is recomputed for its first token: +16).
+    assert computed == {32: 96 + 32, 512: 96 + 16}
+
+
 def test_a_decode_worker_caching_all_but_a_short_tail_prefills_it_itself():
     """Conditional disaggregation, as the router's default: the same prompt again meets the
     decode worker that holds its blocks from the first time; it computes the 26-token tail
