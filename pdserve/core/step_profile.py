@@ -46,6 +46,13 @@ SHIPPED = ("cpu-smollm2-135m", "h100-llama3-8b", "h200-llama3-8b", "a100-llama2-
            "h100-llama2-7b")
 
 
+# The terms of a step's time (the formula above) and a flip's: what `slowed` scales.
+STEP_TERMS = ("overhead_s", "prefill_fixed_s", "decode_fixed_s", "prefill_token_s",
+              "prefill_attn_s", "decode_seq_s", "decode_ctx_s", "weights_read_s",
+              "kv_read_token_s", "serve_step_s", "serve_seq_s", "serve_prefill_step_s",
+              "serve_prefill_token_s", "flip_s")
+
+
 class ProfileError(ConfigError):
     """A profile field is missing or invalid; the message names the field."""
 
@@ -186,6 +193,18 @@ class StepProfile:
         return link.latency_s + nbytes / link.bytes_per_s
 
     # -- JSON -----------------------------------------------------------------------------
+    def slowed(self, factor: float) -> StepProfile:
+        """The same engine `factor` times slower: every step term (and a flip) scaled, the
+        transfers, KV sizes and capacity as they are. A large cluster of emulated workers
+        running this can be loaded by fewer arrivals per second than the profile's own."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ProfileError(f"a slowdown must be a number > 0, got {factor!r}")
+        if factor == 1:
+            return self
+        return dataclasses.replace(
+            self, **{name: getattr(self, name) * factor for name in STEP_TERMS},
+            origin=f"{self.origin}; every step x{factor:g}")
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["transports"] = {k: dataclasses.asdict(v) for k, v in sorted(self.transports.items())}

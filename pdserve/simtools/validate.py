@@ -19,22 +19,35 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import itertools
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
 from pdserve.core.errors import ConfigError
-from pdserve.core.stats import percentile
+from pdserve.simtools.validate_compare import compare, rankings
 
-METRICS = ("ttft_s", "itl_s", "e2e_s")
-STATS = ("mean", "p50", "p90", "p99")
 DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
-SIM_BLOCK_TOKENS = 512  # the simulator's prefix granularity (trace.HASH_BLOCK_TOKENS)
+TRACE_BLOCK_TOKENS = 512  # the trace's prefix granularity, before its prompts are scaled
 
 
 class ValidateError(ConfigError):
     """A validation setting that cannot work; the message names the flag."""
+
+
+def parse_routings(text: str) -> list[str]:
+    from pdserve.router.policy import PREFILL_POLICIES
+
+    out = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [x for x in out if x not in PREFILL_POLICIES]
+    if bad or not out:
+        raise ValidateError(f"--routing: {', '.join(bad) or 'nothing given'} is not one of "
+                            f"{', '.join(PREFILL_POLICIES)}")
+    if len(set(out)) != len(out):
+        raise ValidateError("--routing: a policy is named twice")
+    return out
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
@@ -50,16 +63,22 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
 
 
 # ---- the workload: one list of requests for both sides --------------------------------------
-def sim_blocks(prompts: list[list[int]]) -> list[tuple[int, ...]]:
-    """Prefix ids per `SIM_BLOCK_TOKENS` tokens, equal exactly when the tokens up to the end of
-    that block are equal (a chained digest), numbered in order of first appearance."""
+def prefix_block(s: dict[str, Any]) -> int:
+    """The real prompts share whole blocks of the trace, scaled: the simulator's prefix ids
+    stand for as many tokens each."""
+    return TRACE_BLOCK_TOKENS // s["token_scale"]
+
+
+def sim_blocks(prompts: list[list[int]], block: int) -> list[tuple[int, ...]]:
+    """Prefix ids per `block` tokens, equal exactly when the tokens up to the end of that block
+    are equal (a chained digest), numbered in order of first appearance."""
     ids: dict[bytes, int] = {}
     out = []
     for toks in prompts:
         h = hashlib.blake2b(digest_size=16)
         row = []
-        for start in range(0, len(toks), SIM_BLOCK_TOKENS):
-            h.update(json.dumps(toks[start:start + SIM_BLOCK_TOKENS]).encode())
+        for start in range(0, len(toks), block):
+            h.update(json.dumps(toks[start:start + block]).encode())
             row.append(ids.setdefault(h.copy().digest(), len(ids)))
         out.append(tuple(row))
     return out
@@ -116,15 +135,17 @@ def workload(s: dict[str, Any], model: str):
                              max_prompt_tokens=s["max_prompt_tokens"], seed=s["seed"])
     reqs = stagger(reqs, s["stagger_ms"] / 1000.0)
     prompts = [list(r.body["prompt"]) for r in reqs]
+    block = prefix_block(s)
     sims = [SimRequest(f"r{i}", r.arrival_s or 0.0, len(p), r.max_tokens, b)
-            for i, (r, p, b) in enumerate(zip(reqs, prompts, sim_blocks(prompts)))]
+            for i, (r, p, b) in enumerate(zip(reqs, prompts, sim_blocks(prompts, block)))]
     scale = {"token_scale": s["token_scale"], "arrival_speedup": speedup,
              "rate_rps": s["rate"], "max_tokens": s["max_tokens"],
              "stagger_ms": s["stagger_ms"],
              "max_prompt_tokens": s["max_prompt_tokens"], "requests": len(reqs),
              "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
              "shared_tokens_16": shared_fraction(prompts, 16),
-             "shared_tokens_512": shared_fraction(prompts, SIM_BLOCK_TOKENS)}
+             "prefix_block_tokens": block,
+             "shared_tokens_prefix_block": shared_fraction(prompts, block)}
     return reqs, sims, scale
 
 
@@ -188,7 +209,8 @@ class RunnableSampler:
         return sum(kept) / len(kept) if kept else None
 
 
-def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[str, Any]:
+def real_side(reqs, p: int, d: int, policy: str, model: str, s: dict[str, Any], say
+              ) -> dict[str, Any]:
     from pdserve.bench import serve_client as client
     from pdserve.bench.serve import _model_name
     from pdserve.bench.serve_summary import completed
@@ -202,12 +224,13 @@ def real_side(reqs, p: int, d: int, model: str, s: dict[str, Any], say) -> dict[
     emulated = s.get("engine") == "emulated"
     spec = ClusterSpec(model_path=model, router_port=free_ports(1)[0], http_port=0,
                        prefill_workers=p, decode_workers=d, controller=False,
-                       routing=s["routing"], ready_timeout_s=600, share_cores=False,
+                       routing=policy, ready_timeout_s=600, share_cores=False,
                        max_local_prefill_tokens=0,
-                       **(dict(engine="emulated", profile=s["profile"], kv_scale=s["kv_scale"])
+                       **(dict(engine="emulated", profile=s["emulated_profile"],
+                               kv_scale=s["kv_scale"])
                           if emulated else {}))
     before = os.getloadavg()[0]  # the cluster's own start-up raises the 1-minute average
-    say(f"{p}P{d}D: starting the cluster (load average {before:.2f})")
+    say(f"{p}P{d}D {policy}: starting the cluster (load average {before:.2f})")
     with LocalCluster(spec) as cluster:
         name = _model_name(cluster.http_address)
         done = [0]
@@ -248,17 +271,18 @@ def background_of(s: dict[str, Any], real: dict[str, Any]) -> float:
     return float(text)
 
 
-def sim_side(sims, p: int, d: int, profile, s: dict[str, Any], background: float = 0.0
-             ) -> dict[str, Any]:
+def sim_side(sims, p: int, d: int, policy: str, profile, s: dict[str, Any],
+             background: float = 0.0) -> dict[str, Any]:
     from pdserve.sim.config import SimConfig
     from pdserve.sim.run import simulate
 
     wph = s.get("workers_per_host")
     if s.get("engine") == "emulated":  # each emulated worker waits out its own steps
         wph = 0
-    cfg = SimConfig(prefill_workers=p, decode_workers=d, prefill_policy=s["routing_policy"],
+    cfg = SimConfig(prefill_workers=p, decode_workers=d, prefill_policy=policy,
                     max_num_batched_tokens=s["max_num_batched_tokens"], max_num_seqs=64,
                     transport="shm", seed=s["seed"], max_local_prefill_tokens=0,
+                    prefix_block_tokens=prefix_block(s),
                     workers_per_host=p + d if wph is None else wph or None,
                     host_background_threads=background)
     t0 = time.monotonic()
@@ -273,25 +297,6 @@ def sim_side(sims, p: int, d: int, profile, s: dict[str, Any], background: float
                            [rep.output_tokens[i] for i in ok])}
 
 
-# ---- the comparison (pure) ------------------------------------------------------------------
-def stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return dict.fromkeys(STATS)
-    return {"mean": sum(values) / len(values), "p50": percentile(values, 50),
-            "p90": percentile(values, 90), "p99": percentile(values, 99)}
-
-
-def compare(real: dict[str, list], sim: dict[str, list]) -> dict[str, dict[str, Any]]:
-    """Per metric and statistic: real, simulated and (sim - real) / real."""
-    out: dict[str, dict[str, Any]] = {}
-    for m in METRICS:
-        r, s = stats(real[m]), stats(sim[m])
-        out[m] = {k: {"real": r[k], "sim": s[k],
-                      "error": None if not r[k] or s[k] is None else (s[k] - r[k]) / r[k]}
-                  for k in STATS}
-    return out
-
-
 def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say):
     """(the profile to simulate with, the profile as given): `--steps now`/`quick` re-measure
     the given profile's step constants on this machine (the engine alone; `now` also its
@@ -303,6 +308,7 @@ def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
 
     given = load_profile(s["profile"])
     if s.get("engine") == "emulated":  # the emulated engine is the profile: its KV scaled too
+        given = given.slowed(s.get("slowdown", 1.0))
         scaled = dataclasses.replace(given, kv_bytes_per_token=max(
             1, round(given.kv_bytes_per_token * s["kv_scale"])))
         if s["steps"] == "profile":
@@ -311,7 +317,8 @@ def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
             say("serving costs: those measured with the recorded run")
             return StepProfile.from_dict(recorded_doc["profile"]), scaled
         # The steps are the profile's; what this machine adds around them is measured.
-        return serving_now(scaled, s["profile"], model, STEPS_NOW, s["kv_scale"], say), scaled
+        return serving_now(scaled, s["emulated_profile"], model, STEPS_NOW, s["kv_scale"],
+                           say), scaled
     if s["steps"] == "profile":
         return given, given
     if recorded_doc.get("profile"):
@@ -331,28 +338,49 @@ def validate(s: dict[str, Any], say=lambda line: None) -> dict[str, Any]:
             recorded_doc = json.load(f)
         # Its arrivals as they were sent (records from before the spacing: simultaneous).
         s = {**s, "stagger_ms": recorded_doc["scale"].get("stagger_ms", 0.0)}
+    with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as tmp:
+        return _validate(_emulated_profile(s, tmp), model, recorded_doc, say)
+
+
+def _emulated_profile(s: dict[str, Any], tmp: str) -> dict[str, Any]:
+    """`s` with the profile the emulated workers run: the one named, or with `--slowdown` the
+    same engine that much slower, written to a file they read."""
+    from pdserve.core.step_profile import load_profile
+
+    if s.get("engine") != "emulated" or s.get("slowdown", 1.0) == 1.0:
+        return {**s, "emulated_profile": s["profile"]}
+    path = os.path.join(tmp, "profile.json")
+    load_profile(s["profile"]).slowed(s["slowdown"]).save(path)
+    return {**s, "emulated_profile": path}
+
+
+def _validate(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
+              ) -> dict[str, Any]:
     reqs, sims, scale = workload(s, model)
     say(f"{len(reqs)} requests, prompts / {scale['token_scale']} "
         f"(mean {scale['mean_prompt_tokens']:.0f} tokens), {s['rate']} req/s, "
         f"outputs <= {s['max_tokens']}")
-    recorded = {r["config"]: r["real"] for r in recorded_doc.get("runs", [])}
+    recorded = {r.get("label", r["config"]): r["real"] for r in recorded_doc.get("runs", [])}
     profile, given = profile_for(s, model, recorded_doc, say)
     runs = []
-    for p, d in s["configs"]:
-        real = recorded.get(f"{p}P{d}D") or real_side(reqs, p, d, model, s, say)
+    for (p, d), policy in itertools.product(s["configs"], s["routings"]):
+        label = f"{p}P{d}D" + (f" {policy}" if len(s["routings"]) > 1 else "")
+        real = recorded.get(label) or real_side(reqs, p, d, policy, model, s, say)
         background = background_of(s, real)
-        sim = sim_side(sims, p, d, profile, s, background)
+        sim = sim_side(sims, p, d, policy, profile, s, background)
         cmp = compare(real, sim)
-        say(f"{p}P{d}D: TTFT mean real {cmp['ttft_s']['mean']['real']:.2f} s, sim "
+        say(f"{label}: TTFT mean real {cmp['ttft_s']['mean']['real']:.2f} s, sim "
             f"{cmp['ttft_s']['mean']['sim']:.2f} s")
-        run = {"config": f"{p}P{d}D", "real": real, "sim": sim, "compare": cmp}
+        run = {"config": f"{p}P{d}D", "routing": policy, "label": label, "real": real,
+               "sim": sim, "compare": cmp}
         if profile is not given:  # what the profile's own step constants would have said
-            run["compare_given"] = compare(real, sim_side(sims, p, d, given, s, background))
+            run["compare_given"] = compare(
+                real, sim_side(sims, p, d, policy, given, s, background))
         runs.append(run)
-    return {"settings": {k: v for k, v in s.items() if k != "configs"},
+    return {"settings": {k: v for k, v in s.items() if k not in ("configs", "emulated_profile")},
             "configs": [f"{p}P{d}D" for p, d in s["configs"]], "scale": scale,
             "profile_origin": profile.origin, "given_profile_origin": given.origin,
-            "profile": profile.to_dict(), "runs": runs}
+            "profile": profile.to_dict(), "runs": runs, "rankings": rankings(runs)}
 
 
 # ---- CLI ------------------------------------------------------------------------------------
@@ -377,7 +405,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "a 1P1D cluster; quick: fewer points, the constants only), or the "
                         "profile's own (default now)")
     p.add_argument("--model", default=None, help="model path (default SmolLM2-135M GGUF)")
-    p.add_argument("--routing", default="kv_aware", help="prefill routing on both sides")
+    p.add_argument("--routing", default="kv_aware",
+                   help="prefill routing on both sides; several, comma-separated, run each "
+                        "configuration with each, and their ranking is compared (default "
+                        "kv_aware)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="validate_out", help="folder for validate.json/.png")
@@ -398,6 +429,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--kv-scale", type=float, default=1 / 64,
                    help="with --engine emulated: KV bytes per token as a fraction of the "
                         "profile's, on both sides (default 1/64)")
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="with --engine emulated: every modelled step this many times as long "
+                        "on both sides (the profile's engine, slower), so this machine can "
+                        "load a large cluster at the arrivals it can send (default 1)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     return p
 
@@ -422,6 +457,11 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
                                 f"{a.host_background!r}")
     if not a.rate > 0:
         raise ValidateError("--rate must be > 0")
+    if not (a.slowdown >= 1 and a.slowdown < 1e6):
+        raise ValidateError(f"--slowdown must be >= 1, got {a.slowdown}")
+    if a.slowdown != 1 and a.engine != "emulated":
+        raise ValidateError("--slowdown needs --engine emulated (a real engine's steps take "
+                            "what they take)")
     if not 0 < a.kv_scale <= 1:
         raise ValidateError(f"--kv-scale must be in (0, 1], got {a.kv_scale}")
     if not 0 <= a.stagger_ms < 10_000:
@@ -433,10 +473,10 @@ def settings_from_args(a: argparse.Namespace) -> dict[str, Any]:
             "stagger_ms": a.stagger_ms,
             "configs": parse_configs(a.configs), "profile": a.profile, "steps": a.steps,
             "model": a.model,
-            "routing": a.routing, "routing_policy": a.routing, "timeout_s": a.timeout_s,
+            "routings": parse_routings(a.routing), "timeout_s": a.timeout_s,
             "seed": a.seed, "max_num_batched_tokens": STEP_TOKENS["cpu"], "real_from": a.real_from,
             "workers_per_host": a.workers_per_host, "host_background": a.host_background,
-            "engine": a.engine, "kv_scale": a.kv_scale}
+            "engine": a.engine, "kv_scale": a.kv_scale, "slowdown": a.slowdown}
 
 
 def run(args: argparse.Namespace) -> int:

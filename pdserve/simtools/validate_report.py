@@ -1,8 +1,9 @@
 """What `pdserve sim validate` shows: the error table, validate.json and validate.png.
 
-Owns the presentation: per configuration and metric (TTFT, ITL per request, e2e), real and
-simulated mean/p50/p90/p99 and the relative error, with the scale factors in the title; the
-plot draws both distributions (CDFs) per configuration and metric. Must not measure.
+Owns the presentation: per run (a configuration, with a routing policy where several were run)
+and metric (TTFT, ITL per request, e2e), real and simulated mean/p50/p90/p99 and the relative
+error, with the scale factors in the title; with several runs, their ranking on both sides; the
+plot draws both distributions (CDFs) per run and metric. Must not measure.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from pdserve.simtools.validate import METRICS, STATS
+from pdserve.simtools.validate_compare import METRICS, STATS
 
 LABELS = {"ttft_s": "TTFT", "itl_s": "ITL (per request)", "e2e_s": "e2e latency"}
 
@@ -36,7 +37,7 @@ def print_table(doc: dict[str, Any], console=None) -> None:
     con = console or Console(width=120)
     for run in doc["runs"]:
         real = run["real"]
-        t = Table(title=(f"sim validate {run['config']}: real cluster vs simulator (ms); "
+        t = Table(title=(f"sim validate {_label(run)}: real cluster vs simulator (ms); "
                          f"{scale_text(doc)}; load avg {real['loadavg_1m_start']:.2f}"))
         for col in ("metric", "stat", "real ms", "sim ms", "error"):
             t.add_column(col, justify="left" if col in ("metric", "stat") else "right")
@@ -48,10 +49,34 @@ def print_table(doc: dict[str, Any], console=None) -> None:
         con.print(t)
         given = run.get("compare_given")
         if given:
-            con.print(f"{run['config']} with the profile's own step constants: mean error " +
+            con.print(f"{_label(run)} with the profile's own step constants: mean error " +
                       ", ".join(f"{LABELS[m]} {_f(given[m]['mean']['error'], pct=True)}"
                                 for m in METRICS))
+    print_rankings(doc, con)
     con.print(f"profile: {doc['profile_origin']}")
+
+
+def _label(run: dict[str, Any]) -> str:
+    return run.get("label", run["config"])
+
+
+def print_rankings(doc: dict[str, Any], con) -> None:
+    from rich.table import Table
+
+    ranks = doc.get("rankings") or {}
+    if not ranks:
+        return
+    t = Table(title=(f"ranking, best first (pairs the real cluster separates by more than "
+                     f"{100 * ranks['tie']:.0f}%)"))
+    for col in ("metric", "real", "simulator", "pairs", "ordered otherwise"):
+        t.add_column(col)
+    for key, r in ranks.items():
+        if key == "tie":
+            continue
+        m, k = key.split(".")
+        t.add_row(f"{LABELS[m]} {k}", " < ".join(r["real"]), " < ".join(r["sim"]),
+                  str(r["pairs"]), "; ".join(" < ".join(w) for w in r["wrong"]) or "none")
+    con.print(t)
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
@@ -70,7 +95,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
                     ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], style, where="post",
                             label=side)
             err = run["compare"][m]["mean"]["error"]
-            ax.set_title(f"{run['config']} {LABELS[m]}: mean error "
+            ax.set_title(f"{_label(run)} {LABELS[m]}: mean error "
                          f"{_f(err, pct=True)}", fontsize=9)
             ax.set_xlabel("seconds")
             ax.set_ylabel("CDF")

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.core.step_profile import StepProfile, load_profile
-from pdserve.simtools.validate import (ValidateError, add_arguments, background_of, compare,
-                                  parse_configs, settings_from_args, shared_fraction, sim_blocks)
+from pdserve.simtools.validate import (ValidateError, add_arguments, background_of,
+                                       parse_configs, settings_from_args, shared_fraction,
+                                       sim_blocks)
+from pdserve.simtools.validate_compare import compare, ranking, rankings
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "tests" / "data" / "mooncake_conversation_trace_head300.jsonl"
@@ -24,10 +26,11 @@ def test_sim_blocks_are_equal_exactly_when_the_prefix_is():
     a = list(range(1200))
     b = a[:1024] + [7] * 100  # shares two whole 512-token blocks with a
     c = [9] + a[1:1200]  # differs in the first token: shares nothing
-    ids = sim_blocks([a, b, c])
+    ids = sim_blocks([a, b, c], 512)
     assert ids[0][:2] == ids[1][:2] and ids[0][2] != ids[1][2]
     assert not set(ids[2]) & set(ids[0])
     assert [len(x) for x in ids] == [3, 3, 3]
+    assert sim_blocks([a, b], 32)[1][:32] == sim_blocks([a], 32)[0][:32]
 
 
 def test_shared_fraction():
@@ -132,18 +135,27 @@ def test_an_emulated_cluster_is_replayed_against_the_simulator_on_the_same_profi
         [sys.executable, "-m", "pdserve.simtools.validate", "--trace", str(TRACE), "--requests",
          "12", "--scale", "64", "--max-tokens", "16", "--rate", "4", "--configs", "2p3d",
          "--engine", "emulated", "--profile", "h100-llama3-8b", "--kv-scale", "0.01",
+         "--routing", "kv_aware,round_robin", "--slowdown", "2",
          "--out", str(tmp_path / "e"), "--json"], capture_output=True, text=True, timeout=600,
         cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
+    assert [r["label"] for r in doc["runs"]] == ["2P3D kv_aware", "2P3D round_robin"]
     run = doc["runs"][0]
     assert run["config"] == "2P3D" and run["real"]["ok"] == run["sim"]["ok"] == 12
-    # Both sides use the profile's steps as shipped, its KV bytes scaled as the emulated
-    # workers'; the simulator adds what this machine's processes take around those steps,
-    # measured on an emulated 1P1D cluster (a GPU profile has no serving costs of its own).
+    # Both sides use the profile's steps twice as long (--slowdown), its KV bytes scaled as
+    # the emulated workers'; the simulator adds what this machine's processes take around
+    # those steps, measured on an emulated 1P1D cluster (a GPU profile has no serving costs of
+    # its own).
     shipped = load_profile("h100-llama3-8b")
     prof = StepProfile.from_dict(doc["profile"])
-    assert prof.decode_fixed_s == shipped.decode_fixed_s
+    assert prof.weights_read_s == 2 * shipped.weights_read_s
+    assert prof.prefill_token_s == 2 * shipped.prefill_token_s
+    # The emulated workers ran the slower steps too: a decode step's gap is at least the
+    # slowed step, which the shipped one is well under.
+    assert run["compare"]["itl_s"]["p50"]["real"] >= prof.decode_s(1, 0)
+    # The two policies are ranked on both sides, per metric.
+    assert set(doc["rankings"]["ttft_s.mean"]["real"]) == {"2P3D kv_aware", "2P3D round_robin"}
     assert prof.kv_bytes_per_token == round(shipped.kv_bytes_per_token * 0.01)
     assert shipped.serve_prefill_step_s == shipped.serve_step_s == 0
     assert prof.serve_prefill_step_s + prof.serve_prefill_token_s > 0
@@ -172,3 +184,51 @@ def test_simultaneous_arrivals_are_spaced_in_trace_order():
     assert got == pytest.approx([0.0, 0.05, 0.1, 0.15, 3.0, 3.05, 9.0])
     assert [r.arrival_s for r in stagger(reqs, 0.0)] == times
     assert stagger(reqs, 0.05)[0] is reqs[0]  # unchanged requests are the same objects
+
+
+def test_ranking_counts_only_pairs_the_real_side_separates():
+    # a < b < c measured; the simulator swaps b and c and calls a and b equal.
+    vals = {"a": (1.0, 2.0), "b": (2.0, 2.0), "c": (3.0, 1.9), "d": (3.05, 5.0)}
+    r = ranking(vals, tie=0.05)
+    assert r["real"] == ["a", "b", "c", "d"] and r["sim"][0] == "c"
+    # c and d are within 5% on the real side: a tie, either order right; five pairs remain.
+    assert r["pairs"] == 5 and not r["same"]
+    assert sorted(r["wrong"]) == [["a", "b"], ["a", "c"], ["b", "c"]]
+    assert ranking({"x": (1.0, 1.5), "y": (2.0, 2.5)})["same"]
+
+
+def test_rankings_cover_each_metric_and_need_two_runs():
+    def run(label, ttft, itl, e2e):
+        return {"label": label, "compare": compare(
+            {"ttft_s": [ttft], "itl_s": [itl], "e2e_s": [e2e]},
+            {"ttft_s": [ttft * 1.1], "itl_s": [itl * 0.9], "e2e_s": [e2e]})}
+    runs = [run("1P3D", 2.0, 0.1, 5.0), run("2P2D", 1.0, 0.2, 6.0)]
+    doc = rankings(runs)
+    assert doc["ttft_s.mean"]["real"] == ["2P2D", "1P3D"] and doc["ttft_s.mean"]["same"]
+    assert doc["itl_s.p90"]["real"] == ["1P3D", "2P2D"]
+    assert rankings(runs[:1]) == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--routing", "kv_aware,fastest"], "--routing: fastest is not one of"),
+    (["--routing", "kv_aware,kv_aware"], "named twice"),
+    (["--slowdown", "0.5", "--engine", "emulated"], "--slowdown must be >= 1"),
+    (["--slowdown", "4"], "--slowdown needs --engine emulated"),
+])
+def test_bad_routing_and_slowdown_are_named(argv, message):
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--trace", str(TRACE), *argv])
+    with pytest.raises(ValidateError, match=message):
+        settings_from_args(args)
+
+
+def test_a_slowed_profile_scales_every_step_term_and_nothing_else():
+    shipped = load_profile("h100-llama3-8b")
+    slow = shipped.slowed(10)
+    assert slow.decode_s(8, 4096) == pytest.approx(10 * shipped.decode_s(8, 4096))
+    assert slow.prefill_s(512, 256) == pytest.approx(10 * shipped.prefill_s(512, 256))
+    assert slow.flip_s == 10 * shipped.flip_s
+    assert (slow.kv_bytes_per_token, slow.transports, slow.kv_capacity_tokens) == (
+        shipped.kv_bytes_per_token, shipped.transports, shipped.kv_capacity_tokens)
+    assert "x10" in slow.origin and shipped.slowed(1) is shipped
+    with pytest.raises(ValueError, match="slowdown must be a number > 0"):
+        shipped.slowed(0)
