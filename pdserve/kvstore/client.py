@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import time
 import zlib
 from dataclasses import dataclass
@@ -259,6 +260,11 @@ class KVStoreClient:
         if not response.found:
             raise KeyNotFound([key])
         return self._copy_into(response, view)
+
+    def readers(self, keys: Sequence[str]) -> list[Callable[[BufferLike], int]]:
+        """One reader per key: `reader(buffer)` is `get_into(key, buffer)` (the store server
+        holds the objects itself: there is nothing to locate first)."""
+        return [functools.partial(self.get_into, key) for key in keys]
 
     def batch_get_into(
         self, keys: Sequence[str], buffers: Sequence[BufferLike], *, missing_ok: bool = False

@@ -14,11 +14,13 @@ appear. Must not import `pdserve.engine`.
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -293,13 +295,28 @@ class DistStoreClient:
 
     def get_into(self, key: str, buffer) -> int:
         """Read `key` into the caller's writable buffer; returns the bytes written."""
+        return self._read_found(self._call("Get", pb.MasterGetRequest(keys=[key])).objects[0],
+                                buffer)
+
+    def readers(self, keys: Sequence[str]) -> list[Callable[[Any], int]]:
+        """One reader per key, the objects located with one master call (per
+        `MAX_BATCH_ITEMS`): `reader(buffer)` reads that object into the caller's writable
+        buffer and returns the bytes written, as `get_into` does (ObjectNotFound where the key
+        was not stored). The master leases what it located, so a reader used within the lease
+        reads what was located."""
+        infos = []
+        for at in range(0, len(keys), MAX_BATCH_ITEMS):
+            infos += self._call("Get", pb.MasterGetRequest(
+                keys=list(keys[at:at + MAX_BATCH_ITEMS]))).objects
+        return [functools.partial(self._read_found, info) for info in infos]
+
+    def _read_found(self, info, buffer) -> int:
         view = memoryview(buffer).cast("B")
-        info = self._call("Get", pb.MasterGetRequest(keys=[key])).objects[0]
         if not info.found:
-            raise ObjectNotFound(f"{key} is not stored")
+            raise ObjectNotFound(f"{info.key} is not stored")
         if info.size_bytes > view.nbytes:
-            raise DistStoreError(f"get {key}: buffer of {view.nbytes} bytes is smaller than the "
-                                 f"object ({info.size_bytes})")
+            raise DistStoreError(f"get {info.key}: buffer of {view.nbytes} bytes is smaller "
+                                 f"than the object ({info.size_bytes})")
         return self._read_replicas(info, view)
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence) -> list[int | None]:

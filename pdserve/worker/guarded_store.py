@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from pdserve.kvstore.errors import KVStoreError, NotStored, StoreError
 from pdserve.worker.store_health import StoreHealth, StoreHealthView
@@ -52,6 +52,12 @@ class GuardedStore:
 
     def get_into(self, key: str, buffer) -> int:
         return self._guard("get", lambda: self.store.get_into(key, buffer))
+
+    def readers(self, keys) -> list[Callable[[Any], int]]:
+        """The store's readers (one lookup for all the keys), each read guarded."""
+        def guarded(read: Callable[[Any], int]) -> Callable[[Any], int]:
+            return lambda buffer: self._guard("get", lambda: read(buffer))
+        return [guarded(r) for r in self._guard("get", lambda: self.store.readers(keys))]
 
     @property
     def reads_by_transport(self) -> dict:

@@ -73,14 +73,21 @@ def put_missing(store, keys: list[str], blocks: list[torch.Tensor]) -> int:
     return len(todo)
 
 
-def _reader(store, key: str) -> Callable[[Any], int]:
-    """Reads the object into a writable buffer (bytearray, numpy array); -1 when it cannot."""
-    def read(buf: Any) -> int:
-        try:
-            return store.get_into(key, buf)
-        except _MISSING:  # missing, evicted, node lost, corrupt, the store down: recompute
-            return -1
-    return read
+def _readers(store, keys: list[str]) -> list[Callable[[Any], int]]:
+    """Per key, a reader of the object into a writable buffer (bytearray, numpy array) that
+    gives -1 when it cannot; the objects located with one store call. None can be read when
+    that call fails."""
+    def safe(read: Callable[[Any], int]) -> Callable[[Any], int]:
+        def go(buf: Any) -> int:
+            try:
+                return read(buf)
+            except _MISSING:  # missing, evicted, node lost, corrupt, the store down: recompute
+                return -1
+        return go
+    try:
+        return [safe(r) for r in store.readers(keys)]
+    except _MISSING:
+        return []
 
 
 def fetch_block(store, key: str, engine, staging: HostStaging | None = None
@@ -88,14 +95,14 @@ def fetch_block(store, key: str, engine, staging: HostStaging | None = None
     """Read one block from the store into a fresh block tensor on the engine's device; None if
     unavailable.
 
-    Works with either store client (both have `get_into`); any store error means "not there":
+    Works with either store client (both have `readers`); any store error means "not there":
     the caller recomputes what it cannot fetch.
     """
     if _byte_blocks(engine):
-        got = _fetch_bytes(engine.kv.block_bytes, [_reader(store, key)])
+        got = _fetch_bytes(engine.kv.block_bytes, _readers(store, [key]))
         return got[0] if got else None
     got = (staging or default_staging()).fetch_many(
-        engine.kv.block_shape(), engine.model.dtype, engine.kv.k.device, [_reader(store, key)])
+        engine.kv.block_shape(), engine.model.dtype, engine.kv.k.device, _readers(store, [key]))
     return got[0] if got else None
 
 
@@ -104,11 +111,10 @@ def fetch_run(store, engine, hashes: list[bytes], keys: list[str],
     """Fetch blocks in order until the first one the store cannot give; the rest is recomputed.
     On a GPU a block's copy to the device overlaps the next block's read."""
     if _byte_blocks(engine):
-        return list(zip(hashes, _fetch_bytes(engine.kv.block_bytes,
-                                             [_reader(store, k) for k in keys])))
+        return list(zip(hashes, _fetch_bytes(engine.kv.block_bytes, _readers(store, keys))))
     got = (staging or default_staging()).fetch_many(
         engine.kv.block_shape(), engine.model.dtype, engine.kv.k.device,
-        [_reader(store, k) for k in keys])
+        _readers(store, keys))
     return list(zip(hashes, got))
 
 

@@ -252,6 +252,35 @@ def test_batch_get_reads_many_objects_with_one_master_call(cluster):
             assert len(m.cumulative) == len(m.bounds_s) + 1 and m.seconds > 0
 
 
+def test_a_decode_fetch_locates_a_prompts_blocks_with_one_master_call(cluster):
+    from pdserve.core.step_profile import load_profile
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.emulated import emulated_engine
+    from pdserve.engine.model_files import default_model_path
+    from pdserve.worker.guarded_store import GuardedStore
+    from pdserve.worker.kv_blocks import fetch_run
+
+    master, *_ = cluster
+    engine = emulated_engine(EngineConfig(default_model_path()), load_profile("h100-llama3-8b"),
+                             kv_scale=1 / 64)
+    size = engine.kv.block_bytes
+    with DistStoreClient(master) as client:
+        wait_nodes(client, 2)
+        blocks = [bytes([i]) * size for i in range(30)]
+        keys = [f"blk{i}" for i in range(30)]
+        store = GuardedStore(client)
+        store.batch_put_from([(k, memoryview(b), None) for k, b in zip(keys[:20], blocks)])
+        before = _calls(client)
+        # The first 20 are stored: they are read in order, the run stops at the first miss.
+        got = fetch_run(store, engine, [k.encode() for k in keys], keys)
+        assert [b for _, b in got] == blocks[:20]
+        assert _calls(client)["Get"].calls - before.get("Get", _NONE).calls == 1
+        # A reader of a key the store does not hold says so when used, as get_into does.
+        reader, = client.readers(["nowhere"])
+        with pytest.raises(ObjectNotFound, match="nowhere is not stored"):
+            reader(bytearray(size))
+
+
 def test_batch_put_stores_many_objects_with_two_master_calls(cluster):
     master, *_ = cluster
     with DistStoreClient(master) as client:

@@ -60,6 +60,9 @@ class GatedStore:
             raise KeyError(key)
         return self.client.get_into(key, buf)
 
+    def readers(self, keys):
+        return [lambda buf, key=key: self.get_into(key, buf) for key in keys]
+
     def close(self) -> None:
         self.client.close()
 
