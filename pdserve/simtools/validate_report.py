@@ -21,7 +21,16 @@ def scale_text(doc: dict[str, Any]) -> str:
     sc = doc["scale"]
     return (f"scale: prompts / {sc['token_scale']} (mean {sc['mean_prompt_tokens']:.0f} tokens), "
             f"arrivals x{sc['arrival_speedup']:.3g} ({sc['rate_rps']} req/s), outputs <= "
-            f"{sc['max_tokens']}, {sc['requests']} requests")
+            f"{sc['max_tokens']}, {sc['requests']} requests{_emulated_text(doc)}")
+
+
+def _emulated_text(doc: dict[str, Any]) -> str:
+    st = doc.get("settings", {})
+    if st.get("engine") != "emulated":
+        return ""
+    slow = st.get("slowdown", 1.0)
+    return (f"; emulated {st['profile']}" + (f", every step x{slow:g}" if slow != 1 else "")
+            + f", KV x{st['kv_scale']:.3g}")
 
 
 def _f(x: float | None, pct: bool = False) -> str:
@@ -101,8 +110,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
             ax.set_ylabel("CDF")
             ax.legend(fontsize=8)
     fig.suptitle(scale_text(doc), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (3.2 * len(runs))))  # room for the title
+    fig.savefig(path, dpi=80 if len(runs) > 4 else 110)
     plt.close(fig)
 
 
