@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.channel import RotatingChannel
 from pdserve.lifecycle import StopSignals
+from pdserve.rpc_bound import BoundedPool, refuse_if_busy
 from pdserve.security import tls as security
 from pdserve.security.guard import CONTROL, INTERNAL, Guard
 
@@ -59,11 +60,13 @@ _OPTIONS = [
 
 
 def make_server(max_workers: int, maximum_concurrent_rpcs: int | None = None,
-                max_receive_message_bytes: int | None = None) -> grpc.Server:
+                max_receive_message_bytes: int | None = None,
+                on_busy: Callable[[], None] = lambda: None) -> grpc.Server:
     """A thread-pool gRPC server with pdserve's message size limits; not yet bound or started.
 
     `maximum_concurrent_rpcs` bounds RPCs in progress (queued for a thread or running); past it
-    gRPC answers RESOURCE_EXHAUSTED at once instead of queueing without limit. None: no bound.
+    a call is answered RESOURCE_EXHAUSTED at once, with a `retry-after` trailer, instead of
+    queueing without limit (and `on_busy` is called). None: no bound.
     `max_receive_message_bytes` lowers the largest request message accepted (default
     MAX_MESSAGE_BYTES): gRPC refuses a larger one with RESOURCE_EXHAUSTED from its length
     prefix, before the bytes are buffered or parsed. A front door with small requests sets it.
@@ -80,11 +83,10 @@ def make_server(max_workers: int, maximum_concurrent_rpcs: int | None = None,
     # silently share its connections; turning it off makes the second one fail to start.
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", receive), ("grpc.so_reuseport", 0)]
-    return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=options,
-        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
-    )
+    pool = (futures.ThreadPoolExecutor(max_workers=max_workers)
+            if maximum_concurrent_rpcs is None else
+            BoundedPool(max_workers, maximum_concurrent_rpcs, on_busy))
+    return grpc.server(pool, options=options)
 
 
 class _Undecodable:
@@ -127,6 +129,7 @@ def _guarded(method: str, handler: grpc.RpcMethodHandler,
                       f"{method}: the request does not parse: {bad.reason}")
 
     def admit(context: grpc.ServicerContext) -> contextvars.Token | None:
+        refuse_if_busy(method, context)
         if guard is None:
             return None
         verdict = guard.check(method, context)

@@ -58,11 +58,12 @@ class RouterConfig:
     # None: derived from max_in_flight (see __post_init__ and `RPC_SPARE_THREADS`).
     rpc_threads: int | None = flag(None, help=(
         "gRPC handler threads (default: max-in-flight + 32; at least max-in-flight + 4)"))
-    # gRPC's own bound on calls running or queued; past it gRPC refuses by itself with a bare
-    # RESOURCE_EXHAUSTED (no retry hint), so it must sit far above what admission lets in.
+    # The bound on gRPC calls running or queued; past it a call is refused at once
+    # (RESOURCE_EXHAUSTED with a retry hint) before admission sees it, so it sits far above
+    # what admission lets in.
     max_concurrent_rpcs: int | None = flag(None, help=(
-        "gRPC calls running or queued before gRPC itself refuses (default: derived; at least "
-        "rpc-threads + http-max-connections)"))
+        "gRPC calls running or queued before the server refuses them unseen (default: "
+        "derived; at least rpc-threads + http-max-connections)"))
     request_timeout_s: float = 600.0
     # Prefill policy: round_robin, least_loaded, power_of_two, kv_aware; "auto" is round_robin
     # with exactly one initial prefill worker (nothing to choose between), kv_aware otherwise
@@ -106,7 +107,7 @@ class RouterConfig:
     http_port: int | None = flag(None, help=(
         "OpenAI-compatible HTTP API port (0: a free port; default: no HTTP)"))
     http_max_body_bytes: int = 1 << 20  # larger request bodies get 413
-    # Connections uvicorn holds; past it it answers a bare 503 (None: derived, see below).
+    # HTTP connections held at once; past it a request gets 429 (None: derived, see below).
     http_max_connections: int | None = flag(None, help=(
         "HTTP connections held (default: max(8 x max-in-flight, 256); at least "
         "max-in-flight + 4)"))
@@ -201,8 +202,9 @@ class RouterConfig:
         rpc_threads >= max_in_flight + MIN_SPARE_THREADS, http_max_connections >= the same,
         and max_concurrent_rpcs >= rpc_threads + http_max_connections (gRPC clients get room
         for as many calls as HTTP has connections; HTTP requests run the same servicer in
-        process, on a pool of rpc_threads threads of their own). Then every refusal under overload is the router's own, with its
-        retry hint, and the bounds past it only stop what admission could not answer."""
+        process, on a pool of rpc_threads threads of their own). Then every refusal under
+        overload is admission's, with its retry hint; past the bounds, HTTP connections and
+        gRPC calls are refused with a retry hint too (`http_server`, `rpc_bound`)."""
         n = self.max_in_flight
         burst = max(8 * n, MIN_BURST)
         if self.rpc_threads is None:
@@ -221,8 +223,8 @@ class RouterConfig:
         if self.http_max_connections < need:
             raise ConfigError(
                 f"http_max_connections: must be >= max_in_flight + {MIN_SPARE_THREADS} = "
-                f"{need}, got {self.http_max_connections}: past it HTTP clients get a bare "
-                "503 instead of admission's 429 with Retry-After")
+                f"{need}, got {self.http_max_connections}: past it HTTP clients are refused "
+                "before admission, which knows when to retry, can answer")
         floor = self.rpc_threads + self.http_max_connections
         if self.max_concurrent_rpcs < floor:
             raise ConfigError(

@@ -29,16 +29,12 @@ import asyncio
 import contextlib
 import json
 import math
-import socket
-import ssl
-import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import grpc
-import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -61,10 +57,6 @@ from pdserve.router.openai_schema import (ApiRequest, ChatTurn, OpenAIError, bad
 from pdserve.router.openai_tools import tool_grammar
 from pdserve.router.tool_prompt import has_tool_call_tokens
 from pdserve.router.validate import prompt_ids_of
-
-class HttpStartError(RuntimeError):
-    """The HTTP server could not bind its address or did not start."""
-
 
 class _ClientGone(Exception):
     """The HTTP client disconnected before its response was ready."""
@@ -422,64 +414,3 @@ def chat_message(t: ChatTurn) -> api_pb2.ChatMessage:
 
 async def _collect(call) -> list[api_pb2.GenerateResponse]:
     return [m async for m in call]
-
-
-class HttpServer:
-    """uvicorn serving an ASGI app on its own thread and event loop, next to the gRPC server."""
-
-    def __init__(self, app, host: str, port: int, *, max_connections: int = 1024,
-                 graceful_s: int = 2, tls=None) -> None:
-        """`tls`: a `rpc.PublicTls` to serve HTTPS with (its files re-read when they change;
-        a client CA makes client certificates required), or None for plain HTTP."""
-        self.host = host
-        self.port = port
-        ssl_args = {} if tls is None else dict(
-            ssl_certfile=tls.cert_path, ssl_keyfile=tls.key_path,
-            ssl_ca_certs=tls.client_ca_path or None,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.client_ca_path else ssl.CERT_NONE)
-        self._config = uvicorn.Config(app, http="h11", loop="asyncio", lifespan="on",
-                                      log_config=None, access_log=False,
-                                      limit_concurrency=max_connections,
-                                      timeout_graceful_shutdown=graceful_s, **ssl_args)
-        if tls is not None:
-            from uvicorn.config import create_ssl_context
-
-            from pdserve.security.tls import follow_files
-
-            self._config.load()
-            build = lambda: create_ssl_context(  # noqa: E731
-                self._config.ssl_certfile, self._config.ssl_keyfile, None,
-                self._config.ssl_version, self._config.ssl_cert_reqs, self._config.ssl_ca_certs,
-                self._config.ssl_ciphers)
-            follow_files(self._config.ssl, build,
-                         [p for p in (tls.cert_path, tls.key_path, tls.client_ca_path) if p])
-        self._server = uvicorn.Server(self._config)
-        self._thread: threading.Thread | None = None
-        self.address = ""
-
-    def start(self, timeout_s: float = 30.0) -> str:
-        """Bind, start serving, return the bound "host:port" (port 0 picks a free one)."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, self.port))
-        except OSError as e:
-            sock.close()
-            raise HttpStartError(f"cannot bind http {self.host}:{self.port}: {e}") from None
-        host = f"[{self.host}]" if family == socket.AF_INET6 else self.host
-        self.address = f"{host}:{sock.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise HttpStartError(f"http server on {self.address} did not start")
-            time.sleep(0.01)
-        return self.address
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)

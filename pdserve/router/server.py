@@ -119,7 +119,8 @@ def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
     from starlette.routing import Route
 
     from pdserve.router.local_call import LocalGeneration
-    from pdserve.router.openai_api import HttpServer, OpenAIApp
+    from pdserve.router.http_server import HttpServer
+    from pdserve.router.openai_api import OpenAIApp
 
     async def metrics(request):
         return Response(render(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -136,10 +137,11 @@ def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
                     health=service.door.health, api_keys=service.api_keys,
                     sampling_defaults=defaults,
                     generation=LocalGeneration(service.Generate, cfg.rpc_threads))
-    # Bounded (invariant 5): connections past this get a bare 503 from uvicorn; the config
-    # keeps it above max_in_flight, so admission's 429 comes first.
+    # Bounded (invariant 5): a connection past this gets a 429 with Retry-After, counted as
+    # a refusal; the config keeps it above max_in_flight, so admission answers first.
     return HttpServer(app.app, cfg.http_host, cfg.http_port or 0,
-                      max_connections=cfg.http_max_connections, tls=public_tls(cfg))
+                      max_connections=cfg.http_max_connections, tls=public_tls(cfg),
+                      on_refused=lambda: service.metrics.rejected("connections"))
 
 
 def public_tls(cfg: RouterConfig) -> rpc.PublicTls | None:
@@ -163,7 +165,7 @@ def build_control(cfg: RouterConfig, service: RouterService, admin_keys: AdminKe
 def run(cfg: RouterConfig, extra_routes: Sequence = (), health_address: str | None = None
         ) -> int:
     """Serve gRPC (and HTTP when cfg.http_port is set) until SIGTERM/SIGINT; an exit code."""
-    from pdserve.router.openai_api import HttpStartError
+    from pdserve.router.http_server import HttpStartError
 
     rpc.catch_stop_signals()
     try:
@@ -173,7 +175,8 @@ def run(cfg: RouterConfig, extra_routes: Sequence = (), health_address: str | No
         print(f"pdserve.router: {e}", file=sys.stderr, flush=True)
         return 2
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
-                             max_receive_message_bytes=grpc_receive_bytes(cfg.http_max_body_bytes))
+                             max_receive_message_bytes=grpc_receive_bytes(cfg.http_max_body_bytes),
+                             on_busy=lambda: service.metrics.rejected("calls"))
     rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, service, None)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
     # The plaintext probe port (`health_address`) serves this servicer: it also says whether

@@ -1,6 +1,7 @@
 """The router's door, health and shutdown with real processes (tiny Llama cluster, loopback).
 
-- About 10x overload over gRPC and HTTP at once: every refusal is the router's own
+- About 10x overload over gRPC and HTTP at once, and 1,280 HTTP streams against the default
+  bounds (past the connection bound too): every refusal is the router's own
   (RESOURCE_EXHAUSTED with a `retry-after` trailer, HTTP 429 with `Retry-After` and an OpenAI
   error body), each one counted in `pdserve:requests_rejected_total`; every accepted request
   completes with the idle cluster's tokens; the router's RSS stays bounded.
@@ -170,6 +171,89 @@ def test_ten_times_overload_is_refused_by_admission_alone(tiny_cluster):
         assert rejected(router, "in_flight") == refused_total
         assert grpc_call(router.address, prompt, 16) == ("ok", (ids, text))  # still serving
     finally:
+        assert stop_process(router.proc, timeout_s=60) == 0
+
+
+def test_ten_times_the_default_bound_in_http_streams_gets_answers_and_429s_only(tiny_cluster):
+    import asyncio
+
+    # The defaults: 128 requests in flight, 1,024 connections; 1,280 streamed chats at once.
+    router = start_router(tiny_cluster, "--max-predicted-ttft-s", "0")
+    n = 1280
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 4, "temperature": 0, "stream": True}
+    try:
+        body["model"] = httpx.get(f"http://{router.http}/v1/models",
+                                  timeout=30).json()["data"][0]["id"]
+        rss_before = rss_bytes(router.proc.pid)
+
+        async def one(client: httpx.AsyncClient) -> tuple[int, object]:
+            async with client.stream("POST", f"http://{router.http}/v1/chat/completions",
+                                     json=body) as r:
+                if r.status_code != 200:
+                    return r.status_code, (r.headers.get("retry-after"),
+                                           json.loads(await r.aread()))
+                lines = [x async for x in r.aiter_lines() if x.startswith("data: ")]
+                return 200, lines
+
+        async def everyone() -> list:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+            async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+                return await asyncio.gather(*(one(client) for _ in range(n)))
+
+        results = asyncio.run(everyone())
+        codes = [code for code, _ in results]
+        assert set(codes) <= {200, 429}, sorted(set(codes))
+        assert 0 < codes.count(200) and 0 < codes.count(429)
+        for code, value in results:
+            if code == 200:  # a whole stream: its chunks, then [DONE]
+                assert value[-1] == "data: [DONE]" and len(value) >= 2
+            else:
+                hint, err = value
+                assert hint is not None and int(hint) >= 1, value
+                assert err["error"]["type"] == "rate_limit_error" and "retry after" in \
+                    err["error"]["message"], err
+        # Every refusal counted by its reason: admission's, or the connection bound's.
+        assert rejected(router, "in_flight") + rejected(router, "connections") == \
+            codes.count(429)
+        growth = rss_bytes(router.proc.pid) - rss_before
+        assert growth < 160 << 20, f"router RSS grew {growth >> 20} MiB"
+        assert httpx.post(f"http://{router.http}/v1/chat/completions",
+                          json={**body, "stream": False}, timeout=60).status_code == 200
+    finally:
+        assert stop_process(router.proc, timeout_s=60) == 0
+
+
+def test_a_connection_past_the_http_bound_gets_a_429_with_a_retry_hint(tiny_cluster):
+    import socket
+
+    router = start_router(tiny_cluster, "--max-in-flight", "4", "--http-max-connections", "8")
+    host, port = router.http.rsplit(":", 1)
+    idle: list[socket.socket] = []
+    url = f"http://{router.http}/v1/models"
+    try:
+        assert httpx.get(url, timeout=30).status_code == 200
+        for _ in range(8):  # eight connections held open, asking nothing
+            idle.append(socket.create_connection((host, int(port)), timeout=30))
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(url, timeout=30)).status_code == 200:  # until they are accepted
+            assert time.monotonic() < deadline, "the idle connections were never counted"
+            time.sleep(0.05)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"] == {
+            "message": "too many connections: this router serves 8 at once; retry after 1s",
+            "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}
+        for sock in idle:  # freed: served again, the refusal counted
+            sock.close()
+        idle.clear()
+        deadline = time.monotonic() + 30
+        while httpx.get(url, timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "closed connections were never freed"
+            time.sleep(0.05)
+        assert rejected(router, "connections") >= 1
+    finally:
+        for sock in idle:
+            sock.close()
         assert stop_process(router.proc, timeout_s=60) == 0
 
 

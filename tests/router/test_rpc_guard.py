@@ -125,3 +125,67 @@ def test_the_receive_bound_refuses_larger_messages_with_resource_exhausted():
         server.stop(grace=None)
     with pytest.raises(ValueError, match="max_receive_message_bytes"):
         rpc.make_server(2, max_receive_message_bytes=0)
+
+
+class _Held(api_pb2_grpc.GenerationServicer):
+    """Generate streams until `release` is set: calls that hold their handler thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.started = threading.Semaphore(0)
+
+    def Generate(self, request, context):
+        self.started.release()
+        self.release.wait(30)
+        yield api_pb2.GenerateResponse(request_id=request.request_id, text="done")
+
+
+def test_calls_past_the_servers_bound_get_resource_exhausted_with_a_retry_hint():
+    import threading
+
+    held, refused = _Held(), []
+    server = rpc.make_server(3, maximum_concurrent_rpcs=3, on_busy=lambda: refused.append(1))
+    rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, held, None)
+    health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        with rpc.make_channel(address, rpc.PUBLIC) as channel:
+            stub = api_pb2_grpc.GenerationStub(channel)
+            results: list = [None] * 3
+
+            def hold(i: int) -> None:
+                results[i] = [r.text for r in stub.Generate(api_pb2.GenerateRequest(
+                    request_id=f"h{i}", prompt="x"), timeout=60)]
+            threads = [threading.Thread(target=hold, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for _ in range(3):
+                assert held.started.acquire(timeout=30)
+            # Three calls hold the bound: more are refused at once, with the hint, unseen.
+            for i in range(5):
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Generate(api_pb2.GenerateRequest(request_id=f"x{i}"), timeout=10))
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "holds 3 calls at once; retry after 1s" in e.value.details()
+                assert dict(e.value.trailing_metadata())["retry-after"] == "1"
+            assert len(refused) == 5
+            # Health still answers past the bound.
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            held.release.set()
+            for t in threads:
+                t.join(30)
+            assert results == [["done"]] * 3
+            # Freed, the server serves again.
+            held.release.set()
+            assert [r.text for r in stub.Generate(api_pb2.GenerateRequest(request_id="after"),
+                                                  timeout=30)] == ["done"]
+    finally:
+        health.enter_graceful_shutdown()
+        server.stop(grace=None)
