@@ -43,6 +43,7 @@ from pdserve.router.membership import (
 from pdserve.router.policy import (
     KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad, choose_offload,
 )
+from pdserve.router.worker_calls import WorkerCalls
 from pdserve.wire import role_from_proto
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class WorkerSet:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.membership = Membership(max_missed, forget_after_s)
         self.rates = RateMeter()  # measured prefill rates per member
+        self.calls = WorkerCalls()  # unary calls in flight, ended when their worker is gone
         self.policies = {PREFILL: prefill_policy, DECODE: decode_policy}
         self.block_size_tokens = block_size_tokens
         self.feeds = feeds
@@ -197,6 +199,7 @@ class WorkerSet:
     def _open(self, address: str) -> None:
         old = self._channels.pop(address, None)
         if old is not None:
+            self.calls.end(address, "came back on a new connection")
             old.close()
         self._channels[address] = ch = rpc.make_channel(address, WORKER)
         self._stubs[address] = wpb_grpc.WorkerStub(ch)
@@ -395,7 +398,9 @@ class WorkerSet:
                         newly_gone = (m is not None and m.state == GONE
                                       and m.missed == self.membership.max_missed)
                     if newly_gone:
-                        log.warning("worker %s is gone: %s", a, m.reason)
+                        ended = self.calls.end(a, f"stopped answering ({m.reason})")
+                        log.warning("worker %s is gone: %s; %d calls to it re-routed", a,
+                                    m.reason, ended)
                 else:
                     log.warning("stats of %s: %s %s", a, e.code(), e.details())
                 continue

@@ -50,6 +50,28 @@ RESUMABLE_CODES = frozenset({"UNAVAILABLE", "UNKNOWN", "INTERNAL", "CANCELLED"})
 CLIENT_CODES = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED"})
 
 
+# What the gRPC library says of a call that never reached a worker's handler or lost it (a
+# closed channel, a reset stream, a refused connection): words about the transport, not
+# pdserve's, never shown to a client as they are.
+_TRANSPORT_WORDS = ("channel closed", "socket closed", "stream removed", "connection reset",
+                    "broken pipe", "goaway", "rst_stream", "failed to connect",
+                    "connection refused", "locally cancelled", "deadline exceeded",
+                    "endpoint read failed", "keepalive")
+
+
+def worker_message(code: str, details: str | None) -> str:
+    """What a worker's failed call says, in pdserve's words: the worker's own message as it is
+    (its handler's errors name the field or the cause), the transport's replaced by what it
+    means for the call."""
+    text = (details or "").strip()
+    if text and not any(w in text.lower() for w in _TRANSPORT_WORDS):
+        return text
+    return {"UNAVAILABLE": "the worker cannot be reached",
+            "DEADLINE_EXCEEDED": "the worker did not answer in time",
+            "CANCELLED": "the call to the worker was cut off"}.get(
+                code, f"the call to the worker failed ({code})")
+
+
 def client_status(code: str) -> str:
     """The status name the client gets for a hop that gave up with the worker's `code`."""
     return code if code in CLIENT_CODES else "UNAVAILABLE"

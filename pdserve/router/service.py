@@ -51,7 +51,7 @@ from pdserve.router.lifecycle import Door, Trip, abort_with_hint
 from pdserve.core.roles import DECODE, PREFILL
 from pdserve.router.policy import NoWorkerError
 from pdserve.router.pool import LiveRequest, WorkerSet
-from pdserve.router.retry import RetryPolicy
+from pdserve.router.retry import RetryPolicy, worker_message
 from pdserve.router.route import (CACHED_LOCAL, DECODE_HOP, DISAGGREGATED, FALL_THROUGH,
                                   FALLBACK, GIVE_UP, LOCAL_HOP, OFFLOAD, PREFILL_HOP, RESUME,
                                   RETRY, Failure, Next, Route, after_failure, plan)
@@ -301,17 +301,25 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 attempt += 1
                 call = self.workers.stub(address).Prefill.future(
                     req, timeout=self._timeout(context))
-                return self.door.result(call, context)
+                with self.workers.calls.tracking(address, call) as tracked:
+                    try:
+                        return self.door.result(call, context)
+                    except grpc.FutureCancelledError:
+                        if tracked.why is None:
+                            raise
+                # The router gave up on the worker (it stopped answering): another one, or a
+                # decode worker, prefills the prompt.
+                code, message = "UNAVAILABLE", f"{PREFILL} worker {address} {tracked.why}"
             except grpc.RpcError as e:
-                n = self._next(context, trip, self._failure(
-                    context, trip, PREFILL_HOP, e.code().name, address, attempt), "prefill",
-                    e.details())
-                if n.action != RETRY:
-                    return None
-                failed.add(address)
+                code, message = e.code().name, worker_message(e.code().name, e.details())
             finally:
                 self.workers.release_taken(*taken)
                 taken = None
+            n = self._next(context, trip, self._failure(
+                context, trip, PREFILL_HOP, code, address, attempt), "prefill", message)
+            if n.action != RETRY:
+                return None
+            failed.add(address)
 
     def _decode(self, context, req: wpb.DecodeRequest, text: OutputText, usage, trip: Trip,
                 dead: frozenset[str] = frozenset()):
@@ -323,7 +331,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         refused: set[str] = set()
         attempt = 0
         while True:
-            hop = _Hop()
+            hop, tracked = _Hop(), None
             try:
                 with self.workers.pick(DECODE, req.prompt_token_ids,
                                        extra_tokens=req.sampling.max_tokens,
@@ -331,9 +339,10 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     self.door.picked(trip)
                     attempt += 1
                     call = self._decode_call(address, stub, req, context)
-                    if (yield from self._relay(context, req.request_id, call, text, usage, hop,
-                                               trip, address)):
-                        return
+                    with self.workers.calls.tracking(address, call) as tracked:
+                        if (yield from self._relay(context, req.request_id, call, text, usage,
+                                                   hop, trip, address)):
+                            return
                 # The worker's stream ended early: its failure, not the request's.
                 self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
                             "decode stream ended without a finish reason")
@@ -343,9 +352,12 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 refused.clear()  # RETRY: each refused once, they may serve now; dead stay out
                 continue
             except grpc.RpcError as e:
+                code, message = e.code().name, worker_message(e.code().name, e.details())
+                if tracked is not None and tracked.why is not None:  # the router ended it
+                    code, message = "UNAVAILABLE", f"{DECODE} worker {address} {tracked.why}"
                 n = self._next(context, trip, self._failure(
-                    context, trip, DECODE_HOP, e.code().name, address, attempt, hop.relayed),
-                    "decode", e.details())
+                    context, trip, DECODE_HOP, code, address, attempt, hop.relayed),
+                    "decode", message)
                 if n.action == GIVE_UP:
                     return  # the client left; nothing to send
                 if n.action == RETRY:
@@ -413,7 +425,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         except grpc.RpcError as e:
             n = self._next(context, trip, self._failure(
                 context, trip, LOCAL_HOP, e.code().name, address, 1, hop.relayed), what,
-                e.details())
+                worker_message(e.code().name, e.details()))
             if n.action == GIVE_UP:
                 return True  # the client left
             if n.action == FALL_THROUGH:

@@ -140,3 +140,41 @@ def test_a_prompt_no_prefill_worker_takes_is_prefilled_on_a_decode_worker(code):
                                   "INTERNAL", "UNKNOWN"])
 def test_a_prefill_that_failed_for_the_request_itself_is_not(code):
     assert not RetryPolicy.prefill_fallback(code)
+
+
+@pytest.mark.parametrize("code, details, said", [
+    # A worker's own words pass as they are.
+    ("INVALID_ARGUMENT", "max_tokens: must be >= 1", "max_tokens: must be >= 1"),
+    ("RESOURCE_EXHAUSTED", "queue full: 64 requests waiting", "queue full: 64 requests waiting"),
+    # The gRPC library's never reach a client.
+    ("CANCELLED", "Channel closed!", "the call to the worker was cut off"),
+    ("UNAVAILABLE", "failed to connect to all addresses; last error: UNKNOWN: "
+     "ipv4:127.0.0.1:1: Connection refused", "the worker cannot be reached"),
+    ("UNAVAILABLE", "Socket closed", "the worker cannot be reached"),
+    ("DEADLINE_EXCEEDED", "Deadline Exceeded", "the worker did not answer in time"),
+    ("INTERNAL", "Received RST_STREAM with error code 2", "the call to the worker failed "
+     "(INTERNAL)"),
+    ("UNKNOWN", "", "the call to the worker failed (UNKNOWN)"),
+])
+def test_a_workers_failure_is_told_in_pdserves_words(code, details, said):
+    from pdserve.router.retry import worker_message
+
+    assert worker_message(code, details) == said
+
+
+def test_calls_to_a_worker_the_router_gives_up_on_are_cancelled_with_the_reason():
+    from concurrent.futures import Future
+
+    from pdserve.router.worker_calls import WorkerCalls
+
+    calls = WorkerCalls()
+    a, b, c = Future(), Future(), Future()
+    with calls.tracking("w1", a) as ta, calls.tracking("w1", b) as tb, \
+            calls.tracking("w2", c) as tc:
+        assert calls.in_flight("w1") == 2
+        assert calls.end("w1", "stopped answering") == 2
+        assert a.cancelled() and b.cancelled() and not c.cancelled()
+        assert ta.why == tb.why == "stopped answering" and tc.why is None
+    assert ta.why == "stopped answering"  # kept past the block, for the caller to read
+    assert calls.in_flight("w1") == calls.in_flight("w2") == 0
+    assert calls.end("w1", "again") == 0  # ended calls are no longer tracked

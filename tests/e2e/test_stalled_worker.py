@@ -1,0 +1,99 @@
+"""A worker that stops answering without dying (SIGSTOP: a paused VM, a starved core), with real
+processes on loopback: a 1P1D cluster of its own over the tiny cluster's model and store.
+
+While the prefill worker is paused, every request succeeds with the tokens the unpaused cluster
+gave: those it held are taken back when the router finds it gone (missed health polls) and,
+like those sent after, prefilled by the decode worker; no client sees a gRPC library's words.
+After SIGCONT it is back in its pool and prefills again. The pause the field reported (70 s)
+runs with the long scenarios; a shorter one runs with every suite.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from pdserve import rpc
+from pdserve.core.identity import ROUTER, WORKER
+from pdserve.proto import router_pb2 as rpb
+from pdserve.proto import router_pb2_grpc as rpb_grpc
+from pdserve.proto import worker_pb2 as wpb
+from pdserve.proto import worker_pb2_grpc as wpb_grpc
+from tests.e2e.test_admission import (grpc_call, prompt_ids, start_decode_worker, start_router,
+                                      wait_for)
+from tests.helpers import free_port, start_process, stop_process
+
+
+def start_prefill_worker(cluster, address: str):
+    return start_process([sys.executable, "-m", "pdserve.worker", "--role", "prefill", "--model",
+                          cluster.spec.model_path, "--address", address, "--store-address",
+                          cluster.store_address, "--num-blocks", "256",
+                          "--block-size-tokens", "16", "--threads", "1"], address,
+                         timeout_s=180)
+
+
+def state_of(control: str, address: str) -> int:
+    with rpc.make_channel(control, ROUTER) as ch:
+        workers = rpb_grpc.RouterControlStub(ch).ListWorkers(rpb.ListWorkersRequest(),
+                                                              timeout=10).workers
+    return next(w.state for w in workers if w.address == address)
+
+
+def finished_on(address: str) -> int:
+    with rpc.make_channel(address, WORKER) as ch:
+        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(),
+                                                timeout=10).requests_finished
+
+
+@pytest.mark.parametrize("pause_s", [25, pytest.param(70, marks=pytest.mark.scenario)])
+def test_a_paused_prefill_worker_costs_no_request_and_rejoins(tiny_cluster, pause_s):
+    prefill, decode = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [start_prefill_worker(tiny_cluster, prefill),
+             start_decode_worker(tiny_cluster, decode)]
+    # Polled every 0.2 s; two polls in a row unanswered (5 s each) and it is gone.
+    router = start_router(tiny_cluster, "--max-missed-polls", "2", prefill=[prefill],
+                          decode=[decode])
+    prompts = [prompt_ids(tiny_cluster, f"Request number {i} arrives during a pause. ")
+               for i in range(6)]
+    try:
+        expected = [grpc_call(router.address, p, 8) for p in prompts]
+        assert all(kind == "ok" for kind, _ in expected)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        paused_at = time.monotonic()
+        try:
+            # Three sent at once to the paused worker (the router has not noticed yet), three
+            # more once it has: every one answered, exactly.
+            results: list = [None] * len(prompts)
+
+            def send(i: int) -> None:
+                results[i] = grpc_call(router.address, prompts[i], 8)
+            early = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+            for t in early:
+                t.start()
+            wait_for("the router takes the paused worker out of its pool",
+                     lambda: state_of(router.control, prefill) == rpb.MEMBER_STATE_GONE,
+                     timeout_s=pause_s)
+            for i in range(3, len(prompts)):
+                send(i)
+            for t in early:
+                t.join(pause_s)
+            assert results == expected
+            assert time.monotonic() - paused_at < pause_s, "the requests waited out the pause"
+            time.sleep(max(0.0, pause_s - (time.monotonic() - paused_at)))
+        finally:
+            os.kill(procs[0].pid, signal.SIGCONT)
+        wait_for("the worker back in its pool after SIGCONT",
+                 lambda: state_of(router.control, prefill) == rpb.MEMBER_STATE_ACTIVE,
+                 timeout_s=60)
+        before = finished_on(prefill)
+        assert grpc_call(router.address, prompts[0], 8) == expected[0]
+        assert finished_on(prefill) == before + 1  # it prefills again
+    finally:
+        assert stop_process(router.proc, timeout_s=60) == 0
+        for p in procs:
+            stop_process(p, timeout_s=60)
