@@ -369,61 +369,75 @@ class WorkerSet:
     # ---- the poller ----------------------------------------------------------------------------
     # One asyncio loop in one thread asks every member: a poll costs one task per member, not
     # a thread (the synchronous API keeps a polling thread per channel with a call in flight).
-    async def _poll_once(self, channels: dict[str, tuple[int, Any]]) -> None:
-        """GetStats to every member at once; apply answers and misses; forget the long gone.
-        `channels`: the poller's own (generation, aio channel) per member, kept in step."""
+    # A round waits for the answers at most one interval: a member that does not answer (a
+    # paused process waits out the poll's timeout) keeps its poll pending into later rounds,
+    # while every other member's stats stay as fresh as the interval.
+    async def _poll_once(self, channels: dict[str, tuple[int, Any]],
+                         pending: dict[str, tuple[float, asyncio.Task]]) -> None:
+        """GetStats to every member without a poll pending; apply the answers and misses that
+        came within the interval; forget the long gone. `channels`: the poller's own
+        (generation, aio channel) per member, kept in step; `pending`: its polls in flight
+        (asked at, task) per member."""
         with self._lock:
             wanted = dict(self._generation)
         for a in [a for a, (g, _) in channels.items() if wanted.get(a) != g]:
             await channels.pop(a)[1].close()
+            asked = pending.pop(a, None)
+            if asked is not None:
+                asked[1].cancel()
         for a, g in wanted.items():
             if a not in channels:
                 channels[a] = (g, rpc.make_aio_channel(a, WORKER))
         timeout = max(_POLL_TIMEOUT_S, 2 * self.stats_interval_s)
-        asked = self.clock()
-        addresses = list(channels)
-        answers = await asyncio.gather(
-            *(wpb_grpc.WorkerStub(channels[a][1]).GetStats(wpb.GetStatsRequest(),
-                                                           timeout=timeout)
-              for a in addresses), return_exceptions=True)
-        for a, stats in zip(addresses, answers):
-            if isinstance(stats, BaseException):
-                e = stats
-                if not isinstance(e, grpc.RpcError):
-                    log.warning("stats of %s: %r", a, e)
-                    continue
-                if e.code() in _MISSED_CODES:
-                    with self._lock:
-                        m = self.membership.missed(a, self.clock())
-                        newly_gone = (m is not None and m.state == GONE
-                                      and m.missed == self.membership.max_missed)
-                    if newly_gone:
-                        ended = self.calls.end(a, f"stopped answering ({m.reason})")
-                        log.warning("worker %s is gone: %s; %d calls to it re-routed", a,
-                                    m.reason, ended)
-                else:
-                    log.warning("stats of %s: %s %s", a, e.code(), e.details())
-                continue
-            self.report(a, stats, asked_s=asked)
+        now = self.clock()
+        for a, (_, ch) in channels.items():
+            if a not in pending:
+                pending[a] = (now, asyncio.ensure_future(wpb_grpc.WorkerStub(ch).GetStats(
+                    wpb.GetStatsRequest(), timeout=timeout)))
+        if pending:
+            await asyncio.wait([t for _, t in pending.values()], timeout=self.stats_interval_s)
+        for a in [a for a, (_, t) in pending.items() if t.done()]:
+            asked, task = pending.pop(a)
+            e = None if task.cancelled() else task.exception()
+            if e is None and not task.cancelled():
+                self.report(a, task.result(), asked_s=asked)
+            elif isinstance(e, grpc.RpcError) and e.code() in _MISSED_CODES:
+                self._missed(a)
+            elif e is not None:
+                log.warning("stats of %s: %s", a, f"{e.code()} {e.details()}"
+                            if isinstance(e, grpc.RpcError) else repr(e))
         with self._lock:
             self._forget(self.membership.forget_gone(self.clock()))
         self._changed()
+
+    def _missed(self, address: str) -> None:
+        with self._lock:
+            m = self.membership.missed(address, self.clock())
+            newly_gone = (m is not None and m.state == GONE
+                          and m.missed == self.membership.max_missed)
+        if newly_gone:
+            ended = self.calls.end(address, f"stopped answering ({m.reason})")
+            log.warning("worker %s is gone: %s; %d calls to it re-routed", address, m.reason,
+                        ended)
 
     def _poll_loop(self) -> None:
         asyncio.run(self._poll_forever())
 
     async def _poll_forever(self) -> None:
         channels: dict[str, tuple[int, Any]] = {}
+        pending: dict[str, tuple[float, asyncio.Task]] = {}
         try:
             while not self._stop.is_set():
                 await asyncio.sleep(self.stats_interval_s)
                 if self._stop.is_set():
                     break
                 try:
-                    await self._poll_once(channels)
+                    await self._poll_once(channels, pending)
                 except Exception:  # the poller must outlive any one bad poll
                     log.exception("stats poll failed")
         finally:
+            for _, task in pending.values():
+                task.cancel()
             for _, ch in channels.values():
                 await ch.close()
 

@@ -3,7 +3,8 @@ processes on loopback: a 1P1D cluster of its own over the tiny cluster's model a
 
 While the prefill worker is paused, every request succeeds with the tokens the unpaused cluster
 gave: those it held are taken back when the router finds it gone (missed health polls) and,
-like those sent after, prefilled by the decode worker; no client sees a gRPC library's words.
+like those sent after, prefilled by the decode worker; no client sees a gRPC library's words;
+the other worker's stats stay fresh while the paused one's polls wait.
 After SIGCONT it is back in its pool and prefills again. The pause the field reported (70 s)
 runs with the long scenarios; a shorter one runs with every suite.
 """
@@ -37,11 +38,15 @@ def start_prefill_worker(cluster, address: str):
                          timeout_s=180)
 
 
-def state_of(control: str, address: str) -> int:
+def member(control: str, address: str) -> rpb.WorkerMember:
     with rpc.make_channel(control, ROUTER) as ch:
         workers = rpb_grpc.RouterControlStub(ch).ListWorkers(rpb.ListWorkersRequest(),
                                                               timeout=10).workers
-    return next(w.state for w in workers if w.address == address)
+    return next(w for w in workers if w.address == address)
+
+
+def state_of(control: str, address: str) -> int:
+    return member(control, address).state
 
 
 def finished_on(address: str) -> int:
@@ -80,6 +85,13 @@ def test_a_paused_prefill_worker_costs_no_request_and_rejoins(tiny_cluster, paus
                      timeout_s=pause_s)
             for i in range(3, len(prompts)):
                 send(i)
+            # The paused worker's polls wait out their timeout; the other worker's stats stay
+            # as fresh as the poll interval (0.2 s) meanwhile.
+            ages = []
+            for _ in range(10):
+                ages.append(member(router.control, decode).last_seen_age_s)
+                time.sleep(0.3)
+            assert max(ages) < 2.0, ages
             for t in early:
                 t.join(pause_s)
             assert results == expected
