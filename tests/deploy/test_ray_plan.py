@@ -394,3 +394,22 @@ def test_kuberay_manifest_runs_the_cli_on_resources_its_pods_provide():
         assert s.worker_bundle("decode").keys() == s.worker_bundle("prefill").keys()
         slots += int(fits) * g["replicas"]
     assert slots >= s.cluster.prefill_workers + s.cluster.decode_workers
+
+
+def test_a_cluster_that_can_never_be_placed_is_told_at_once_with_the_arithmetic():
+    # One 2-CPU machine: 2 workers x 1 CPU + 3 control processes x 0.5 CPU = 3.5 CPUs.
+    one_machine = [{"CPU": 2.0, "memory": 8e9}]
+    why = plan.unplaceable(spec(), one_machine)
+    assert why is not None and "need 3.5 CPU in all (2 workers x 1 + 3 control processes " \
+        "x 0.5) and the Ray cluster has 2 (1 nodes)" in why and "--ray-worker-cpus" in why
+    # A quarter of a CPU per worker fits there.
+    assert plan.unplaceable(spec(worker_cpus=0.25), one_machine) is None
+    # Enough in all, but no one node holds the control group (its bundles are packed).
+    why = plan.unplaceable(spec(worker_cpus=0.25, control_cpus=1.0),
+                           [{"CPU": 2.0}, {"CPU": 2.0}])
+    assert why is not None and "no Ray node can hold the store master, router and " \
+        "controller (3 CPU on one node)" in why
+    # A resource no node has.
+    why = plan.unplaceable(spec(decode_resources={"h100": 1.0}), [{"CPU": 64.0}])
+    assert why is not None and "need 1 h100 in all" in why and "has 0" in why
+    assert plan.unplaceable(spec(), []) == "the Ray cluster has no alive node"

@@ -153,6 +153,9 @@ def _up(spec: RaySpec, issuer: certs.Issuer | None, say: Callable[[str], None],
         return _get(refs, timeout_s, what, cancel)
 
     run_dir = os.path.join(spec.base_dir, cid, time.strftime("run-%Y%m%d-%H%M%S"))
+    why = plan.unplaceable(spec, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+    if why is not None:  # known now: do not wait out the ready timeout to say it
+        raise RayStartError(f"cannot place the cluster: {why}")
     groups = {plan.CONTROL_PG: placement_group(
         spec.control_bundles(), strategy="STRICT_PACK", name=full_name(cid, plan.CONTROL_PG),
         lifetime="detached")}
@@ -211,8 +214,10 @@ def _up(spec: RaySpec, issuer: certs.Issuer | None, say: Callable[[str], None],
     _until(lambda: get(hosts["master"].store_nodes_alive.remote(), 30, "store master")
            >= len(nodes), timeout, f"{len(nodes)} storage nodes registered with {master}", cancel)
 
-    router = addr("router", s.router_port or ports["router"][0])
-    http = None if s.http_port is None else addr("router", s.http_port or ports["router"][1])
+    # The client ports bind what --host / --http-host say (127.0.0.1 unless told: closed by
+    # default, as `pdserve serve`); the control port, which workers reach, the node's IP.
+    router = f"{s.host}:{s.router_port or ports['router'][0]}"
+    http = None if s.http_port is None else f"{s.http_host}:{s.http_port or ports['router'][1]}"
     control = addr("router", s.router_control_port or ports["router"][2])
     refs = [start("router", plan.router_args(spec, router, http, control, master), router,
                   control)]

@@ -57,20 +57,19 @@ def ray_spec(args: argparse.Namespace, model_path: str, spec_args: dict):
     from pdserve.launcher.cluster_spec import ClusterSpec
     from pdserve.deploy.ray.plan import RaySpec, parse_resources
 
-    for flag, value, default in (("--host", args.host, "127.0.0.1"),
-                                 ("--http-host", args.http_host, "127.0.0.1"),
-                                 ("--store-port", args.store_port, None),
+    for flag, value, default in (("--store-port", args.store_port, None),
                                  ("--worker-base-port", args.worker_base_port, None),
                                  ("--log-dir", args.log_dir, None)):
         if value != default:
             raise ValueError(f"{flag} is not used with --backend ray: processes bind their Ray "
-                             f"node's IP on free ports there, and log under --ray-dir")
+                             f"node's IP on free ports there (the router's client ports: "
+                             f"--host and --http-host), and log under --ray-dir")
     tls_dir, insecure = internal_tls(args)
     public_tls = {f: os.path.abspath(getattr(args, f)) if getattr(args, f, None) else ""
                   for f in ("tls_cert", "tls_key", "tls_client_ca")}  # paths on the router's node
     cluster = ClusterSpec(
         model_path=model_path, dtype=args.dtype, quantization=args.quantization,
-        router_port=args.port,
+        router_port=args.port, host=args.host, http_host=args.http_host,
         http_port=None if args.no_http else args.http_port,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
         num_blocks=args.num_blocks, ready_timeout_s=args.ready_timeout_s,

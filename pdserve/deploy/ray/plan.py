@@ -100,6 +100,45 @@ class RaySpec:
         return self.cluster.threads_per_worker or max(1, int(self.worker_cpus))
 
 
+def unplaceable(spec: RaySpec, nodes: Sequence[Mapping[str, float]]) -> str | None:
+    """Why the spec's placement groups (the control group's bundles on one node, each worker's
+    on one) can never be placed on alive nodes with these total resources, with the arithmetic
+    and the flags to change; None when the totals and the largest node allow it (Ray may still
+    wait for resources other work holds)."""
+    groups = [("the store master, router and controller", spec.control_bundles())]
+    groups += [(member, [spec.worker_bundle(role)]) for member, role in spec.worker_members()]
+    if not nodes:
+        return "the Ray cluster has no alive node"
+    need: dict[str, float] = {}
+    for _, bundles in groups:
+        for b in bundles:
+            for k, v in b.items():
+                need[k] = need.get(k, 0.0) + v
+    for k, v in sorted(need.items()):
+        have = sum(n.get(k, 0.0) for n in nodes)
+        if v > have + 1e-9:
+            workers = spec.cluster.prefill_workers + spec.cluster.decode_workers
+            return (f"the placement groups need {v:g} {k} in all ({workers} workers x "
+                    f"{spec.worker_bundle('decode').get(k, 0):g} + "
+                    f"{len(spec.control_bundles())} control processes x "
+                    f"{spec.control_bundles()[0].get(k, 0):g}) and the Ray cluster has {have:g}"
+                    f" ({len(nodes)} nodes): lower --ray-worker-cpus / --ray-control-cpus (or"
+                    f" the GPUs and resources asked), or add nodes")
+    for what, bundles in groups:
+        group = {k: sum(b.get(k, 0.0) for b in bundles) for k in need}
+        if not any(all(n.get(k, 0.0) + 1e-9 >= v for k, v in group.items()) for n in nodes):
+            asked = ", ".join(f"{v:g} {k}" for k, v in group.items() if v)
+            return (f"no Ray node can hold {what} ({asked} on one node); the largest nodes "
+                    f"have {_largest(nodes, group)}: lower the --ray-* amounts or add a larger "
+                    f"node")
+    return None
+
+
+def _largest(nodes: Sequence[Mapping[str, float]], group: Mapping[str, float]) -> str:
+    return "; ".join(", ".join(f"{n.get(k, 0.0):g} {k}" for k in group if group[k])
+                     for n in sorted(nodes, key=lambda n: -n.get("CPU", 0.0))[:2])
+
+
 def check_resources(what: str, resources: Mapping[str, float]) -> None:
     for name, amount in resources.items():
         if not isinstance(name, str) or not _RESOURCE.fullmatch(name):
