@@ -295,7 +295,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     failed.clear()
                     continue
                 return None
-            address = taken[0]
+            address, tracked = taken[0], None
             try:
                 self.door.picked(trip)
                 attempt += 1
@@ -312,6 +312,8 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 code, message = "UNAVAILABLE", f"{PREFILL} worker {address} {tracked.why}"
             except grpc.RpcError as e:
                 code, message = e.code().name, worker_message(e.code().name, e.details())
+                if tracked is not None and tracked.why is not None:  # the router ended it
+                    code, message = "UNAVAILABLE", f"{PREFILL} worker {address} {tracked.why}"
             finally:
                 self.workers.release_taken(*taken)
                 taken = None
