@@ -138,5 +138,7 @@ def _flag_value(f, value: Any) -> list[str]:
         text = repr(float(value))
     else:
         text = str(value)
+    if text == "--":  # argparse reads it as the end of the flags, whichever way it is written
+        raise ValueError(f"{f.name}: '--' cannot be given on a command line")
     # A value that starts with "-" would read as a flag of its own.
     return [f"{name}={text}"] if text.startswith("-") else [name, text]

@@ -195,3 +195,11 @@ def test_any_config_comes_back_from_its_command_line(data):
     except ValueError:  # None where the default is not None: no flag writes it
         assume(False)
     assert parse(type(cfg), argv) == cfg
+
+
+def test_a_value_argparse_cannot_carry_is_refused_when_the_command_line_is_built():
+    # "--" ends argparse's flags, even as "--cluster-id=--": it would come back as [].
+    with pytest.raises(ValueError, match="cluster_id: '--' cannot be given on a command line"):
+        config_argv(MasterConfig(cluster_id="--"))
+    argv = config_argv(MasterConfig(cluster_id="-a"))  # a leading "-" alone is written inline
+    assert argv == ["--cluster-id=-a"] and parse(MasterConfig, argv).cluster_id == "-a"
