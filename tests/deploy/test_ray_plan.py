@@ -217,9 +217,14 @@ def test_local_only_flags_are_refused_with_the_ray_backend():
     from pdserve.cli import build_parser
     from pdserve.deploy.ray.cli import ray_spec
 
-    args = build_parser().parse_args(["serve", "--backend", "ray", "--host", "0.0.0.0"])
-    with pytest.raises(ValueError, match="--host is not used with --backend ray"):
+    args = build_parser().parse_args(["serve", "--backend", "ray", "--store-port", "7000"])
+    with pytest.raises(ValueError, match="--store-port is not used with --backend ray"):
         ray_spec(args, "/m", {})
+    # The router's client ports bind what --host and --http-host say, as `pdserve serve`.
+    args = build_parser().parse_args(["serve", "--backend", "ray", "--host", "0.0.0.0",
+                                      "--http-host", "10.0.0.5"])
+    cluster = ray_spec(args, "/m", {}).cluster
+    assert (cluster.host, cluster.http_host) == ("0.0.0.0", "10.0.0.5")
 
 
 def test_the_driver_makes_the_ca_once_and_issues_each_member_its_own_kind(tmp_path,
