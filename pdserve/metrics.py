@@ -32,6 +32,9 @@ from pdserve.security.failures import AuthFailureCollector
 __all__ = ["BucketCounts", "HOP_BUCKETS_S", "RouterMetrics", "WorkerCollector", "CONTENT_TYPE_LATEST", "render",
            "serve_worker"]
 
+# Actual over predicted time to first token: where admission's promise holds (<= 1) and by how
+# much it misses.
+TTFT_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 10.0)
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
@@ -101,6 +104,11 @@ class RouterMetrics:
             "Time from a worker seeing a prefix-cache change to the router's index holding it "
             "(worker clock vs router clock: across hosts it includes their offset).", label,
             buckets=HOP_BUCKETS_S, registry=r).labels(model_name)
+        self.ttft_over_predicted = Histogram(
+            "pdserve:ttft_over_predicted",
+            "A request's time to first token over the one admission predicted for it when it "
+            "was admitted (1: exact; above 1: admission promised too little).", label,
+            buckets=TTFT_RATIO_BUCKETS, registry=r).labels(model_name)
         self.queue_time = Histogram("pdserve:request_queue_time_seconds",
                                     "Time from arrival until a prefill worker took the request.",
                                     label, buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)
@@ -125,7 +133,8 @@ class RouterMetrics:
         self._rejected = Counter("pdserve:requests_rejected",
                                  "Requests refused at the door, by reason (in_flight, "
                                  "tenant_in_flight, tenant_rate, predicted_ttft, "
-                                 "shutting_down, not_serving, unauthenticated).",
+                                 "shutting_down, not_serving, unauthenticated; past the "
+                                 "server's own bounds: connections, calls).",
                                  ["model_name", "reason"], registry=r)
         self._retries = Counter("pdserve:request_retries",
                                 "Hops re-routed after a worker refused or failed them, by hop "

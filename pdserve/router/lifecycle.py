@@ -107,6 +107,7 @@ class Trip:
     # Every token sent to the client, the first one included: a resumed decode recomputes them.
     emitted: list[int] = field(default_factory=list)
     prefill_tokens: int = 0  # its prefill work in admission's queue until its first token
+    predicted_ttft_s: float | None = None  # what admission predicted for it (None: nothing)
     first_s: float | None = None  # when its first token went out
     last_s: float | None = None  # when its last tokens went out
     sent: int = 0  # tokens sent
@@ -167,11 +168,12 @@ class Door:
             # One token is always computed, however much of the prompt is cached.
             own = max(1, len(prompt_ids) - cached)
         try:
-            self.admission.admit_prefill(own, self.workers.prefill_rate(peak=True))
+            p = self.admission.admit_prefill(own, self.workers.prefill_rate(peak=True))
         except Overloaded as e:
             trip.error = "RESOURCE_EXHAUSTED"
             self._refuse(context, e)
         trip.prefill_tokens = own
+        trip.predicted_ttft_s = p.predicted_s if p is not None else None
 
     def picked(self, trip: Trip) -> None:
         """A worker took the request: it leaves the queue (counted once, at the first pick)."""
@@ -196,6 +198,8 @@ class Door:
                 trip.first_s = now
                 self._prefilled(trip)  # its prefill is done: its work leaves the queue
                 m.ttft.observe(now - trip.arrival)
+                if trip.predicted_ttft_s:  # how far admission's promise was from what happened
+                    m.ttft_over_predicted.observe((now - trip.arrival) / trip.predicted_ttft_s)
             else:
                 gap = (now - trip.last_s) / len(resp.token_ids)
                 for _ in resp.token_ids:

@@ -289,6 +289,11 @@ def test_predicted_ttft_over_the_bound_is_refused_with_a_drain_time_hint(tiny_cl
         assert rejected(router, "predicted_ttft") == len(refused)
         assert rejected(router, "in_flight") == 0
         assert all("predicted time to first token" in message for message in refused)
+        # Each admitted request's first token is set against its prediction, for operators to
+        # see how far admission's promise is from what happens.
+        text = httpx.get(f"http://{router.http}/metrics", timeout=30).text
+        count = re.search(r"^pdserve:ttft_over_predicted_count\{[^}]*\} (\S+)$", text, re.M)
+        assert count is not None and float(count.group(1)) >= len(accepted), text[-2000:]
         body = httpx.get(f"http://{router.http}/health", timeout=30).json()
         assert body["queued_prefill_tokens"] == 0 and body["in_flight"] == 0
     finally:
