@@ -398,12 +398,14 @@ class WorkerSet:
             await asyncio.wait([t for _, t in pending.values()], timeout=self.stats_interval_s)
         for a in [a for a, (_, t) in pending.items() if t.done()]:
             asked, task = pending.pop(a)
-            e = None if task.cancelled() else task.exception()
-            if e is None and not task.cancelled():
+            if task.cancelled():
+                continue
+            e = task.exception()
+            if e is None:
                 self.report(a, task.result(), asked_s=asked)
             elif isinstance(e, grpc.RpcError) and e.code() in _MISSED_CODES:
                 self._missed(a)
-            elif e is not None:
+            else:
                 log.warning("stats of %s: %s", a, f"{e.code()} {e.details()}"
                             if isinstance(e, grpc.RpcError) else repr(e))
         with self._lock:

@@ -68,6 +68,17 @@ class _Hop:
     relayed: bool = False  # this hop sent tokens to the client: it can no longer be retried
 
 
+def _call_failure(e: Exception, tracked, role: str, address: str) -> tuple[str, str]:
+    """(status name, message) of a failed worker call: UNAVAILABLE with the router's reason
+    when it ended the call itself (the worker stopped answering: re-routed like a dead one),
+    else the worker's status in pdserve's words. A cancel the router did not make is raised."""
+    if tracked is not None and tracked.why is not None:
+        return "UNAVAILABLE", f"{role} worker {address} {tracked.why}"
+    if not isinstance(e, grpc.RpcError):
+        raise e
+    return e.code().name, worker_message(e.code().name, e.details())
+
+
 class RouterService(api_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer, model_config, model_names: tuple[str, ...], max_model_len: int,
                  workers: WorkerSet, timeout_s: float = 600.0,
@@ -302,18 +313,9 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 call = self.workers.stub(address).Prefill.future(
                     req, timeout=self._timeout(context))
                 with self.workers.calls.tracking(address, call) as tracked:
-                    try:
-                        return self.door.result(call, context)
-                    except grpc.FutureCancelledError:
-                        if tracked.why is None:
-                            raise
-                # The router gave up on the worker (it stopped answering): another one, or a
-                # decode worker, prefills the prompt.
-                code, message = "UNAVAILABLE", f"{PREFILL} worker {address} {tracked.why}"
-            except grpc.RpcError as e:
-                code, message = e.code().name, worker_message(e.code().name, e.details())
-                if tracked is not None and tracked.why is not None:  # the router ended it
-                    code, message = "UNAVAILABLE", f"{PREFILL} worker {address} {tracked.why}"
+                    return self.door.result(call, context)
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                code, message = _call_failure(e, tracked, PREFILL, address)
             finally:
                 self.workers.release_taken(*taken)
                 taken = None
@@ -354,9 +356,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 refused.clear()  # RETRY: each refused once, they may serve now; dead stay out
                 continue
             except grpc.RpcError as e:
-                code, message = e.code().name, worker_message(e.code().name, e.details())
-                if tracked is not None and tracked.why is not None:  # the router ended it
-                    code, message = "UNAVAILABLE", f"{DECODE} worker {address} {tracked.why}"
+                code, message = _call_failure(e, tracked, DECODE, address)
                 n = self._next(context, trip, self._failure(
                     context, trip, DECODE_HOP, code, address, attempt, hop.relayed),
                     "decode", message)
