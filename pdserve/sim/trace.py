@@ -18,8 +18,8 @@ from __future__ import annotations
 import csv
 import json
 import math
-from abc import abstractmethod
 import random
+from abc import abstractmethod
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -196,7 +196,6 @@ class TiledTrace(_ColumnTrace):
                           self.arrival_s[i], r.prompt_tokens, r.output_tokens,
                           tuple(h + ns for h in r.block_hashes))
 
-
     def columns(self) -> tuple[array, array, array]:
         """(arrival s, prompt tokens, output tokens) of every request, in order."""
         prompt = array("q", (r.prompt_tokens for r in self.base))
@@ -228,7 +227,6 @@ class OwnIdsTrace(_ColumnTrace):
         p, first = self.prompt[i], self.first_id[i]
         return SimRequest(f"r{i}", self.arrival_s[i], p, self.output[i],
                           tuple(range(first, first + _blocks_for(p))))
-
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, OwnIdsTrace):

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import itertools
+import json
 import os
 import sys
 import tempfile
@@ -308,7 +308,7 @@ def profile_for(s: dict[str, Any], model: str, recorded_doc: dict[str, Any], say
 
     given = load_profile(s["profile"])
     if s.get("engine") == "emulated":  # the emulated engine is the profile: its KV scaled too
-        given = given.slowed(s.get("slowdown", 1.0))
+        given = load_profile(s["emulated_profile"])  # the one its workers run (slowed or not)
         scaled = dataclasses.replace(given, kv_bytes_per_token=max(
             1, round(given.kv_bytes_per_token * s["kv_scale"])))
         if s["steps"] == "profile":
