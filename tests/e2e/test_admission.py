@@ -315,8 +315,8 @@ def wait_for(what: str, cond, timeout_s: float = 60.0):
     raise AssertionError(f"not within {timeout_s}s: {what}")
 
 
-def start_decode_worker(cluster, address: str):
-    return start_process([sys.executable, "-m", "pdserve.worker", "--role", "decode", "--model",
+def start_worker(cluster, address: str, role: str = "decode"):
+    return start_process([sys.executable, "-m", "pdserve.worker", "--role", role, "--model",
                           cluster.spec.model_path, "--address", address, "--store-address",
                           cluster.store_address, "--num-blocks", "256",
                           "--block-size-tokens", "16", "--threads", "1"], address,
@@ -325,7 +325,7 @@ def start_decode_worker(cluster, address: str):
 
 def test_health_says_not_serving_exactly_while_no_decode_worker_serves(tiny_cluster):
     decode = f"127.0.0.1:{free_port()}"
-    worker = start_decode_worker(tiny_cluster, decode)
+    worker = start_worker(tiny_cluster, decode)
     # KV-aware with a store nobody listens on: the router needs no store to be healthy.
     router = start_router(tiny_cluster, "--routing", "kv_aware", "--store-address",
                           f"127.0.0.1:{free_port()}", decode=[decode])
@@ -367,7 +367,7 @@ def test_health_says_not_serving_exactly_while_no_decode_worker_serves(tiny_clus
         status, (hint, err) = http_call(router, prompt, 8)
         assert status == 503 and int(hint) >= 1 and err["error"]["code"] == "service_unavailable"
 
-        worker = start_decode_worker(tiny_cluster, decode)  # back at the same address
+        worker = start_worker(tiny_cluster, decode)  # back at the same address
         wait_for("SERVING again", lambda: health_status(router.address) == SERVING)
         assert health_status(router.address, "pdserve.v1.Generation") == SERVING
         assert httpx.get(f"http://{router.http}/health", timeout=30).status_code == 200

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -25,17 +24,9 @@ from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
-from tests.e2e.test_admission import (grpc_call, prompt_ids, start_decode_worker, start_router,
+from tests.e2e.test_admission import (grpc_call, prompt_ids, start_router, start_worker,
                                       wait_for)
-from tests.helpers import free_port, start_process, stop_process
-
-
-def start_prefill_worker(cluster, address: str):
-    return start_process([sys.executable, "-m", "pdserve.worker", "--role", "prefill", "--model",
-                          cluster.spec.model_path, "--address", address, "--store-address",
-                          cluster.store_address, "--num-blocks", "256",
-                          "--block-size-tokens", "16", "--threads", "1"], address,
-                         timeout_s=180)
+from tests.helpers import free_port, stop_process
 
 
 def member(control: str, address: str) -> rpb.WorkerMember:
@@ -58,8 +49,8 @@ def finished_on(address: str) -> int:
 @pytest.mark.parametrize("pause_s", [25, pytest.param(70, marks=pytest.mark.scenario)])
 def test_a_paused_prefill_worker_costs_no_request_and_rejoins(tiny_cluster, pause_s):
     prefill, decode = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    procs = [start_prefill_worker(tiny_cluster, prefill),
-             start_decode_worker(tiny_cluster, decode)]
+    procs = [start_worker(tiny_cluster, prefill, "prefill"),
+             start_worker(tiny_cluster, decode)]
     # Polled every 0.2 s; two polls in a row unanswered (5 s each) and it is gone.
     router = start_router(tiny_cluster, "--max-missed-polls", "2", prefill=[prefill],
                           decode=[decode])

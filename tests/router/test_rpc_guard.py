@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from pdserve import rpc
+from pdserve.core.identity import WORKER
 from pdserve.proto import api_pb2, api_pb2_grpc
 from tests.helpers import free_port
 
@@ -108,12 +109,22 @@ def test_valid_requests_reach_the_servicer_through_both_paths(served):
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def _started(server: grpc.Server, kind: str) -> str:
+    """`server` listening on a free loopback port (the client API's plaintext for PUBLIC, the
+    suite's mutual TLS for a cluster kind) and started; its address."""
+    address = f"127.0.0.1:{free_port()}"
+    if kind == rpc.PUBLIC:
+        rpc.bind_public(server, address, None)
+    else:
+        rpc.bind(server, address, kind)
+    server.start()
+    return address
+
+
 def test_the_receive_bound_refuses_larger_messages_with_resource_exhausted():
     server = rpc.make_server(2, max_receive_message_bytes=1024)
     rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, _Echo(), None)
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    server.start()
+    address = _started(server, rpc.PUBLIC)
     try:
         with rpc.make_channel(address, rpc.PUBLIC) as channel:
             stub = api_pb2_grpc.GenerationStub(channel)
@@ -149,11 +160,10 @@ def test_calls_past_the_servers_bound_get_resource_exhausted_with_a_retry_hint()
     server = rpc.make_server(3, maximum_concurrent_rpcs=3, on_busy=lambda: refused.append(1))
     rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, held, None)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    server.start()
+    # Bound as a worker's internal listener is (mutual TLS): every bounded server refuses so.
+    address = _started(server, WORKER)
     try:
-        with rpc.make_channel(address, rpc.PUBLIC) as channel:
+        with rpc.make_channel(address, WORKER) as channel:
             stub = api_pb2_grpc.GenerationStub(channel)
             results: list = [None] * 3
 
