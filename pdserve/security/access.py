@@ -19,6 +19,7 @@ from pdserve.core.identity import (CONTROLLER, KINDS, MASTER, NODE, OPERATOR, RO
 WORKER_SERVICE = "pdserve.v1.Worker"
 MASTER_SERVICE = "pdserve.v1.KVMaster"
 STORE_SERVICE = "pdserve.v1.KVStore"  # the single-process store (master and data in one)
+MEMBERS_SERVICE = "pdserve.v1.ClusterMembers"  # the cluster's membership, on the master
 ROUTER_CONTROL_SERVICE = "pdserve.v1.RouterControl"
 CONTROLLER_SERVICE = "pdserve.v1.Controller"
 DATA_PLANE = "pdserve.data"  # a storage node's TCP data plane (not gRPC)
@@ -47,7 +48,12 @@ RULES: dict[str, dict[str, frozenset[str]]] = {
         "Stats": ANY,
     },
     STORE_SERVICE: {"*": _K({WORKER, OPERATOR}), "Stats": ANY},
-    # Routers of one cluster may tell each other about members (several front doors).
+    # Workers and routers join the cluster; the controller moves workers; routers follow.
+    MEMBERS_SERVICE: {
+        "Join": _K({WORKER, ROUTER, OPERATOR}),
+        "SetMemberState": _K({CONTROLLER, OPERATOR}),
+        "WatchMembers": _K({ROUTER, CONTROLLER, OPERATOR}),
+    },
     ROUTER_CONTROL_SERVICE: {
         "*": _K({ROUTER, CONTROLLER, OPERATOR}),
         "RegisterWorker": _K({WORKER, ROUTER, CONTROLLER, OPERATOR}),
@@ -64,8 +70,8 @@ OPEN_SERVICES = frozenset({HEALTH_SERVICE, *REFLECTION_SERVICES})
 ADMIN_KEY_SERVICES = frozenset({ROUTER_CONTROL_SERVICE, CONTROLLER_SERVICE})
 # What each kind of process serves on its internal listener.
 SERVES: dict[str, tuple[str, ...]] = {
-    WORKER: (WORKER_SERVICE,), MASTER: (MASTER_SERVICE, STORE_SERVICE), NODE: (DATA_PLANE,),
-    ROUTER: (ROUTER_CONTROL_SERVICE,), CONTROLLER: (CONTROLLER_SERVICE,),
+    WORKER: (WORKER_SERVICE,), MASTER: (MASTER_SERVICE, STORE_SERVICE, MEMBERS_SERVICE),
+    NODE: (DATA_PLANE,), ROUTER: (ROUTER_CONTROL_SERVICE,), CONTROLLER: (CONTROLLER_SERVICE,),
 }
 
 # Failure reasons (the `reason` label of pdserve:auth_failures_total).

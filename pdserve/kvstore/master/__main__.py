@@ -43,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     logctx.configure(logging.INFO)
     from pdserve.kvstore.master.journal import FileJournal, RedisJournal
+    from pdserve.kvstore.master.members_service import MembersService
     from pdserve.kvstore.master.service import MasterService
     from pdserve.kvstore.transport.tcp import TcpTransport
+    from pdserve.proto import cluster_pb2_grpc as cpb_grpc
     from pdserve.proto import kvmaster_pb2_grpc as pb_grpc
 
     election = None
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             election.release()
         print(f"pdserve.kvstore.master: {e}", file=sys.stderr, flush=True)
         return 1
+    members = MembersService(service)
     rpc.catch_stop_signals()  # before the thread below may signal this process
     stop = threading.Event()
     refused: list[str] = []
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if service.campaign():
                     service.tick()
+                    members.tick()
             except ClusterIdConflict as e:  # took over a journal of another cluster
                 election.release()
                 refused.append(str(e))
@@ -90,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=maintain, name="master-maintenance", daemon=True).start()
     server = rpc.make_server(32)
     rpc.add_servicer(server, pb_grpc.add_KVMasterServicer_to_server, service, rpc.Guard(MASTER))
-    health = rpc.add_health_and_reflection(server, ["pdserve.v1.KVMaster"])
+    rpc.add_servicer(server, cpb_grpc.add_ClusterMembersServicer_to_server, members,
+                     rpc.Guard(MASTER))
+    health = rpc.add_health_and_reflection(server, ["pdserve.v1.KVMaster",
+                                                    "pdserve.v1.ClusterMembers"])
     code = rpc.run_until_signal(server, health, config.address,
                                 lambda where: f"pdserve.kvstore.master ready on {where} "
                                               f"leader={service.is_leader()}", MASTER,

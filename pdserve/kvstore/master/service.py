@@ -162,14 +162,22 @@ class MasterService(pb_grpc.KVMasterServicer):
                 return True
             return False
 
+    def refuse_unless_leading(self, context) -> MasterCore:
+        """The core, when this master leads and the caller is of its cluster; else the call is
+        refused (UNAVAILABLE naming the leader, or FAILED_PRECONDITION naming both clusters).
+        The caller holds the lock, or reads only what the core's replacement cannot break."""
+        core = self.core
+        if core is None:
+            leader = self.election.current_leader() if self.election else ""
+            context.set_trailing_metadata(((LEADER_METADATA, leader or ""),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"not the leader; leader is {leader}")
+        self._refuse_other_cluster(context, core)
+        return core
+
     def _serve(self, context, fn):
         """Run fn(now_s) on the core under the lock, flush the journal, map errors to statuses."""
         with self._lock:
-            if self.core is None:
-                leader = self.election.current_leader() if self.election else ""
-                context.set_trailing_metadata(((LEADER_METADATA, leader or ""),))
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"not the leader; leader is {leader}")
-            self._refuse_other_cluster(context)
+            self.refuse_unless_leading(context)
             try:
                 out = fn(self.clock())
                 error = None
@@ -183,12 +191,12 @@ class MasterService(pb_grpc.KVMasterServicer):
                 context.abort(*_status_of(error))
             return out
 
-    def _refuse_other_cluster(self, context) -> None:
+    def _refuse_other_cluster(self, context, core: MasterCore) -> None:
         caller = next((v for k, v in context.invocation_metadata() or ()
                        if k == CLUSTER_ID_METADATA), "")
-        why = cluster_mismatch(caller, self.core.cluster_id)
+        why = cluster_mismatch(caller, core.cluster_id)
         if why is not None:
-            context.set_trailing_metadata(((MISMATCH_METADATA, self.core.cluster_id),))
+            context.set_trailing_metadata(((MISMATCH_METADATA, core.cluster_id),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
 
     # ---- maintenance --------------------------------------------------------------------------
