@@ -43,6 +43,14 @@ class RouterConfig:
     control_address: str = flag("127.0.0.1:0", help=(
         "the control API for workers, the controller and operators (TLS, each call "
         "authenticated; port 0: a free one, printed as control=)"))
+    # The client ports (gRPC, HTTP) bound with SO_REUSEPORT: several routers on one host serve
+    # the same ports and the kernel spreads new connections among them (`serve --routers N`).
+    share_port: bool = flag(False, switch=True, help=(
+        "share the client ports with other routers on this host (SO_REUSEPORT)"))
+    # Where the controller reaches this router's control API, told to the cluster's
+    # membership table ("": the control address, a wildcard host read as 127.0.0.1).
+    advertise_control_address: str = flag("", help=(
+        "host:port the cluster reaches the control API at (default: the control address)"))
     # `KEY [NAME]` lines: keys that may steer the router's control API without a certificate.
     admin_keys_file: str | None = flag(None, help=(
         "file of 'KEY [NAME]' lines: keys that may use the control API"))

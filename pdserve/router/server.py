@@ -34,6 +34,8 @@ from pdserve.metrics import CONTENT_TYPE_LATEST, RouterMetrics, render
 from pdserve.router.admission import Admission, AdmissionConfig
 from pdserve.security.tenants import ApiKeys, KeyFileError
 from pdserve.router.config import RouterConfig
+from pdserve.kvstore.members_client import MembersClient
+from pdserve.router.cluster_feed import ClusterFeed
 from pdserve.router.control import RequestSignals, RouterControlServicer
 from pdserve.router.kv_feed import KvFeeds
 from pdserve.router.lifecycle import shutdown_plan
@@ -141,7 +143,8 @@ def build_http(cfg: RouterConfig, service: RouterService, grpc_address: str,
     # a refusal; the config keeps it above max_in_flight, so admission answers first.
     return HttpServer(app.app, cfg.http_host, cfg.http_port or 0,
                       max_connections=cfg.http_max_connections, tls=public_tls(cfg),
-                      on_refused=lambda: service.metrics.rejected("connections"))
+                      on_refused=lambda: service.metrics.rejected("connections"),
+                      share_port=cfg.share_port)
 
 
 def public_tls(cfg: RouterConfig) -> rpc.PublicTls | None:
@@ -162,6 +165,17 @@ def build_control(cfg: RouterConfig, service: RouterService, admin_keys: AdminKe
     return server, health
 
 
+def follow_cluster(cfg: RouterConfig, service: RouterService, control_where: str,
+                   clients: str) -> ClusterFeed | None:
+    """Join the cluster's membership table on the store master and follow it (None: no
+    master named, so membership is this router's own: its flags and RegisterWorker)."""
+    if not cfg.store_address:
+        return None
+    return ClusterFeed(MembersClient(cfg.store_address), service.workers,
+                       cfg.advertise_control_address or loopback(control_where),
+                       clients.strip()).start()
+
+
 def run(cfg: RouterConfig, extra_routes: Sequence = (), health_address: str | None = None
         ) -> int:
     """Serve gRPC (and HTTP when cfg.http_port is set) until SIGTERM/SIGINT; an exit code."""
@@ -176,7 +190,8 @@ def run(cfg: RouterConfig, extra_routes: Sequence = (), health_address: str | No
         return 2
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
                              max_receive_message_bytes=grpc_receive_bytes(cfg.http_max_body_bytes),
-                             on_busy=lambda: service.metrics.rejected("calls"))
+                             on_busy=lambda: service.metrics.rejected("calls"),
+                             share_port=cfg.share_port)
     rpc.add_servicer(server, api_pb2_grpc.add_GenerationServicer_to_server, service, None)
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Generation"])
     # The plaintext probe port (`health_address`) serves this servicer: it also says whether
@@ -220,10 +235,13 @@ def run(cfg: RouterConfig, extra_routes: Sequence = (), health_address: str | No
     # sign that the router is up, so the HTTP front door listens by then.
     control.start()
     http_note = f" http={http.address}" if http is not None else ""
+    feed = follow_cluster(cfg, service, control_where, f"{where}{http_note}")
     print(f"pdserve.router ready on {where} model={service.model_names[0]}{http_note} "
           f"control={control_where}", flush=True)
     signum = rpc.wait_for_signal()
     control_health.enter_graceful_shutdown()
+    if feed is not None:
+        feed.stop()
     shut_down(cfg, service, server, health, http, signum)
     control.stop(grace=1.0).wait()
     if probe is not None:

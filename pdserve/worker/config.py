@@ -80,9 +80,10 @@ class WorkerConfig:
     progressive_wait_ms: int = 30000
     # Prometheus /metrics on this port of the worker's host (0: a free port; -1: none).
     metrics_port: int = -1
-    # Routers to join, comma-separated host:port ("": none). The worker registers with each
-    # once it serves, retrying until it is accepted, then again every few seconds, so a
-    # router that restarts learns it again.
+    # Routers to register with directly, comma-separated host:port ("": none): for the simple
+    # store, which has no master. With the distributed store the worker joins the cluster's
+    # membership table on the master (every router follows it) once it serves, then again
+    # every few seconds, so a table or router that restarts learns it again.
     register_with: str = ""
     # host:port others reach this worker at ("": `address`, a wildcard host read as 127.0.0.1).
     advertise_address: str = ""

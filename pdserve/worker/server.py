@@ -181,8 +181,12 @@ def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
                              StoreHealthCollector(model_id, service.metrics_snapshot)),
             host, cfg.metrics_port)
         metrics_note = f" metrics=http://{host}:{port}/metrics"
+    # The cluster's membership table: with a master, and an address others can be told.
+    masters = (cfg.store_address if cfg.store_kind == "distributed"
+               and cfg.address.rpartition(":")[2] != "0" else "")
     registrar = (Registrar(cfg.routers(), cfg.advertised(), cfg.local_address(),
-                           lambda: service.role).start() if cfg.register_with else None)
+                           lambda: service.role, masters=masters, cluster_id=cfg.cluster_id
+                           ).start() if cfg.register_with or masters else None)
     code = rpc.run_until_signal(
         server, health, cfg.address,
         lambda where: f"pdserve.worker ready on {where} role={cfg.role} model={model_id}"

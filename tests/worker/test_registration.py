@@ -90,7 +90,7 @@ def failures(worker, router_addr: str) -> int:
     """How often the worker has logged a failed registration with `router_addr` (it logs
     each change from registered to failing once)."""
     out, err = process_output(worker)
-    return (out + err).count(f"registering with router {router_addr} failed")
+    return (out + err).count(f"joining router {router_addr} failed")
 
 
 def wait_for_failures(worker, router_addr: str, n: int) -> None:
