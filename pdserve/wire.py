@@ -7,10 +7,10 @@ Owns only the mapping (and the proto defaults' meaning); validation stays in
 from __future__ import annotations
 
 from pdserve.core import finish
-from pdserve.core.roles import DECODE, PREFILL
+from pdserve.core.roles import ACTIVE, DECODE, DRAINING, FAILED, GONE, PREFILL
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.core.structured import StructuredOutput
-from pdserve.proto import common_pb2, worker_pb2
+from pdserve.proto import common_pb2, router_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 16  # as vLLM's completions API when the client sets none
 
@@ -24,6 +24,11 @@ _FINISH_BACK = {v: k for k, v in _FINISH.items()}
 # A worker's role on the wire; ROLE_UNSPECIFIED is no role (None).
 ROLE_OF_PROTO = {worker_pb2.ROLE_PREFILL: PREFILL, worker_pb2.ROLE_DECODE: DECODE}
 PROTO_OF_ROLE = {v: k for k, v in ROLE_OF_PROTO.items()}
+# A member's state in a router's membership on the wire.
+STATE_OF_PROTO = {router_pb2.MEMBER_STATE_ACTIVE: ACTIVE,
+                  router_pb2.MEMBER_STATE_DRAINING: DRAINING,
+                  router_pb2.MEMBER_STATE_GONE: GONE, router_pb2.MEMBER_STATE_FAILED: FAILED}
+PROTO_OF_STATE = {v: k for k, v in STATE_OF_PROTO.items()}
 
 
 def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:

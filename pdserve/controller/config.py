@@ -17,9 +17,14 @@ MODES = ("active", "advisory", "off")
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    router_address: str = flag(name="--router", help=(
-        "the control address of the router whose membership and budgets this controller "
-        "steers"))
+    router_address: str = flag("", name="--router", help=(
+        "the control address of a router this controller steers (with --store: besides every "
+        "router in the cluster's membership)"))
+    # The store master(s) hosting the cluster's membership table: the controller moves workers
+    # there (every router follows) and reads and steers every router listed there.
+    store_address: str = flag("", name="--store", help=(
+        "store master(s) hosting the cluster's membership: workers are moved there and every "
+        "router listed there is read and steered"))
     address: str = "127.0.0.1:50052"
     # active: decides and acts; advisory: decides, logs and exports, never acts; off: neither.
     mode: str = "active"
@@ -53,8 +58,8 @@ class ControllerConfig:
     rpc_threads: int = 16
 
     def __post_init__(self) -> None:
-        if not self.router_address:
-            raise ConfigError("router_address: the router to steer is required")
+        if not self.router_address and not self.store_address:
+            raise ConfigError("router_address: a router to steer, or store_address, is required")
         if ":" not in self.address:
             raise ConfigError(f"address must be host:port, got {self.address!r}")
         if self.mode not in MODES:

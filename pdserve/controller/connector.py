@@ -5,8 +5,10 @@ Owns `Connector`, what `service.Controller`'s tick asks of a cluster (its signal
 workers are switching; the offload budgets set; a flip started in the background, its outcome
 handed back; a worker whose flip failed re-admitted); `OperatorFlips`, what an operator's flip
 needs besides (a flip carried out before returning: the live cluster's, which has operators);
-and `LiveConnector`, which does both with a `RouterControlStub` and a `flip.Flipper` (flips on
-threads of their own, waited for on close), as Dynamo's planner acts through its connectors.
+and `LiveConnector`, which does both with `routers.Routers` (every router of the cluster: their
+signals as one, a share of the budgets to each, moves where the membership lives) and a
+`flip.Flipper` (flips on threads of their own, waited for on close), as Dynamo's planner acts
+through its connectors.
 Must not decide anything: the controller's policy does.
 """
 
@@ -18,8 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from pdserve.controller.flip import Flipper, FlipOutcome
+from pdserve.controller.routers import Routers, merge_signals, share_budgets
 from pdserve.proto import router_pb2 as rpb
-from pdserve.proto import router_pb2_grpc as rpb_grpc
 
 # The flip's outcome and the reason it was started, handed back to the controller.
 Done = Callable[[FlipOutcome, str], None]
@@ -55,25 +57,25 @@ class OperatorFlips(Protocol):
 
 
 class LiveConnector:
-    def __init__(self, router: rpb_grpc.RouterControlStub, rpc_timeout_s: float = 10.0) -> None:
-        self.router = router
+    def __init__(self, routers: Routers, rpc_timeout_s: float = 10.0) -> None:
+        self.routers = routers
         self.rpc_timeout_s = rpc_timeout_s
-        self.flipper = Flipper(router, rpc_timeout_s)
+        self.flipper = Flipper(routers.move, rpc_timeout_s)
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()  # bounded: a flip per worker at most
 
     def signals(self, window_s: float) -> rpb.RouterSignals:
-        return self.router.GetSignals(rpb.GetSignalsRequest(window_s=window_s),
-                                      timeout=self.rpc_timeout_s)
+        request = rpb.GetSignalsRequest(window_s=window_s)
+        return merge_signals(self.routers.each(
+            lambda r: r.GetSignals(request, timeout=self.rpc_timeout_s)))
 
     def switching(self) -> dict[str, str]:
         return self.flipper.busy()
 
     def set_budgets(self, budgets: Sequence) -> None:
-        self.router.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[
-            rpb.OffloadBudget(address=b.address, max_tokens=b.max_tokens,
-                              chunk_tokens=b.chunk_tokens) for b in budgets]),
-            timeout=self.rpc_timeout_s)
+        n = len(self.routers.addresses())
+        request = rpb.SetOffloadBudgetsRequest(budgets=share_budgets(budgets, n))
+        self.routers.each(lambda r: r.SetOffloadBudgets(request, timeout=self.rpc_timeout_s))
 
     def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
              ) -> FlipOutcome:
@@ -107,3 +109,4 @@ class LiveConnector:
         for t in threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self.flipper.close()
+        self.routers.close()

@@ -1,12 +1,15 @@
 """The safe role flip: drain, switch, verify, re-admit; or out of both pools and reported.
 
 Owns the I/O of one flip, in this order:
-1. the router stops assigning to the worker (membership DRAINING);
+1. the routers stop assigning to the worker (membership DRAINING, where the cluster's membership
+   lives: the table every router follows, or the one router);
 2. `SetRole(drain=True)` on the worker: requests in flight finish first, new ones are refused
    (and re-routed by the router);
 3. `GetStats` must show the new role and `role_switches` up by exactly one;
-4. the router admits the worker in its new pool (membership ACTIVE in the new role).
-Any failure or timeout on the way leaves the worker FAILED in the router's membership: out of
+4. the routers admit the worker in its new pool (membership ACTIVE in the new role).
+A router that has not yet seen the drain may still send the worker a request: the draining
+worker refuses it and that router re-routes it. Any failure or timeout on the way leaves the
+worker FAILED in the membership: out of
 both pools, never half-switched, and the result says why. Only one flip per worker at a time.
 Must not decide which worker to flip (the policy does) or keep statistics (the service does).
 """
@@ -17,13 +20,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
 from pdserve import rpc
 from pdserve.core.identity import WORKER
-from pdserve.proto import router_pb2 as rpb
-from pdserve.proto import router_pb2_grpc as rpb_grpc
+from pdserve.core.roles import ACTIVE, DRAINING, FAILED
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from pdserve.wire import role_from_proto, role_to_proto
@@ -46,9 +49,13 @@ class FlipOutcome:
     drained_requests: int = 0
 
 
+# Moves a worker in the cluster's membership: (address, state, role or None, reason).
+Move = Callable[[str, str, "str | None", str], None]
+
+
 class Flipper:
-    def __init__(self, router: rpb_grpc.RouterControlStub, rpc_timeout_s: float = 10.0) -> None:
-        self.router = router
+    def __init__(self, move: Move, rpc_timeout_s: float = 10.0) -> None:
+        self.move = move
         self.rpc_timeout_s = rpc_timeout_s
         self._lock = threading.Lock()
         self._busy: dict[str, str] = {}  # address -> the role it is switching to
@@ -80,9 +87,9 @@ class Flipper:
             before = worker.GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
             from_role = role_from_proto(before.role) or "?"
             if from_role == to_role:
-                self._set(address, rpb.MEMBER_STATE_ACTIVE, to_role, "already in that role")
+                self.move(address, ACTIVE, to_role, "already in that role")
                 return FlipOutcome(address, from_role, to_role, True, 0.0)
-            self._set(address, rpb.MEMBER_STATE_DRAINING, None, f"switching to {to_role}: {reason}")
+            self.move(address, DRAINING, None, f"switching to {to_role}: {reason}")
             resp = worker.SetRole(wpb.SetRoleRequest(role=role_to_proto(to_role), drain=True,
                                                      drain_timeout_s=drain_timeout_s),
                                   timeout=drain_timeout_s + self.rpc_timeout_s)
@@ -91,7 +98,7 @@ class Flipper:
                 raise _Unverified(f"after SetRole the worker reports role "
                                   f"{role_from_proto(after.role) or after.role} and "
                                   f"{after.role_switches - before.role_switches} switches")
-            self._set(address, rpb.MEMBER_STATE_ACTIVE, to_role, f"switched to {to_role}")
+            self.move(address, ACTIVE, to_role, f"switched to {to_role}")
             seconds = time.monotonic() - start
             log.info("flipped %s %s -> %s in %.2fs (%d drained): %s", address, from_role,
                      to_role, seconds, resp.drained_requests, reason)
@@ -103,9 +110,9 @@ class Flipper:
             log.warning("flip of %s to %s failed: %s; out of both pools", address, to_role,
                         error)
             try:
-                self._set(address, rpb.MEMBER_STATE_FAILED, None, f"flip failed: {error}")
+                self.move(address, FAILED, None, f"flip failed: {error}")
             except grpc.RpcError as e2:
-                error += f"; and the router could not be told: {e2.details()}"
+                error += f"; and the membership could not be told: {e2.details()}"
             return FlipOutcome(address, from_role, to_role, False, time.monotonic() - start,
                                error)
         finally:
@@ -122,13 +129,8 @@ class Flipper:
         role = role_from_proto(s.role)
         if role is None or s.draining:
             return None
-        self._set(address, rpb.MEMBER_STATE_ACTIVE, role, reason)
+        self.move(address, ACTIVE, role, reason)
         return role
-
-    def _set(self, address: str, state: int, role: str | None, reason: str) -> None:
-        self.router.SetWorkerState(rpb.SetWorkerStateRequest(
-            address=address, state=state, role=role_to_proto(role),
-            reason=reason), timeout=self.rpc_timeout_s)
 
     def close(self) -> None:
         with self._lock:

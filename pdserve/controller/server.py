@@ -18,12 +18,12 @@ import grpc
 from pdserve import rpc
 from pdserve.controller.config import ControllerConfig
 from pdserve.controller.connector import LiveConnector
+from pdserve.controller.routers import Routers
 from pdserve.controller.flip import FlipBusy, FlipOutcome
 from pdserve.controller.service import Controller, UnknownWorker
 from pdserve.proto import controller_pb2 as pb
 from pdserve.proto import controller_pb2_grpc as pb_grpc
-from pdserve.proto import router_pb2_grpc as rpb_grpc
-from pdserve.core.identity import CONTROLLER, ROUTER
+from pdserve.core.identity import CONTROLLER
 from pdserve.security.tenants import ApiKeys
 from pdserve.security.keys import AdminKeys
 from pdserve.wire import PROTO_OF_ROLE, role_from_proto
@@ -152,8 +152,7 @@ def run(cfg: ControllerConfig, health_address: str | None = None) -> int:
     except (ValueError, OSError) as e:  # KeyFileError names the line
         print(f"pdserve.controller: {e}", file=sys.stderr, flush=True)
         return 2
-    channel = rpc.make_channel(cfg.router_address, ROUTER)
-    controller = Controller(cfg, LiveConnector(rpb_grpc.RouterControlStub(channel)))
+    controller = Controller(cfg, LiveConnector(Routers(cfg.router_address, cfg.store_address)))
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=64)
     guard = rpc.Guard(CONTROLLER, rpc.CONTROL, admin, is_tenant_key=tenants.holds)
     rpc.add_servicer(server, pb_grpc.add_ControllerServicer_to_server,
@@ -171,10 +170,9 @@ def run(cfg: ControllerConfig, health_address: str | None = None) -> int:
     code = rpc.run_until_signal(
         server, health, cfg.address,
         lambda where: f"pdserve.controller ready on {where} mode={cfg.mode} "
-                      f"router={cfg.router_address}{note}", CONTROLLER, plane=rpc.CONTROL,
+                      f"router={cfg.router_address or 'every router'}{note}", CONTROLLER, plane=rpc.CONTROL,
         health_address=health_address)
     controller.stop()
     if metrics_server is not None:
         metrics_server.shutdown()
-    channel.close()
     return code

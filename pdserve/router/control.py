@@ -25,18 +25,15 @@ from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
-from pdserve.core.roles import ACTIVE, DRAINING, FAILED, GONE
 from pdserve.router.membership import InvalidBudgetError, Member, UnknownMemberError
 from pdserve.router.pool import WorkerSet
-from pdserve.wire import PROTO_OF_ROLE, role_from_proto, role_to_proto
+from pdserve.wire import (PROTO_OF_ROLE, PROTO_OF_STATE, STATE_OF_PROTO,  # noqa: F401
+                          role_from_proto, role_to_proto)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 30.0
 MAX_SAMPLES = 4096
-STATE_OF_PROTO = {rpb.MEMBER_STATE_ACTIVE: ACTIVE, rpb.MEMBER_STATE_DRAINING: DRAINING,
-                  rpb.MEMBER_STATE_GONE: GONE, rpb.MEMBER_STATE_FAILED: FAILED}
-PROTO_OF_STATE = {v: k for k, v in STATE_OF_PROTO.items()}
 # How long RegisterWorker waits for a worker's GetStats (its role).
 REGISTER_TIMEOUT_S = 5.0
 

@@ -101,17 +101,15 @@ def cluster_times(model: str, served_batches: tuple[int, ...], served_prompts: t
     """A fresh 1P1D cluster: its start-up (to every worker serving), what serving adds to the
     engine's steps (`serving_times`' measurements), and one idle worker's flip there and back
     through the controller's Flipper (drain of nothing + switch + verify + re-admit)."""
-    from pdserve import rpc
     from pdserve.controller.flip import Flipper
-    from pdserve.proto import router_pb2_grpc
+    from pdserve.controller.routers import Routers
 
     t0 = time.monotonic()
     with _one_p_one_d(model) as cluster:
         startup = time.monotonic() - t0
         say(f"cluster start-up: {startup:.1f} s")
         serving = _serving(cluster, served_batches, served_prompts, say)
-        flipper = Flipper(router_pb2_grpc.RouterControlStub(
-            rpc.make_channel(cluster.router_control_address, "router")))
+        flipper = Flipper(Routers(cluster.router_control_address).move)
         addr = cluster.worker_addresses("decode")[0]
         flips = [flipper.flip(addr, role, drain_timeout_s=60.0, reason="calibration")
                  for role in ("prefill", "decode")]

@@ -322,6 +322,7 @@ def test_a_flip_in_flight_when_the_controller_stops_is_finished_and_logged(
         cluster, reference, tmp_path):
     from pdserve.controller.config import ControllerConfig
     from pdserve.controller.connector import LiveConnector
+    from pdserve.controller.routers import Routers
     from pdserve.controller.service import Controller
 
     start = {r: cluster.worker_addresses(r) for r in ("prefill", "decode")}
@@ -332,13 +333,13 @@ def test_a_flip_in_flight_when_the_controller_stops_is_finished_and_logged(
     try:
         busy = wait_for(lambda: [a for a in start["decode"] if worker_stats(a).num_running],
                         60, "a decode worker with requests running")
-        with rpc.make_channel(cluster.router_control_address, ROUTER) as ch:
-            ctl = Controller(ControllerConfig(
-                router_address=cluster.router_control_address, audit_log=audit,
-                drain_timeout_s=60), LiveConnector(rpb_grpc.RouterControlStub(ch)))
-            ctl.start_flip(busy[0], "prefill", "stopping mid-flip")
-            time.sleep(0.2)  # the drain has begun: the worker holds running requests
-            ctl.stop()  # before: closed the channel under the flip, logged as failed
+        ctl = Controller(ControllerConfig(
+            router_address=cluster.router_control_address, store_address=cluster.store_address,
+            audit_log=audit, drain_timeout_s=60),
+            LiveConnector(Routers(cluster.router_control_address, cluster.store_address)))
+        ctl.start_flip(busy[0], "prefill", "stopping mid-flip")
+        time.sleep(0.2)  # the drain has begun: the worker holds running requests
+        ctl.stop()  # before: closed the channel under the flip, logged as failed
     finally:
         load.stop()
     try:
