@@ -63,6 +63,10 @@ def add_serve_parser(sub, name: str = "serve",
                    help="the store master's port (default: a free port)")
     s.add_argument("--worker-base-port", type=int, default=None,
                    help="workers listen on this port and the next ones (default: free ports)")
+    s.add_argument("--routers", type=_positive_int, default=1,
+                   help="routers serving the same client ports (SO_REUSEPORT: the kernel "
+                        "spreads connections among them; each one's death costs only its own "
+                        "streams, which clients retry on the others)")
     s.add_argument("--prefill-workers", type=int, default=1)
     s.add_argument("--decode-workers", type=int, default=1)
     s.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
@@ -317,7 +321,7 @@ def _serve_local(args: argparse.Namespace, model: str, extra: dict) -> int:
     spec = ClusterSpec(model_path=model, dtype=args.dtype, quantization=args.quantization,
                        device=args.device,
                        share_gpus=args.share_gpus, host=args.host,
-                       router_port=args.port, store_port=args.store_port,
+                       router_port=args.port, routers=args.routers, store_port=args.store_port,
                        http_host=args.http_host, http_port=None if args.no_http else args.http_port,
                        worker_base_port=args.worker_base_port, prefill_workers=args.prefill_workers,
                        decode_workers=args.decode_workers, num_blocks=args.num_blocks,

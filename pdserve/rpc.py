@@ -61,12 +61,16 @@ _OPTIONS = [
 
 def make_server(max_workers: int, maximum_concurrent_rpcs: int | None = None,
                 max_receive_message_bytes: int | None = None,
-                on_busy: Callable[[], None] = lambda: None) -> grpc.Server:
+                on_busy: Callable[[], None] = lambda: None,
+                share_port: bool = False) -> grpc.Server:
     """A thread-pool gRPC server with pdserve's message size limits; not yet bound or started.
 
     `maximum_concurrent_rpcs` bounds RPCs in progress (queued for a thread or running); past it
     a call is answered RESOURCE_EXHAUSTED at once, with a `retry-after` trailer, instead of
     queueing without limit (and `on_busy` is called). None: no bound.
+    `share_port`: its ports bound with SO_REUSEPORT, so servers of several processes on one
+    host serve one port (the kernel spreads connections among them); off, a second server on
+    a taken port fails to start.
     `max_receive_message_bytes` lowers the largest request message accepted (default
     MAX_MESSAGE_BYTES): gRPC refuses a larger one with RESOURCE_EXHAUSTED from its length
     prefix, before the bytes are buffered or parsed. A front door with small requests sets it.
@@ -82,7 +86,8 @@ def make_server(max_workers: int, maximum_concurrent_rpcs: int | None = None,
     # gRPC sets SO_REUSEPORT by default, so a second server on a taken port would "bind" and
     # silently share its connections; turning it off makes the second one fail to start.
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", receive), ("grpc.so_reuseport", 0)]
+               ("grpc.max_receive_message_length", receive),
+               ("grpc.so_reuseport", 1 if share_port else 0)]
     pool = (futures.ThreadPoolExecutor(max_workers=max_workers)
             if maximum_concurrent_rpcs is None else
             BoundedPool(max_workers, maximum_concurrent_rpcs, on_busy))

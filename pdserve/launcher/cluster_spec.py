@@ -43,6 +43,9 @@ class ClusterSpec:
     worker_devices: tuple[str, ...] | None = None  # prefill first; None: planned at start
     host: str = "127.0.0.1"
     router_port: int = 50051
+    # Routers serving the same client ports (SO_REUSEPORT: the kernel spreads new connections
+    # among them), each with its own control listener; all follow one membership.
+    routers: int = 1
     # The router's OpenAI-compatible HTTP API: None turns it off, 0 picks a free port
     # (LocalCluster.http_address says which).
     http_host: str = "127.0.0.1"
@@ -116,6 +119,8 @@ class ClusterSpec:
     metrics_port: int | None = 0
 
     def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ConfigError(f"routers must be >= 1, got {self.routers}")
         if self.controller_mode not in ("active", "advisory", "off"):
             raise ConfigError(f"controller_mode must be active, advisory or off, got "
                               f"{self.controller_mode!r}")

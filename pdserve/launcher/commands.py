@@ -44,11 +44,12 @@ def as_cli(argv: Sequence[str]) -> list[str]:
     return [_KINDS[argv[0]], *argv[1:]]
 
 
-def worker_config(spec: ClusterSpec, role: str, address: str, store: str, router_control: str,
-                  metrics_port: int, threads: int, **placed: Any) -> WorkerConfig:
-    """A worker of the spec in `role`, serving `address`, its heartbeat re-registering it
-    with the router's control listener (a restarted router learns it again); `placed`: what
-    its host adds (its device, its core ledger; on Ray its advertised address and host id).
+def worker_config(spec: ClusterSpec, role: str, address: str, store: str, metrics_port: int,
+                  threads: int, **placed: Any) -> WorkerConfig:
+    """A worker of the spec in `role`, serving `address`, joining the cluster's membership
+    on the store master `store` (every router follows it; its heartbeat teaches a restarted
+    master or router again); `placed`: what its host adds (its device, its core ledger; on
+    Ray its advertised address and host id).
     Speculative decoding is the decode workers'."""
     s = spec
     spec_fields = (dict(spec_method=s.spec_method, draft_path=s.draft_path,
@@ -59,7 +60,7 @@ def worker_config(spec: ClusterSpec, role: str, address: str, store: str, router
         model_path=s.model_path, role=role, address=address, store_address=store,
         dtype=s.dtype, quantization=s.quantization, num_blocks=s.num_blocks,
         block_size_tokens=s.block_size_tokens, max_num_batched_tokens=s.max_num_batched_tokens,
-        threads=threads, metrics_port=metrics_port, register_with=router_control,
+        threads=threads, metrics_port=metrics_port,
         cluster_id=s.cluster_id, progressive_kv=s.progressive_kv, engine=s.engine,
         profile=s.profile, kv_scale=s.kv_scale, **spec_fields, **placed)
 
@@ -96,12 +97,14 @@ def router_config(spec: ClusterSpec, address: str, control: str, store: str,
                            **s.router_settings})
 
 
-def controller_config(spec: ClusterSpec, address: str, router_control: str, audit_log: str,
-                      metrics_port: int, **placed: Any) -> ControllerConfig:
-    """The spec's controller steering the router's control listener, then the spec's
-    `controller_settings` over it."""
+def controller_config(spec: ClusterSpec, address: str, router_control: str, store: str,
+                      audit_log: str, metrics_port: int, **placed: Any) -> ControllerConfig:
+    """The spec's controller steering every router in the cluster's membership on the store
+    master `store` (and the router at `router_control`, known before it joins), then the
+    spec's `controller_settings` over it."""
     s = spec
     return ControllerConfig(**{
-        "router_address": router_control, "address": address, "mode": s.controller_mode,
+        "router_address": router_control, "store_address": store, "address": address,
+        "mode": s.controller_mode,
         "ttft_slo_ms": s.ttft_slo_ms, "itl_slo_ms": s.itl_slo_ms, "audit_log": audit_log,
         "metrics_port": metrics_port, **placed, **s.controller_settings})

@@ -87,6 +87,8 @@ class LocalCluster:
     # This cluster's internal TLS as its operator (or Insecure), fixed by start().
     security: object = None
     renewal: Renewal | None = None  # the CA was made here: its certificates renewed
+    # Every front-door router's control address (the first is router_control_address).
+    router_controls: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _metrics_server: object = None
 
@@ -143,8 +145,8 @@ class LocalCluster:
         """Start a dead child again with its arguments (a router with the workers' current
         roles), appending to its log so the crash stays readable above the restart. False if
         it is being stopped on purpose meanwhile."""
-        if child.kind == "router" and child.name == "router":
-            child.argv = self._router_argv(self.current_roles())
+        if child.kind == "router" and child.probe in self.router_controls:
+            child.argv = self._router_argv(self.current_roles(), child.probe)
         with self._lock:
             if child.stopping:
                 return False
@@ -238,20 +240,24 @@ class LocalCluster:
             for i, role in enumerate(roles):
                 addr = f"{s.host}:{s.worker_port(i)}"
                 workers.append(self._spawn(f"{role}-{i}", "worker", addr, command(
-                    worker_config(s, role, addr, self.store_address, self.router_control_address,
-                                  metrics_ports[i], s.worker_threads(),
+                    worker_config(s, role, addr, self.store_address, metrics_ports[i],
+                                  s.worker_threads(),
                                   device=s.worker_devices[i],
                                   **self._core_settings(s.worker_devices[i])))))
                 self.worker_metrics[addr] = f"http://{s.host}:{metrics_ports[i]}/metrics"
             self._wait([master])
             self._wait_store_nodes(self.store_address, [node])
             self._wait(workers)
-            router = self._spawn("router", "router", self.router_address,
-                                 self._router_argv(dict(zip((w.address for w in workers), roles))),
-                                 probe=self.router_control_address)
-            self._wait([router])
+            self.router_controls = [self.router_control_address] + [
+                f"{s.host}:{p}" for p in free_ports(s.routers - 1)]
+            first = dict(zip((w.address for w in workers), roles))
+            routers = [self._spawn("router" if i == 0 else f"router-{i}", "router",
+                                   self.router_address, self._router_argv(first, control),
+                                   probe=control)
+                       for i, control in enumerate(self.router_controls)]
+            self._wait(routers)
             if s.http_port is not None:
-                self.http_address = self._ready_field(router, "http")
+                self.http_address = self._ready_field(routers[0], "http")
             if s.controller:
                 self.start_controller()
             if s.metrics_port is not None:
@@ -265,11 +271,14 @@ class LocalCluster:
             raise
         return self
 
-    def _router_argv(self, roles: dict[str, str]) -> list[str]:
+    def _router_argv(self, roles: dict[str, str], control: str) -> list[str]:
+        """A front-door router's command: the spec's client ports (shared with the other
+        front doors when there are several), its own control listener at `control`."""
         s = self.spec
         http = None if s.http_port is None else f"{s.http_host}:{s.http_port}"
         return command(router_config(
-            s, self.router_address, self.router_control_address, self.store_address, http,
+            s, self.router_address, control, self.store_address, http,
+            share_port=s.routers > 1,
             prefill_addresses=tuple(a for a, r in roles.items() if r == PREFILL),
             decode_addresses=tuple(a for a, r in roles.items() if r == DECODE),
             **public_tls(s)))
@@ -295,8 +304,8 @@ class LocalCluster:
         s = self.spec
         address = f"{s.host}:{s.controller_port}"
         [metrics_port] = free_ports(1)
-        cfg = controller_config(s, address, self.router_control_address, self.audit_log,
-                                metrics_port, **self._offload_settings())
+        cfg = controller_config(s, address, self.router_control_address, self.store_address,
+                                self.audit_log, metrics_port, **self._offload_settings())
         child = self._spawn("controller", "controller", address,
                             command(dataclasses.replace(cfg, **(settings or {}))))
         self._wait([child])

@@ -87,13 +87,16 @@ class HttpServer:
 
     def __init__(self, app, host: str, port: int, *, max_connections: int = 1024,
                  graceful_s: int = 2, tls=None,
-                 on_refused: Callable[[], None] = lambda: None) -> None:
+                 on_refused: Callable[[], None] = lambda: None, share_port: bool = False
+                 ) -> None:
         """`tls`: a `rpc.PublicTls` to serve HTTPS with (its files re-read when they change;
         a client CA makes client certificates required), or None for plain HTTP.
         `max_connections`: connections served at once; one past it has its request answered
-        429 (`bounded_protocol`), and `on_refused` is called."""
+        429 (`bounded_protocol`), and `on_refused` is called. `share_port`: bound with
+        SO_REUSEPORT (several routers of one host on one port)."""
         self.host = host
         self.port = port
+        self.share_port = share_port
         files = open_files_for(max_connections)
         if files < max_connections + _SPARE_FILES:
             log.warning("open-file limit %d is below %d HTTP connections + %d: raise it "
@@ -130,6 +133,8 @@ class HttpServer:
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self.share_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((self.host, self.port))
         except OSError as e:
             sock.close()

@@ -85,9 +85,10 @@ def command_lines(s: RaySpec) -> dict[str, list[str]]:
     return {"master": plan.master_args(s, "10.0.0.1:6000", "/j"),
             plan.store_member(NODE_B): plan.node_args(s, NODE_B, "10.0.0.2", STORE),
             "decode-1": plan.worker_args(s, "decode-1", "decode", "10.0.0.2:5000", NODE_B,
-                                         STORE, CONTROL, 5001),
+                                         STORE, 5001),
             "router": plan.router_args(s, ROUTER, HTTP, CONTROL, STORE),
-            "controller": plan.controller_args(s, "10.0.0.1:9000", CONTROL, "/a", 9001)}
+            "controller": plan.controller_args(s, "10.0.0.1:9000", CONTROL, STORE, "/a",
+                                              9001)}
 
 
 def test_command_lines_bind_the_node_ip_and_use_the_node_as_host_id():
@@ -138,21 +139,24 @@ def test_every_command_line_is_its_process_config_as_the_spec_says():
     assert configs[plan.store_member(NODE_B)].masters == (STORE,)
     worker = configs["decode-1"]
     assert (worker.model_path, worker.dtype, worker.spec_method, worker.threads,
-            worker.register_with, worker.metrics_port) == ("/m", "float32", "ngram", 2,
-                                                          CONTROL, 5001)
+            worker.store_address, worker.register_with, worker.metrics_port) == (
+        "/m", "float32", "ngram", 2, STORE, "", 5001)
     router = configs["router"]
     assert (router.max_in_flight, router.kv_fetch_weight, router.store_address,
             router.max_model_len_tokens) == (7, 1.5, STORE, 1024 * 16)
     controller = configs["controller"]
-    assert (controller.router_address, controller.cooldown_s, controller.audit_log) == (
-        CONTROL, 5.0, "/a")
+    assert (controller.router_address, controller.store_address, controller.cooldown_s,
+            controller.audit_log) == (CONTROL, STORE, 5.0, "/a")
 
 
-def test_workers_and_the_controller_reach_the_routers_control_listener():
+def test_workers_join_the_cluster_on_the_master_and_the_controller_finds_the_routers_there():
     lines = command_lines(spec())
     assert flags_of(lines["router"])["--control-address"] == CONTROL
-    assert flags_of(lines["decode-1"])["--register-with"] == CONTROL
+    assert flags_of(lines["router"])["--store-address"] == STORE
+    assert "--register-with" not in flags_of(lines["decode-1"])
+    assert flags_of(lines["decode-1"])["--store-address"] == STORE
     assert flags_of(lines["controller"])["--router"] == CONTROL
+    assert flags_of(lines["controller"])["--store"] == STORE
     assert plan.probe_peer("router") == "router" and plan.probe_peer("decode-1") == "worker"
     assert plan.probe_peer(plan.store_member(NODE_B)) is None  # a ready line, no gRPC
     line = plan.ready_line(ROUTER, HTTP, "10.0.0.1:9000", "c1", CONTROL)

@@ -225,7 +225,7 @@ def _up(spec: RaySpec, issuer: certs.Issuer | None, say: Callable[[str], None],
     for member, role in spec.worker_members():
         a = addresses[member]
         refs.append(start(member, plan.worker_args(spec, member, role, a, info[member]["node_id"],
-                                                   master, control, ports[member][1]), a))
+                                                   master, ports[member][1]), a))
     get(refs, 60, "router and workers")
     say(f"loading the model on {len(workers)} workers")
     ready(workers, "workers")
@@ -240,7 +240,7 @@ def _up(spec: RaySpec, issuer: certs.Issuer | None, say: Callable[[str], None],
     if s.controller:
         controller = addr("controller", s.controller_port or ports["controller"][0])
         get(start("controller", plan.controller_args(
-            spec, controller, control, os.path.join(run_dir, "controller-audit.jsonl"),
+            spec, controller, control, master, os.path.join(run_dir, "controller-audit.jsonl"),
             ports["controller"][1]), controller), 60, "controller")
         ready(["controller"], "controller")
     statuses = get([h.status.remote() for h in hosts.values()], 30, "status")

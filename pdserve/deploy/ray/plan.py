@@ -249,27 +249,29 @@ def node_args(spec: RaySpec, ray_node_id: str, ip: str, master: str) -> list[str
 
 
 def worker_args(spec: RaySpec, member: str, role: str, address: str, ray_node_id: str,
-                store: str, router_control: str, metrics_port: int) -> list[str]:
-    """`router_control`: the router's control listener (its heartbeat re-registers it with a
-    restarted router there)."""
-    cfg = worker_config(spec.cluster, role, address, store, router_control, metrics_port,
+                store: str, metrics_port: int) -> list[str]:
+    """`store`: the master whose membership table the worker joins (its heartbeat teaches
+    every router, a restarted one too)."""
+    cfg = worker_config(spec.cluster, role, address, store, metrics_port,
                         spec.worker_threads(), advertise_address=address, host_id=ray_node_id)
     return as_cli(command(cfg, tls_args(spec, member)))
 
 
 def router_args(spec: RaySpec, address: str, http: str | None, control: str,
                 store: str) -> list[str]:
-    """Pools start empty: the workers register themselves with their current role, so a
-    restarted router learns the roles as they are now, never as they were at start.
+    """Pools start empty: the router follows the cluster's membership on the store master,
+    where the workers join with their current role, so a restarted router learns the roles
+    as they are now, never as they were at start.
     `address` and `http` serve the clients; `control` (TLS, each call authenticated) the
     workers and the controller. Files of the client ports' TLS must exist on its node."""
     cfg = router_config(spec.cluster, address, control, store, http)
     return as_cli(command(cfg, tls_args(spec, "router")))
 
 
-def controller_args(spec: RaySpec, address: str, router_control: str, audit_log: str,
-                    metrics_port: int) -> list[str]:
-    cfg = controller_config(spec.cluster, address, router_control, audit_log, metrics_port)
+def controller_args(spec: RaySpec, address: str, router_control: str, store: str,
+                    audit_log: str, metrics_port: int) -> list[str]:
+    cfg = controller_config(spec.cluster, address, router_control, store, audit_log,
+                            metrics_port)
     return as_cli(command(cfg, tls_args(spec, "controller")))
 
 
