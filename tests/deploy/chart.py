@@ -61,6 +61,9 @@ VALUE_SETS = {
     "cert-manager": {"tls": {"certManager": {"enabled": True}}},
     "insecure": {"tls": {"enabled": False}},
     "no-network-policy": {"networkPolicy": {"enabled": False}},
+    # Several routers, scaled by a HorizontalPodAutoscaler (requests in flight and CPU).
+    "autoscaled-routers": {"router": {"replicas": 3, "autoscaling": {
+        "enabled": True, "targetCPUUtilizationPercentage": 80}}},
     "everything": merged(ci_values("ha"), {
         "metrics": {"serviceMonitor": {"enabled": True, "routerTlsConfig": {
             "ca": {"secret": {"name": "public-ca", "key": "ca.crt"}}}}},

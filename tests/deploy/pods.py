@@ -1,6 +1,7 @@
 """Rendered pods run as local processes: a stand-in for a kubelet and cluster DNS on loopback.
 
-Owns turning the chart's workloads into pods (StatefulSet ordinals, Deployment replicas), what
+Owns turning the chart's workloads into pods (StatefulSet ordinals, Deployment replicas, or
+the minReplicas of the HorizontalPodAutoscaler that owns a Deployment's count), what
 the kubelet does for a container (the downward API in env and volumes, `$(VAR)` expansion,
 command + args, volumes as directories: emptyDirs made empty, a hostPath its own host path,
 a Secret's keys written as its `items` say with their modes, a missing Secret or key failing
@@ -88,8 +89,13 @@ class FakeCluster:
         self.services = {s["metadata"]["name"]: s for s in of_kind(objs, "Service")}
         self.proxies: dict[tuple[str, int], _Proxy] = {}
         self.pods: dict[str, Pod] = {}
+        scaled = {(h["spec"]["scaleTargetRef"]["kind"], h["spec"]["scaleTargetRef"]["name"]):
+                  h["spec"].get("minReplicas", 1)
+                  for h in of_kind(objs, "HorizontalPodAutoscaler")}
         for w in [o for o in objs if o["kind"] in ("StatefulSet", "Deployment")]:
-            for i in range(w["spec"].get("replicas", 1)):
+            # No replicas: Kubernetes' 1, which an autoscaler raises to its minimum.
+            replicas = w["spec"].get("replicas", scaled.get((w["kind"], w["metadata"]["name"]), 1))
+            for i in range(replicas):
                 name = (f"{w['metadata']['name']}-{i}" if w["kind"] == "StatefulSet"
                         else f"{w['metadata']['name']}-6f7c9d-{i}")
                 ports = {p["containerPort"]: free_port()

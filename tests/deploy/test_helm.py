@@ -144,8 +144,10 @@ def test_default_values_run_the_default_model_on_cpu_with_one_worker_statefulset
     assert env["INITIAL_PREFILL_WORKERS"]["value"] == "1"
     assert env["PDSERVE_WORKER_THREADS"]["valueFrom"]["resourceFieldRef"]["resource"] == \
         "limits.cpu"
-    assert flag(worker, "--register-with") == \
-        f"{FULL}-router-control.pdserve-test.svc.cluster.local:50053"
+    # It joins the cluster through the store master, whose membership table the routers follow.
+    assert "--register-with" not in argv(worker)
+    assert flag(worker, "--store-address") == \
+        f"{FULL}-master-0.{FULL}-master.pdserve-test.svc.cluster.local:50070"
     assert "--role" not in argv(worker), "the role comes from the ordinal or the label"
     assert "--model" not in argv(worker)
     for absent in ("--cluster-id", "--shutdown-grace-s", "--max-predicted-ttft-s"):
@@ -251,7 +253,11 @@ def test_controller_may_only_read_and_label_pods_of_its_namespace():
     ({"workers": {"initialRoles": {"prefill": -1, "decode": 1}}}, "/workers/initialRoles/prefill"),
     ({"workers": {"initialRoles": {"prefill": 1, "decode": 0}}}, "/workers/initialRoles/decode"),
     ({"workers": {"numBlocks": "many"}}, "/workers/numBlocks"),
-    ({"router": {"replicas": 2}}, "/router/replicas"),
+    ({"router": {"replicas": -1}}, "/router/replicas"),
+    ({"router": {"autoscaling": {"minReplicas": 0}}}, "/router/autoscaling/minReplicas"),
+    ({"router": {"autoscaling": {"requestsInFlight": {"averageValue": "lots"}}}},
+     "/router/autoscaling/requestsInFlight/averageValue"),
+    ({"router": {"autoscaling": {"bogus": 1}}}, "bogus"),
     ({"clusterId": "has space"}, "/clusterId"),
     ({"store": {"ha": {"replicas": 1}}}, "/store/ha/replicas"),
     ({"controller": {"mode": "sometimes"}}, "/controller/mode"),
@@ -261,6 +267,79 @@ def test_schema_refuses_bad_values_naming_the_field(values, where):
         render(values)
     assert where in str(e.value)
 
+
+
+MASTER_0 = f"{FULL}-master-0.{FULL}-master.pdserve-test.svc.cluster.local:50070"
+
+
+def test_several_routers_scaled_by_an_autoscaler_share_the_membership_table():
+    import kubernetes_validate as kv
+
+    objs = objects({"router": {"replicas": 3, "autoscaling": {"enabled": True}}})
+    for o in objs:
+        if o["apiVersion"] != "cert-manager.io/v1":
+            for version in KUBE_VERSIONS:
+                kv.validate(o, version or kv.latest_version(), strict=True)
+    (hpa,) = of_kind(objs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    router = named(objs, "Deployment", f"{FULL}-router")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": router["metadata"]["name"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "pdserve_requests_in_flight"},
+        "target": {"type": "AverageValue", "averageValue": "64"}}}]
+    assert "behavior" not in hpa["spec"]
+    assert "replicas" not in router["spec"], "the HPA owns the count"
+    # Every router lists itself in the table at its pod IP's control port, and follows it.
+    for w in of_kind(objs, "Deployment"):
+        if w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "router":
+            c = container(w, "router")
+            assert flag(c, "--advertise-control-address") == "$(POD_IP):50053"
+            env = {e["name"]: e for e in c["env"]}
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            assert flag(c, "--store-address") == MASTER_0
+            assert "--share-port" not in argv(c), "one router per pod"
+    for sts in of_kind(objs, "StatefulSet"):
+        for c in containers(sts):
+            assert "--register-with" not in argv(c), sts["metadata"]["name"]
+    controller = named(objs, "Deployment", f"{FULL}-controller")
+    c = container(controller, "controller")
+    assert flag(c, "--store") == MASTER_0 and "--router" not in argv(c)
+    # Its label sync asks any one router (each knows every worker).
+    assert flag(container(controller, "label-sync"), "--router") == \
+        f"{FULL}-router-control.pdserve-test.svc.cluster.local:50053"
+    (pdb,) = [b for b in of_kind(objs, "PodDisruptionBudget")
+              if b["metadata"]["name"] == f"{FULL}-router"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert router["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+def test_router_replicas_without_an_autoscaler_and_its_other_metrics():
+    objs = objects({"router": {"replicas": 3}})
+    assert named(objs, "Deployment", f"{FULL}-router")["spec"]["replicas"] == 3
+    assert not of_kind(objs, "HorizontalPodAutoscaler")
+    behavior = {"scaleDown": {"stabilizationWindowSeconds": 600}}
+    objs = objects({"router": {"autoscaling": {
+        "enabled": True, "minReplicas": 3, "maxReplicas": 3,
+        "requestsInFlight": {"metricName": "", "averageValue": 64},
+        "targetCPUUtilizationPercentage": 70, "behavior": behavior}}})
+    (hpa,) = of_kind(objs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"] == [{"type": "Resource", "resource": {
+        "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}}]
+    assert hpa["spec"]["behavior"] == behavior
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 3)
+
+
+@pytest.mark.parametrize("autoscaling, message", [
+    ({"minReplicas": 4, "maxReplicas": 3}, "minReplicas (4) must not exceed maxReplicas (3)"),
+    ({"requestsInFlight": {"metricName": "", "averageValue": 64}}, "needs a metric"),
+])
+def test_an_autoscaler_that_cannot_work_is_refused(autoscaling, message):
+    with pytest.raises(helm.HelmError) as e:
+        render({"router": {"autoscaling": {"enabled": True, **autoscaling}}})
+    assert message in str(e.value)
 
 
 def test_readme_documents_every_value_and_only_real_ones():

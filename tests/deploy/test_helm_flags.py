@@ -39,10 +39,13 @@ SCRIPT_ENV = {"PDSERVE_WORKER_ROLE": "decode"}
 DELIBERATE = {
     # A pod listens on every interface, on the chart's fixed ports, and says where it is.
     ("master", "address"), ("node", "data_address"), ("node", "masters"),
-    ("worker", "address"), ("worker", "advertise_address"), ("worker", "register_with"),
+    ("worker", "address"), ("worker", "advertise_address"),
     ("worker", "store_address"), ("router", "address"), ("router", "control_address"),
     ("router", "http_host"), ("router", "http_port"), ("router", "store_address"),
     ("controller", "address"),
+    # The cluster's membership table on the store master: each router lists its pod IP there,
+    # the controller finds every router and moves workers there.
+    ("router", "advertise_control_address"), ("controller", "store_address"),
     ("master", "journal_dir"), ("master", "redis_url"),
     ("controller", "audit_log"), ("controller", "metrics_port"), ("worker", "metrics_port"),
     ("worker", "role"),

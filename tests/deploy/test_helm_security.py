@@ -194,7 +194,7 @@ def test_ports_of_one_pod_must_differ():
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
-def test_public_service_has_only_client_ports_and_workers_join_the_control_service(name):
+def test_public_service_has_only_client_ports_and_the_cluster_meets_at_the_master(name):
     objs = objects(VALUE_SETS[name])
     router = named(objs, "Deployment", f"{FULL}-router")
     c = container(router, "router")
@@ -207,13 +207,24 @@ def test_public_service_has_only_client_ports_and_workers_join_the_control_servi
     assert [(p["port"], container_port(router, p["targetPort"]))
             for p in control["spec"]["ports"]] == [(50053, 50053)]
     assert flag(c, "--control-address") == "0.0.0.0:50053"
+    # Each router lists its own pod's control port in the master's membership table; workers
+    # join that table (no router registration); the controller finds every router there, and
+    # its label sync asks any one router through the control Service.
+    assert flag(c, "--advertise-control-address") == "$(POD_IP):50053"
     control_address = f"{FULL}-router-control.{DNS}:50053"
+    masters = named(objs, "StatefulSet", f"{FULL}-master")["spec"]["replicas"]
+    master_addresses = ",".join(f"{FULL}-master-{i}.{FULL}-master.{DNS}:50070"
+                                for i in range(masters))
+    assert flag(c, "--store-address") == master_addresses
     for w in workloads(objs):
         if component(w) == "worker":
-            assert flag(container(w, "worker"), "--register-with") == control_address
+            worker = container(w, "worker")
+            assert "--register-with" not in argv(worker)
+            assert flag(worker, "--store-address") == master_addresses
         if component(w) == "controller":
-            for name_ in ("controller", "label-sync"):
-                assert flag(container(w, name_), "--router") == control_address
+            assert flag(container(w, "controller"), "--store") == master_addresses
+            assert "--router" not in argv(container(w, "controller"))
+            assert flag(container(w, "label-sync"), "--router") == control_address
 
 
 @pytest.mark.parametrize("name", ["default", "ha", "static"])
@@ -313,8 +324,12 @@ def test_security_settings_can_still_be_overridden():
 # ---- network policies -------------------------------------------------------------------------
 
 
+# A port its pods declare that nobody in the cluster calls: no rule admits it.
+CLOSED = "closed"
+
+
 def expected_peers(values: dict, objs: list[dict]) -> dict[str, dict[int, object]]:
-    """Who must reach each component's ports, and only they."""
+    """Who must reach each component's ports, and only they (CLOSED: nobody)."""
     controller = {"controller"} if selected_templates(
         objs, {"app.kubernetes.io/component": "controller"}) else set()
     np = values.get("networkPolicy", {})
@@ -325,9 +340,10 @@ def expected_peers(values: dict, objs: list[dict]) -> dict[str, dict[int, object
 
     out = {
         "router": {50051: peers("routerClientsFrom"), 8000: peers("routerClientsFrom"),
-                   50053: {"worker"} | controller, 50054: ANYONE},
+                   50053: controller or CLOSED, 50054: ANYONE},
         "worker": {50061: {"router"} | controller, 50062: ANYONE, 9090: peers("metricsFrom")},
-        "store-master": {50070: {"worker", "store-node", "router"}, 50071: ANYONE},
+        "store-master": {50070: {"worker", "store-node", "router"} | controller,
+                         50071: ANYONE},
         "store-node": {50090: {"worker", "store-master"}, 50091: ANYONE},
     }
     if controller:
@@ -353,7 +369,8 @@ def test_network_policies_deny_by_default_and_admit_exactly_the_callers(name):
         assert policy["spec"]["podSelector"]["matchLabels"] == {
             **release, "app.kubernetes.io/component": comp}
         got = admitted(policy, objs)
-        assert got == ports, f"{name}: {comp}: {got}"
+        assert got == {p: who for p, who in ports.items() if who is not CLOSED}, \
+            f"{name}: {comp}: {got}"
         for rule in policy["spec"]["ingress"]:  # "release": exactly this release's pods
             for peer in rule.get("from", []):
                 labels = peer.get("podSelector", {}).get("matchLabels", {})

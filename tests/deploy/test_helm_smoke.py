@@ -34,7 +34,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve import rpc
-from pdserve.core.identity import MASTER, OPERATOR
+from pdserve.core.identity import CONTROLLER, MASTER, OPERATOR
 from pdserve.deploy.k8s_labels import ROLE_LABEL, router_members
 from pdserve.security import pki, tls
 from tests.deploy.chart import KIND_OF, NAMESPACE, RELEASE, component, needs_helm, objects, \
@@ -113,6 +113,16 @@ def assert_runs_with_its_certificates(cluster: FakeCluster, pod: Pod, name: str)
     assert not mode & 0o007, f"{pod.name}: {kind}.key mode {oct(mode)}"
 
 
+def start_controller(cluster, api):
+    """The controller pod's two containers (the controller, its label sync), once ready."""
+    (controller,) = cluster.pods_of("controller")
+    cluster.start(controller, "controller")
+    cluster.start(controller, "label-sync", ["--api-url", api.url])
+    cluster.wait(controller, "controller", "startupProbe", READY_S)
+    cluster.wait(controller, "controller", "readinessProbe", READY_S)
+    return controller
+
+
 @pytest.mark.parametrize("cert_manager", [False, True], ids=["tls-secret", "cert-manager"])
 def test_default_chart_pods_serve_the_engines_tokens(tiny_llama_dir, tmp_path, tls_folder,
                                                      cert_manager):
@@ -148,7 +158,7 @@ def test_default_chart_pods_serve_the_engines_tokens(tiny_llama_dir, tmp_path, t
             for pod in workers:
                 cluster.wait(pod, "worker", "startupProbe", READY_S)
                 cluster.wait(pod, "worker", "readinessProbe", READY_S)
-            # Ready once the workers registered through the router-control Service.
+            # Ready once it learnt the workers from the store master's membership table.
             cluster.wait(router, "router", "readinessProbe", READY_S)
             for pod in workers:  # each started in its ordinal's role
                 role = "prefill" if pod.name.endswith("-0") else "decode"
@@ -162,11 +172,7 @@ def test_default_chart_pods_serve_the_engines_tokens(tiny_llama_dir, tmp_path, t
                 time.sleep(0.2)
             assert {a.rpartition(":")[0] for a, _ in members} == {"127.0.0.1"}, \
                 "each advertised its pod DNS name, which the test maps to loopback"
-            (controller,) = cluster.pods_of("controller")
-            cluster.start(controller, "controller")
-            cluster.start(controller, "label-sync", ["--api-url", api.url])
-            cluster.wait(controller, "controller", "startupProbe", READY_S)
-            cluster.wait(controller, "controller", "readinessProbe", READY_S)
+            controller = start_controller(cluster, api)
 
             prompt = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
             engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=64)))
@@ -202,6 +208,91 @@ def test_default_chart_pods_serve_the_engines_tokens(tiny_llama_dir, tmp_path, t
                         f"{pod.name}: a plaintext call to port {port} got through"
                     if comp in ("worker", "store-master"):  # mutual TLS: the operator may ask
                         rpc.wait_healthy(address, timeout_s=10, peer=KIND_OF[comp])
+            for pod in cluster.pods.values():  # nothing crashed meanwhile
+                for name, proc in pod.procs.items():
+                    assert proc.poll() is None, f"{pod.name}/{name}:\n{cluster.tail(pod, name)}"
+    finally:
+        cluster.stop_all()
+        api.close()
+
+
+ROUTERS = 3
+
+
+def test_several_router_pods_follow_one_membership_table(tiny_llama_dir, tmp_path, tls_folder):
+    """Three router pods (the autoscaler's minimum): each learns both workers from the store
+    master's membership table and serves the engine's tokens; the table lists each router at
+    its own pod's control port; the controller (`--store`) and its label sync run beside them."""
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+    from pdserve.kvstore.members_client import MembersClient
+    from pdserve.proto import controller_pb2, controller_pb2_grpc
+
+    values = {**SMOKE_VALUES, "model": {"path": "/models",
+                                        "volume": {"hostPath": {"path": tiny_llama_dir}}},
+              "router": {"autoscaling": {"enabled": True, "minReplicas": ROUTERS,
+                                         "maxReplicas": 2 * ROUTERS}}}
+    objs = objects(values)
+    assert [o for o in of_kind(objs, "Deployment") if o["metadata"]["name"] == "pdserve-router"
+            and "replicas" not in o["spec"]], "the autoscaler owns the router count"
+    cluster = FakeCluster(objs, NAMESPACE, tmp_path, secrets=tls_secrets(tls_folder))
+    routers, workers = cluster.pods_of("router"), cluster.pods_of("worker")
+    assert len(routers) == ROUTERS and len({r.ip for r in routers}) == ROUTERS
+    api = FakeKubeApi(NAMESPACE, {p.name: dict(p.labels) for p in workers})
+    try:
+        with as_operator(tls_folder):
+            for component_, container in (("store-master", "master"), ("store-node", "node")):
+                for pod in cluster.pods_of(component_):
+                    cluster.start(pod, container)
+                    cluster.wait(pod, container, "startupProbe", READY_S)
+                    cluster.wait(pod, container, "readinessProbe", READY_S)
+            for pod in routers + workers:
+                cluster.start(pod, "router" if pod in routers else "worker")
+            for pod in workers:
+                cluster.wait(pod, "worker", "startupProbe", READY_S)
+                cluster.wait(pod, "worker", "readinessProbe", READY_S)
+            for pod in routers:
+                cluster.wait(pod, "router", "startupProbe", READY_S)
+                cluster.wait(pod, "router", "readinessProbe", READY_S)
+            deadline = time.monotonic() + 60
+            for pod in routers:  # every router knows both workers, one in each role
+                while sorted(r for _, r in router_members(
+                        f"127.0.0.1:{pod.ports[50053]}")) != ["decode", "prefill"]:
+                    assert time.monotonic() < deadline, cluster.tail(pod, "router")
+                    time.sleep(0.2)
+            (master,) = cluster.pods_of("store-master")
+            table = MembersClient(f"127.0.0.1:{master.ports[50070]}")
+            try:  # each router listed at its pod IP's control port (this test's loopback port)
+                listed = {m.address for m in table.watch().members if m.kind == "router"}
+            finally:
+                table.close()
+            assert listed == {f"127.0.0.1:{r.ports[50053]}" for r in routers}
+
+            controller = start_controller(cluster, api)
+
+            prompt = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
+            engine = LLMEngine(EngineConfig(tiny_llama_dir, cache=CacheConfig(num_blocks=64)))
+            want = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+            for pod in routers:  # each router serves, at its own pod's client port
+                ids, _, _, _ = generate(f"127.0.0.1:{pod.ports[50051]}", token_ids=prompt,
+                                        max_tokens=16, ignore_eos=True)
+                assert ids == want, pod.name
+
+            # The controller sees both workers through the routers it found in the table.
+            deadline = time.monotonic() + 60
+            with rpc.make_channel(f"127.0.0.1:{controller.ports[50052]}", CONTROLLER) as ch:
+                stub = controller_pb2_grpc.ControllerStub(ch)
+                while len(stub.Status(controller_pb2.ControllerStatusRequest(),
+                                      timeout=10).workers) != 2:
+                    assert time.monotonic() < deadline, cluster.tail(controller, "controller")
+                    time.sleep(0.5)
+            while {n: api.pods[n].get(ROLE_LABEL) for n in api.pods} != \
+                    {"pdserve-worker-0": "prefill", "pdserve-worker-1": "decode"}:
+                assert time.monotonic() < deadline, cluster.tail(controller, "label-sync")
+                time.sleep(0.2)
+            started = {(p.name, n) for p in cluster.pods.values() for n in p.procs}
+            assert len(started) == 6 + ROUTERS, sorted(started)
             for pod in cluster.pods.values():  # nothing crashed meanwhile
                 for name, proc in pod.procs.items():
                     assert proc.poll() is None, f"{pod.name}/{name}:\n{cluster.tail(pod, name)}"

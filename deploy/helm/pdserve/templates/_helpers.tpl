@@ -71,8 +71,8 @@ leader among them). */}}
 {{- join "," $out }}
 {{- end }}
 
-{{/* The router's control API (its own listener, TLS): where workers register and the
-controller and its label sync call. */}}
+{{/* The router-control Service (the control listener, TLS, of any one router): where the
+controller's label sync calls. */}}
 {{- define "pdserve.routerControlAddress" -}}
 {{- include "pdserve.serviceAddress" (dict "ctx" . "svc" "router-control" "port" .Values.router.controlPort) }}
 {{- end }}
