@@ -44,6 +44,8 @@ BENCHES: dict[str, Lazy] = {
                                          "phase-shifting workload (SLO attainment, goodput)"),
     "emulate": Lazy("pdserve.bench.emulate", "the control plane of emulated clusters against "
                                              "their size: CPU, memory, ticks, flips, membership"),
+    "router": Lazy("pdserve.bench.router", "a router's CPU per streamed token and request, "
+                                           "its rates per core, and 1..N routers"),
     "chaos": Lazy("pdserve.bench.chaos", "kill -9 each process kind under streaming load: "
                                          "requests lost or changed, time to heal"),
     "serve": Lazy("pdserve.bench.serve", "the serving path vs the engine's own decode rate and "
