@@ -15,7 +15,9 @@ From the windows, per API (pure functions below, unit-tested):
 - what one router core carries at that cost: tokens/s and requests/s at the answer length;
 - the highest rate at which the router adds at most `ttft_limit_s` to p99 TTFT and
   `itl_limit_s` to p99 inter-chunk gap over the lowest rate's, per router core busy then;
-- N routers: delivered tokens/s against one router's, and the per-token cost with N.
+- N routers: delivered tokens/s against one router's, and the per-token cost with N;
+- with N >= 2, membership convergence: a decode worker moved in the cluster's membership table
+  (draining, then active, `--moves` times), the time until every router lists the move.
 Must not assert anything: it reports (`bench/router_report.py` makes the tables and PNG).
 """
 
@@ -46,6 +48,8 @@ def add_arguments(p):
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--profile", default="h100-llama3-8b",
                    help="the emulated workers' step-time profile")
+    p.add_argument("--moves", type=int, default=20,
+                   help="membership moves timed with 2+ routers (0: none)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--out", default=None, help="write router.json, router.png, router.md here")
     p.add_argument("--model", default="", help="tokenizer and chat template (default: "
@@ -179,12 +183,56 @@ def _window(cluster, api: str, model: str, prompts, rate: float, window_s: float
     from pdserve.bench.router_client import open_loop
 
     address = cluster.http_address if api == "http" else cluster.router_address
-    c0, t0 = _routers_cpu(cluster), time.monotonic()
+    c0, t0, client0 = _routers_cpu(cluster), time.monotonic(), time.process_time()
     out = asyncio.run(open_loop(api, address, model, prompts, rate, window_s, max_tokens,
                                 seed=int(rate * 1000) + max_tokens))
-    cpu = _routers_cpu(cluster) - c0 - idle_cores * (time.monotonic() - t0)
-    return summarize(out["rows"], out["sent"], out["dropped"], out["wall_s"], max(0.0, cpu),
-                     rate, max_tokens)
+    wall = time.monotonic() - t0
+    cpu = _routers_cpu(cluster) - c0 - idle_cores * wall
+    w = summarize(out["rows"], out["sent"], out["dropped"], out["wall_s"], max(0.0, cpu),
+                  rate, max_tokens)
+    # The load client shares the host: its own cores say when it, not a router, ran short.
+    w["client_cores"] = (time.process_time() - client0) / wall
+    return w
+
+
+def _listed(control: str, address: str) -> int:
+    from pdserve import rpc
+    from pdserve.core.identity import ROUTER
+    from pdserve.proto import router_pb2 as rpb
+    from pdserve.proto import router_pb2_grpc as rpb_grpc
+
+    with rpc.make_channel(control, ROUTER) as ch:
+        got = rpb_grpc.RouterControlStub(ch).ListWorkers(rpb.ListWorkersRequest(), timeout=10)
+    return next(m.state for m in got.workers if m.address == address)
+
+
+def convergence(cluster, moves: int, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Seconds from a move in the membership table until every router lists it, per move."""
+    from pdserve.controller.routers import Routers
+    from pdserve.core.roles import ACTIVE, DECODE, DRAINING
+    from pdserve.proto import router_pb2 as rpb
+
+    target = cluster.worker_addresses(DECODE)[-1]
+    routers = Routers(masters=cluster.store_address)
+    seconds = []
+    try:
+        for i in range(moves):
+            state, want = ((DRAINING, rpb.MEMBER_STATE_DRAINING) if i % 2 == 0
+                           else (ACTIVE, rpb.MEMBER_STATE_ACTIVE))
+            t0 = time.monotonic()
+            routers.move(target, state, DECODE if state == ACTIVE else None, "bench router")
+            for control in cluster.router_controls:
+                while _listed(control, target) != want:
+                    if time.monotonic() - t0 > timeout_s:
+                        raise RuntimeError(f"router {control} did not list {target} {state} "
+                                           f"within {timeout_s:g}s")
+                    time.sleep(0.001)
+            seconds.append(time.monotonic() - t0)
+        if moves % 2:
+            routers.move(target, ACTIVE, DECODE, "bench router")
+    finally:
+        routers.close()
+    return {"moves": len(seconds), "p50_s": _pct(seconds, 0.5), "max_s": max(seconds)}
 
 
 def measure(model: str, n: int, args, apis: list[str], rates: list[float],
@@ -208,7 +256,11 @@ def measure(model: str, n: int, args, apis: list[str], rates: list[float],
         c0, t0 = _routers_cpu(cluster), time.monotonic()
         time.sleep(3.0)
         idle = (_routers_cpu(cluster) - c0) / (time.monotonic() - t0)
-        result: dict[str, Any] = {"routers": n, "idle_cores": idle, "apis": {}}
+        result: dict[str, Any] = {"routers": n, "idle_cores": idle, "apis": {},
+                                  "convergence": None}
+        if n >= 2 and args.moves > 0:
+            progress(f"{n} routers: membership convergence")
+            result["convergence"] = convergence(cluster, args.moves)
         for api in apis:
             progress(f"{n} routers, {api}: short answers")
             short = _window(cluster, api, served_model, prompts, rates[0], args.window_s,

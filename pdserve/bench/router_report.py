@@ -14,7 +14,8 @@ from rich.table import Table
 from pdserve.output import write_report
 
 WINDOW_COLUMNS = ("routers", "api", "rate req/s", "sent", "ok", "refused", "tokens/s",
-                  "TTFT p50 ms", "TTFT p99 ms", "gap p50 ms", "gap p99 ms", "router cores")
+                  "TTFT p50 ms", "TTFT p99 ms", "gap p50 ms", "gap p99 ms", "router cores",
+                  "client cores")
 COST_COLUMNS = ("routers", "api", "CPU us/token", "CPU us/request", "tokens/s per core",
                 "requests/s per core", "within limits: req/s", "tokens/s", "per core: tokens/s",
                 "req/s")
@@ -36,7 +37,8 @@ def window_rows(result: dict[str, Any]) -> list[list[str]]:
                 out.append([str(run["routers"]), api, f"{w['rate_rps']:g}", str(w["sent"]),
                             str(w["ok"]), str(w["refused"]), f"{w['tokens_per_s']:.0f}",
                             _ms(w["ttft_p50_s"]), _ms(w["ttft_p99_s"]), _ms(w["gap_p50_s"]),
-                            _ms(w["gap_p99_s"]), f"{w['router_cores']:.2f}"])
+                            _ms(w["gap_p99_s"]), f"{w['router_cores']:.2f}",
+                            f"{w.get('client_cores', 0.0):.2f}"])
     return out
 
 
@@ -83,6 +85,12 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
     for r in window_rows(result):
         t.add_row(*r)
     console.print(t)
+    for run in result["runs"]:
+        c = run.get("convergence")
+        if c:
+            console.print(f"{run['routers']} routers: a move in the membership table listed by "
+                          f"every router in {c['p50_s'] * 1000:.1f} ms (p50), "
+                          f"{c['max_s'] * 1000:.1f} ms at most, over {c['moves']} moves")
     for api, rows in result["scaling"].items():
         console.print(f"{api}: " + "; ".join(
             f"{r['routers']} router(s) {r['tokens_per_s']:.0f} tokens/s"
@@ -108,6 +116,7 @@ def plot(result: dict[str, Any], path: str) -> None:
                          styles[api], label=label)
     axes[0].set_xlabel("tokens/s delivered")
     axes[0].set_ylabel("TTFT p99, ms")
+    axes[0].set_yscale("log")
     axes[0].set_title("latency against load")
     axes[1].set_xlabel("tokens/s delivered")
     axes[1].set_ylabel("router CPU, cores (idle removed)")

@@ -88,6 +88,8 @@ def test_bench_router_with_two_routers_json_table_and_png(tmp_path):
             assert w["sent"] > 0 and w["ok"] == w["sent"], (api, w)
         assert a["windows"][-1]["tokens"] == 16 * a["windows"][-1]["ok"]
         assert a["cost"]["us_per_token"] > 0, a["cost"]
+    conv = run["convergence"]  # a move reaches both routers
+    assert conv["moves"] == 20 and 0 < conv["p50_s"] <= conv["max_s"] < 10
     with open(tmp_path / "router.json") as fh:
         assert json.load(fh)["runs"] == result["runs"]
     assert os.path.getsize(tmp_path / "router.png") > 5000
