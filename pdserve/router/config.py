@@ -109,6 +109,13 @@ class RouterConfig:
         "seconds between polls of every worker's stats (health and load)"))
     max_missed_polls: int = flag(3, help=(
         "polls in a row a worker may miss before it leaves its pool (gone)"))
+    # A prefill call with no answer within 4x its predicted compute (once the worker's rate is
+    # measured), and at least this long, takes the worker out of its pool as if dead (its
+    # polls bring it back after as long again) and is re-routed: a worker whose engine is
+    # stuck may still answer its polls. 0: off.
+    first_answer_min_s: float = flag(30.0, help=(
+        "the least time a worker call may wait for its first answer before the worker counts "
+        "as stalled (0: no deadline)"))
     # The OpenAI-compatible HTTP API (pdserve.router.openai_api): None turns it off, 0 picks a
     # free port (the ready line says which).
     http_host: str = flag("127.0.0.1", help="OpenAI-compatible HTTP API host")
@@ -187,6 +194,8 @@ class RouterConfig:
         # Membership needs the polls: without them a dead worker would never leave its pool.
         if self.stats_interval_s <= 0:
             raise ConfigError(f"stats_interval_s must be > 0, got {self.stats_interval_s}")
+        if not 0 <= self.first_answer_min_s < float("inf"):
+            raise ConfigError(f"first_answer_min_s must be >= 0, got {self.first_answer_min_s}")
         if self.max_missed_polls < 1:
             raise ConfigError(f"max_missed_polls must be >= 1, got {self.max_missed_polls}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:

@@ -4,8 +4,9 @@ Owns each known worker's role and state (ACTIVE in a role's pool, DRAINING, GONE
 router's own load on it (requests and predicted prefill tokens in flight, prompt tokens of
 offloaded requests in flight and the controller's offload budget), its last reported stats, and
 the transitions between states: joins, successful polls (`report`), missed polls (`missed`),
-the controller's moves (`set_state`) and forgetting long-gone workers (`forget_gone`); and
-whether a request can be served at all (`health_of`: the router's health).
+a call with no first answer in time (`stalled`), the controller's moves (`set_state`) and
+forgetting long-gone workers (`forget_gone`); and whether a request can be served at all
+(`health_of`: the router's health).
 
 Pure: inputs and a `now` in, the updated `Member` out; no I/O, no clock reads, no threads, no
 locks (the adapter in `pool.py` holds one around every call). Must not import torch, grpc or
@@ -52,6 +53,9 @@ class Member:
     missed: int = 0  # consecutive polls it did not answer
     reason: str = ""  # why it is in this state, for operators
     gone_since_s: float | None = None  # when it became GONE (forget_gone counts from here)
+    # A call to it got no first answer in time: GONE, and its polls bring it back only after
+    # this (a slow worker gets that long to catch up before it is sent more).
+    held_until_s: float = float("-inf")
     # When the controller last set its state or role: a poll asked before then may carry the
     # role it had before a switch, and must not move it back.
     changed_s: float = float("-inf")
@@ -209,7 +213,7 @@ class Membership:
             m.stats = stats
         if asked_s is not None and asked_s < m.changed_s:
             return m
-        if m.state == GONE:
+        if m.state == GONE and now >= m.held_until_s:
             m.state, m.role = ACTIVE, role
             m.reason, m.gone_since_s = "answered its health poll again", None
         elif m.state == ACTIVE and m.role != role:
@@ -230,6 +234,18 @@ class Membership:
             m.reason = f"missed {m.missed} consecutive health polls"
         return m
 
+    def stalled(self, address: str, why: str, now: float, hold_s: float) -> Member | None:
+        """A call to it got no first answer in time (`why`): an ACTIVE or DRAINING member is
+        GONE at once, as a dead one, and its polls bring it back no sooner than `hold_s` from
+        now. None if the address is not known."""
+        m = self._members.get(address)
+        if m is None:
+            return None
+        if m.state in (ACTIVE, DRAINING):
+            m.state, m.gone_since_s, m.reason = GONE, now, why
+            m.held_until_s = now + hold_s
+        return m
+
     def set_state(self, address: str, state: str, role: str | None = None, reason: str = "",
                   now: float | None = None) -> Member:
         """The controller moves a member. ACTIVE joins `role`'s pool (None keeps its role) with
@@ -244,6 +260,7 @@ class Membership:
             m.role = role
         if state == ACTIVE:
             m.missed = 0
+            m.held_until_s = float("-inf")
         if state == GONE and m.state != GONE:
             m.gone_since_s = now if now is not None else (m.last_seen_s or 0.0)
         elif state != GONE:

@@ -43,7 +43,7 @@ from pdserve.router.membership import (
 from pdserve.router.policy import (
     KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad, choose_offload,
 )
-from pdserve.router.worker_calls import WorkerCalls
+from pdserve.router.worker_calls import WorkerCalls, first_answer_deadline
 from pdserve.wire import role_from_proto
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,13 @@ class WorkerSet:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, prefill_policy,
                  decode_policy, block_size_tokens: int = 16, feeds: KvFeeds | None = None,
                  stats_interval_s: float = 1.0, max_missed: int = 3,
-                 forget_after_s: float = 300.0,
+                 forget_after_s: float = 300.0, first_answer_min_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.membership = Membership(max_missed, forget_after_s)
         self.rates = RateMeter()  # measured prefill rates per member
-        self.calls = WorkerCalls()  # unary calls in flight, ended when their worker is gone
+        # Calls in flight, ended when their worker is gone or gives no first answer in time.
+        self.calls = WorkerCalls(on_stall=self._stalled)
+        self.first_answer_min_s = first_answer_min_s
         self.policies = {PREFILL: prefill_policy, DECODE: decode_policy}
         self.block_size_tokens = block_size_tokens
         self.feeds = feeds
@@ -410,6 +412,31 @@ class WorkerSet:
                             if isinstance(e, grpc.RpcError) else repr(e))
         with self._lock:
             self._forget(self.membership.forget_gone(self.clock()))
+        self._changed()
+
+    def first_answer_s(self, address: str) -> float | None:
+        """How long a prefill call to `address` may wait for its answer (None: no deadline):
+        the prefill work the router has sent it at its measured rate, times a factor, at least
+        `first_answer_min_s`. (A decode hop has none: a busy decode worker's queue is not the
+        router's to predict, and its polls tell a stalled one.)"""
+        with self._lock:
+            if address not in self.membership:
+                return None
+            m = self.membership.get(address)
+            rate = self.rates.rate(address)
+            work = max(m.in_flight_tokens, 1.0)
+        return first_answer_deadline(work, rate, self.first_answer_min_s)
+
+    def _stalled(self, address: str, why: str, after_s: float) -> None:
+        """A call to `address` got no first answer in time: out of the pools as if dead, its
+        other calls re-routed; its polls bring it back after as long again."""
+        with self._lock:
+            m = self.membership.stalled(address, why, self.clock(), after_s)
+            newly = m is not None and m.state == GONE and m.reason == why
+        if newly:
+            ended = self.calls.end(address, why)
+            log.warning("worker %s %s: out of the pools for %gs at least; %d other calls to "
+                        "it re-routed", address, why, after_s, ended)
         self._changed()
 
     def _missed(self, address: str) -> None:

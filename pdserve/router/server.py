@@ -79,7 +79,8 @@ def build_workers(cfg: RouterConfig, on_kv_lag=None) -> WorkerSet:
                      decode_policy=make_policy(cfg.decode_routing, seed=cfg.routing_seed + 1,
                                                **weights),
                      block_size_tokens=cfg.block_size_tokens, feeds=feeds,
-                     stats_interval_s=cfg.stats_interval_s, max_missed=cfg.max_missed_polls)
+                     stats_interval_s=cfg.stats_interval_s, max_missed=cfg.max_missed_polls,
+                     first_answer_min_s=cfg.first_answer_min_s)
 
 
 def build_service(cfg: RouterConfig) -> RouterService:

@@ -312,7 +312,8 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 attempt += 1
                 call = self.workers.stub(address).Prefill.future(
                     req, timeout=self._timeout(context))
-                with self.workers.calls.tracking(address, call) as tracked:
+                with self.workers.calls.tracking(
+                        address, call, self.workers.first_answer_s(address)) as tracked:
                     return self.door.result(call, context)
             except (grpc.RpcError, grpc.FutureCancelledError) as e:
                 code, message = _call_failure(e, tracked, PREFILL, address)

@@ -85,6 +85,10 @@ class WorkerConfig:
     # membership table on the master (every router follows it) once it serves, then again
     # every few seconds, so a table or router that restarts learns it again.
     register_with: str = ""
+    # Join the cluster's membership table on the store master (the distributed store), which
+    # every router follows. Off: only routers that name this worker (their --prefill and
+    # --decode, or --register-with) send it requests, e.g. a worker set aside for one router.
+    join_cluster: bool = True
     # host:port others reach this worker at ("": `address`, a wildcard host read as 127.0.0.1).
     advertise_address: str = ""
     # The cluster this worker belongs to ("": any). A store master of another cluster refuses

@@ -182,7 +182,7 @@ def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
             host, cfg.metrics_port)
         metrics_note = f" metrics=http://{host}:{port}/metrics"
     # The cluster's membership table: with a master, and an address others can be told.
-    masters = (cfg.store_address if cfg.store_kind == "distributed"
+    masters = (cfg.store_address if cfg.join_cluster and cfg.store_kind == "distributed"
                and cfg.address.rpartition(":")[2] != "0" else "")
     registrar = (Registrar(cfg.routers(), cfg.advertised(), cfg.local_address(),
                            lambda: service.role, masters=masters, cluster_id=cfg.cluster_id

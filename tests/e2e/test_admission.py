@@ -316,10 +316,12 @@ def wait_for(what: str, cond, timeout_s: float = 60.0):
 
 
 def start_worker(cluster, address: str, role: str = "decode"):
+    """A worker on the cluster's store for a router of the test's own: it stays out of the
+    cluster's membership, so the cluster's router sends it nothing."""
     return start_process([sys.executable, "-m", "pdserve.worker", "--role", role, "--model",
                           cluster.spec.model_path, "--address", address, "--store-address",
-                          cluster.store_address, "--num-blocks", "256",
-                          "--block-size-tokens", "16", "--threads", "1"], address,
+                          cluster.store_address, "--join-cluster", "false", "--num-blocks",
+                          "256", "--block-size-tokens", "16", "--threads", "1"], address,
                          timeout_s=180)
 
 

@@ -100,3 +100,61 @@ def test_a_paused_prefill_worker_costs_no_request_and_rejoins(tiny_cluster, paus
         assert stop_process(router.proc, timeout_s=60) == 0
         for p in procs:
             stop_process(p, timeout_s=60)
+
+
+def test_a_prefill_worker_that_answers_polls_but_not_calls_is_caught_by_the_deadline(
+        tiny_cluster):
+    """Its polls cannot find it (a worker gone only after 1,000 missed polls): the deadline on
+    a call's first answer does. The request is prefilled by the decode worker once the
+    deadline passes, the worker leaves its pool at once and, after SIGCONT, its polls bring
+    it back only once the hold (as long as the deadline) has passed."""
+    prefill, decode = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [start_worker(tiny_cluster, prefill, "prefill"),
+             start_worker(tiny_cluster, decode)]
+    # Every prompt goes to the prefill worker while it serves (none is prefilled where the
+    # decode worker caches it).
+    router = start_router(tiny_cluster, "--max-missed-polls", "1000", "--first-answer-min-s",
+                          "3", "--max-local-prefill-tokens", "0", prefill=[prefill],
+                          decode=[decode])
+    prompts = [prompt_ids(tiny_cluster, f"Call {i} that gets no answer at first. ")
+               for i in range(4)]
+    try:
+        # A deadline needs the worker's prefill rate measured: long prompts first (each its
+        # own, so none is a cached prefix).
+        n = iter(range(10_000))
+        seen: list = []
+
+        def measured() -> bool:
+            seen[:] = [grpc_call(router.address, prompt_ids(
+                tiny_cluster, f"{next(n)}: measure my prefill rate. " * 30), 1)[0],
+                member(router.control, prefill).stats]
+            return seen[0] == "ok" and seen[1].busy_seconds >= 0.1
+        try:
+            wait_for("the prefill worker's rate measured", measured, timeout_s=120)
+        except AssertionError:
+            raise AssertionError(f"last call {seen[0]}; the worker's stats {seen[1]}") from None
+        expected = [grpc_call(router.address, p, 8) for p in prompts]
+        assert all(kind == "ok" for kind, _ in expected)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert grpc_call(router.address, prompts[1], 8) == expected[1]
+            took = time.monotonic() - t0
+            assert 3.0 <= took < 30.0, took  # the deadline, then the decode worker's prefill
+            m = member(router.control, prefill)
+            assert m.state == rpb.MEMBER_STATE_GONE and "did not answer within 3s" in m.reason
+            t0 = time.monotonic()  # out of its pool: the next one does not wait for it
+            assert grpc_call(router.address, prompts[2], 8) == expected[2]
+            assert time.monotonic() - t0 < 3.0
+        finally:
+            os.kill(procs[0].pid, signal.SIGCONT)
+        wait_for("the worker back in its pool after the hold",
+                 lambda: state_of(router.control, prefill) == rpb.MEMBER_STATE_ACTIVE,
+                 timeout_s=30)
+        before = finished_on(prefill)
+        assert grpc_call(router.address, prompts[3], 8) == expected[3]
+        assert finished_on(prefill) == before + 1  # it prefills again
+    finally:
+        assert stop_process(router.proc, timeout_s=60) == 0
+        for p in procs:
+            stop_process(p, timeout_s=60)

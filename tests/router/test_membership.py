@@ -104,6 +104,22 @@ def test_report_only_records_for_draining_and_failed(state):
     assert (p0.state, p0.role, p0.last_seen_s, p0.stats) == (state, PREFILL, 5.0, "stats")
 
 
+def test_a_stalled_member_is_gone_at_once_and_held_out_before_its_polls_count():
+    m = make_membership()
+    p0 = m.stalled("p0", "did not answer within 30s", 10.0, hold_s=30.0)
+    assert (p0.state, p0.gone_since_s, p0.reason) == (GONE, 10.0, "did not answer within 30s")
+    assert addresses(m.pool(PREFILL)) == ["p1"]
+    m.report("p0", PREFILL, 25.0)  # it answers a poll, but within the hold
+    assert m.get("p0").state == GONE and m.get("p0").last_seen_s == 25.0
+    m.report("p0", PREFILL, 40.0)
+    assert m.get("p0").state == ACTIVE
+    m.set_state("p1", FAILED)
+    assert m.stalled("p1", "late", 41.0, 30.0).state == FAILED  # the controller's stays
+    m.stalled("d0", "late", 42.0, 30.0)
+    m.set_state("d0", ACTIVE)  # the controller's re-admission clears the hold
+    assert m.get("d0").state == ACTIVE and m.stalled("zz", "late", 43.0, 1.0) is None
+
+
 def test_report_and_missed_of_an_unknown_address_change_nothing():
     m = make_membership()
     assert m.report("zz", PREFILL, 1.0) is None and m.missed("zz", 1.0) is None

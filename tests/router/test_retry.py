@@ -178,3 +178,32 @@ def test_calls_to_a_worker_the_router_gives_up_on_are_cancelled_with_the_reason(
     assert ta.why == "stopped answering"  # kept past the block, for the caller to read
     assert calls.in_flight("w1") == calls.in_flight("w2") == 0
     assert calls.end("w1", "again") == 0  # ended calls are no longer tracked
+
+
+def test_a_call_without_a_first_answer_in_time_is_ended_and_its_worker_reported():
+    import threading
+    from concurrent.futures import Future
+
+    from pdserve.router.worker_calls import WorkerCalls
+
+    stalled: list = []
+    done = threading.Event()
+    calls = WorkerCalls(on_stall=lambda a, why, s: (stalled.append((a, why, s)), done.set()))
+    quiet, answered, other = Future(), Future(), Future()
+    with calls.tracking("w1", quiet, 0.2) as tq, calls.tracking("w2", other) as to:
+        with calls.tracking("w3", answered, 0.2):
+            pass  # its answer came before the deadline: the block was left
+        assert done.wait(5)
+    assert quiet.cancelled() and tq.why == "did not answer within 0.2s"
+    assert not answered.cancelled() and not other.cancelled() and to.why is None
+    assert stalled == [("w1", "did not answer within 0.2s", 0.2)]
+
+
+def test_how_long_a_first_answer_may_take():
+    from pdserve.router.worker_calls import FIRST_ANSWER_FACTOR, first_answer_deadline
+
+    assert first_answer_deadline(0, None, 30.0) == 30.0  # nothing to compute: the least
+    assert first_answer_deadline(500, 100.0, 30.0) == 30.0  # 4 x 5 s predicted < 30 s
+    assert first_answer_deadline(4000, 100.0, 30.0) == FIRST_ANSWER_FACTOR * 40.0
+    assert first_answer_deadline(4000, None, 30.0) is None  # nothing measured: no cut
+    assert first_answer_deadline(4000, 100.0, 0.0) is None  # off
