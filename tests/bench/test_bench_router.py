@@ -72,6 +72,7 @@ def test_a_window_counts_answers_refusals_and_gaps():
     assert w["ttft_p50_s"] == 0.04 and w["gap_p99_s"] == 0.01 and w["router_cores"] == 0.25
 
 
+@pytest.mark.scenario  # a whole bench run: with the long scenarios (.ci/scenarios)
 @pytest.mark.timeout(600)
 def test_bench_router_with_two_routers_json_table_and_png(tmp_path):
     out = subprocess.run(

@@ -23,7 +23,8 @@ def test_the_local_and_the_ray_router_differ_only_where_they_run(tmp_path):
                        tls_key=str(key), router_settings={"stats_interval_s": 0.2,
                                                           "max_in_flight": 9})
     cluster = LocalCluster(spec.resolved())
-    local = parsed(["router", *cluster._router_argv({"h:1": "prefill", "h:2": "decode"})[1:]])
+    local = parsed(["router", *cluster._router_argv({"h:1": "prefill", "h:2": "decode"},
+                                                    cluster.router_control_address)[1:]])
     assert (local.prefill_addresses, local.decode_addresses) == (("h:1",), ("h:2",))
     assert local.max_in_flight == 9 and local.stats_interval_s == 0.2  # the settings win
     assert local.tls_cert == str(cert)
@@ -32,6 +33,10 @@ def test_the_local_and_the_ray_router_differ_only_where_they_run(tmp_path):
                                   f"{s.http_host}:{s.http_port}", cluster.router_control_address,
                                   cluster.store_address))
     assert dataclasses.replace(local, prefill_addresses=(), decode_addresses=()) == ray
+    # Several front doors on one host share the client ports; one alone does not.
+    assert not local.share_port
+    two = LocalCluster(dataclasses.replace(spec, routers=2).resolved())
+    assert parsed(["router", *two._router_argv({}, "h:9")[1:]]).share_port
 
 
 def test_a_setting_the_config_does_not_have_is_refused_naming_it():
