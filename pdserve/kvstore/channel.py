@@ -81,6 +81,15 @@ def leader_hint(e: grpc.RpcError) -> str:
     return _trailing(e, LEADER_METADATA)
 
 
+def ask_the_named_leader_next(order: list[int], masters: list[str], e: grpc.RpcError) -> None:
+    """When a standby's refusal `e` names a leader among `masters` that `order` (indexes into
+    `masters`, still to ask) holds, move it to the front."""
+    hint = leader_hint(e)
+    if hint in masters and masters.index(hint) in order:
+        order.remove(masters.index(hint))
+        order.insert(0, masters.index(hint))
+
+
 def make_store_channel(address: str) -> grpc.Channel:
     """A channel to a store master (mutual TLS unless internal TLS is off: `rpc.make_channel`)
     with pdserve's message limits and fast reconnection."""

@@ -24,9 +24,9 @@ from typing import Any
 
 import grpc
 
-from pdserve.kvstore.channel import (MAX_BATCH_ITEMS, ClusterMismatch, call_metadata,
-                                     check_cluster_id, is_cluster_mismatch, leader_hint,
-                                     make_store_channel)
+from pdserve.kvstore.channel import (MAX_BATCH_ITEMS, ClusterMismatch,
+                                     ask_the_named_leader_next, call_metadata,
+                                     check_cluster_id, is_cluster_mismatch, make_store_channel)
 from pdserve.kvstore.checksum import object_checksum
 from pdserve.kvstore.errors import DistStoreError, NotStored, PutInProgress
 from pdserve.kvstore.retry import TRANSIENT_CODES, StoreRetryPolicy
@@ -126,10 +126,7 @@ class DistStoreClient:
                         self.store_down = False  # a master answered, if only to refuse
                         raise self._answer_error(method, e) from None
                     last = e
-                    hint = leader_hint(e)  # a standby names the leader: ask it next
-                    if hint in self.masters and self.masters.index(hint) in order:
-                        order.remove(self.masters.index(hint))
-                        order.insert(0, self.masters.index(hint))
+                    ask_the_named_leader_next(order, self.masters, e)
                     continue
                 self._leader = i
                 self.store_down = False

@@ -12,7 +12,8 @@ import threading
 
 import grpc
 
-from pdserve.kvstore.channel import call_metadata, check_cluster_id, leader_hint, make_store_channel
+from pdserve.kvstore.channel import (ask_the_named_leader_next, call_metadata, check_cluster_id,
+                                     make_store_channel)
 from pdserve.proto import cluster_pb2 as cpb
 from pdserve.proto import cluster_pb2_grpc as cpb_grpc
 
@@ -49,10 +50,7 @@ class MembersClient:
                 if e.code() not in _NEXT_MASTER:
                     raise
                 last = e
-                hint = leader_hint(e)
-                if hint in self.masters and self.masters.index(hint) in order:
-                    order.remove(self.masters.index(hint))
-                    order.insert(0, self.masters.index(hint))
+                ask_the_named_leader_next(order, self.masters, e)
                 continue
             self._leader = i
             return out
