@@ -294,22 +294,32 @@ class PublicTls:
             load(), fetch, require_client_authentication=bool(self.client_ca_path))
 
 
+# A channel with a connection of its own: gRPC otherwise shares one among a process's
+# channels to the same address, so clients meant as separate ones (each spread by the kernel
+# over routers sharing a port) would all land on one router.
+_OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
 def make_public_channel(address: str, root_pem: bytes | None = None,
-                        server_name: str | None = None) -> grpc.Channel:
+                        server_name: str | None = None, own_connection: bool = False
+                        ) -> grpc.Channel:
     """A channel to the router's client APIs: plaintext, or TLS trusting `root_pem` (the
-    system's roots when b"") checked against `server_name` (default: the address's host)."""
+    system's roots when b"") checked against `server_name` (default: the address's host);
+    `own_connection`: not shared with the process's other channels to that address."""
+    own = _OWN_CONNECTION if own_connection else []
     if root_pem is None:
-        return grpc.insecure_channel(address, options=_OPTIONS)
-    options = list(_OPTIONS) + ([("grpc.ssl_target_name_override", server_name)]
-                                if server_name else [])
+        return grpc.insecure_channel(address, options=[*_OPTIONS, *own])
+    options = list(_OPTIONS) + own + ([("grpc.ssl_target_name_override", server_name)]
+                                      if server_name else [])
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_pem or None),
                                options=options)
 
 
-def make_public_aio_channel(address: str) -> grpc.aio.Channel:
+def make_public_aio_channel(address: str, own_connection: bool = False) -> grpc.aio.Channel:
     """As make_public_channel (plaintext), for asyncio callers; create it inside the event
     loop that uses it."""
-    return grpc.aio.insecure_channel(address, options=_OPTIONS)
+    return grpc.aio.insecure_channel(
+        address, options=[*_OPTIONS, *(_OWN_CONNECTION if own_connection else [])])
 
 
 def make_channel(address: str, peer: str, options: Iterable[tuple[str, Any]] = (),

@@ -32,6 +32,15 @@ class Row:
     gaps_s: list[float] = field(default_factory=list)  # between chunks carrying tokens
     tokens: int = 0  # the usage's completion tokens
     retry_after: str = ""
+    _last_s: float = 0.0
+
+    def chunk(self, at_s: float) -> None:
+        """A chunk carrying tokens arrived `at_s` after the send."""
+        if self.ttft_s is None:
+            self.ttft_s = at_s
+        else:
+            self.gaps_s.append(at_s - self._last_s)
+        self._last_s = at_s
 
 
 def _http_request(host: str, port: int, body: bytes) -> bytes:
@@ -44,7 +53,6 @@ def _http_request(host: str, port: int, body: bytes) -> bytes:
 async def http_chat(host: str, port: int, body: bytes, timeout_s: float) -> Row:
     row = Row()
     start = time.perf_counter()
-    last = 0.0
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     except (OSError, asyncio.TimeoutError) as e:
@@ -80,12 +88,7 @@ async def http_chat(host: str, port: int, body: bytes, timeout_s: float) -> Row:
                 if b'"usage":{' in event:
                     row.tokens = json.loads(event[6:])["usage"]["completion_tokens"]
                 if b'"content":"' in event and b'"content":""' not in event:
-                    now = time.perf_counter() - start
-                    if row.ttft_s is None:
-                        row.ttft_s = now
-                    else:
-                        row.gaps_s.append(now - last)
-                    last = now
+                    row.chunk(time.perf_counter() - start)
         if not row.ok:
             row.status = "the stream ended without [DONE]"
     except (OSError, asyncio.IncompleteReadError, ValueError, KeyError) as e:
@@ -101,13 +104,11 @@ class GrpcPool:
     take some), handed out in turn."""
 
     def __init__(self, address: str, connections: int = GRPC_CONNECTIONS) -> None:
-        import grpc
-
+        from pdserve import rpc
         from pdserve.proto import api_pb2_grpc
 
-        self.channels = [grpc.aio.insecure_channel(
-            address, options=[("grpc.use_local_subchannel_pool", 1)])
-            for _ in range(connections)]
+        self.channels = [rpc.make_public_aio_channel(address, own_connection=True)
+                         for _ in range(connections)]
         self.stubs = [api_pb2_grpc.GenerationStub(c) for c in self.channels]
         self.next = 0
 
@@ -125,16 +126,10 @@ async def grpc_chat(pool: GrpcPool, request, timeout_s: float) -> Row:
 
     row = Row()
     start = time.perf_counter()
-    last = 0.0
     try:
         async for r in pool.stub().Generate(request, timeout=timeout_s):
             if r.token_ids:
-                now = time.perf_counter() - start
-                if row.ttft_s is None:
-                    row.ttft_s = now
-                else:
-                    row.gaps_s.append(now - last)
-                last = now
+                row.chunk(time.perf_counter() - start)
             if r.finish_reason:
                 row.tokens = r.usage.completion_tokens
         row.ok, row.status = True, "ok"

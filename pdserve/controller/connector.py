@@ -73,9 +73,10 @@ class LiveConnector:
         return self.flipper.busy()
 
     def set_budgets(self, budgets: Sequence) -> None:
-        n = len(self.routers.addresses())
-        request = rpb.SetOffloadBudgetsRequest(budgets=share_budgets(budgets, n))
-        self.routers.each(lambda r: r.SetOffloadBudgets(request, timeout=self.rpc_timeout_s))
+        routers = self.routers.addresses()
+        request = rpb.SetOffloadBudgetsRequest(budgets=share_budgets(budgets, len(routers)))
+        self.routers.each(lambda r: r.SetOffloadBudgets(request, timeout=self.rpc_timeout_s),
+                          routers)
 
     def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
              ) -> FlipOutcome:

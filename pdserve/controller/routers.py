@@ -95,12 +95,12 @@ class Routers:
                 ch = self._channels[address] = rpc.make_channel(address, ROUTER)
             return rpb_grpc.RouterControlStub(ch)
 
-    def each(self, call) -> list:
-        """`call(stub)` on every router; the answers of those that answered. Raises the last
-        error when none did (a router that died is in the table until it expires)."""
+    def each(self, call, addresses: Sequence[str] | None = None) -> list:
+        """`call(stub)` on every router (or on `addresses`); the answers of those that
+        answered. Raises the last error when none did (a router that died is in the table
+        until it expires)."""
         out, last = [], None
-        addresses = self.addresses()
-        for a in addresses:
+        for a in self.addresses() if addresses is None else addresses:
             try:
                 out.append(call(self.stub(a)))
             except grpc.RpcError as e:

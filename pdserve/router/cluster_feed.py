@@ -71,7 +71,6 @@ class ClusterFeed:
         self.epoch = ""
         self.version = 0
         self.applied: dict[str, int] = {}
-        self.views = 0  # tables applied (for tests and operators)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cluster-feed", daemon=True)
 
@@ -103,7 +102,6 @@ class ClusterFeed:
         for e in view.members:
             if e.kind == WORKER_KIND:
                 self.applied[e.address] = e.state_seq
-        self.views += 1
 
     def _run(self) -> None:
         next_join = 0.0

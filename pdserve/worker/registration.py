@@ -131,7 +131,7 @@ class _TableTarget:
         self.client.join(address, WORKER_KIND, role_from_proto(role) or "")
 
     def reset(self) -> None:
-        pass  # the store's channels reconnect within a second by themselves
+        """Nothing to renew: the store's channels reconnect within a second by themselves."""
 
     def close(self) -> None:
         self.client.close()

@@ -79,9 +79,9 @@ def generate(address: str, prompt: list[int], max_tokens: int,
         max_tokens=max_tokens, ignore_eos=True))
     req.token_ids.ids.extend(prompt)
     ids: list[int] = []
-    # A connection of its own (gRPC shares one among a process's channels otherwise): as
-    # separate clients, each stream lands on the router the kernel picks for it.
-    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+    # A connection of its own: as separate clients, each stream lands on the router the
+    # kernel picks for it.
+    with rpc.make_public_channel(address, own_connection=True) as ch:
         try:
             for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300):
                 ids += r.token_ids
