@@ -113,6 +113,15 @@ def assert_runs_with_its_certificates(cluster: FakeCluster, pod: Pod, name: str)
     assert not mode & 0o007, f"{pod.name}: {kind}.key mode {oct(mode)}"
 
 
+def start_store(cluster):
+    """The store's master and node pods, once ready."""
+    for component_, container in (("store-master", "master"), ("store-node", "node")):
+        for pod in cluster.pods_of(component_):
+            cluster.start(pod, container)
+            cluster.wait(pod, container, "startupProbe", READY_S)
+            cluster.wait(pod, container, "readinessProbe", READY_S)
+
+
 def start_controller(cluster, api):
     """The controller pod's two containers (the controller, its label sync), once ready."""
     (controller,) = cluster.pods_of("controller")
@@ -143,11 +152,7 @@ def test_default_chart_pods_serve_the_engines_tokens(tiny_llama_dir, tmp_path, t
     api = FakeKubeApi(NAMESPACE, {p.name: dict(p.labels) for p in workers})
     try:
         with as_operator(tls_folder):
-            for component_, container in (("store-master", "master"), ("store-node", "node")):
-                for pod in cluster.pods_of(component_):
-                    cluster.start(pod, container)
-                    cluster.wait(pod, container, "startupProbe", READY_S)
-                    cluster.wait(pod, container, "readinessProbe", READY_S)
+            start_store(cluster)
             (router,) = cluster.pods_of("router")
             cluster.start(router, "router")
             cluster.wait(router, "router", "startupProbe", READY_S)
@@ -242,11 +247,7 @@ def test_several_router_pods_follow_one_membership_table(tiny_llama_dir, tmp_pat
     api = FakeKubeApi(NAMESPACE, {p.name: dict(p.labels) for p in workers})
     try:
         with as_operator(tls_folder):
-            for component_, container in (("store-master", "master"), ("store-node", "node")):
-                for pod in cluster.pods_of(component_):
-                    cluster.start(pod, container)
-                    cluster.wait(pod, container, "startupProbe", READY_S)
-                    cluster.wait(pod, container, "readinessProbe", READY_S)
+            start_store(cluster)
             for pod in routers + workers:
                 cluster.start(pod, "router" if pod in routers else "worker")
             for pod in workers:

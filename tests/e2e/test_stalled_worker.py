@@ -46,6 +46,16 @@ def finished_on(address: str) -> int:
                                                 timeout=10).requests_finished
 
 
+def back_and_prefilling(router, prefill: str, prompt: list[int], expected, timeout_s: float):
+    """The paused worker is back in its pool and prefills again, with the same tokens."""
+    wait_for("the worker back in its pool",
+             lambda: state_of(router.control, prefill) == rpb.MEMBER_STATE_ACTIVE,
+             timeout_s=timeout_s)
+    before = finished_on(prefill)
+    assert grpc_call(router.address, prompt, 8) == expected
+    assert finished_on(prefill) == before + 1
+
+
 @pytest.mark.parametrize("pause_s", [25, pytest.param(70, marks=pytest.mark.scenario)])
 def test_a_paused_prefill_worker_costs_no_request_and_rejoins(tiny_cluster, pause_s):
     prefill, decode = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -90,12 +100,7 @@ def test_a_paused_prefill_worker_costs_no_request_and_rejoins(tiny_cluster, paus
             time.sleep(max(0.0, pause_s - (time.monotonic() - paused_at)))
         finally:
             os.kill(procs[0].pid, signal.SIGCONT)
-        wait_for("the worker back in its pool after SIGCONT",
-                 lambda: state_of(router.control, prefill) == rpb.MEMBER_STATE_ACTIVE,
-                 timeout_s=60)
-        before = finished_on(prefill)
-        assert grpc_call(router.address, prompts[0], 8) == expected[0]
-        assert finished_on(prefill) == before + 1  # it prefills again
+        back_and_prefilling(router, prefill, prompts[0], expected[0], 60)
     finally:
         assert stop_process(router.proc, timeout_s=60) == 0
         for p in procs:
@@ -148,12 +153,7 @@ def test_a_prefill_worker_that_answers_polls_but_not_calls_is_caught_by_the_dead
             assert time.monotonic() - t0 < 3.0
         finally:
             os.kill(procs[0].pid, signal.SIGCONT)
-        wait_for("the worker back in its pool after the hold",
-                 lambda: state_of(router.control, prefill) == rpb.MEMBER_STATE_ACTIVE,
-                 timeout_s=30)
-        before = finished_on(prefill)
-        assert grpc_call(router.address, prompts[3], 8) == expected[3]
-        assert finished_on(prefill) == before + 1  # it prefills again
+        back_and_prefilling(router, prefill, prompts[3], expected[3], 30)
     finally:
         assert stop_process(router.proc, timeout_s=60) == 0
         for p in procs:
