@@ -109,6 +109,11 @@ class RouterMetrics:
             "A request's time to first token over the one admission predicted for it when it "
             "was admitted (1: exact; above 1: admission promised too little).", label,
             buckets=TTFT_RATIO_BUCKETS, registry=r).labels(model_name)
+        self.ttft_factor = Gauge(
+            "pdserve:ttft_prediction_factor",
+            "The correction admission last applied to its predicted time to first token, "
+            "measured from what admitted requests waited (1: the raw model).", label,
+            registry=r).labels(model_name)
         self.queue_time = Histogram("pdserve:request_queue_time_seconds",
                                     "Time from arrival until a prefill worker took the request.",
                                     label, buckets=_LATENCY_BUCKETS_S, registry=r).labels(model_name)

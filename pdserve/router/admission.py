@@ -6,7 +6,7 @@ Owns the decision "take this request now, or refuse it with a retry hint" (invar
 bound the caller gets RESOURCE_EXHAUSTED / HTTP 429, never a queue that grows without limit),
 the router's account of prefill work admitted and not yet done (`queued_tokens`), the TTFT
 prediction over it (`predict_ttft`; the measured prefill rates it divides by come from
-`pdserve.core.rates.RateMeter`). Must not know gRPC or HTTP: `Overloaded` carries the message, the reason
+`pdserve.core.rates.RateMeter`; its correction from `ttft_calibration.TtftCalibration`). Must not know gRPC or HTTP: `Overloaded` carries the message, the reason
 (the metric label) and `retry_after_s`; the adapters (`lifecycle.Door`) map it to their status
 codes and headers.
 
@@ -15,8 +15,10 @@ admitted request's uncached prompt tokens, from admission until its first token)
 its own; the prefill pool works through it at the sum of its workers' peak measured rates
 (prompt tokens computed per busy second, from `WorkerStats`: the best rate each has shown, since
 a queue lets a worker batch and a smoothed rate measured at light load would predict waits
-several times too long). So
-predicted TTFT = (queued + own) / rate. Over `max_predicted_ttft_s` the request is refused,
+several times too long). So the raw prediction is (queued + own) / rate, and the promise is
+that times the factor measured from what admitted requests waited (`ttft_calibration`: the
+queue drains slower than the peak rates say when workers also decode, and at another rate
+when decode workers prefill too). Over `max_predicted_ttft_s` the request is refused,
 and its retry hint is the time the queue needs to drain enough for it to fit:
 predicted - max. A request is never refused for the TTFT with nothing queued before it
 (waiting would not make it faster), nor before any rate is measured (the in-flight bound
@@ -28,6 +30,8 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+
+from pdserve.router.ttft_calibration import CalibrationConfig, TtftCalibration
 
 # Overloaded.reason values: the `reason` label of pdserve:requests_rejected_total.
 IN_FLIGHT = "in_flight"
@@ -62,6 +66,8 @@ class AdmissionConfig:
     max_predicted_ttft_s: float = 0.0
     # No retry hint is longer than this: a prediction far out is not worth trusting.
     max_retry_after_s: float = 60.0
+    # Correct the prediction by what admitted requests waited (None: the raw model alone).
+    calibration: CalibrationConfig | None = CalibrationConfig()
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -83,20 +89,36 @@ class AdmissionConfig:
 
 @dataclass(frozen=True)
 class TtftPrediction:
-    predicted_s: float  # this request's time to first token if admitted now
+    predicted_s: float  # this request's time to first token if admitted now: raw x factor
     queued_tokens: float  # prefill work admitted before it and not yet done
     own_tokens: int  # its own uncached prompt tokens
     tokens_per_s: float  # the prefill pool's measured rate
+    factor: float = 1.0  # the measured correction (`ttft_calibration`)
+
+    @property
+    def raw_s(self) -> float:
+        return (self.queued_tokens + self.own_tokens) / self.tokens_per_s
 
 
-def predict_ttft(queued_tokens: float, own_tokens: int, tokens_per_s: float | None
-                 ) -> TtftPrediction | None:
-    """(queued + own) / rate; None without a usable rate (nothing measured yet)."""
+def predict_ttft(queued_tokens: float, own_tokens: int, tokens_per_s: float | None,
+                 factor: float = 1.0) -> TtftPrediction | None:
+    """(queued + own) / rate x factor; None without a usable rate (nothing measured yet)."""
     if tokens_per_s is None or not tokens_per_s > 0 or not math.isfinite(tokens_per_s):
         return None
     queued = max(0.0, float(queued_tokens))  # a float sum of adds and subtracts: no negatives
     own = max(0, int(own_tokens))
-    return TtftPrediction((queued + own) / tokens_per_s, queued, own, float(tokens_per_s))
+    return TtftPrediction((queued + own) / tokens_per_s * factor, queued, own,
+                          float(tokens_per_s), factor)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request's prefill work in admission's queue, from `admit_prefill` to `prefilled`."""
+    own_tokens: int
+    prediction: TtftPrediction | None  # None: no rate measured when it was admitted
+    admitted_s: float
+    teaches: bool = False  # its wait corrects the prediction (`TtftCalibration.counts`)
+    drained_at: float = 0.0  # admission's `drained` when it was admitted
 
 
 @dataclass
@@ -115,6 +137,10 @@ class Admission:
         self._lock = threading.Lock()
         self.in_flight = 0
         self.queued_tokens = 0.0
+        cal = self.config.calibration
+        self.calibration = TtftCalibration(cal) if cal is not None else None
+        self._waiting: dict[int, Ticket] = {}  # tickets that teach, until their first token
+        self.drained = 0.0  # prompt tokens that ever left the queue
         self._per_tenant: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}  # insertion order = least recently seen first
         self.rejected = 0
@@ -161,27 +187,56 @@ class Admission:
             else:
                 self._per_tenant.pop(tenant, None)
 
-    def admit_prefill(self, own_tokens: int, tokens_per_s: float | None
-                      ) -> TtftPrediction | None:
+    def admit_prefill(self, own_tokens: int, tokens_per_s: float | None, now_s: float
+                      ) -> Ticket:
         """Queue a request's prefill work (`own_tokens`, its uncached prompt tokens), or raise
-        Overloaded when its predicted TTFT is over the bound; the prediction (None: no rate)."""
+        Overloaded when its predicted TTFT is over the bound."""
         c = self.config
         with self._lock:
-            p = predict_ttft(self.queued_tokens, own_tokens, tokens_per_s)
+            p = predict_ttft(self.queued_tokens, own_tokens, tokens_per_s,
+                             self._factor(now_s))
             limit = c.max_predicted_ttft_s
             if limit > 0 and p is not None and p.queued_tokens > 0 and p.predicted_s > limit:
                 self.rejected += 1
                 wait = min(c.max_retry_after_s, max(0.1, p.predicted_s - limit))
+                measured = f", x{p.factor:.2f} as measured" if p.factor != 1.0 else ""
                 raise Overloaded(f"predicted time to first token {p.predicted_s:.2f}s is over "
                                  f"the limit of {limit:g}s ({p.queued_tokens:.0f} prompt tokens "
-                                 f"queued at {p.tokens_per_s:.0f} tokens/s)",
+                                 f"queued at {p.tokens_per_s:.0f} tokens/s{measured})",
                                  round(wait, 3), PREDICTED_TTFT)
-            self.queued_tokens += max(0, int(own_tokens))
-            return p
+            own = max(0, int(own_tokens))
+            self.queued_tokens += own
+            t = Ticket(own, p, now_s, drained_at=self.drained)
+            if (self.calibration is not None and p is not None
+                    and self.calibration.counts(p.predicted_s, limit)):
+                t.teaches = True
+                self._waiting[id(t)] = t
+            return t
 
-    def prefilled(self, own_tokens: int) -> None:
-        """A request's prefill work is done (its first token exists) or was given up."""
+    def prefilled(self, ticket: Ticket, now_s: float, answered: bool = True) -> None:
+        """A request's prefill work is done (`answered`: its first token exists) or was given
+        up (it failed, or its client left)."""
         with self._lock:
-            self.queued_tokens = max(0.0, self.queued_tokens - max(0, int(own_tokens)))
+            self.queued_tokens = max(0.0, self.queued_tokens - ticket.own_tokens)
+            self.drained += ticket.own_tokens
+            if self._waiting.pop(id(ticket), None) is not None and answered:
+                self.calibration.observe(ticket.prediction.raw_s, now_s - ticket.admitted_s,
+                                         now_s)
 
+    def factor(self, now_s: float) -> float:
+        """The correction admission applies now (1: the raw model)."""
+        with self._lock:
+            return self._factor(now_s)
 
+    def _factor(self, now_s: float) -> float:
+        if self.calibration is None:
+            return 1.0
+        drain = None
+        oldest = next(iter(self._waiting.values()), None)
+        if oldest is not None:
+            p = oldest.prediction
+            done = self.drained - oldest.drained_at
+            drain = (now_s - oldest.admitted_s, done / p.tokens_per_s,
+                     done / max(1.0, p.queued_tokens))
+        return self.calibration.factor(now_s, ((t.prediction.raw_s, now_s - t.admitted_s)
+                                               for t in self._waiting.values()), drain)

@@ -142,6 +142,11 @@ class RouterConfig:
     max_predicted_ttft_s: float = flag(10.0, help=(
         "refuse (RESOURCE_EXHAUSTED / 429, retry hint = the queue's drain time) a request "
         "whose predicted time to first token is over this (0: off)"))
+    # The prediction is corrected by the factor measured from what admitted requests waited
+    # (`ttft_calibration.py`); this switch keeps the raw model, for comparing the two.
+    uncalibrated_ttft: bool = flag(False, switch=True, help=(
+        "predict TTFT from the measured prefill rates alone, without the correction learned "
+        "from what admitted requests waited"))
     # On SIGTERM/SIGINT: refuse new requests at once, let those in flight finish within this,
     # then stop (requests still running end with UNAVAILABLE "router shutting down").
     shutdown_grace_s: float = flag(30.0, help=(

@@ -106,7 +106,7 @@ class Trip:
     error: str = ""  # the status name the client got, when it failed
     # Every token sent to the client, the first one included: a resumed decode recomputes them.
     emitted: list[int] = field(default_factory=list)
-    prefill_tokens: int = 0  # its prefill work in admission's queue until its first token
+    ticket: Any = None  # its prefill work in admission's queue until its first token
     predicted_ttft_s: float | None = None  # what admission predicted for it (None: nothing)
     first_s: float | None = None  # when its first token went out
     last_s: float | None = None  # when its last tokens went out
@@ -168,12 +168,15 @@ class Door:
             # One token is always computed, however much of the prompt is cached.
             own = max(1, len(prompt_ids) - cached)
         try:
-            p = self.admission.admit_prefill(own, self.workers.prefill_rate(peak=True))
+            t = self.admission.admit_prefill(own, self.workers.prefill_rate(peak=True),
+                                             self.clock())
         except Overloaded as e:
             trip.error = "RESOURCE_EXHAUSTED"
             self._refuse(context, e)
-        trip.prefill_tokens = own
-        trip.predicted_ttft_s = p.predicted_s if p is not None else None
+        trip.ticket = t
+        trip.predicted_ttft_s = t.prediction.predicted_s if t.prediction is not None else None
+        if t.prediction is not None:
+            self.metrics.ttft_factor.set(t.prediction.factor)
 
     def picked(self, trip: Trip) -> None:
         """A worker took the request: it leaves the queue (counted once, at the first pick)."""
@@ -184,10 +187,10 @@ class Door:
         self.metrics.running.inc()
         trip.waiting = False
 
-    def _prefilled(self, trip: Trip) -> None:
-        if trip.prefill_tokens:
-            self.admission.prefilled(trip.prefill_tokens)
-            trip.prefill_tokens = 0
+    def _prefilled(self, trip: Trip, answered: bool) -> None:
+        if trip.ticket is not None:
+            self.admission.prefilled(trip.ticket, self.clock(), answered)
+            trip.ticket = None
 
     def sent(self, trip: Trip, resp) -> None:
         """A response goes to the client: its tokens' timing, and at the end the request's."""
@@ -196,7 +199,7 @@ class Door:
             trip.sent += len(resp.token_ids)
             if trip.last_s is None:
                 trip.first_s = now
-                self._prefilled(trip)  # its prefill is done: its work leaves the queue
+                self._prefilled(trip, True)  # its prefill is done: its work leaves the queue
                 m.ttft.observe(now - trip.arrival)
                 if trip.predicted_ttft_s:  # how far admission's promise was from what happened
                     m.ttft_over_predicted.observe((now - trip.arrival) / trip.predicted_ttft_s)
@@ -233,7 +236,7 @@ class Door:
         self.signals.finished(Sample(
             end, ttft, tpot_of(end - trip.arrival, ttft, trip.sent), trip.prompt_tokens,
             trip.sent, trip.offloaded, trip.retries, trip.finish or trip.error or fin.ABORT))
-        self._prefilled(trip)  # a request that ended before its first token
+        self._prefilled(trip, False)  # a request that ended before its first token
         self.admission.release(trip.tenant)
 
     def _refuse(self, context, e: Overloaded):
@@ -297,7 +300,8 @@ class Door:
             "queued_prefill_tokens": round(a.queued_tokens),
             "prefill_tokens_per_s": None if rate is None else round(rate, 1),
             "prefill_peak_tokens_per_s": None if peak is None else round(peak, 1),
-            "max_predicted_ttft_s": a.config.max_predicted_ttft_s}
+            "max_predicted_ttft_s": a.config.max_predicted_ttft_s,
+            "predicted_ttft_factor": round(a.factor(self.clock()), 3)}
 
     def close(self) -> None:
         """Admit nothing more; requests in flight go on."""

@@ -96,7 +96,8 @@ def build_service(cfg: RouterConfig) -> RouterService:
     admission = Admission(AdmissionConfig(
         max_in_flight=cfg.max_in_flight, max_in_flight_per_tenant=cfg.max_in_flight_per_tenant,
         tenant_rate_rps=cfg.tenant_rate_rps, tenant_burst=cfg.tenant_burst,
-        max_predicted_ttft_s=cfg.max_predicted_ttft_s))
+        max_predicted_ttft_s=cfg.max_predicted_ttft_s,
+        **({"calibration": None} if cfg.uncalibrated_ttft else {})))
     return RouterService(tokenizer, model_config, names, max_len, workers,
                          cfg.request_timeout_s, admission=admission, api_keys=api_keys,
                          metrics=metrics, signals=RequestSignals(),

@@ -20,7 +20,7 @@ from pdserve.core.roles import (ACTIVE, DECODE, DRAINING, FAILED, PREFILL, SERVI
                                 SWITCHING)
 from pdserve.core.roles import DRAINING as W_DRAINING
 from pdserve.controller.signals import Slo
-from pdserve.router.admission import Overloaded
+from pdserve.router.admission import Overloaded, Ticket
 from pdserve.router.policy import NoWorkerError
 from pdserve.router.retry import RetryPolicy
 from pdserve.router.route import (CACHED_LOCAL, DECODE_FALLBACK, FALLBACK, OFFLOAD, PREFILL_HOP,
@@ -108,7 +108,7 @@ class Cluster:
         # these maps is kept per request in flight.
         self.known: dict[int, RequestPrompt] = {}
         self.held: dict[int, tuple[str, float, int]] = {}  # router's in-flight count to release
-        self.own: dict[int, int] = {}  # prefill work queued in admission
+        self.own: dict[int, Ticket] = {}  # prefill work queued in admission
         self.offloaded: set[int] = set()  # prefilled on a decode worker within its budget
         self._decode_caches: tuple = (None, [])  # the decode pool; its engines and their caches
         self.store_hits: dict[int, tuple[int, int]] = {}
@@ -196,12 +196,12 @@ class Cluster:
             cached, store = router.prefix(hashes)
             own = max(1, r.prompt_tokens - max([store, *cached.values()]) * self.cfg.block_size)
             try:
-                router.admission.admit_prefill(own, router.prefill_rate())
+                ticket = router.admission.admit_prefill(own, router.prefill_rate(), self.q.now)
             except Overloaded as e:
                 router.admission.release("")
                 self._reject(i, e.reason)
                 return
-            self.own[i] = own
+            self.own[i] = ticket
         # The live router's route (`router/route.py`), through this cluster's `Workers`.
         route = plan(self, i, self.cfg.max_local_prefill_tokens)
         kind, address = route.kind, route.address
@@ -221,7 +221,7 @@ class Cluster:
                     and self._prefill_on_decode(i)):
                 return
             router.admission.release("")
-            self._prefilled(i)
+            self._prefilled(i, answered=False)
             self._reject(i, "no prefill worker")
             return
         tokens = route.taken[0]
@@ -304,10 +304,10 @@ class Cluster:
 
         self._join(w, enter)
 
-    def _prefilled(self, i: int) -> None:
-        own = self.own.pop(i, None)
-        if own is not None:
-            self.router.admission.prefilled(own)
+    def _prefilled(self, i: int, answered: bool = True) -> None:
+        ticket = self.own.pop(i, None)
+        if ticket is not None:
+            self.router.admission.prefilled(ticket, self.q.now, answered)
 
     def _first_token(self, i: int, w: SimWorker) -> None:
         now, r = self.q.now, self.reqs[i]

@@ -36,33 +36,33 @@ def test_prediction_is_queued_plus_own_over_the_rate_and_needs_a_rate():
 
 def test_over_the_bound_is_refused_with_the_drain_time_as_the_hint():
     a = Admission(AdmissionConfig(max_predicted_ttft_s=1.0))
-    a.admit_prefill(800, 1000.0)  # 0.8 s: in
+    first = a.admit_prefill(800, 1000.0, 0.0)  # 0.8 s: in
     with pytest.raises(Overloaded) as e:
-        a.admit_prefill(700, 1000.0)  # (800 + 700) / 1000 = 1.5 s
+        a.admit_prefill(700, 1000.0, 0.0)  # (800 + 700) / 1000 = 1.5 s
     assert e.value.reason == PREDICTED_TTFT
     assert e.value.retry_after_s == pytest.approx(0.5)  # until 500 tokens have drained
     assert "retry after 0.5s" in str(e.value) and "predicted time to first token" in str(e.value)
     assert a.queued_tokens == 800 and a.rejected == 1
-    a.prefilled(800)
-    a.admit_prefill(700, 1000.0)  # the queue drained: it fits now
+    a.prefilled(first, 0.5)
+    a.admit_prefill(700, 1000.0, 0.5)  # the queue drained: it fits now
     assert a.queued_tokens == 700
 
 
 def test_a_request_with_nothing_queued_before_it_or_no_rate_is_never_refused():
     a = Admission(AdmissionConfig(max_predicted_ttft_s=0.1))
-    a.admit_prefill(5000, 1000.0)  # 5 s alone: waiting would not make it faster
-    a.admit_prefill(5000, None)  # nothing measured yet: only the in-flight bound holds
+    a.admit_prefill(5000, 1000.0, 0.0)  # 5 s alone: waiting would not make it faster
+    a.admit_prefill(5000, None, 0.0)  # nothing measured yet: only the in-flight bound holds
     off = Admission(AdmissionConfig(max_predicted_ttft_s=0.0))
     for _ in range(10):
-        off.admit_prefill(10_000, 1.0)
+        off.admit_prefill(10_000, 1.0, 0.0)
     assert off.queued_tokens == 100_000
 
 
 def test_the_hint_is_capped_and_the_config_checks_its_fields():
     a = Admission(AdmissionConfig(max_predicted_ttft_s=1.0, max_retry_after_s=30.0))
-    a.admit_prefill(10**6, 1.0)
+    a.admit_prefill(10**6, 1.0, 0.0)
     with pytest.raises(Overloaded) as e:
-        a.admit_prefill(1, 1.0)
+        a.admit_prefill(1, 1.0, 0.0)
     assert e.value.retry_after_s == 30.0
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="max_predicted_ttft_s"):
@@ -83,13 +83,14 @@ def test_in_flight_refusals_name_their_reason():
 @given(limit=st.floats(0.05, 20.0), rate=st.one_of(st.none(), st.floats(1.0, 1e5)),
        ops=st.lists(st.tuples(st.booleans(), st.integers(1, 4000)), max_size=60))
 def test_the_queue_is_exactly_the_work_admitted_and_not_done(limit, rate, ops):
-    a = Admission(AdmissionConfig(max_predicted_ttft_s=limit, max_retry_after_s=60.0))
-    held: list[int] = []
+    a = Admission(AdmissionConfig(max_predicted_ttft_s=limit, max_retry_after_s=60.0,
+                                  calibration=None))
+    held = []
     for add, tokens in ops:
         if add or not held:
             before = a.queued_tokens
             try:
-                p = a.admit_prefill(tokens, rate)
+                t = a.admit_prefill(tokens, rate, 0.0)
             except Overloaded as e:
                 # Refused only over the bound, with something queued, and a hint in (0, cap].
                 assert rate is not None and before > 0
@@ -97,12 +98,12 @@ def test_the_queue_is_exactly_the_work_admitted_and_not_done(limit, rate, ops):
                 assert 0 < e.retry_after_s <= 60.0
                 assert a.queued_tokens == before
                 continue
-            held.append(tokens)
-            if p is not None and before > 0:
-                assert p.predicted_s <= limit + 1e-9
+            held.append(t)
+            if t.prediction is not None and before > 0:
+                assert t.prediction.predicted_s <= limit + 1e-9
         else:
-            a.prefilled(held.pop(0))
-        assert a.queued_tokens == pytest.approx(sum(held))
+            a.prefilled(held.pop(0), 0.0)
+        assert a.queued_tokens == pytest.approx(sum(t.own_tokens for t in held))
 
 
 # ---- measured prefill rates ---------------------------------------------------------------------
