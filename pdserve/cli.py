@@ -46,6 +46,9 @@ BENCHES: dict[str, Lazy] = {
                                              "their size: CPU, memory, ticks, flips, membership"),
     "router": Lazy("pdserve.bench.router", "a router's CPU per streamed token and request, "
                                            "its rates per core, and 1..N routers"),
+    "admission": Lazy("pdserve.bench.admission", "the predicted-TTFT admission past capacity: "
+                                                 "admitted TTFT against its limit, raw vs "
+                                                 "calibrated"),
     "chaos": Lazy("pdserve.bench.chaos", "kill -9 each process kind under streaming load: "
                                          "requests lost or changed, time to heal"),
     "serve": Lazy("pdserve.bench.serve", "the serving path vs the engine's own decode rate and "

@@ -26,10 +26,13 @@ class Replay:
     """Sends prompts through one router at their (scaled) arrival times; records each answer."""
 
     def __init__(self, address: str, prompts: list[list[int]], arrivals_s: list[float],
-                 max_in_flight: int, timeout_s: float, on_done=None) -> None:
+                 max_in_flight: int, timeout_s: float, on_done=None, max_tokens: int = 1) -> None:
         self.address, self.prompts, self.arrivals_s = address, prompts, arrivals_s
         self.max_in_flight, self.timeout_s, self.on_done = max_in_flight, timeout_s, on_done
+        self.max_tokens = max_tokens
         self.ttft_s: list[float | None] = [None] * len(prompts)
+        # Each request's ending: "OK" or the gRPC status name it failed with.
+        self.codes: list[str] = ["OK"] * len(prompts)
         self.cached: list[int] = [0] * len(prompts)
         self.errors: list[str] = []
         self._lock = threading.Lock()
@@ -39,7 +42,7 @@ class Replay:
 
         req = api_pb2.GenerateRequest(
             request_id=uuid.uuid4().hex, token_ids=api_pb2.TokenIds(ids=self.prompts[i]),
-            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
+            sampling=common_pb2.SamplingParams(max_tokens=self.max_tokens, temperature=0.0))
         try:
             for resp in stub.Generate(req, timeout=self.timeout_s):
                 if self.ttft_s[i] is None:
@@ -47,6 +50,8 @@ class Replay:
                 if resp.HasField("usage"):
                     self.cached[i] = resp.usage.cached_prompt_tokens
         except Exception as e:  # any failure is recorded and counted, never hidden
+            code = getattr(e, "code", None)
+            self.codes[i] = code().name if callable(code) else type(e).__name__
             with self._lock:
                 self.errors.append(f"request {i}: {type(e).__name__}: {e}")
         if self.on_done is not None:
