@@ -9,7 +9,7 @@ and ends after the one with a finish reason; a request's error status, the strea
 (DEADLINE_EXCEEDED, and the request is cancelled on the worker) or a `cancel()` (CANCELLED)
 raise a `grpc.RpcError` with the status Decode would have ended with. So one engine step's
 tokens for every request on a worker cross the hop in one message, and the relay, retry and
-resume logic is Decode's.
+resume logic is Decode's. A relay that fell behind gets the chunks queued for it as one.
 Must not decide retries or routing: the service does, on the statuses this raises.
 """
 
@@ -68,6 +68,7 @@ class MuxCall:
         self._q: queue.Queue = queue.Queue()  # bounded by the request: max_tokens chunks at most
         self._ended = False
         self._cancelled = False
+        self._held = None  # an item taken while joining chunks, returned next
 
     def __iter__(self) -> "MuxCall":
         return self
@@ -77,12 +78,15 @@ class MuxCall:
             raise StopIteration
         if self._cancelled:
             raise MuxError(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
-        timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-        try:
-            item = self._q.get(timeout=timeout)
-        except queue.Empty:
-            self.cancel()
-            raise MuxError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        item, self._held = self._held, None
+        if item is None:
+            timeout = (None if self._deadline is None
+                       else max(0.0, self._deadline - time.monotonic()))
+            try:
+                item = self._q.get(timeout=timeout)
+            except queue.Empty:
+                self.cancel()
+                raise MuxError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         if item is _CANCEL:
             raise MuxError(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
         if isinstance(item, MuxError):
@@ -97,7 +101,35 @@ class MuxCall:
             raise StopIteration
         if item.chunk.finish_reason:
             self._ended = True
-        return item.chunk
+            return item.chunk
+        return self._join_queued(item.chunk)
+
+    def _join_queued(self, chunk: wpb.DecodeResponse) -> wpb.DecodeResponse:
+        """Chunks already queued behind `chunk` join it, up to the first that is not a plain
+        chunk (kept for the next call): a relay that fell behind under load sends one message
+        for the steps it missed, not one per step."""
+        merged = None
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item is _CANCEL or isinstance(item, MuxError) or item.status_code \
+                    or not item.HasField("chunk"):
+                self._held = item
+                break
+            if merged is None:
+                merged = wpb.DecodeResponse()
+                merged.CopyFrom(chunk)
+            c = item.chunk
+            merged.token_ids.extend(c.token_ids)
+            merged.logprobs.extend(c.logprobs)
+            merged.prompt_logprobs.extend(c.prompt_logprobs)
+            if c.finish_reason:
+                merged.finish_reason = c.finish_reason
+                self._ended = True
+                break
+        return chunk if merged is None else merged
 
     def cancel(self) -> bool:
         """Cancel it on the worker (as a client leaving a Decode stream); False if it ended."""

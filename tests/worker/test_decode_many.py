@@ -117,6 +117,30 @@ def test_through_the_router_one_cancel_or_bad_field_ends_only_its_request(worker
         muxes.close()
 
 
+def test_a_relay_that_fell_behind_gets_the_steps_it_missed_in_one_chunk(worker, reference):
+    """Under load the router's relay may read a request's chunks later than the worker made
+    them: it then gets what is queued as one chunk (one message to its client), the same
+    tokens in order, the finish reason on the last."""
+    addr, stub, _ = worker
+    muxes = DecodeMuxes()
+    try:
+        ids = prompt(11, seed=210)
+        want, _ = reference(ids, SamplingParams(max_tokens=24, ignore_eos=True))
+        before = stats(stub).requests_finished
+        call = muxes.start(addr, stub, local("late", ids, 24), timeout=120)
+        deadline = time.monotonic() + 60
+        while stats(stub).requests_finished == before:  # every token made while nobody read
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        chunks = list(call)
+        assert [t for c in chunks for t in c.token_ids] == want
+        assert len(chunks) <= 3, [len(c.token_ids) for c in chunks]
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert all(not c.finish_reason for c in chunks[:-1])
+    finally:
+        muxes.close()
+
+
 def test_a_deadline_ends_the_request_and_frees_it_on_the_worker(worker):
     addr, stub, _ = worker
     muxes = DecodeMuxes()
