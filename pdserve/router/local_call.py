@@ -9,7 +9,9 @@ ended with), and the servicer gets a `LocalContext` with the parts of `grpc.Serv
 it uses: invocation metadata, the deadline, `is_active`, `add_callback`, trailing metadata and
 `abort`. So HTTP requests run the same service code as gRPC ones (validation, admission,
 routing, retries, the same tokens), without serializing every token into a loopback HTTP/2
-stream and parsing it back: one wake-up of the event loop per message instead.
+stream and parsing it back: at most one wake-up of the event loop per message instead, and
+one for all the messages the servicer yielded while the loop was busy; the reader takes what
+is already there without waiting (`read_ready`).
 Semantics kept from gRPC: the callbacks run once when the call ends, however it ends (done,
 aborted, cancelled, past its deadline); a cancelled or expired call stops pulling messages;
 an exception escaping the servicer ends the call with UNKNOWN; calls beyond the thread pool
@@ -20,6 +22,7 @@ Must not decide anything about the request: the servicer does.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -108,6 +111,11 @@ class LocalCall:
         # Bounded by the request: one item per message the servicer yields (a token or a few),
         # at most the request's max_tokens plus its first and last messages.
         self._q: asyncio.Queue = asyncio.Queue()
+        # Messages put by the servicer's thread since the loop last took them; one wake-up is
+        # scheduled for all of them.
+        self._handed: collections.deque = collections.deque()
+        self._hand_lock = threading.Lock()
+        self._wake_due = False
         self._ended: BaseException | object | None = None  # what every later read gets
         self.context = LocalContext(metadata, timeout_s)
         self._timer = (None if timeout_s is None
@@ -141,10 +149,23 @@ class LocalCall:
             self._pool._ended(self)
 
     def _put(self, item) -> None:
+        with self._hand_lock:
+            self._handed.append(item)
+            if self._wake_due:
+                return  # the wake-up already scheduled takes it too
+            self._wake_due = True
         try:
-            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._take_handed)
         except RuntimeError:  # the loop closed (the HTTP server stopped): nobody reads
             pass
+
+    def _take_handed(self) -> None:
+        with self._hand_lock:
+            items = list(self._handed)
+            self._handed.clear()
+            self._wake_due = False
+        for item in items:
+            self._q.put_nowait(item)
 
     # ---- the event loop's thread ------------------------------------------------------------
     def _expire(self) -> None:
@@ -168,6 +189,18 @@ class LocalCall:
             return self._raise_or(self._ended)
         if self._ended is not None:  # cancelled or expired: what is still queued is dropped
             return self._raise_or(self._ended)
+        return item
+
+    def read_ready(self):
+        """The next message if it is already here, else None (then `read`): a reader that
+        fell behind takes what queued up in one pass. Never the call's end."""
+        self._take_handed()
+        if self._ended is not None or self._q.empty():
+            return None
+        item = self._q.get_nowait()
+        if isinstance(item, LocalRpcError) or item is grpc.aio.EOF:
+            self._finish(item)  # the next `read` gives it
+            return None
         return item
 
     @staticmethod

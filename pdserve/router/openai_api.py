@@ -367,9 +367,14 @@ class OpenAIApp:
                 for c in render.first_chunks():
                     yield _sse(c)
                 msg = first
+                ready = getattr(call, "read_ready", lambda: None)
                 while msg is not grpc.aio.EOF:
-                    for c in render.chunks(msg):
-                        yield _sse(c)
+                    # What is already queued goes out in one write.
+                    frames = [_sse(c) for c in render.chunks(msg)]
+                    while not render.done and (more := ready()) is not None:
+                        frames += [_sse(c) for c in render.chunks(more)]
+                    if frames:
+                        yield "".join(frames)
                     if render.done:
                         break
                     msg = await call.read()

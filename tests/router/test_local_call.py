@@ -43,6 +43,33 @@ def test_messages_arrive_in_order_then_eof_and_the_end_callbacks_run_once():
     assert ended == ["cb"]
 
 
+def test_messages_yielded_while_the_loop_was_busy_are_taken_in_one_pass_then_the_end():
+    release = threading.Event()
+
+    def servicer(request, context):
+        for i in range(request):
+            yield i
+        release.set()
+
+    async def main():
+        gen = LocalGeneration(servicer, max_workers=1)
+        call = gen.Generate(50, timeout=5)
+        while not release.is_set():  # the loop is busy: the servicer runs ahead of it
+            time.sleep(0.01)
+        time.sleep(0.05)  # its end is handed over too
+        first = await call.read()
+        rest = []
+        while (m := call.read_ready()) is not None:
+            rest.append(m)
+        assert call.read_ready() is None  # the end is never taken here...
+        end = await call.read()  # ...but by read, as it would have been
+        gen.close()
+        return [first, *rest], end
+
+    got, end = run(main())
+    assert got == list(range(50)) and end is grpc.aio.EOF
+
+
 def test_abort_ends_the_call_with_its_code_details_and_trailers():
     def servicer(request, context):
         yield "first"
