@@ -6,7 +6,8 @@ gave: those it held are taken back when the router finds it gone (missed health 
 like those sent after, prefilled by the decode worker; no client sees a gRPC library's words;
 the other worker's stats stay fresh while the paused one's polls wait.
 After SIGCONT it is back in its pool and prefills again. The pause the field reported (70 s)
-runs with the long scenarios; a shorter one runs with every suite.
+runs with the long scenarios; a shorter one runs with every suite. A decode worker paused
+mid-stream hands its stream on to the other decode worker, exactly (long scenarios too).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pytest
 
 from pdserve import rpc
 from pdserve.core.identity import ROUTER, WORKER
+from pdserve.proto import api_pb2, common_pb2
+from pdserve.proto import api_pb2_grpc as api_grpc
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
 from pdserve.proto import worker_pb2 as wpb
@@ -155,6 +158,62 @@ def test_a_prefill_worker_that_answers_polls_but_not_calls_is_caught_by_the_dead
             os.kill(procs[0].pid, signal.SIGCONT)
         back_and_prefilling(router, prefill, prompts[3], expected[3], 30)
     finally:
+        assert stop_process(router.proc, timeout_s=60) == 0
+        for p in procs:
+            stop_process(p, timeout_s=60)
+
+
+def running_on(address: str) -> int:
+    with rpc.make_channel(address, WORKER) as ch:
+        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=5).num_running
+
+
+@pytest.mark.scenario  # a 20 s pause: with the long scenarios (.ci/scenarios)
+def test_a_decode_worker_paused_mid_stream_hands_its_streams_on_exactly(tiny_cluster):
+    """Paused while it decodes a stream: the router finds it gone by its missed polls, the
+    stream resumes on the other decode worker from the tokens already sent, and the client
+    gets the tokens the unpaused cluster gave, long before the pause ends."""
+    prefill = f"127.0.0.1:{free_port()}"
+    decode = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    procs = [start_worker(tiny_cluster, prefill, "prefill"),
+             *(start_worker(tiny_cluster, d) for d in decode)]
+    router = start_router(tiny_cluster, "--max-missed-polls", "2",
+                          "--max-local-prefill-tokens", "0", prefill=[prefill], decode=decode)
+    prompt = prompt_ids(tiny_cluster, "A long answer, paused halfway. ")
+    max_tokens = 480
+    paused = None
+    try:
+        expected = grpc_call(router.address, prompt, max_tokens)
+        assert expected[0] == "ok" and len(expected[1][0]) == max_tokens
+        req = api_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True))
+        req.token_ids.ids.extend(prompt)
+        got: list[int] = []
+        with rpc.make_channel(router.address, rpc.PUBLIC) as ch:
+            stream = api_grpc.GenerationStub(ch).Generate(req, timeout=300)
+            got += next(stream).token_ids  # the prefill worker's first token
+            got += next(stream).token_ids  # the decode worker is on it now
+            busy = [d for d in decode if running_on(d)]
+            assert len(busy) == 1, busy
+            paused = procs[1 + decode.index(busy[0])]
+            os.kill(paused.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            for r in stream:
+                got += r.token_ids
+            took = time.monotonic() - t0
+        assert (got, len(got)) == (expected[1][0], max_tokens)
+        assert took < 20.0, took  # handed on once the polls missed, not after the pause
+        assert state_of(router.control, busy[0]) == rpb.MEMBER_STATE_GONE
+        os.kill(paused.pid, signal.SIGCONT)
+        paused = None
+        wait_for("the decode worker back in its pool",
+                 lambda: state_of(router.control, busy[0]) == rpb.MEMBER_STATE_ACTIVE,
+                 timeout_s=60)
+        kind, (ids, _) = grpc_call(router.address, prompt, 8)
+        assert kind == "ok" and ids == expected[1][0][:8]
+    finally:
+        if paused is not None:
+            os.kill(paused.pid, signal.SIGCONT)
         assert stop_process(router.proc, timeout_s=60) == 0
         for p in procs:
             stop_process(p, timeout_s=60)
