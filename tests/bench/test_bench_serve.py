@@ -20,6 +20,7 @@ from tests.helpers import REPO_ROOT
 BENCH = [sys.executable, "-m", "pdserve.bench.serve"]
 
 
+@pytest.mark.scenario  # a whole bench run: with the long scenarios (.ci/scenarios)
 @pytest.mark.timeout(240)
 def test_bench_serve_real_run_json_and_png(tiny_llama_dir, tmp_path):
     """With `--internal-tls both --tls-pairs 1`: a pass with TLS (the figures below), then one

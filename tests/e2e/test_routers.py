@@ -135,6 +135,7 @@ def test_both_routers_follow_one_membership(two_routers):
     print(f"a drain reached both routers in {drained_s * 1000:.0f} ms")
 
 
+@pytest.mark.scenario  # kill -9 under load: with the long scenarios (.ci/scenarios)
 def test_kill_9_of_one_router_costs_none_of_the_others_streams(two_routers):
     c = two_routers
     prompt = prompt_ids(c, "Two front doors, one cluster. ")

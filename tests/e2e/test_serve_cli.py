@@ -178,6 +178,7 @@ def test_children_die_with_a_killed_serve(tiny_llama_dir, tmp_path):
             proc.kill()
 
 
+@pytest.mark.scenario  # two whole clusters at once: with the long scenarios (.ci/scenarios)
 def test_two_clusters_share_a_host_and_a_taken_router_port_is_refused(tiny_llama_dir, tmp_path,
                                                                        expected):
     port_a = port()

@@ -9,6 +9,8 @@ import gc
 import tracemalloc
 from pathlib import Path
 
+import pytest
+
 from pdserve.core.step_profile import load_profile
 from pdserve.sim.cluster import Cluster
 from pdserve.sim.config import SimConfig
@@ -42,6 +44,7 @@ def test_a_tiled_trace_reads_as_the_list_tile_makes():
     assert lazy[-1] == eager[-1] and lazy[3:7] == eager[3:7]
 
 
+@pytest.mark.scenario  # large simulated runs: with the long scenarios (.ci/scenarios)
 def test_a_run_keeps_tens_of_bytes_per_request():
     """Records and trace columns, not an object per request: 4 times the requests on the
     same cluster add less than 200 bytes for each request added (a `SimRequest` with its
@@ -57,6 +60,7 @@ def test_a_run_keeps_tens_of_bytes_per_request():
     assert (large[1] - small[1]) / added < 200
 
 
+@pytest.mark.scenario  # large simulated runs: with the long scenarios (.ci/scenarios)
 def test_a_saturated_pools_queue_costs_hundreds_of_bytes_per_request():
     """One prefill worker for many long prompts: nearly every request waits in its queue.
     Twice the requests raise the peak by less than 2 kB for each one added, where a queued

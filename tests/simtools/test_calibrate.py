@@ -72,6 +72,7 @@ def test_build_profile_records_its_fit():
     assert (host.host_cores, host.threads_per_worker, host.host_slowdown) == (2, 1, (1.0, 1.4))
 
 
+@pytest.mark.scenario  # a whole calibration run: with the long scenarios (.ci/scenarios)
 def test_quick_calibration_of_the_real_engine(tmp_path):
     out = tmp_path / "cpu.json"
     proc = subprocess.run(
@@ -123,6 +124,7 @@ def test_serving_cost_is_fitted_from_the_gaps_beyond_the_engine_step():
     assert prof.prefill_s(256) == pytest.approx(TRUE.prefill_s(256))
 
 
+@pytest.mark.scenario  # a real cluster timed under load: with the long scenarios (.ci/scenarios)
 def test_served_decode_gaps_are_timed_on_a_real_cluster():
     from pdserve.launcher.cluster_spec import free_ports
     from pdserve.launcher.local import ClusterSpec, LocalCluster

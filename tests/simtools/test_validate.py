@@ -75,6 +75,7 @@ def test_measured_host_background_is_the_other_runnable_threads():
     assert background_of({"host_background": "measured"}, {}) == 0.0
 
 
+@pytest.mark.scenario  # a whole replay on a real cluster: with the long scenarios (.ci/scenarios)
 def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     out = tmp_path / "v"
     proc = subprocess.run(
@@ -130,6 +131,7 @@ def test_tiny_replay_on_a_real_cluster_and_the_simulator(tmp_path):
     assert json.loads(third.stdout)["scale"]["stagger_ms"] == 0.0
 
 
+@pytest.mark.scenario  # a whole replay on an emulated cluster: with the long scenarios (.ci/scenarios)
 def test_an_emulated_cluster_is_replayed_against_the_simulator_on_the_same_profile(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.simtools.validate", "--trace", str(TRACE), "--requests",
