@@ -54,6 +54,7 @@ def _rate(x) -> bool:
     return isinstance(x, float) and math.isfinite(x) and 0.0 <= x <= 1.0
 
 
+@pytest.mark.scenario  # a whole bench run: with the long scenarios (.ci/scenarios)
 def test_document_fields_and_arithmetic(run):
     doc, out = run
     assert (out / "route.json").is_file() and (out / "route.png").stat().st_size > 0
@@ -81,6 +82,7 @@ def test_document_fields_and_arithmetic(run):
     assert doc["aim"]["kv_aware_local_vs_ideal"] == doc["policies"]["kv_aware"]["local_vs_ideal"]
 
 
+@pytest.mark.scenario  # a whole bench run: with the long scenarios (.ci/scenarios)
 def test_kv_aware_hits_its_own_cache_at_least_as_often_as_round_robin(run):
     doc, _ = run
     kv, rr = doc["policies"]["kv_aware"], doc["policies"]["round_robin"]

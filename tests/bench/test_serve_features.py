@@ -308,6 +308,7 @@ def test_feature_workload_defaults_and_unknown_workload(capsys):
 
 
 # ---- a real run -----------------------------------------------------------------------------
+@pytest.mark.scenario  # a whole bench run: with the long scenarios (.ci/scenarios)
 @pytest.mark.timeout(90)
 def test_structured_real_run(tiny_llama_dir, tmp_path):
     out = subprocess.run(
