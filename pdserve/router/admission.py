@@ -6,9 +6,9 @@ Owns the decision "take this request now, or refuse it with a retry hint" (invar
 bound the caller gets RESOURCE_EXHAUSTED / HTTP 429, never a queue that grows without limit),
 the router's account of prefill work admitted and not yet done (`queued_tokens`), the TTFT
 prediction over it (`predict_ttft`; the measured prefill rates it divides by come from
-`pdserve.core.rates.RateMeter`; its correction from `ttft_calibration.TtftCalibration`). Must not know gRPC or HTTP: `Overloaded` carries the message, the reason
-(the metric label) and `retry_after_s`; the adapters (`lifecycle.Door`) map it to their status
-codes and headers.
+`pdserve.core.rates.RateMeter`, its correction from `ttft_calibration.TtftCalibration`).
+Must not know gRPC or HTTP: `Overloaded` carries the message, the reason (the metric label)
+and `retry_after_s`; the adapters (`lifecycle.Door`) map it to their status codes and headers.
 
 The TTFT model: a request admitted now waits for the prefill work admitted before it (every
 admitted request's uncached prompt tokens, from admission until its first token) and then for
