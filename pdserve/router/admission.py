@@ -219,9 +219,10 @@ class Admission:
         with self._lock:
             self.queued_tokens = max(0.0, self.queued_tokens - ticket.own_tokens)
             self.drained += ticket.own_tokens
-            if self._waiting.pop(id(ticket), None) is not None and answered:
-                self.calibration.observe(ticket.prediction.raw_s, now_s - ticket.admitted_s,
-                                         now_s)
+            taught = self._waiting.pop(id(ticket), None) is not None
+            cal, p = self.calibration, ticket.prediction
+            if taught and answered and cal is not None and p is not None:
+                cal.observe(p.raw_s, now_s - ticket.admitted_s, now_s)
 
     def factor(self, now_s: float) -> float:
         """The correction admission applies now (1: the raw model)."""
@@ -229,14 +230,15 @@ class Admission:
             return self._factor(now_s)
 
     def _factor(self, now_s: float) -> float:
-        if self.calibration is None:
+        cal = self.calibration
+        if cal is None:
             return 1.0
+        # Tickets that teach all carry a prediction (`admit_prefill`).
+        waiting = [(t.prediction, t.admitted_s, t.drained_at) for t in self._waiting.values()
+                   if t.prediction is not None]
         drain = None
-        oldest = next(iter(self._waiting.values()), None)
-        if oldest is not None:
-            p = oldest.prediction
-            done = self.drained - oldest.drained_at
-            drain = (now_s - oldest.admitted_s, done / p.tokens_per_s,
-                     done / max(1.0, p.queued_tokens))
-        return self.calibration.factor(now_s, ((t.prediction.raw_s, now_s - t.admitted_s)
-                                               for t in self._waiting.values()), drain)
+        if waiting:
+            p, at, drained_at = waiting[0]  # the oldest
+            done = self.drained - drained_at
+            drain = (now_s - at, done / p.tokens_per_s, done / max(1.0, p.queued_tokens))
+        return cal.factor(now_s, [(p.raw_s, now_s - at) for p, at, _ in waiting], drain)
