@@ -44,10 +44,10 @@ def state_of(control: str, address: str) -> int:
     return member(control, address).state
 
 
-def finished_on(address: str) -> int:
+def worker_stats(address: str) -> wpb.WorkerStats:
+    """The worker's own stats, asked directly (not through the router)."""
     with rpc.make_channel(address, WORKER) as ch:
-        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(),
-                                                timeout=10).requests_finished
+        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=10)
 
 
 def back_and_prefilling(router, prefill: str, prompt: list[int], expected, timeout_s: float):
@@ -55,9 +55,9 @@ def back_and_prefilling(router, prefill: str, prompt: list[int], expected, timeo
     wait_for("the worker back in its pool",
              lambda: state_of(router.control, prefill) == rpb.MEMBER_STATE_ACTIVE,
              timeout_s=timeout_s)
-    before = finished_on(prefill)
+    before = worker_stats(prefill).requests_finished
     assert grpc_call(router.address, prompt, 8) == expected
-    assert finished_on(prefill) == before + 1
+    assert worker_stats(prefill).requests_finished == before + 1
 
 
 @pytest.mark.scenario  # the field's 70 s pause: with the long scenarios (.ci/scenarios)
@@ -164,11 +164,6 @@ def test_a_prefill_worker_that_answers_polls_but_not_calls_is_caught_by_the_dead
             stop_process(p, timeout_s=60)
 
 
-def running_on(address: str) -> int:
-    with rpc.make_channel(address, WORKER) as ch:
-        return wpb_grpc.WorkerStub(ch).GetStats(wpb.GetStatsRequest(), timeout=5).num_running
-
-
 @pytest.mark.scenario  # a 20 s pause: with the long scenarios (.ci/scenarios)
 def test_a_decode_worker_paused_mid_stream_hands_its_streams_on_exactly(tiny_cluster):
     """Paused while it decodes a stream: the router finds it gone by its missed polls, the
@@ -194,7 +189,7 @@ def test_a_decode_worker_paused_mid_stream_hands_its_streams_on_exactly(tiny_clu
             stream = api_grpc.GenerationStub(ch).Generate(req, timeout=300)
             got += next(stream).token_ids  # the prefill worker's first token
             got += next(stream).token_ids  # the decode worker is on it now
-            busy = [d for d in decode if running_on(d)]
+            busy = [d for d in decode if worker_stats(d).num_running]
             assert len(busy) == 1, busy
             paused = procs[1 + decode.index(busy[0])]
             os.kill(paused.pid, signal.SIGSTOP)
