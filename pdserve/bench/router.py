@@ -284,13 +284,14 @@ def measure(model: str, n: int, args, apis: list[str], rates: list[float],
 def run_bench(model: str, args, progress=lambda what: None) -> dict[str, Any]:
     routers = [int(x) for x in args.routers.split(",") if x.strip()]
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
-    apis = [a.strip() for a in args.api.split(",") if a.strip()]
+    apis = ["http", "grpc"] if args.api.strip() == "both" else [
+        a.strip() for a in args.api.split(",") if a.strip()]
     if not routers or min(routers) < 1:
         raise SystemExit("--routers: comma-separated counts >= 1")
     if not rates or min(rates) <= 0 or rates != sorted(rates):
         raise SystemExit("--rates: rising request rates > 0, comma-separated")
     if not apis or set(apis) - {"http", "grpc"}:
-        raise SystemExit(f"--api: http, grpc or both, got {args.api!r}")
+        raise SystemExit(f"--api: http, grpc, http,grpc or both, got {args.api!r}")
     started = time.monotonic()
     by_routers = {n: measure(model, n, args, apis, rates, progress) for n in routers}
     return {"bench": "router", "model": os.path.basename(model), "profile": args.profile,
