@@ -10,15 +10,20 @@ and ends after the one with a finish reason; a request's error status, the strea
 raise a `grpc.RpcError` with the status Decode would have ended with. So one engine step's
 tokens for every request on a worker cross the hop in one message, and the relay, retry and
 resume logic is Decode's. A relay that fell behind gets the chunks queued for it as one.
+Or the relay runs where the chunks arrive (`MuxCall.relay`): the reader thread hands each chunk
+to the request's own function, with no queue and no thread switch per chunk, and the request's
+thread waits only for the end.
 Must not decide retries or routing: the service does, on the statuses this raises.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -69,6 +74,12 @@ class MuxCall:
         self._ended = False
         self._cancelled = False
         self._held = None  # an item taken while joining chunks, returned next
+        # While relayed where the chunks arrive: the function each item goes to, the lock that
+        # keeps them in order (re-entered by a cancel from within it), and how the relay ended.
+        self._sink: Callable | None = None
+        self._sink_lock = threading.RLock()
+        self._over = threading.Event()
+        self._outcome: bool | BaseException | None = None
 
     def __iter__(self) -> "MuxCall":
         return self
@@ -131,17 +142,92 @@ class MuxCall:
                 break
         return chunk if merged is None else merged
 
+    def relay(self, on_chunk: Callable[[wpb.DecodeResponse], bool]) -> bool:
+        """Relay the call where its chunks arrive instead of iterating it: each chunk (those
+        already queued first, on this thread) goes to `on_chunk` on the stream's reader thread;
+        True from it means the relay is done (a finish reason, or a stop string: then the worker
+        is told to stop). Returns, once the call ended, True if `on_chunk` finished it and False
+        if the worker's chunks stopped without a finish reason; raises what iterating would
+        (the request's status, the stream broken, the deadline, a cancel), or what `on_chunk`
+        raised (the call is then cancelled)."""
+        with self._sink_lock:
+            with self._mux.lock:
+                backlog = [] if self._held is None else [self._held]
+                self._held = None
+                while True:
+                    try:
+                        backlog.append(self._q.get_nowait())
+                    except queue.Empty:
+                        break
+                self._sink = functools.partial(self._deliver, on_chunk)
+            for item in backlog:
+                self._deliver(on_chunk, item)
+        timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        if not self._over.wait(timeout):
+            with self._sink_lock:
+                expired = not self._over.is_set()
+                self._end(MuxError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            if expired:
+                self._stop_on_worker()
+        outcome = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return bool(outcome)
+
+    def _deliver(self, on_chunk: Callable[[wpb.DecodeResponse], bool], item) -> None:
+        """One item of a relayed call, on the thread that has it (under `_sink_lock`)."""
+        if self._over.is_set():
+            return
+        if item is _CANCEL:
+            self._end(MuxError(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+        elif isinstance(item, MuxError):
+            self._end(item)
+        elif item.status_code:
+            self._end(MuxError(_CODES.get(item.status_code, grpc.StatusCode.UNKNOWN),
+                               item.status_details))
+        elif not item.HasField("chunk"):
+            self._end(False)
+        else:
+            try:
+                done = on_chunk(item.chunk)
+            except Exception as e:
+                self._end(e)
+                self._stop_on_worker()
+                return
+            if done:
+                self._end(True)
+                if not item.chunk.finish_reason:  # a stop string
+                    self._stop_on_worker()
+
+    def _end(self, outcome: bool | BaseException) -> None:
+        if not self._over.is_set():
+            self._outcome = outcome
+            self._ended = True
+            self._over.set()
+
+    def _stop_on_worker(self) -> None:
+        """A relay that ended before the worker's last chunk: the worker stops decoding for
+        nobody (the call already has its outcome)."""
+        self._cancelled = True
+        self._mux.cancel(self.request_id)
+
     def cancel(self) -> bool:
         """Cancel it on the worker (as a client leaving a Decode stream); False if it ended."""
         if self._ended or self._cancelled:
             return False
         self._cancelled = True
         self._mux.cancel(self.request_id)
-        self._q.put(_CANCEL)
+        self._push(_CANCEL)
         return True
 
     def _push(self, item) -> None:
-        self._q.put(item)
+        with self._mux.lock:
+            sink = self._sink
+            if sink is None:
+                self._q.put(item)
+                return
+        with self._sink_lock:
+            sink(item)
 
 
 class _Mux:
@@ -151,7 +237,7 @@ class _Mux:
         self.stub = stub
         self.address = address
         self._on_broken = on_broken
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._calls: dict[str, MuxCall] = {}
         self._up: queue.Queue = queue.Queue()  # messages to the worker; None ends the stream
         self.broken: MuxError | None = None
@@ -167,7 +253,7 @@ class _Mux:
 
     def start(self, request: wpb.DecodeRequest, timeout: float | None) -> MuxCall:
         call = MuxCall(self, request.request_id, timeout)
-        with self._lock:
+        with self.lock:
             broken = self.broken
             if broken is None:
                 old = self._calls.get(request.request_id)
@@ -181,7 +267,7 @@ class _Mux:
         return call
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
+        with self.lock:
             known = self._calls.pop(request_id, None) is not None and self.broken is None
         if known:
             self._up.put(wpb.DecodeManyRequest(cancel_request_id=request_id))
@@ -192,7 +278,7 @@ class _Mux:
                 for event in message.events:
                     last = (event.status_code != 0 or not event.HasField("chunk")
                             or event.chunk.finish_reason != 0)
-                    with self._lock:
+                    with self.lock:
                         call = (self._calls.pop(event.request_id, None) if last
                                 else self._calls.get(event.request_id))
                     if call is not None:
@@ -201,7 +287,7 @@ class _Mux:
                              f"decode stream to {self.address} ended without a finish reason")
         except Exception as e:  # the worker died, its channel closed, or the stream broke
             error = _broken(self.address, e)
-        with self._lock:
+        with self.lock:
             self.broken = error
             calls = list(self._calls.values())
             self._calls.clear()

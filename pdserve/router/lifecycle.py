@@ -116,6 +116,9 @@ class Trip:
     # the others `follow` it there.
     lead: Any = None
     follow: Any = None
+    # Where a decode relayed on its stream's reader thread sends its messages (the client's own
+    # stream, after what `Generate` yields does to each); None: they are yielded.
+    emit: Callable[[Any], None] | None = None
 
 
 class Door:

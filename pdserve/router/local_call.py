@@ -11,7 +11,9 @@ it uses: invocation metadata, the deadline, `is_active`, `add_callback`, trailin
 routing, retries, the same tokens), without serializing every token into a loopback HTTP/2
 stream and parsing it back: at most one wake-up of the event loop per message instead, and
 one for all the messages the servicer yielded while the loop was busy; the reader takes what
-is already there without waiting (`read_ready`).
+is already there without waiting (`read_ready`). A servicer may also send a message from
+another thread (`LocalContext.emit`: the router's decode relay, run where the worker's tokens
+arrive), and the messages for every call of one event loop share its wake-ups.
 Semantics kept from gRPC: the callbacks run once when the call ends, however it ends (done,
 aborted, cancelled, past its deadline); a cancelled or expired call stops pulling messages;
 an exception escaping the servicer ends the call with UNKNOWN; calls beyond the thread pool
@@ -59,6 +61,9 @@ class LocalContext:
         self.trailers: tuple = ()
         self.code: grpc.StatusCode | None = None
         self.details = ""
+        # Send a message from any thread, in order with what the servicer yields (set by the
+        # call: its stream to the reader).
+        self.emit: Callable[[Any], None] = lambda message: None
 
     # ---- what the servicer calls ----------------------------------------------------------------
     def invocation_metadata(self):
@@ -111,13 +116,10 @@ class LocalCall:
         # Bounded by the request: one item per message the servicer yields (a token or a few),
         # at most the request's max_tokens plus its first and last messages.
         self._q: asyncio.Queue = asyncio.Queue()
-        # Messages put by the servicer's thread since the loop last took them; one wake-up is
-        # scheduled for all of them.
-        self._handed: collections.deque = collections.deque()
-        self._hand_lock = threading.Lock()
-        self._wake_due = False
+        self._inbox = pool._inbox(self._loop)
         self._ended: BaseException | object | None = None  # what every later read gets
         self.context = LocalContext(metadata, timeout_s)
+        self.context.emit = self._emit
         self._timer = (None if timeout_s is None
                        else self._loop.call_later(timeout_s, self._expire))
         pool._started(self)
@@ -149,23 +151,13 @@ class LocalCall:
             self._pool._ended(self)
 
     def _put(self, item) -> None:
-        with self._hand_lock:
-            self._handed.append(item)
-            if self._wake_due:
-                return  # the wake-up already scheduled takes it too
-            self._wake_due = True
-        try:
-            self._loop.call_soon_threadsafe(self._take_handed)
-        except RuntimeError:  # the loop closed (the HTTP server stopped): nobody reads
-            pass
+        self._inbox.put(self, item)
 
-    def _take_handed(self) -> None:
-        with self._hand_lock:
-            items = list(self._handed)
-            self._handed.clear()
-            self._wake_due = False
-        for item in items:
-            self._q.put_nowait(item)
+    def _emit(self, message) -> None:
+        """A message the servicer sends from another thread than its own (`LocalContext.emit`),
+        in order with those it yields; dropped once the call ended."""
+        if self.context.is_active():
+            self._inbox.put(self, message)
 
     # ---- the event loop's thread ------------------------------------------------------------
     def _expire(self) -> None:
@@ -194,7 +186,7 @@ class LocalCall:
     def read_ready(self):
         """The next message if it is already here, else None (then `read`): a reader that
         fell behind takes what queued up in one pass. Never the call's end."""
-        self._take_handed()
+        self._inbox.take()
         if self._ended is not None or self._q.empty():
             return None
         item = self._q.get_nowait()
@@ -228,6 +220,36 @@ class LocalCall:
         return True
 
 
+class _Inbox:
+    """What the servicers' threads handed to the calls of one event loop since it last took
+    them: one wake-up of the loop for all of them, whichever calls they are for."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: collections.deque = collections.deque()  # (call, item); bounded by theirs
+        self._wake_due = False
+
+    def put(self, call: LocalCall, item) -> None:
+        with self._lock:
+            self._items.append((call, item))
+            if self._wake_due:
+                return  # the wake-up already scheduled takes it too
+            self._wake_due = True
+        try:
+            self._loop.call_soon_threadsafe(self.take)
+        except RuntimeError:  # the loop closed (the HTTP server stopped): nobody reads
+            pass
+
+    def take(self) -> None:
+        """On the loop: each item to its call's queue."""
+        with self._lock:
+            items, self._items = self._items, collections.deque()
+            self._wake_due = False
+        for call, item in items:
+            call._q.put_nowait(item)
+
+
 class LocalGeneration:
     """A `GenerationStub` look-alike for `Generate` that runs `handler` on a bounded pool."""
 
@@ -239,6 +261,16 @@ class LocalGeneration:
                                            thread_name_prefix="http-generate")
         self._lock = threading.Lock()
         self._live: set[LocalCall] = set()
+        self._inboxes: dict[asyncio.AbstractEventLoop, _Inbox] = {}  # one per loop reading calls
+
+    def _inbox(self, loop: asyncio.AbstractEventLoop) -> _Inbox:
+        with self._lock:
+            inbox = self._inboxes.get(loop)
+            if inbox is None:
+                for old in [lp for lp in self._inboxes if lp.is_closed()]:
+                    del self._inboxes[old]
+                inbox = self._inboxes[loop] = _Inbox(loop)
+            return inbox
 
     def Generate(self, request, timeout: float | None = None, metadata=()) -> LocalCall:
         return LocalCall(self, self._handler, request, timeout, metadata)

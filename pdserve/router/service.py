@@ -46,7 +46,7 @@ from pdserve.security.tenants import ApiKeys, AuthError
 from pdserve.security import failures
 from pdserve.router.control import RequestSignals
 from pdserve.router.config import DECODE_STREAMS
-from pdserve.router.decode_mux import DecodeMuxes
+from pdserve.router.decode_mux import DecodeMuxes, MuxCall
 from pdserve.router.lifecycle import Door, Trip, abort_with_hint
 from pdserve.core.roles import DECODE, PREFILL
 from pdserve.router.policy import NoWorkerError
@@ -149,15 +149,23 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         # while its last use still ends on a worker), and two clients may send the same one.
         wid = f"{rid}~{secrets.token_hex(4)}"
         scored = request.sampling.HasField("prompt_logprobs")  # its first message says the ids
+
+        def out(resp):
+            nonlocal scored
+            resp.request_id = rid
+            if scored:
+                resp.prompt_token_ids.extend(trip.prompt_ids)
+                scored = False
+            self.door.sent(trip, resp)
+            return resp
+
+        emit = getattr(context, "emit", None)  # a call in this process (HTTP) takes them direct
+        if emit is not None and lead is None and follow is None:
+            trip.emit = lambda resp: emit(out(resp))
         try:
             with request_context(wid):
                 for resp in self._generate(request, context, wid, trip):
-                    resp.request_id = rid
-                    if scored:
-                        resp.prompt_token_ids.extend(trip.prompt_ids)
-                        scored = False
-                    self.door.sent(trip, resp)
-                    yield resp
+                    yield out(resp)
         finally:
             self.door.leave(trip)
             if lead is not None:
@@ -446,43 +454,66 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                address: str):
         """Relay one decode stream (from `address`) as text deltas; True once it ended with a
         finish reason (or a stop string cut it short), False if the stream ended without one.
-        Every token relayed is added to `trip.emitted`; the first one tells the other choices
-        of a request where this one decodes."""
+        On a shared stream with a client in this process (`trip.emit`), the relay runs on the
+        stream's reader thread and this one waits for its end (`MuxCall.relay`); else each
+        chunk is read and yielded here."""
         # A client that cancels or disconnects cancels the decode: the worker frees the KV.
         if not context.add_callback(call.cancel):
             call.cancel()  # the client already left: the callback never runs
+        step = functools.partial(self._relay_step, rid, text, usage, hop, trip, address)
         with self.door.worker_call(call):
             try:
+                emit = trip.emit
+                if emit is not None and isinstance(call, MuxCall):
+                    def on_chunk(chunk) -> bool:
+                        message, done = step(chunk)
+                        if message is not None:
+                            emit(message)
+                        return done
+                    return call.relay(on_chunk)
                 for chunk in call:
-                    if trip.lead is not None:
-                        trip.lead.publish(address)
-                    if chunk.made_unix_s > 0:
-                        self.metrics.worker_hop.observe(max(0.0, time.time() - chunk.made_unix_s))
-                    usage.completion_tokens += len(chunk.token_ids)
-                    trip.emitted.extend(chunk.token_ids)
-                    delta = text.push(chunk.token_ids)
-                    finish = None
+                    message, done = step(chunk)
                     if text.stopped:
                         call.cancel()
-                        finish = fin.STOP
-                    elif chunk.finish_reason != _UNSET:
-                        finish = finish_from_proto(chunk.finish_reason)
-                    if finish is not None:
-                        hop.relayed = True
-                        yield self._final(rid, delta + text.finish(), list(chunk.token_ids), finish,
-                                          usage, chunk.logprobs, chunk.prompt_logprobs)
+                    if message is not None:
+                        yield message
+                    if done:
                         return True
-                    if delta or chunk.token_ids:
-                        hop.relayed = True
-                        yield api_pb2.GenerateResponse(request_id=rid, text=delta,
-                                                       token_ids=list(chunk.token_ids),
-                                                       logprobs=chunk.logprobs,
-                                                       prompt_logprobs=chunk.prompt_logprobs)
             finally:
                 # Ended: a no-op. Left early (the relay closed, an error here): the worker
                 # stops decoding for nobody.
                 call.cancel()
         return False
+
+    def _relay_step(self, rid: str, text: OutputText, usage, hop: _Hop, trip: Trip,
+                    address: str, chunk) -> tuple[api_pb2.GenerateResponse | None, bool]:
+        """One decode chunk: the message for the client (None: nothing to send yet) and whether
+        the relay is done (a finish reason or a stop string). Every token relayed is added to
+        `trip.emitted`; the first one tells the other choices of a request where this one
+        decodes."""
+        if trip.lead is not None:
+            trip.lead.publish(address)
+        if chunk.made_unix_s > 0:
+            self.metrics.worker_hop.observe(max(0.0, time.time() - chunk.made_unix_s))
+        usage.completion_tokens += len(chunk.token_ids)
+        trip.emitted.extend(chunk.token_ids)
+        delta = text.push(chunk.token_ids)
+        finish = None
+        if text.stopped:
+            finish = fin.STOP
+        elif chunk.finish_reason != _UNSET:
+            finish = finish_from_proto(chunk.finish_reason)
+        if finish is not None:
+            hop.relayed = True
+            return self._final(rid, delta + text.finish(), list(chunk.token_ids), finish, usage,
+                               chunk.logprobs, chunk.prompt_logprobs), True
+        if delta or chunk.token_ids:
+            hop.relayed = True
+            return api_pb2.GenerateResponse(request_id=rid, text=delta,
+                                            token_ids=list(chunk.token_ids),
+                                            logprobs=chunk.logprobs,
+                                            prompt_logprobs=chunk.prompt_logprobs), False
+        return None, False
 
     @staticmethod
     def _final(rid, text, token_ids, finish, usage, logprobs=(), prompt_logprobs=()):

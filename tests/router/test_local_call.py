@@ -70,6 +70,64 @@ def test_messages_yielded_while_the_loop_was_busy_are_taken_in_one_pass_then_the
     assert got == list(range(50)) and end is grpc.aio.EOF
 
 
+def test_messages_sent_from_another_thread_keep_their_order_and_calls_share_wake_ups():
+    """What a servicer sends through `context.emit` (from a thread of its own, as the decode
+    relay does) comes between what it yielded before and after, in order; once the call ended
+    nothing more is taken. Messages for several calls handed over while the loop was busy
+    reach all of them on one wake-up."""
+    both_sent = threading.Barrier(3)
+
+    def servicer(request, context):
+        yield f"{request}-first"
+        sender = threading.Thread(target=lambda: [context.emit(f"{request}-{i}")
+                                                  for i in range(3)])
+        sender.start()
+        sender.join()
+        both_sent.wait(5)
+        yield f"{request}-last"
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            nonlocal wakeups
+            wakeups += 1
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        gen = LocalGeneration(servicer, max_workers=2)
+        a, b = gen.Generate("a", timeout=5), gen.Generate("b", timeout=5)
+        both_sent.wait(5)  # the loop is busy: both servicers' messages wait for it
+        time.sleep(0.05)
+        got = [[m async for m in a], [m async for m in b]]
+        gen.close()
+        return got, wakeups
+
+    got, wakeups = run(main())
+    assert got == [[f"{r}-first", f"{r}-0", f"{r}-1", f"{r}-2", f"{r}-last"] for r in "ab"]
+    assert wakeups <= 2  # not one per message (10, and the two ends)
+
+    def late(request, context):
+        yield "only"
+        while context.is_active():  # until the reader cancels
+            time.sleep(0.01)
+        context.emit("after the end")  # never read
+
+    async def cancelled():
+        gen = LocalGeneration(late, max_workers=1)
+        call = gen.Generate(None, timeout=5)
+        first = await call.read()
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+        gen.close()
+        return first, err.value.code()
+
+    assert run(cancelled()) == ("only", grpc.StatusCode.CANCELLED)
+
+
 def test_abort_ends_the_call_with_its_code_details_and_trailers():
     def servicer(request, context):
         yield "first"

@@ -172,13 +172,22 @@ def test_a_worker_that_dies_ends_every_request_on_its_stream_unavailable(tiny_ll
             except grpc.RpcError as e:
                 errors.append(e.code())
 
+        def relay(c):  # relayed where its chunks arrive (`MuxCall.relay`): the same end
+            try:
+                c.relay(lambda chunk: bool(chunk.finish_reason))
+            except grpc.RpcError as e:
+                errors.append(e.code())
+
+        relayed = muxes.start(addr, stub, local("r", prompt(8, seed=410), 500), timeout=120)
+        next(relayed)
         readers = [threading.Thread(target=drain, args=(c,)) for c in calls]
+        readers.append(threading.Thread(target=relay, args=(relayed,)))
         for t in readers:
             t.start()
         p.kill()
         for t in readers:
             t.join(timeout=30)
-        assert errors == [grpc.StatusCode.UNAVAILABLE] * 3
+        assert errors == [grpc.StatusCode.UNAVAILABLE] * 4
         # A request started after that fails the same way at once (the router re-routes it).
         with pytest.raises(grpc.RpcError) as err:
             collect(muxes.start(addr, stub, local("late", prompt(8, seed=499), 4), timeout=30))
