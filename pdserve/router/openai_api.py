@@ -50,7 +50,7 @@ from pdserve.security.tenants import ApiKeys, AuthError
 from pdserve.security import failures
 from pdserve.security.access import NO_CREDENTIAL
 from pdserve.router.local_call import LocalGeneration
-from pdserve.router.openai_format import Renderer, token_texts
+from pdserve.router.openai_format import Renderer, sse, token_texts
 from pdserve.router.openai_schema import (ApiRequest, ChatTurn, OpenAIError, bad,
                                           error_from_status, model_not_found, parse_chat,
                                           parse_completion, with_defaults)
@@ -126,10 +126,6 @@ class _KeyGate:
                     scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _disconnected(request: Request) -> None:
@@ -365,24 +361,24 @@ class OpenAIApp:
         async def events():
             try:
                 for c in render.first_chunks():
-                    yield _sse(c)
+                    yield sse(c)
                 msg = first
                 ready = getattr(call, "read_ready", lambda: None)
                 while msg is not grpc.aio.EOF:
                     # What is already queued goes out in one write.
-                    frames = [_sse(c) for c in render.chunks(msg)]
+                    frames = [render.frames(msg)]
                     while not render.done and (more := ready()) is not None:
-                        frames += [_sse(c) for c in render.chunks(more)]
+                        frames.append(render.frames(more))
                     if frames:
                         yield "".join(frames)
                     if render.done:
                         break
                     msg = await call.read()
                 else:
-                    yield _sse(OpenAIError(500, "generation ended without a finish reason",
+                    yield sse(OpenAIError(500, "generation ended without a finish reason",
                                            code="internal_error").body())
             except grpc.aio.AioRpcError as e:
-                yield _sse(grpc_error(e, req).body())
+                yield sse(grpc_error(e, req).body())
             finally:
                 # A client that left cancels the stream's task here: the router then cancels
                 # the decode, and the worker frees the request's KV.

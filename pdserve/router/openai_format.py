@@ -9,6 +9,7 @@ sockets, no asyncio; token ids become text through the `token_text` callable it 
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,6 +42,15 @@ def usage_of(u: api_pb2.Usage) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {_json(obj)}\n\n"
 
 
 class Renderer:
@@ -116,6 +126,36 @@ class Renderer:
                 "text_offset": offsets}
 
     # ---- streaming --------------------------------------------------------------------------
+    def frames(self, r: api_pb2.GenerateResponse) -> str:
+        """The SSE frames of one gRPC message (`chunks`, each as `sse` writes it). A plain text
+        delta, by far the most frequent, is written from the request's own template: only the
+        text is encoded, to the same bytes."""
+        if (r.text and not r.finish_reason and self.tools is None and self.req.logprobs is None
+                and not (self._echo_lps and r.prompt_token_ids)):
+            head, tail = self._delta_template()
+            return f"{head}{r.index},{self._text_key}{_json(r.text)}{tail}"
+        return "".join(sse(c) for c in self.chunks(r))
+
+    @functools.cached_property
+    def _text_key(self) -> str:
+        return '"delta":{"content":' if self.chat else '"text":'
+
+    def _delta_template(self) -> tuple[str, str]:
+        """(head, tail) of a text delta's frame around its choice index and text."""
+        template = self.__dict__.get("_template")
+        if template is None:
+            marker = "\u0000"  # a choice index and a text no chunk holds
+            body: dict[str, Any] = ({"delta": {"content": marker}} if self.chat
+                                    else {"text": marker})
+            whole = sse(self._chunk([{"index": -7, **body, "logprobs": None,
+                                      "finish_reason": None}]))
+            # The id and model are JSON strings: no quote of theirs is left unescaped.
+            head, rest = whole.split('"index":-7,', 1)
+            head += '"index":'
+            tail = rest.split(_json(marker), 1)[1]
+            template = self.__dict__["_template"] = (head, tail)
+        return template
+
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices}
