@@ -99,6 +99,11 @@ class RouterMetrics:
             "the decode worker to the message's arrival here (worker clock vs router clock: "
             "across hosts it includes their offset).", label, buckets=HOP_BUCKETS_S,
             registry=r).labels(model_name)
+        self.migration_stall = Histogram(
+            "pdserve:migration_stall_seconds",
+            "For a request whose decode moved to another worker with its KV: the gap its "
+            "client saw, from the last tokens before the move to the first after.", label,
+            buckets=HOP_BUCKETS_S, registry=r).labels(model_name)
         self.kv_event_lag = Histogram(
             "pdserve:kv_event_lag_seconds",
             "Time from a worker seeing a prefix-cache change to the router's index holding it "
@@ -198,6 +203,17 @@ class WorkerCollector:
         for kind, n in sorted(s.get("reads_by_transport", {}).items()):
             reads.add_metric([self.model_name, kind], n)
         yield reads
+        moves = CounterMetricFamily(
+            "pdserve:migrations", "Running decodes moved off this worker with their KV, by why "
+            "(drain, balance, shutdown) and outcome (copied: every full block in the store; "
+            "partial: the next worker recomputes from the first one missing).",
+            labels=["model_name", "reason", "outcome"])
+        for key, n in sorted(s.get("migrations", {}).items()):
+            reason, _, outcome = key.partition("/")
+            moves.add_metric([self.model_name, reason, outcome], n)
+        yield moves
+        yield counter("migration_bytes", "KV bytes put to the store for moved decodes.",
+                      s.get("migration_bytes", 0))
         for name, doc in (("spec_decode_num_drafts", "Draft proposals verified."),
                           ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
                           ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")):

@@ -15,6 +15,7 @@ never imports stubs, and asks `pdserve.security` for credentials and verdicts.
 from __future__ import annotations
 
 import contextvars
+import logging
 import sys
 import threading
 import time
@@ -32,6 +33,8 @@ from pdserve.lifecycle import StopSignals
 from pdserve.rpc_bound import BoundedPool, refuse_if_busy
 from pdserve.security import tls as security
 from pdserve.security.guard import CONTROL, INTERNAL, Guard
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CONTROL", "INTERNAL", "PUBLIC", "Guard", "PublicTls", "add_health_and_reflection",
            "add_servicer", "bind", "bind_public", "caller", "make_aio_channel", "make_channel",
@@ -444,10 +447,11 @@ def wait_for_signal(poll_s: float = 0.5) -> int:
 
 def run_until_signal(server: grpc.Server, health: health.HealthServicer, address: str,
                      ready_line: Callable[[str], str], kind: str, grace_s: float = 2.0,
-                     plane: str = INTERNAL, health_address: str | None = None) -> int:
+                     plane: str = INTERNAL, health_address: str | None = None,
+                     on_stop: Callable[[], Any] = lambda: None) -> int:
     """Bind `address` as a server of `kind` (`bind`), and `health_address` for plaintext
     probes when given; start, print the ready line, serve until SIGTERM/SIGINT, stop
-    gracefully.
+    gracefully: health says NOT_SERVING, `on_stop` runs, then calls get `grace_s` to end.
 
     Returns a process exit code: 1 if an address cannot be bound, else 0.
     """
@@ -462,6 +466,10 @@ def run_until_signal(server: grpc.Server, health: health.HealthServicer, address
     print(ready_line(f"{address.rsplit(':', 1)[0]}:{port}"), flush=True)
     wait_for_signal()
     health.enter_graceful_shutdown()
+    try:
+        on_stop()
+    except Exception:
+        log.exception("stopping: the server stops anyway")
     server.stop(grace=grace_s).wait()
     if probe is not None:
         probe.stop(grace=None)

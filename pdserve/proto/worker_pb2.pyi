@@ -105,18 +105,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., prefill_chunk_tokens: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "logprobs", "made_unix_s", "prompt_logprobs")
+    __slots__ = ("token_ids", "finish_reason", "logprobs", "made_unix_s", "prompt_logprobs", "moved")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MADE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     made_unix_s: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., made_unix_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    moved: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., made_unix_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., moved: _Optional[bool] = ...) -> None: ...
 
 class DecodeManyRequest(_message.Message):
     __slots__ = ("start", "cancel_request_id")
@@ -157,31 +159,35 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role", "drain", "drain_timeout_s")
+    __slots__ = ("role", "drain", "drain_timeout_s", "migrate")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_FIELD_NUMBER: _ClassVar[int]
     role: Role
     drain: bool
     drain_timeout_s: float
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain: _Optional[bool] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    migrate: bool
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain: _Optional[bool] = ..., drain_timeout_s: _Optional[float] = ..., migrate: _Optional[bool] = ...) -> None: ...
 
 class SetRoleResponse(_message.Message):
-    __slots__ = ("previous_role", "role", "drained_requests")
+    __slots__ = ("previous_role", "role", "drained_requests", "moved_requests")
     PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     previous_role: Role
     role: Role
     drained_requests: int
-    def __init__(self, previous_role: _Optional[_Union[Role, str]] = ..., role: _Optional[_Union[Role, str]] = ..., drained_requests: _Optional[int] = ...) -> None: ...
+    moved_requests: int
+    def __init__(self, previous_role: _Optional[_Union[Role, str]] = ..., role: _Optional[_Union[Role, str]] = ..., drained_requests: _Optional[int] = ..., moved_requests: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "progressive_requests", "progressive_anchor_joins", "progressive_exact_joins", "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens", "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks", "kv_stream_put_failures", "prompt_tokens_computed", "busy_seconds", "decode_steps", "decode_step_seconds", "local_prefill_requests", "local_prefill_tokens", "draining", "store_degraded", "store_degraded_reason", "store_errors", "kv_recomputed_requests")
+    __slots__ = ("role", "model_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "kv_blocks_put", "kv_blocks_fetched", "kv_blocks_local_hits", "requests_finished", "role_switches", "weight_loads", "kv_blocks_from_store", "kv_store_reads_by_transport", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "progressive_requests", "progressive_anchor_joins", "progressive_exact_joins", "progressive_fallbacks", "anchor_num_drafts", "anchor_num_draft_tokens", "anchor_num_accepted_tokens", "kv_stream_layers_put", "kv_stream_fallbacks", "kv_stream_put_failures", "prompt_tokens_computed", "busy_seconds", "decode_steps", "decode_step_seconds", "local_prefill_requests", "local_prefill_tokens", "draining", "store_degraded", "store_degraded_reason", "store_errors", "kv_recomputed_requests", "migrations", "migration_bytes", "resumed_tokens_computed")
     class KvStoreReadsByTransportEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +196,13 @@ class WorkerStats(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class StoreErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MigrationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +250,9 @@ class WorkerStats(_message.Message):
     STORE_DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
     STORE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     role: Role
     model_id: str
     num_running: int
@@ -278,7 +294,10 @@ class WorkerStats(_message.Message):
     store_degraded_reason: str
     store_errors: _containers.ScalarMap[str, int]
     kv_recomputed_requests: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., progressive_requests: _Optional[int] = ..., progressive_anchor_joins: _Optional[int] = ..., progressive_exact_joins: _Optional[int] = ..., progressive_fallbacks: _Optional[int] = ..., anchor_num_drafts: _Optional[int] = ..., anchor_num_draft_tokens: _Optional[int] = ..., anchor_num_accepted_tokens: _Optional[int] = ..., kv_stream_layers_put: _Optional[int] = ..., kv_stream_fallbacks: _Optional[int] = ..., kv_stream_put_failures: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., decode_steps: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., local_prefill_requests: _Optional[int] = ..., local_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., store_degraded: _Optional[bool] = ..., store_degraded_reason: _Optional[str] = ..., store_errors: _Optional[_Mapping[str, int]] = ..., kv_recomputed_requests: _Optional[int] = ...) -> None: ...
+    migrations: _containers.ScalarMap[str, int]
+    migration_bytes: int
+    resumed_tokens_computed: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries_tokens: _Optional[int] = ..., prefix_cache_hits_tokens: _Optional[int] = ..., kv_blocks_put: _Optional[int] = ..., kv_blocks_fetched: _Optional[int] = ..., kv_blocks_local_hits: _Optional[int] = ..., requests_finished: _Optional[int] = ..., role_switches: _Optional[int] = ..., weight_loads: _Optional[int] = ..., kv_blocks_from_store: _Optional[int] = ..., kv_store_reads_by_transport: _Optional[_Mapping[str, int]] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., progressive_requests: _Optional[int] = ..., progressive_anchor_joins: _Optional[int] = ..., progressive_exact_joins: _Optional[int] = ..., progressive_fallbacks: _Optional[int] = ..., anchor_num_drafts: _Optional[int] = ..., anchor_num_draft_tokens: _Optional[int] = ..., anchor_num_accepted_tokens: _Optional[int] = ..., kv_stream_layers_put: _Optional[int] = ..., kv_stream_fallbacks: _Optional[int] = ..., kv_stream_put_failures: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., decode_steps: _Optional[int] = ..., decode_step_seconds: _Optional[float] = ..., local_prefill_requests: _Optional[int] = ..., local_prefill_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., store_degraded: _Optional[bool] = ..., store_degraded_reason: _Optional[str] = ..., store_errors: _Optional[_Mapping[str, int]] = ..., kv_recomputed_requests: _Optional[int] = ..., migrations: _Optional[_Mapping[str, int]] = ..., migration_bytes: _Optional[int] = ..., resumed_tokens_computed: _Optional[int] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ()

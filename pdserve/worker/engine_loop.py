@@ -157,6 +157,14 @@ class EngineLoop:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def take_stream(self, request_id: str) -> RequestStream | None:
+        """Unregister a stream and return it (None: none open), so that its reader gets nothing
+        more from the engine, only what the caller puts in it."""
+        return self._streams.pop(request_id, None)
+
     @property
     def num_streams(self) -> int:
         return len(self._streams)

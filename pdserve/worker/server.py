@@ -18,6 +18,7 @@ import sys
 
 from pdserve import rpc
 from pdserve.core.identity import WORKER
+from pdserve.worker.decode.migrate import SHUTDOWN, Migrator
 from pdserve.worker.decode.publish import PromptPublisher
 from pdserve.worker.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -165,8 +166,8 @@ def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
     publisher = PromptPublisher(loop, store, model_id)
     service = WorkerService(loop, PrefillRole(loop, store, model_id, sender=sender),
                             DecodeRole(loop, store, stream_wait_s=cfg.progressive_wait_ms / 1000,
-                                       publisher=publisher),
-                            role, model_id)
+                                       publisher=publisher, model_id=model_id),
+                            role, model_id, migrator=Migrator(loop, store, model_id))
     server = rpc.make_server(cfg.rpc_threads, maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
     rpc.add_servicer(server, pb_grpc.add_WorkerServicer_to_server, service, rpc.Guard(WORKER))
     health = rpc.add_health_and_reflection(server, ["pdserve.v1.Worker"])
@@ -191,7 +192,10 @@ def run(cfg: WorkerConfig, health_address: str | None = None) -> int:
         server, health, cfg.address,
         lambda where: f"pdserve.worker ready on {where} role={cfg.role} model={model_id}"
                       f" device={engine.cfg.device}"
-                      f"{metrics_note}", WORKER, health_address=health_address)
+                      f"{metrics_note}", WORKER, health_address=health_address,
+        # Stopped (SIGTERM: a scale-down, a rollout): the decodes running here move on with
+        # their KV before the server stops.
+        on_stop=lambda: service.move_running(SHUTDOWN))
     if registrar is not None:
         registrar.stop()
     if metrics_server is not None:

@@ -3,10 +3,13 @@
 cache's changes, for KV-aware routing).
 
 Owns request admission per role and the role switch: both roles are built once over the same
-engine, so switching is a flag flip after in-flight requests drain, never a weight reload.
+engine, so switching is a flag flip after in-flight requests drain, never a weight reload; a
+decode worker's drain may move its running requests to other decode workers with their KV
+instead (`SetRole.migrate`, `decode/migrate.py`), as its SIGTERM does (`move_running`).
 A decode request may ask to be prefilled here (`prefill_locally`): the decode role computes
 its prompt in its own batches instead of reading KV from the store, and, for a request resumed
-after another decode worker died (`resume_token_ids`), the tokens it had already emitted.
+after another decode worker moved it or died (`resume_token_ids`), the tokens it had already
+emitted, from the blocks of them the store holds where it can.
 Maps engine errors to gRPC statuses (invalid argument, resource exhausted, failed precondition),
 and the worker's own failures to statuses that say what happened, never an empty INTERNAL: an
 engine too busy to take a request (`EngineBusy`) or a store that failed a call the request could
@@ -24,6 +27,7 @@ from typing import Iterator
 
 import grpc
 
+from pdserve.worker.decode.migrate import DRAIN, Migrator
 from pdserve.worker.decode.role import DecodeChunk, DecodeRole
 from pdserve.logctx import request_context
 from pdserve.engine.block_pool import REMOVED, STORED
@@ -77,8 +81,9 @@ def _status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
 
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, loop: EngineLoop, prefill: PrefillRole, decode: DecodeRole, role: int,
-                 model_id: str) -> None:
+                 model_id: str, migrator: Migrator | None = None) -> None:
         self.loop = loop
+        self.migrator = migrator  # moves running decodes off this worker with their KV
         self.prefill_role = prefill
         self.decode_role = decode
         self.role = role
@@ -151,6 +156,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             for c in self._decode_chunks(request, context):
                 yield pb.DecodeResponse(
                     token_ids=c.token_ids, finish_reason=finish_to_proto(c.finish_reason),
+                    moved=c.moved,
                     logprobs=[logprobs_to_proto(lp) for lp in c.logprobs or ()],
                     made_unix_s=c.made_s,
                     prompt_logprobs=[logprobs_to_proto(lp) for lp in c.prompt_logprobs or ()])
@@ -222,6 +228,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                 return pb.SetRoleResponse(previous_role=previous, role=previous)
             self._accepting = False
             drained = self._inflight
+        moved = 0
+        if request.drain and request.migrate and previous == pb.ROLE_DECODE:
+            moved = len(self.move_running(DRAIN))
+        with self._cond:
             if request.drain:
                 timeout = request.drain_timeout_s or 60.0
                 if not self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout):
@@ -235,7 +245,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         log.info("role switched from %s to %s", role_from_proto(previous),
                  role_from_proto(request.role))
         return pb.SetRoleResponse(previous_role=previous, role=request.role,
-                                  drained_requests=drained)
+                                  drained_requests=drained, moved_requests=moved)
+
+    def move_running(self, reason: str) -> list:
+        """Move every decode running here to other decode workers with its KV (none without a
+        migrator, or in the prefill role)."""
+        if self.migrator is None or self.role != pb.ROLE_DECODE:
+            return []
+        return self.migrator.move(self.migrator.movable(), reason)
 
     def metrics_snapshot(self) -> dict:
         """Engine and role counters, one read for both GetStats and the Prometheus collector
@@ -271,6 +288,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                  reads_by_transport=dict(getattr(self.decode_role.store, "reads_by_transport",
                                                  {})),
                  kv_recomputed_requests=d.kv_recomputed_requests,
+                 **(self.migrator.stats() if self.migrator is not None else
+                    {"migrations": {}, "migration_bytes": 0}),
                  **self._store_health())
         return s
 
@@ -304,7 +323,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             **{k: s.get(k, 0) for k in _PROGRESSIVE_STATS},
             **{k: s[k] for k in _CONTROLLER_STATS},
             store_degraded=s["store_degraded"], store_degraded_reason=s["store_degraded_reason"],
-            store_errors=s["store_errors"], kv_recomputed_requests=s["kv_recomputed_requests"])
+            store_errors=s["store_errors"], kv_recomputed_requests=s["kv_recomputed_requests"],
+            migrations=s["migrations"], migration_bytes=s["migration_bytes"],
+            resumed_tokens_computed=self.decode_role.resumed_tokens_computed)
 
     @property
     def draining(self) -> bool:

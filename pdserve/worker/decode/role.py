@@ -25,11 +25,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from pdserve.worker.decode.migrate import SequenceMoved
 from pdserve.worker.decode.progressive import ResidualWaiter, StreamReader
 from pdserve.worker.decode.publish import PromptPublisher
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.worker.engine_loop import EngineLoop, RequestStream
-from pdserve.worker.kv_blocks import fetch_run
+from pdserve.worker.kv_blocks import fetch_run, reusable_prefix
 from pdserve.worker.kv_stream import StreamHandle
 
 log = logging.getLogger(__name__)
@@ -42,18 +43,22 @@ class DecodeChunk:
     logprobs: list[TokenLogprobs] | None = None  # parallel to token_ids, when asked for
     made_s: float = 0.0  # wall clock when the step that made the first of token_ids ended
     prompt_logprobs: list[TokenLogprobs] | None = None  # first chunk, when asked for
+    moved: bool = False  # the request moved off this worker with its KV (`migrate.py`): last
 
 
 class DecodeRole:
     def __init__(self, loop: EngineLoop, store, poll_s: float = 0.05,
-                 stream_wait_s: float = 30.0, publisher: PromptPublisher | None = None) -> None:
+                 stream_wait_s: float = 30.0, publisher: PromptPublisher | None = None,
+                 model_id: str = "") -> None:
         self.loop = loop
         self.store = store
+        self.model_id = model_id  # the store keys' model: resumed requests' blocks are fetched
         self.publisher = publisher  # puts the prompts prefilled here to the store
         self.poll_s = poll_s
         self.reader = StreamReader(store, loop.engine, stream_wait_s)
         self.blocks_fetched = 0
         self.blocks_local = 0
+        self.resumed_tokens_computed = 0  # prompt and resumed tokens a resumed request computed
         self.progressive_requests = 0
         self.progressive_anchor_joins = 0
         self.progressive_exact_joins = 0
@@ -170,8 +175,13 @@ class DecodeRole:
         tokens the request already emitted elsewhere; computed after the prompt, not sent."""
         engine = self.loop.engine
         resume_ids = resume_ids or []
+        # Resumed (its worker moved it here, or died): the full blocks of its prompt and the
+        # tokens it emitted that the store holds are fetched, so only the rest is computed.
+        moved_in = self._fetch_resumed(prompt_ids + resume_ids, salt) if resume_ids else []
 
         def add():
+            if moved_in:
+                engine.import_cached_blocks(moved_in)
             out = self.loop.open_stream(request_id)
             try:
                 engine.add_request(request_id, prompt_ids, params, salt=salt,
@@ -191,6 +201,22 @@ class DecodeRole:
                    if self.publisher is not None else None)
         yield from self._relay(request_id, out_stream, is_active, publish)
 
+    def _fetch_resumed(self, ids: list[int], salt: str) -> list:
+        """The leading full blocks of `ids` the store holds and this pool lacks, read."""
+        if self.store is None or not self.model_id:
+            return []
+        engine = self.loop.engine
+        hashes, keys = reusable_prefix(engine, self.model_id, ids, salt)
+        n_local = self.loop.call(lambda: engine.cached_prefix_blocks(hashes))
+        blocks = fetch_run(self.store, engine, hashes[n_local:], keys[n_local:])
+        with self._lock:
+            self.blocks_local += n_local
+            self.blocks_fetched += len(blocks)
+            # What is left to compute before its next token: the last, partial block where the
+            # store had the rest; from the first block it lacked otherwise.
+            self.resumed_tokens_computed += len(ids) - (n_local + len(blocks)) * engine.block_size
+        return blocks
+
     def _relay(self, request_id: str, out_stream: RequestStream, is_active: Callable[[], bool],
                on_first: Callable[[], None] | None = None) -> Iterator[DecodeChunk]:
         """The request's step outputs as chunks until it finishes (the steps queued while this
@@ -205,7 +231,11 @@ class DecodeRole:
                         self._drop(request_id)
                         return
                     continue
-                chunk, finished, pending = _coalesce(item, out_stream)
+                try:
+                    chunk, finished, pending = _coalesce(item, out_stream)
+                except SequenceMoved:
+                    yield DecodeChunk([], None, moved=True)
+                    return
                 if on_first is not None and chunk.token_ids:
                     on_first()
                     on_first = None
@@ -213,6 +243,9 @@ class DecodeRole:
                 if finished:
                     return
                 if pending is not None:
+                    if isinstance(pending.error, SequenceMoved):
+                        yield DecodeChunk([], None, moved=True)
+                        return
                     raise pending.error
         except GeneratorExit:
             self._drop(request_id)
