@@ -3,8 +3,9 @@
 Owns the I/O of one flip, in this order:
 1. the routers stop assigning to the worker (membership DRAINING, where the cluster's membership
    lives: the table every router follows, or the one router);
-2. `SetRole(drain=True)` on the worker: requests in flight finish first, new ones are refused
-   (and re-routed by the router);
+2. `SetRole(drain=True, migrate=True)` on the worker: a decode worker's running requests move
+   to other decode workers with their KV, a prefill worker's finish first; new ones are
+   refused (and re-routed by the router);
 3. `GetStats` must show the new role and `role_switches` up by exactly one;
 4. the routers admit the worker in its new pool (membership ACTIVE in the new role).
 A router that has not yet seen the drain may still send the worker a request: the draining
@@ -47,6 +48,7 @@ class FlipOutcome:
     seconds: float  # drain + switch
     error: str = ""
     drained_requests: int = 0
+    moved_requests: int = 0  # of those, decodes moved to other decode workers with their KV
 
 
 # Moves a worker in the cluster's membership: (address, state, role or None, reason).
@@ -90,8 +92,11 @@ class Flipper:
                 self.move(address, ACTIVE, to_role, "already in that role")
                 return FlipOutcome(address, from_role, to_role, True, 0.0)
             self.move(address, DRAINING, None, f"switching to {to_role}: {reason}")
+            # A decode worker's running requests move on with their KV (the policy keeps
+            # min_per_role decode workers to take them), rather than holding the flip.
             resp = worker.SetRole(wpb.SetRoleRequest(role=role_to_proto(to_role), drain=True,
-                                                     drain_timeout_s=drain_timeout_s),
+                                                     drain_timeout_s=drain_timeout_s,
+                                                     migrate=True),
                                   timeout=drain_timeout_s + self.rpc_timeout_s)
             after = worker.GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
             if after.role != role_to_proto(to_role) or after.role_switches != before.role_switches + 1:
@@ -100,10 +105,12 @@ class Flipper:
                                   f"{after.role_switches - before.role_switches} switches")
             self.move(address, ACTIVE, to_role, f"switched to {to_role}")
             seconds = time.monotonic() - start
-            log.info("flipped %s %s -> %s in %.2fs (%d drained): %s", address, from_role,
-                     to_role, seconds, resp.drained_requests, reason)
+            log.info("flipped %s %s -> %s in %.2fs (%d drained, %d of them moved): %s",
+                     address, from_role, to_role, seconds, resp.drained_requests,
+                     resp.moved_requests, reason)
             return FlipOutcome(address, from_role, to_role, True, seconds,
-                               drained_requests=resp.drained_requests)
+                               drained_requests=resp.drained_requests,
+                               moved_requests=resp.moved_requests)
         except (grpc.RpcError, _Unverified) as e:
             error = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError)
                      else str(e))

@@ -4,7 +4,7 @@ Owns, per worker, the stream (opened on the first request, replaced once it brok
 worker's stub changed), its sender queue and its reader thread, which hands each event of a
 message to the request it names. A request sees a `MuxCall`, which behaves as the gRPC response
 stream of a Decode call does for the router's relay: iterating it gives DecodeResponse chunks
-and ends after the one with a finish reason; a request's error status, the stream breaking
+and ends after the one with a finish reason (or the one saying the request moved); a request's error status, the stream breaking
 (every request on it gets UNAVAILABLE, naming the stream's own status), its deadline passing
 (DEADLINE_EXCEEDED, and the request is cancelled on the worker) or a `cancel()` (CANCELLED)
 raise a `grpc.RpcError` with the status Decode would have ended with. So one engine step's
@@ -110,7 +110,7 @@ class MuxCall:
         if not item.HasField("chunk"):  # the worker's chunks stopped without a finish reason
             self._ended = True
             raise StopIteration
-        if item.chunk.finish_reason:
+        if item.chunk.finish_reason or item.chunk.moved:
             self._ended = True
             return item.chunk
         return self._join_queued(item.chunk)
@@ -126,7 +126,7 @@ class MuxCall:
             except queue.Empty:
                 break
             if item is _CANCEL or isinstance(item, MuxError) or item.status_code \
-                    or not item.HasField("chunk"):
+                    or not item.HasField("chunk") or item.chunk.moved:
                 self._held = item
                 break
             if merged is None:
@@ -196,7 +196,7 @@ class MuxCall:
                 return
             if done:
                 self._end(True)
-                if not item.chunk.finish_reason:  # a stop string
+                if not (item.chunk.finish_reason or item.chunk.moved):  # a stop string
                     self._stop_on_worker()
 
     def _end(self, outcome: bool | BaseException) -> None:
@@ -277,7 +277,7 @@ class _Mux:
             for message in self._stream:
                 for event in message.events:
                     last = (event.status_code != 0 or not event.HasField("chunk")
-                            or event.chunk.finish_reason != 0)
+                            or event.chunk.finish_reason != 0 or event.chunk.moved)
                     with self.lock:
                         call = (self._calls.pop(event.request_id, None) if last
                                 else self._calls.get(event.request_id))

@@ -119,6 +119,7 @@ class Trip:
     # Where a decode relayed on its stream's reader thread sends its messages (the client's own
     # stream, after what `Generate` yields does to each); None: they are yielded.
     emit: Callable[[Any], None] | None = None
+    moved_s: float | None = None  # its decode moved: when its last tokens before went out
 
 
 class Door:
@@ -210,6 +211,9 @@ class Door:
                 gap = (now - trip.last_s) / len(resp.token_ids)
                 for _ in resp.token_ids:
                     m.itl.observe(gap)
+                if trip.moved_s is not None:  # the first tokens after its decode moved
+                    m.migration_stall.observe(now - trip.moved_s)
+                    trip.moved_s = None
             trip.last_s = now
         if resp.finish_reason == _UNSET:
             return

@@ -8,7 +8,9 @@ decode when a stop string appears or the client goes away. A hop that a worker r
 (draining, switched role, queue full, dead) is re-routed to another worker of its pool as
 `retry.RetryPolicy` allows, never once it has streamed tokens; a decode stream that breaks after it
 has (the worker died) is resumed on another decode worker, which recomputes the prompt and every
-token the client got (`DecodeRequest.resume_token_ids`) and streams the rest. A request the
+token the client got (`DecodeRequest.resume_token_ids`) and streams the rest; so, at once and not
+as a failure, is one its worker moved off with its KV (a `moved` message: that worker put the
+blocks to the store, and the next one fetches them). A request the
 controller's offload budgets allow is prefilled on a decode worker instead
 (`DecodeRequest.prefill_locally`), falling back to the normal path if refused; so is one no prefill
 worker can take, and one a decode worker caches all but a short tail of (`local_prefill.py`:
@@ -66,6 +68,7 @@ _UNSET = common_pb2.FINISH_REASON_UNSPECIFIED
 @dataclass
 class _Hop:
     relayed: bool = False  # this hop sent tokens to the client: it can no longer be retried
+    moved: bool = False  # its worker moved the request off with its KV: resume it elsewhere
 
 
 def _call_failure(e: Exception, tracked, role: str, address: str) -> tuple[str, str]:
@@ -354,8 +357,15 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                     call = self._decode_call(address, stub, req, context)
                     with self.workers.calls.tracking(address, call) as tracked:
                         if (yield from self._relay(context, req.request_id, call, text, usage,
-                                                   hop, trip, address)):
+                                                   hop, trip, address)) and not hop.moved:
                             return
+                if hop.moved:  # on with its KV, on another decode worker, at once
+                    dead |= {address}
+                    req = self._moved(req.request_id, req.prompt_token_ids, req.sampling, trip,
+                                      address)
+                    refused.clear()
+                    attempt = 0
+                    continue
                 # The worker's stream ended early: its failure, not the request's.
                 self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
                             "decode stream ended without a finish reason")
@@ -430,6 +440,9 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         try:
             call = self._decode_call(address, self.workers.stub(address), req, context)
             if (yield from self._relay(context, rid, call, text, usage, hop, trip, address)):
+                if hop.moved:  # resumed elsewhere, on with its KV
+                    self._moved(rid, prompt_ids, sampling, trip, address)
+                    return None
                 return True
             self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
                         f"{what}: decode stream ended without a finish reason")
@@ -443,6 +456,16 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 trip.offloaded = False
                 return False
         return None  # RESUME
+
+    def _moved(self, rid: str, prompt_ids, sampling, trip: Trip, address: str
+               ) -> wpb.DecodeRequest:
+        """Its decode worker moved the request off with its KV (a drain, a shutdown, the
+        controller evening out load): not a failure, nothing waited for or counted against its
+        resumes. The request that resumes it elsewhere, where the blocks are fetched."""
+        log.info("decode on %s moved after %d tokens; resuming on another decode worker",
+                 address, len(trip.emitted))
+        trip.moved_s = trip.last_s
+        return self._local_request(rid, prompt_ids, sampling, trip)
 
     def _decode_call(self, address: str, stub, req: wpb.DecodeRequest, context):
         """Start a decode hop: on the worker's shared stream, or a Decode call of its own."""
@@ -491,6 +514,9 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         the relay is done (a finish reason or a stop string). Every token relayed is added to
         `trip.emitted`; the first one tells the other choices of a request where this one
         decodes."""
+        if chunk.moved:  # the last message of a request its worker moved: nothing to send
+            hop.moved = True
+            return None, True
         if trip.lead is not None:
             trip.lead.publish(address)
         if chunk.made_unix_s > 0:
