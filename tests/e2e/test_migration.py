@@ -66,9 +66,12 @@ def baseline(cluster):
 class Stream(threading.Thread):
     """One streaming Generate on its own thread; `ids` grow as tokens arrive."""
 
-    def __init__(self, router: str, i: int) -> None:
+    def __init__(self, router: str, i: int, prompt: list[int] | None = None,
+                 sampling: dict | None = None) -> None:
         super().__init__(daemon=True)
         self.router, self.i = router, i
+        self.prompt = PROMPTS[i] if prompt is None else prompt
+        self.sampling = SAMPLING[i] if sampling is None else sampling
         self.ids: list[int] = []
         self.text = ""
         self.finish = None
@@ -76,8 +79,8 @@ class Stream(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        req = api_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**SAMPLING[self.i]))
-        req.token_ids.ids.extend(PROMPTS[self.i])
+        req = api_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**self.sampling))
+        req.token_ids.ids.extend(self.prompt)
         try:
             with rpc.make_channel(self.router, rpc.PUBLIC) as ch:
                 for r in api_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300):
