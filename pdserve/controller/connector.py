@@ -51,9 +51,10 @@ class Connector(Protocol):
 
 @runtime_checkable
 class OperatorFlips(Protocol):
-    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
-             ) -> FlipOutcome:
-        """A flip carried out before returning (an operator's); FlipBusy if one is under way."""
+    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str,
+             migrate: bool = True) -> FlipOutcome:
+        """A flip carried out before returning (an operator's); FlipBusy if one is under way.
+        `migrate`: a decode worker's running requests move to the other decode workers."""
 
 
 class LiveConnector:
@@ -78,9 +79,9 @@ class LiveConnector:
         self.routers.each(lambda r: r.SetOffloadBudgets(request, timeout=self.rpc_timeout_s),
                           routers)
 
-    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str
-             ) -> FlipOutcome:
-        return self.flipper.flip(address, to_role, drain_timeout_s, reason)
+    def flip(self, address: str, to_role: str, drain_timeout_s: float, reason: str,
+             migrate: bool = True) -> FlipOutcome:
+        return self.flipper.flip(address, to_role, drain_timeout_s, reason, migrate)
 
     def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
                    done: Done) -> None:

@@ -76,8 +76,10 @@ class Flipper:
         return wpb_grpc.WorkerStub(ch)
 
     def flip(self, address: str, to_role: str, drain_timeout_s: float,
-             reason: str = "") -> FlipOutcome:
-        """Carry out one flip (blocking: drain time included). FlipBusy if one is under way."""
+             reason: str = "", migrate: bool = True) -> FlipOutcome:
+        """Carry out one flip (blocking: drain time included). FlipBusy if one is under way.
+        `migrate`: a decode worker's running requests move to other decode workers (the caller
+        knows one is left to take them), rather than finishing in place."""
         with self._lock:
             if address in self._busy:
                 raise FlipBusy(f"{address} is already switching")
@@ -92,11 +94,9 @@ class Flipper:
                 self.move(address, ACTIVE, to_role, "already in that role")
                 return FlipOutcome(address, from_role, to_role, True, 0.0)
             self.move(address, DRAINING, None, f"switching to {to_role}: {reason}")
-            # A decode worker's running requests move on with their KV (the policy keeps
-            # min_per_role decode workers to take them), rather than holding the flip.
             resp = worker.SetRole(wpb.SetRoleRequest(role=role_to_proto(to_role), drain=True,
                                                      drain_timeout_s=drain_timeout_s,
-                                                     migrate=True),
+                                                     migrate=migrate),
                                   timeout=drain_timeout_s + self.rpc_timeout_s)
             after = worker.GetStats(wpb.GetStatsRequest(), timeout=self.rpc_timeout_s)
             if after.role != role_to_proto(to_role) or after.role_switches != before.role_switches + 1:

@@ -210,12 +210,14 @@ class Controller:
 
     # ---- flips ------------------------------------------------------------------------------
     def _flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
-              by: str = AUTOMATIC) -> FlipOutcome:
+              by: str = AUTOMATIC, migrate: bool = True) -> FlipOutcome:
         """An operator's flip, carried out before returning (a cluster with operators: the
-        live one's connector; the simulated cluster's flips are the policy's only)."""
+        live one's connector; the simulated cluster's flips are the policy's only).
+        `migrate` False: no decode worker is left to take a decode worker's running requests,
+        so they finish in place."""
         if not isinstance(self.connector, OperatorFlips):
             raise TypeError(f"{type(self.connector).__name__} carries out no operator flips")
-        out = self.connector.flip(address, to_role, drain_timeout_s, reason)
+        out = self.connector.flip(address, to_role, drain_timeout_s, reason, migrate)
         self.flipped(out, reason, by)
         return out
 
@@ -266,7 +268,8 @@ class Controller:
             # A manual flip is the operator's split from now on, until released.
             self.target = (counts[PREFILL], counts[DECODE])
         return self._flip(address, role, "operator set-role",
-                          drain_timeout_s or self.cfg.drain_timeout_s, by)
+                          drain_timeout_s or self.cfg.drain_timeout_s, by,
+                          migrate=counts[DECODE] > 0)
 
     def rebalance(self, prefill: int, decode: int, dry_run: bool, drain_timeout_s: float = 0.0,
                   by: str = "") -> tuple[tuple, list[FlipOutcome]]:
@@ -279,7 +282,8 @@ class Controller:
         self.audit.write({"event": "rebalance", "t": time.time(), "prefill": prefill,
                           "decode": decode, "plan": [asdict(f) for f in plan], "by": by})
         results = [self._flip(f.address, f.to_role, f"operator rebalance to {prefill}:{decode}",
-                              drain_timeout_s or self.cfg.drain_timeout_s, by) for f in plan]
+                              drain_timeout_s or self.cfg.drain_timeout_s, by,
+                              migrate=decode > 0) for f in plan]
         return plan, results
 
     def release(self, by: str = "") -> bool:
