@@ -4,7 +4,8 @@ Owns, per worker, the stream (opened on the first request, replaced once it brok
 worker's stub changed), its sender queue and its reader thread, which hands each event of a
 message to the request it names. A request sees a `MuxCall`, which behaves as the gRPC response
 stream of a Decode call does for the router's relay: iterating it gives DecodeResponse chunks
-and ends after the one with a finish reason (or the one saying the request moved); a request's error status, the stream breaking
+and ends after the one with a finish reason (or the one saying the request moved); a request's
+error status, the stream breaking
 (every request on it gets UNAVAILABLE, naming the stream's own status), its deadline passing
 (DEADLINE_EXCEEDED, and the request is cancelled on the worker) or a `cancel()` (CANCELLED)
 raise a `grpc.RpcError` with the status Decode would have ended with. So one engine step's

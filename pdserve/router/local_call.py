@@ -229,17 +229,22 @@ class _Inbox:
         self._lock = threading.Lock()
         self._items: collections.deque = collections.deque()  # (call, item); bounded by theirs
         self._wake_due = False
+        self._closed = False  # the loop closed (the HTTP server stopped): nobody reads
 
     def put(self, call: LocalCall, item) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._items.append((call, item))
             if self._wake_due:
                 return  # the wake-up already scheduled takes it too
             self._wake_due = True
         try:
             self._loop.call_soon_threadsafe(self.take)
-        except RuntimeError:  # the loop closed (the HTTP server stopped): nobody reads
-            pass
+        except RuntimeError:
+            with self._lock:
+                self._closed = True
+                self._items.clear()
 
     def take(self) -> None:
         """On the loop: each item to its call's queue."""

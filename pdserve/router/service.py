@@ -361,8 +361,9 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                             return
                 if hop.moved:  # on with its KV, on another decode worker, at once
                     dead |= {address}
-                    req = self._moved(req.request_id, req.prompt_token_ids, req.sampling, trip,
-                                      address)
+                    self._moved(trip, address)
+                    req = self._local_request(req.request_id, req.prompt_token_ids, req.sampling,
+                                              trip)
                     refused.clear()
                     attempt = 0
                     continue
@@ -441,7 +442,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
             call = self._decode_call(address, self.workers.stub(address), req, context)
             if (yield from self._relay(context, rid, call, text, usage, hop, trip, address)):
                 if hop.moved:  # resumed elsewhere, on with its KV
-                    self._moved(rid, prompt_ids, sampling, trip, address)
+                    self._moved(trip, address)
                     return None
                 return True
             self._abort(context, trip, grpc.StatusCode.UNAVAILABLE,
@@ -457,15 +458,15 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 return False
         return None  # RESUME
 
-    def _moved(self, rid: str, prompt_ids, sampling, trip: Trip, address: str
-               ) -> wpb.DecodeRequest:
-        """Its decode worker moved the request off with its KV (a drain, a shutdown, the
-        controller evening out load): not a failure, nothing waited for or counted against its
-        resumes. The request that resumes it elsewhere, where the blocks are fetched."""
+    @staticmethod
+    def _moved(trip: Trip, address: str) -> None:
+        """Its decode worker moved the request off with its KV (a drain, a shutdown): not a
+        failure, nothing waited for or counted against its resumes; the caller resumes it
+        elsewhere (`_local_request`), where the blocks are fetched. Its stall is timed from
+        its last tokens."""
         log.info("decode on %s moved after %d tokens; resuming on another decode worker",
                  address, len(trip.emitted))
         trip.moved_s = trip.last_s
-        return self._local_request(rid, prompt_ids, sampling, trip)
 
     def _decode_call(self, address: str, stub, req: wpb.DecodeRequest, context):
         """Start a decode hop: on the worker's shared stream, or a Decode call of its own."""

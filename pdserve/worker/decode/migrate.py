@@ -90,9 +90,9 @@ class Migrator:
             out = []
             for rid, n in copied.items():
                 seq = engine.seqs.get(rid)
-                stream = self.loop.take_stream(rid)
-                if seq is None or stream is None:
-                    continue  # it finished meanwhile: nothing to move
+                stream = None if seq is None else self.loop.take_stream(rid)
+                if stream is None:
+                    continue  # it finished or its client left meanwhile: nothing to move
                 tokens = list(seq.token_ids)
                 hashes, keys = reusable_prefix(engine, self.model_id, tokens, seq.salt)
                 rest = engine.read_cached_blocks(hashes[n:])

@@ -231,11 +231,7 @@ class DecodeRole:
                         self._drop(request_id)
                         return
                     continue
-                try:
-                    chunk, finished, pending = _coalesce(item, out_stream)
-                except SequenceMoved:
-                    yield DecodeChunk([], None, moved=True)
-                    return
+                chunk, finished, pending = _coalesce(item, out_stream)
                 if on_first is not None and chunk.token_ids:
                     on_first()
                     on_first = None
@@ -243,10 +239,9 @@ class DecodeRole:
                 if finished:
                     return
                 if pending is not None:
-                    if isinstance(pending.error, SequenceMoved):
-                        yield DecodeChunk([], None, moved=True)
-                        return
                     raise pending.error
+        except SequenceMoved:  # after every token made here (`migrate.py`)
+            yield DecodeChunk([], None, moved=True)
         except GeneratorExit:
             self._drop(request_id)
             raise
