@@ -40,6 +40,9 @@ class ControllerConfig:
     # The two mechanisms (FluidRole flips whole workers; FluidToken offloads prefill work).
     fluid_role: bool = True
     fluid_token: bool = True
+    # Running decodes move with their KV: off a decode worker that flips, and off the most
+    # loaded decode worker when its step time threatens the ITL SLO. Off: they finish in place.
+    migrate: bool = True
     max_flips_per_tick: int = 1
     cooldown_s: float = 30.0
     min_per_role: int = 1

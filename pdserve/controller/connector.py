@@ -2,8 +2,8 @@
 and the workers (the simulator has its own connector, `sim/control.py`).
 
 Owns `Connector`, what `service.Controller`'s tick asks of a cluster (its signals; which
-workers are switching; the offload budgets set; a flip started in the background, its outcome
-handed back; a worker whose flip failed re-admitted); `OperatorFlips`, what an operator's flip
+workers are switching; the offload budgets set; a flip or a migration of running decodes
+started in the background, its outcome handed back; a worker whose flip failed re-admitted); `OperatorFlips`, what an operator's flip
 needs besides (a flip carried out before returning: the live cluster's, which has operators);
 and `LiveConnector`, which does both with `routers.Routers` (every router of the cluster: their
 signals as one, a share of the budgets to each, moves where the membership lives) and a
@@ -19,12 +19,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from pdserve.controller.flip import Flipper, FlipOutcome
+from pdserve.controller.flip import Flipper, FlipOutcome, MigrateOutcome
 from pdserve.controller.routers import Routers, merge_signals, share_budgets
 from pdserve.proto import router_pb2 as rpb
 
 # The flip's outcome and the reason it was started, handed back to the controller.
 Done = Callable[[FlipOutcome, str], None]
+Migrated = Callable[[MigrateOutcome], None]
+# Longest a migration call may take: pre-copy of every moved sequence's blocks, then the stop.
+MIGRATE_TIMEOUT_S = 30.0
 
 
 class Connector(Protocol):
@@ -38,9 +41,14 @@ class Connector(Protocol):
         """The offload budgets (`policy.Budget`s) the router applies from now on."""
 
     def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
-                   done: Done) -> None:
+                   done: Done, migrate: bool = True) -> None:
         """Begin a flip; `done(outcome, reason)` once it ended (or never: not started, e.g.
-        the worker is no longer where the decision saw it)."""
+        the worker is no longer where the decision saw it). `migrate`: a decode worker's
+        running requests move to the other decode workers with their KV."""
+
+    def migrate(self, address: str, count: int, reason: str, done: Migrated) -> None:
+        """Begin moving `count` running decodes off a decode worker, keeping its role;
+        `done(outcome)` once they moved (or never: not started)."""
 
     def readmit(self, address: str, reason: str) -> str | None:
         """A worker whose flip failed back into the pool of its role; that role, or None."""
@@ -84,16 +92,25 @@ class LiveConnector:
         return self.flipper.flip(address, to_role, drain_timeout_s, reason, migrate)
 
     def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
-                   done: Done) -> None:
+                   done: Done, migrate: bool = True) -> None:
         """On a thread of its own (a drain may take seconds)."""
+        self._background(f"flip-{address}", lambda: done(
+            self.flip(address, to_role, drain_timeout_s, reason, migrate), reason))
+
+    def migrate(self, address: str, count: int, reason: str, done: Migrated) -> None:
+        """On a thread of its own (a pre-copy may take seconds)."""
+        self._background(f"migrate-{address}", lambda: done(
+            self.flipper.migrate(address, count, reason, MIGRATE_TIMEOUT_S)))
+
+    def _background(self, name: str, work: Callable[[], None]) -> None:
         def run() -> None:
             try:
-                done(self.flip(address, to_role, drain_timeout_s, reason), reason)
+                work()
             finally:
                 with self._lock:
                     self._threads.discard(threading.current_thread())
 
-        t = threading.Thread(target=run, name=f"flip-{address}", daemon=True)
+        t = threading.Thread(target=run, name=name, daemon=True)
         with self._lock:
             self._threads.add(t)
         t.start()

@@ -51,6 +51,17 @@ class FlipOutcome:
     moved_requests: int = 0  # of those, decodes moved to other decode workers with their KV
 
 
+@dataclass(frozen=True)
+class MigrateOutcome:
+    """Running decodes moved off a decode worker, keeping its role (the controller's balance)."""
+
+    address: str
+    requested: int
+    moved: int  # streams ended there with their KV in the store; the router resumed each
+    seconds: float
+    error: str = ""
+
+
 # Moves a worker in the cluster's membership: (address, state, role or None, reason).
 Move = Callable[[str, str, "str | None", str], None]
 
@@ -125,6 +136,21 @@ class Flipper:
         finally:
             with self._lock:
                 self._busy.pop(address, None)
+
+    def migrate(self, address: str, count: int, reason: str, timeout_s: float
+                ) -> MigrateOutcome:
+        """Move `count` running decodes off `address` (blocking: pre-copy and stop included);
+        a failed call moves nothing the router does not resume, and is reported, not raised."""
+        start = time.monotonic()
+        try:
+            resp = self._worker(address).Migrate(wpb.MigrateRequest(count=count, reason=reason),
+                                                 timeout=timeout_s)
+            return MigrateOutcome(address, count, resp.moved_requests,
+                                  time.monotonic() - start)
+        except grpc.RpcError as e:
+            log.warning("migration off %s failed: %s: %s", address, e.code().name, e.details())
+            return MigrateOutcome(address, count, 0, time.monotonic() - start,
+                                  f"{e.code().name}: {e.details()}")
 
     def readmit(self, address: str, reason: str) -> str | None:
         """A FAILED worker back into the pool of the role it reports; its role name, or None

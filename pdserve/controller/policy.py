@@ -132,6 +132,16 @@ class OffloadBudget:
 
 
 @dataclass(frozen=True)
+class Migration:
+    """Running decodes to move off one decode worker, with their KV, to the others (the router
+    places each on the decode worker its policy picks, never back on this one)."""
+
+    address: str
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Decision:
     """`action`: "flip" / "offload" / "flip+offload" / "hold" under pressure; with a target
     standing, "target" when it flips toward the target (else "offload" or "hold")."""
@@ -142,6 +152,7 @@ class Decision:
     action: str = "hold"
     reason: str = ""  # one line a person understands, with the numbers
     conflicts: tuple[str, ...] = ()  # where the operator's choice and the pressure disagree
+    migrations: tuple[Migration, ...] = ()  # running decodes to move, keeping roles
 
 
 def _other(role: str) -> str:

@@ -25,7 +25,7 @@ import grpc
 from pdserve.controller.audit import AuditLog
 from pdserve.controller.config import ControllerConfig
 from pdserve.controller.connector import Connector, OperatorFlips
-from pdserve.controller.flip import FlipOutcome
+from pdserve.controller.flip import FlipOutcome, MigrateOutcome
 from pdserve.controller.metrics import ControllerMetrics
 from pdserve.controller.policy import (ControllerInput, Decision, PolicyConfig, PolicyState,
                                        decide, plan_rebalance)
@@ -102,6 +102,8 @@ class Controller:
         self.flips: dict[str, FlipRecord] = {}
         self.failed_at: dict[str, float] = {}
         self.flips_total = 0
+        self.migrating: set[str] = set()  # decode workers with a migration under way
+        self.migrations_total = 0  # running decodes the controller moved to even out load
         self.ticks = 0
         self.snapshot = Snapshot()
         self._budgets: tuple = ()
@@ -183,6 +185,8 @@ class Controller:
             self._set_budgets(d.budgets)
             for f in d.flips:
                 self.start_flip(f.address, f.to_role, f.reason)
+            for m in d.migrations if self.cfg.migrate else ():
+                self.start_migration(m.address, m.count, m.reason)
             self._readmit(view, now)
         else:
             self._set_budgets(())
@@ -244,7 +248,22 @@ class Controller:
         """A policy's flip, in the background (a drain may take seconds); `flipped` records it
         when it ends."""
         self.connector.start_flip(address, to_role, reason, self.cfg.drain_timeout_s,
-                                  self.flipped)
+                                  self.flipped, migrate=self.cfg.migrate)
+
+    def start_migration(self, address: str, count: int, reason: str) -> None:
+        """A policy's move of running decodes off a decode worker, in the background."""
+        with self._lock:
+            if address in self.migrating:
+                return  # the last one is still under way: its effect is not in the view yet
+            self.migrating.add(address)
+        self.connector.migrate(address, count, reason, lambda out: self.migrated(out, reason))
+
+    def migrated(self, out: MigrateOutcome, reason: str) -> None:
+        with self._lock:
+            self.migrating.discard(out.address)
+            self.migrations_total += out.moved
+        self.audit.write({"event": "migrate", "t": time.time(), "reason": reason,
+                          **asdict(out)})
 
     # ---- operator actions -------------------------------------------------------------------
     def _workers(self):

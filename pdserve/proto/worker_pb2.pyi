@@ -170,6 +170,22 @@ class SetRoleRequest(_message.Message):
     migrate: bool
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain: _Optional[bool] = ..., drain_timeout_s: _Optional[float] = ..., migrate: _Optional[bool] = ...) -> None: ...
 
+class MigrateRequest(_message.Message):
+    __slots__ = ("count", "reason")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    reason: str
+    def __init__(self, count: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("moved_requests", "copied_requests")
+    MOVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    moved_requests: int
+    copied_requests: int
+    def __init__(self, moved_requests: _Optional[int] = ..., copied_requests: _Optional[int] = ...) -> None: ...
+
 class SetRoleResponse(_message.Message):
     __slots__ = ("previous_role", "role", "drained_requests", "moved_requests")
     PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_worker__pb2.SetRoleResponse.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/pdserve.v1.Worker/Migrate',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.MigrateResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.Worker/GetStats',
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.GetStatsRequest.SerializeToString,
@@ -116,6 +121,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Moves some running decodes to other decode workers with their KV (live migration), keeping
+        the role: the controller evens out decode load with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Load and cache counters for the router and the controller.
         """
@@ -159,6 +172,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=pdserve_dot_proto_dot_worker__pb2.SetRoleRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_worker__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.MigrateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.MigrateResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -307,6 +325,33 @@ class Worker:
             '/pdserve.v1.Worker/SetRole',
             pdserve_dot_proto_dot_worker__pb2.SetRoleRequest.SerializeToString,
             pdserve_dot_proto_dot_worker__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Migrate',
+            pdserve_dot_proto_dot_worker__pb2.MigrateRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

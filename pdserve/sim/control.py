@@ -52,7 +52,7 @@ class SimConnector:
                                          for b in budgets})
 
     def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
-                   done) -> None:
+                   done, migrate: bool = True) -> None:
         self.cluster.begin_flip(address, to_role, drain_timeout_s,
                                 lambda out: done(out, reason))
 

@@ -159,6 +159,7 @@ class _LiveConnector:
         self.servicer = servicer
         self.started: list[tuple] = []
         self.readmitted: list[str] = []
+        self.migrations: list[tuple] = []
 
     def signals(self, window_s):
         return self.servicer.GetSignals(rpb.GetSignalsRequest(window_s=window_s), None)
@@ -171,8 +172,11 @@ class _LiveConnector:
             rpb.OffloadBudget(address=b.address, max_tokens=b.max_tokens,
                               chunk_tokens=b.chunk_tokens) for b in budgets]), None)
 
-    def start_flip(self, address, to_role, reason, drain_timeout_s, done):
+    def start_flip(self, address, to_role, reason, drain_timeout_s, done, migrate=True):
         self.started.append((address, to_role, lambda out: done(out, reason)))
+
+    def migrate(self, address, count, reason, done):
+        self.migrations.append((address, count, done))
 
     def readmit(self, address, reason):
         self.readmitted.append(address)
