@@ -43,6 +43,10 @@ class ControllerConfig:
     # Running decodes move with their KV: off a decode worker that flips, and off the most
     # loaded decode worker when its step time threatens the ITL SLO. Off: they finish in place.
     migrate: bool = True
+    # The decode step's shape for the projected pressure: a shipped step profile's name or a
+    # profile file (`pdserve sim calibrate`), scaled online to the workers' own step times.
+    # "": a line fitted to those step times alone, once they span a few batch sizes.
+    step_profile: str = ""
     max_flips_per_tick: int = 1
     cooldown_s: float = 30.0
     min_per_role: int = 1

@@ -11,6 +11,11 @@ the FluidPD paper's two time scales:
 - An operator target (a manual prefill:decode split) is the source of truth: with one standing,
   pressure moves no worker; the policy steers toward the target and reports where pressure
   disagrees (`Decision.conflicts`) instead of undoing it.
+- Ahead of time (with a step model in the input): decode pressure counts each decode worker's
+  projected step once the requests prefilling now reach it (`projection.py`, through the
+  view), and the flip the hysteresis allows is weighed against doing nothing and against
+  moving running decodes off the most loaded decode worker, by projected SLO attainment
+  (`actions.choose`).
 `plan_rebalance` gives the flips that reach a split outright (the `pdserve ctl` path).
 
 Must not do I/O, read a clock, draw random numbers or import torch, grpc or a service: the
@@ -21,138 +26,17 @@ never adds or removes workers, only names flips; the actuators drain and switch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
-from pdserve.controller.signals import DecodePressure, PrefillPressure, Slo
-# The policy's vocabulary, re-exported: its callers name roles and states through it.
+from pdserve.controller.actions import choose
+# The policy's vocabulary, re-exported: its callers name records, roles and states through it.
+from pdserve.controller.inputs import (STATES, ControllerInput, Decision, Flip,  # noqa: F401
+                                       Migration, OffloadBudget, PolicyConfig, PolicyState,
+                                       WorkerView)
+from pdserve.controller.signals import Slo
 from pdserve.core.roles import (DECODE, DRAINING, FAILED, GONE, PREFILL, ROLES,  # noqa: F401
-                                SERVING, SWITCHING, WORKER_STATES)
-
-STATES = WORKER_STATES
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """What the controller knows of one worker at a tick (counters as last reported)."""
-
-    address: str
-    role: str  # the role it serves now (while DRAINING or SWITCHING for a flip: the one it leaves)
-    state: str = SERVING
-    pinned: bool = False  # the operator fixed its role: no flip moves it
-    last_flip_s: float | None = None  # same clock as `now`
-    running: int = 0
-    waiting: int = 0
-    kv_used_blocks: int = 0
-    kv_total_blocks: int = 0
-    queued_prompt_tokens: float = 0.0  # the router's predicted prefill work in flight on it
-    prefill_tokens_per_s: float | None = None  # measured on this worker
-    decode_step_s: float | None = None  # measured mean decode step time on this worker
-    # The role a flip in progress takes it to, when the actuator knows it (a SWITCHING worker
-    # without it is taken to be bound for the other role). The worker counts toward it, so no
-    # second flip is ordered for the same shortfall.
-    to_role: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES or self.to_role not in (None, *ROLES) or self.state not in STATES:
-            raise ValueError(f"worker {self.address}: role and to_role must be in {ROLES}, state "
-                             f"in {STATES}; got {self.role!r}, {self.to_role!r}, {self.state!r}")
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    fluid_role: bool = True
-    fluid_token: bool = True
-    max_flips_per_tick: int = 1
-    cooldown_s: float = 30.0  # per worker, since its last flip
-    min_per_role: int = 1  # SERVING workers a role keeps after a pressure-driven flip
-    sustain_s: float = 3.0  # a role must stay pressured this long before a flip toward it
-    high: float = 1.0  # pressure ratio above which a role is pressured
-    low: float = 0.5  # the giving role's pressure must be below this
-    offload_itl_share: float = 0.8  # a decode step carrying an offloaded chunk stays under this
-    offload_kv_max: float = 0.7  # no offload to a decode worker whose KV occupancy is above
-    offload_max_tokens: int = 4096  # cap on one worker's offload budget
-    offload_min_chunk_tokens: int = 16  # below this the slack is not worth it: no budget
-
-    def __post_init__(self) -> None:
-        for name, least in (("max_flips_per_tick", 0), ("cooldown_s", 0), ("min_per_role", 0),
-                            ("sustain_s", 0), ("offload_max_tokens", 0),
-                            ("offload_min_chunk_tokens", 1)):
-            if getattr(self, name) < least:
-                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
-        if not 0 <= self.low <= self.high:
-            raise ValueError(f"need 0 <= low <= high, got low={self.low}, high={self.high}")
-        if not (0 < self.offload_itl_share <= 1 and 0 <= self.offload_kv_max <= 1):
-            raise ValueError("offload_itl_share must be in (0, 1] and offload_kv_max in [0, 1], "
-                             f"got {self.offload_itl_share}, {self.offload_kv_max}")
-
-
-@dataclass(frozen=True)
-class PolicyState:
-    """Fed back from `Decision.state` each tick. `<role>_high_since_s`: since when the role's
-    pressure counts toward a flip: when its ratio went above `high` (None at or below it),
-    moved up to any tick that ordered a flip toward the role or saw a flip in flight, so each
-    flip earns its own sustain_s of pressure measured after the previous one landed."""
-
-    prefill_high_since_s: float | None = None
-    decode_high_since_s: float | None = None
-
-
-@dataclass(frozen=True)
-class ControllerInput:
-    workers: tuple[WorkerView, ...]
-    prefill: PrefillPressure
-    decode: DecodePressure
-    slo: Slo
-    state: PolicyState = PolicyState()
-    target: tuple[int, int] | None = None  # the operator's (prefill, decode) split, if one stands
-
-    def __post_init__(self) -> None:
-        if self.target is not None and (len(self.target) != 2 or min(self.target) < 0):
-            raise ValueError(f"target must be (prefill, decode) counts >= 0, got {self.target}")
-
-
-@dataclass(frozen=True)
-class Flip:
-    address: str
-    from_role: str
-    to_role: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class OffloadBudget:
-    """Prefill work one decode worker may take on. A decode step carries at most one chunk of
-    offloaded prefill (several offloaded requests advance in turn), so the ITL bound holds."""
-
-    address: str
-    max_tokens: int  # prompt tokens of offloaded requests it may hold in flight
-    chunk_tokens: int  # prompt tokens one decode step may prefill for an offloaded request
-    step_s: float = 0.0  # predicted decode step carrying one chunk (<= offload_itl_share x ITL)
-
-
-@dataclass(frozen=True)
-class Migration:
-    """Running decodes to move off one decode worker, with their KV, to the others (the router
-    places each on the decode worker its policy picks, never back on this one)."""
-
-    address: str
-    count: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Decision:
-    """`action`: "flip" / "offload" / "flip+offload" / "hold" under pressure; with a target
-    standing, "target" when it flips toward the target (else "offload" or "hold")."""
-
-    state: PolicyState
-    flips: tuple[Flip, ...] = ()
-    budgets: tuple[OffloadBudget, ...] = ()  # empty: offload nothing
-    action: str = "hold"
-    reason: str = ""  # one line a person understands, with the numbers
-    conflicts: tuple[str, ...] = ()  # where the operator's choice and the pressure disagree
-    migrations: tuple[Migration, ...] = ()  # running decodes to move, keeping roles
+                                SERVING, SWITCHING)
 
 
 def _other(role: str) -> str:
@@ -227,18 +111,28 @@ def decide(inp: ControllerInput, now: float, cfg: PolicyConfig = PolicyConfig())
                                           (DECODE, inp.state.decode_high_since_s))}
     state = PolicyState(since[PREFILL], since[DECODE])
     conflicts: tuple[str, ...] = ()
+    migrations: tuple[Migration, ...] = ()
     if inp.target is not None:
         flips, role_reason, conflicts = _toward_target(inp, state, now, cfg, in_flight)
-    elif cfg.fluid_role:
-        flips, role_reason, state = _fluid_role(inp, state, now, cfg, in_flight)
     else:
-        flips, role_reason = (), f"roles fixed (fluid_role off): {_pressures(inp)}"
+        if cfg.fluid_role:
+            before = state
+            flips, role_reason, state = _fluid_role(inp, state, now, cfg, in_flight)
+        else:
+            flips, role_reason = (), f"roles fixed (fluid_role off): {_pressures(inp)}"
+        if not in_flight:
+            chosen, migrations, scores = choose(inp, cfg, flips)
+            if flips and not chosen:  # held: the sustained pressure still counts next tick
+                state, role_reason = before, f"hold instead of {role_reason}"
+            flips = chosen
+            role_reason = "; ".join(r for r in (role_reason, scores) if r)
     leaving = {f.address for f in flips}  # a worker flipped away this tick takes no budget
     budgets, token_reason = _fluid_token(inp, cfg, leaving) if cfg.fluid_token else ((), "")
     action = ("target" if inp.target is not None and flips else
-              "+".join(a for a, on in (("flip", flips), ("offload", budgets)) if on) or "hold")
+              "+".join(a for a, on in (("flip", flips), ("migrate", migrations),
+                                       ("offload", budgets)) if on) or "hold")
     reason = "; ".join(r for r in (role_reason, token_reason, attributed) if r)
-    return Decision(state, flips, budgets, action, reason, conflicts)
+    return Decision(state, flips, budgets, action, reason, conflicts, migrations)
 
 
 def _pressures(inp: ControllerInput) -> str:

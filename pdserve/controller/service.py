@@ -30,7 +30,9 @@ from pdserve.controller.metrics import ControllerMetrics
 from pdserve.controller.policy import (ControllerInput, Decision, PolicyConfig, PolicyState,
                                        decide, plan_rebalance)
 from pdserve.core.roles import DECODE, GONE, PREFILL
+from pdserve.controller.projection import StepModel
 from pdserve.controller.signals import Slo
+from pdserve.core.step_profile import load_profile
 from pdserve.controller.view import ClusterView, Meters, cluster_view
 
 # Who an automatic action's audit line names: the controller's own policy.
@@ -92,7 +94,10 @@ class Controller:
         self.policy_cfg = policy_cfg or PolicyConfig(
             fluid_role=cfg.fluid_role, fluid_token=cfg.fluid_token,
             max_flips_per_tick=cfg.max_flips_per_tick, cooldown_s=cfg.cooldown_s,
-            min_per_role=cfg.min_per_role, sustain_s=cfg.sustain_s)
+            min_per_role=cfg.min_per_role, sustain_s=cfg.sustain_s, balance=cfg.migrate)
+        self.step_prior = (StepModel(f"profile {cfg.step_profile}",
+                                     profile=load_profile(cfg.step_profile))
+                           if cfg.step_profile else None)
         self.metrics = ControllerMetrics()
         self.audit = AuditLog(cfg.audit_log, cfg.audit_max_bytes)
         self.meters = Meters()
@@ -143,7 +148,8 @@ class Controller:
             last = {a: r.at_s for a, r in self.flips.items()}
             view = cluster_view(signals, self.meters, self.slo, pinned=frozenset(self.pinned),
                                 switching=self.connector.switching(), last_flip_s=last,
-                                pressure_window_s=self.cfg.pressure_window_s)
+                                pressure_window_s=self.cfg.pressure_window_s,
+                                step_prior=self.step_prior)
         self.metrics.offloaded_total(signals.offloaded_tokens_total)
         counts: dict[tuple[str, str], int] = {}
         for w in view.workers:
@@ -166,7 +172,7 @@ class Controller:
                 self._set_budgets(())
                 return None
             inp = ControllerInput(view.workers, view.prefill, view.decode, self.slo,
-                                  self.state, target)
+                                  self.state, target, view.step_model)
             start = time.perf_counter()
             d = decide(inp, now, self.policy_cfg)
             self.metrics.tick_seconds.labels("decide").observe(time.perf_counter() - start)

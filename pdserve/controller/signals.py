@@ -55,6 +55,9 @@ class DecodePressure:
     kv_ratio: float  # kv_occupancy / kv_high_water
     itl_ratio: float  # windowed ITL p90 / ITL SLO (0 when no samples)
     waiting_ratio: float  # waiting / max(running, waiting_floor) (0 when none waiting)
+    # The worst decode worker's projected step (once the requests prefilling now arrived) /
+    # ITL SLO (0 without a projection).
+    projected_ratio: float = 0.0
 
 
 def prefill_pressure(queued_tokens: float, tokens_per_s: float | None, slo: Slo,
@@ -85,8 +88,10 @@ def prefill_pressure(queued_tokens: float, tokens_per_s: float | None, slo: Slo,
 
 def decode_pressure(kv_used_blocks: int, kv_total_blocks: int, itl_p90_s: float | None,
                     waiting: int, running: int, slo: Slo,
-                    kv_high_water: float = 0.9, waiting_floor: int = 4) -> DecodePressure:
-    """The decode role's pressure: the worst of KV occupancy, ITL and the admission queue.
+                    kv_high_water: float = 0.9, waiting_floor: int = 4,
+                    projected_step_s: float | None = None) -> DecodePressure:
+    """The decode role's pressure: the worst of KV occupancy, ITL, the admission queue and the
+    projected step.
 
     - KV: occupancy over `kv_high_water`; past the high water a decode worker soon has to
       preempt or refuse, so 1.0 is set there rather than at a full pool.
@@ -96,6 +101,8 @@ def decode_pressure(kv_used_blocks: int, kv_total_blocks: int, itl_p90_s: float 
       batch before its first decode step: TTFT is then set by the decode pool, not the prefill
       pool. The floor keeps a request or two that arrived between two steps of a small batch
       (they wait one step, not a generation) from reading as pressure.
+    - projected: the worst decode worker's step once the requests prefilling now joined it,
+      over the ITL SLO: the ITL a burst of answers will meet, seen before it is measured.
     """
     if not 0 < kv_high_water <= 1:
         raise ValueError(f"kv_high_water must be in (0, 1], got {kv_high_water}")
@@ -105,8 +112,9 @@ def decode_pressure(kv_used_blocks: int, kv_total_blocks: int, itl_p90_s: float 
     if waiting_floor < 1:
         raise ValueError(f"waiting_floor must be >= 1, got {waiting_floor}")
     waiting_ratio = max(0, waiting) / max(running, waiting_floor) if waiting > 0 else 0.0
-    return DecodePressure(max(kv_ratio, itl_ratio, waiting_ratio), occupancy, kv_ratio,
-                          itl_ratio, waiting_ratio)
+    projected = max(0.0, projected_step_s) / slo.itl_s if projected_step_s is not None else 0.0
+    return DecodePressure(max(kv_ratio, itl_ratio, waiting_ratio, projected), occupancy,
+                          kv_ratio, itl_ratio, waiting_ratio, projected)
 
 
 def attainment(samples: Sequence[tuple[float, float]], slo: Slo) -> float | None:

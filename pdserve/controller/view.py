@@ -2,16 +2,20 @@
 
 Owns the conversion (no I/O, no clock reads: `now` and the router's answer come in): each
 member becomes a `WorkerView` (state, load, KV use, measured prefill rate and decode step time
-from the deltas of its cumulative counters), the pool-wide pressures, and the windowed SLO
-figures (TTFT and ITL p90, attainment). Must not call anything or decide anything.
+from the deltas of its cumulative counters), the step model fitted to the decode steps seen
+(`projection.fit_step_model`, on a profile's shape when one is given) and each decode worker's
+projected step, the pool-wide pressures, and the windowed SLO figures (TTFT and ITL p90,
+attainment). Must not call anything or decide anything.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, replace
 
 from pdserve.controller.policy import WorkerView
+from pdserve.controller.projection import FIT_SAMPLES, StepModel, fit_step_model, project
 from pdserve.core.roles import DECODE, DRAINING, FAILED, GONE, PREFILL, SERVING, SWITCHING
 from pdserve.core.finish import COMPLETED
 from pdserve.core.rates import RateMeter
@@ -43,6 +47,7 @@ class ClusterView:
     window: Window  # the status window (attainment, p90s for people)
     recent: Window  # the pressure window: short, so pressure ends soon after a burst does
     members: tuple  # the router's WorkerMember messages, by address order
+    step_model: StepModel | None = None  # decode step time from batch and KV, when known
 
 
 class Meters:
@@ -51,6 +56,9 @@ class Meters:
     def __init__(self) -> None:
         self.prefill = RateMeter()  # prompt tokens computed per busy second
         self.steps = RateMeter()  # decode steps per second of decode steps
+        # (batch, KV blocks, mean step s) of decode workers' recent intervals, for the fit.
+        self.step_samples: deque[tuple[float, float, float]] = deque(maxlen=FIT_SAMPLES)
+        self._seen: dict[str, int] = {}  # decode steps counted at the last sample
 
     def observe(self, m) -> tuple[float | None, float | None]:
         if not m.HasField("stats"):
@@ -58,7 +66,14 @@ class Meters:
         s = m.stats
         tps = self.prefill.observe(m.address, s.prompt_tokens_computed, s.busy_seconds)
         steps_per_s = self.steps.observe(m.address, s.decode_steps, s.decode_step_seconds)
-        return tps, (1.0 / steps_per_s if steps_per_s else None)
+        step_s = 1.0 / steps_per_s if steps_per_s else None
+        # A sample per interval with new decode steps, at the batch the worker reports now.
+        if step_s is not None and s.num_running > 0 and s.decode_steps > self._seen.get(
+                m.address, 0):
+            self.step_samples.append((float(s.num_running),
+                                      float(s.num_total_blocks - s.num_free_blocks), step_s))
+        self._seen[m.address] = s.decode_steps
+        return tps, step_s
 
 
 # ITL percentiles come from requests with at least this many tokens: a short request's one or
@@ -79,7 +94,8 @@ def window_of(samples, slo: Slo) -> Window:
 def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
                  pinned: frozenset[str] = frozenset(), switching: dict[str, str] | None = None,
                  last_flip_s: dict[str, float] | None = None,
-                 pressure_window_s: float = 5.0) -> ClusterView:
+                 pressure_window_s: float = 5.0,
+                 step_prior: StepModel | None = None) -> ClusterView:
     last_flip_s, switching = last_flip_s or {}, switching or {}
     members = tuple(sorted(signals.workers, key=lambda m: m.address))
     views = []
@@ -97,7 +113,7 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
             kv_used_blocks=(s.num_total_blocks - s.num_free_blocks) if s else 0,
             kv_total_blocks=s.num_total_blocks if s else 0,
             queued_prompt_tokens=m.in_flight_tokens, prefill_tokens_per_s=tps,
-            decode_step_s=step_s))
+            decode_step_s=step_s, in_flight=m.in_flight))
     # A decode worker's own rate is of prompt tokens per second of decoding, not its prefill
     # speed: it is the same machine as a prefill worker, so it gets the prefill workers' mean.
     pre_rates = [v.prefill_tokens_per_s for v in views
@@ -120,7 +136,20 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
     steps = [v.decode_step_s for v in dec if v.decode_step_s and v.running > 0]
     itl_s = max([x for x in (recent.itl_p90_s, max(steps, default=None)) if x is not None],
                 default=None)
+    model = fit_step_model(list(meters.step_samples), step_prior)
+    projected_s = None
+    if model is not None and dec:
+        # The requests prefilling now (on prefill workers still serving) join the decode
+        # workers: the step each will then take.
+        incoming = sum(v.in_flight for v in pre if v.state == SERVING)
+        proj = project([v.running + v.waiting for v in dec],
+                       [float(v.kv_used_blocks) for v in dec], incoming, model)
+        by_address = dict(zip((v.address for v in dec), proj.steps_s))
+        views = [replace(v, projected_step_s=by_address[v.address]) if v.address in by_address
+                 else v for v in views]
+        projected_s = proj.worst_step_s
     decode = decode_pressure(sum(v.kv_used_blocks for v in dec),
                              sum(v.kv_total_blocks for v in dec), itl_s,
-                             sum(v.waiting for v in dec), sum(v.running for v in dec), slo)
-    return ClusterView(tuple(views), prefill, decode, window, recent, members)
+                             sum(v.waiting for v in dec), sum(v.running for v in dec), slo,
+                             projected_step_s=projected_s)
+    return ClusterView(tuple(views), prefill, decode, window, recent, members, model)

@@ -1,0 +1,145 @@
+"""Candidate actions compared by the SLO attainment they are projected to leave, as a pure core.
+
+Owns the choice among doing nothing, the flip the role hysteresis allows (`policy._fluid_role`)
+and moving running decodes off the most loaded decode worker (`Migration`, "balance"): each is
+scored with `projection.attainment` on the decode workers' projected batches and the prefill
+queue as the action would leave them, and the best is taken. The flip the hysteresis allowed
+wins a tie (the measured pressure asked for it; a model that sees no difference must not hold
+it), doing nothing wins a tie with a migration. A flip that would leave fewer requests in time
+than doing nothing is held: the pressure that asked for it would be paid for by the other role.
+With migration on, a new decode worker is counted with the running decodes evened out over the
+decode workers (the balance moves that follow it).
+
+Must not do I/O, read a clock, draw random numbers or import torch, grpc or a service (the
+policy's rule, which it serves); never orders a flip the policy did not allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pdserve.controller.inputs import ControllerInput, Flip, Migration, PolicyConfig, WorkerView
+from pdserve.controller.projection import StepModel, attainment, project
+from pdserve.core.roles import DECODE, PREFILL, SERVING
+
+
+
+@dataclass(frozen=True)
+class Scene:
+    """What an action changes: the decode workers' batches and KV, the requests prefilling now
+    (they join the decode workers), the prefill workers serving."""
+
+    batches: tuple[int, ...]
+    kv_blocks: tuple[float, ...]
+    incoming: int
+    prefill_workers: int
+
+    def score(self, inp: ControllerInput, model: StepModel, prefill_now: int) -> float:
+        proj = project(self.batches, self.kv_blocks, self.incoming, model)
+        p = inp.prefill
+        # The queue clears at the pool's rate, which scales with its workers.
+        queue_s = (p.work_s * prefill_now / self.prefill_workers if self.prefill_workers
+                   else float("inf"))
+        return attainment(proj.batches, proj.steps_s, inp.slo.itl_s, self.incoming, queue_s,
+                          inp.slo.ttft_share * inp.slo.ttft_s)
+
+
+def _decoders(inp: ControllerInput, leaving: set[str]) -> list[WorkerView]:
+    return [w for w in inp.workers if w.role == DECODE and w.state == SERVING
+            and w.to_role is None and w.address not in leaving]
+
+
+def scene_now(inp: ControllerInput) -> tuple[Scene, list[WorkerView]]:
+    dec = _decoders(inp, set())
+    pre = [w for w in inp.workers if w.role == PREFILL and w.state == SERVING]
+    return Scene(tuple(w.running + w.waiting for w in dec), tuple(float(w.kv_used_blocks)
+                                                                  for w in dec),
+                 sum(w.in_flight for w in pre), len(pre)), dec
+
+
+def _evened(scene: Scene) -> Scene:
+    total, n = sum(scene.batches), len(scene.batches)
+    kv_total = sum(scene.kv_blocks)
+    batches = tuple(total // n + (1 if i < total % n else 0) for i in range(n))
+    return Scene(batches, tuple(kv_total * b / total if total else 0.0 for b in batches),
+                 scene.incoming, scene.prefill_workers)
+
+
+def _after_flips(scene: Scene, names: Sequence[str], flips: Sequence[Flip]) -> Scene:
+    """`scene` once `flips` landed; `names`: the decode workers of `scene.batches`, in order."""
+    names = list(names)
+    for f in flips:
+        if f.to_role == DECODE:  # a fresh decode worker: empty, takes its share of what comes
+            names.append(f.address)
+            scene = Scene(scene.batches + (0,), scene.kv_blocks + (0.0,), scene.incoming,
+                          scene.prefill_workers - 1)
+        elif f.address in names:
+            # A decode worker leaves: its running decodes move to the others, as incoming
+            # requests do.
+            i = names.index(f.address)
+            names.pop(i)
+            scene = Scene(scene.batches[:i] + scene.batches[i + 1:],
+                          scene.kv_blocks[:i] + scene.kv_blocks[i + 1:],
+                          scene.incoming + scene.batches[i], scene.prefill_workers + 1)
+    return scene
+
+
+def _balance(scene: Scene, dec: Sequence[WorkerView], model: StepModel, inp: ControllerInput,
+             cfg: PolicyConfig) -> tuple[Scene, Migration] | None:
+    """The move that evens the most and least loaded decode workers out, when the most loaded
+    one's projected step threatens the ITL SLO (above balance_share of it)."""
+    if len(dec) < 2:
+        return None
+    proj = project(scene.batches, scene.kv_blocks, scene.incoming, model)
+    hi = max(range(len(dec)), key=lambda i: (proj.steps_s[i], dec[i].address))
+    lo = min(range(len(dec)), key=lambda i: (proj.steps_s[i], dec[i].address))
+    if proj.steps_s[hi] <= cfg.balance_share * inp.slo.itl_s:
+        return None
+    # Only the running decodes move (the waiting ones are admitted where they are).
+    k = min(cfg.max_migrations_per_tick, dec[hi].running,
+            (scene.batches[hi] - scene.batches[lo]) // 2)
+    if k < 1:
+        return None
+    batches, kv = list(scene.batches), list(scene.kv_blocks)
+    per_seq = kv[hi] / batches[hi] if batches[hi] else 0.0
+    batches[hi] -= k
+    batches[lo] += k
+    kv[hi] -= per_seq * k
+    kv[lo] += per_seq * k
+    why = (f"{dec[hi].address} projected step {proj.steps_s[hi]:.3f} s > "
+           f"{cfg.balance_share:g} x ITL {inp.slo.itl_s:g} s, {dec[lo].address} "
+           f"{proj.steps_s[lo]:.3f} s")
+    return (Scene(tuple(batches), tuple(kv), scene.incoming, scene.prefill_workers),
+            Migration(dec[hi].address, k, why))
+
+
+def choose(inp: ControllerInput, cfg: PolicyConfig, flips: tuple[Flip, ...]
+           ) -> tuple[tuple[Flip, ...], tuple[Migration, ...], str]:
+    """The flips to order (those given, or none) and the migrations, with a note of the
+    scores; with no step model, the flips as given and no migration."""
+    model = inp.step_model
+    if model is None:
+        return flips, (), ""
+    scene, dec = scene_now(inp)
+    prefill_now = scene.prefill_workers
+    # (score, rank on a tie, label, flips, migrations)
+    options: list[tuple[float, int, str, tuple, tuple]] = [
+        (scene.score(inp, model, prefill_now), 1, "nothing", (), ())]
+    if cfg.balance:
+        moved = _balance(scene, dec, model, inp, cfg)
+        if moved is not None:
+            options.append((moved[0].score(inp, model, prefill_now), 0,
+                            f"move {moved[1].count} off {moved[1].address}", (), (moved[1],)))
+    if flips:
+        after = _after_flips(scene, [w.address for w in dec], flips)
+        if cfg.balance and any(f.to_role == DECODE for f in flips) and after.batches:
+            after = _evened(after)
+        options.append((after.score(inp, model, prefill_now), 2,
+                        f"flip {', '.join(f.address for f in flips)}", flips, ()))
+    if len(options) == 1:
+        return (), (), ""
+    best = max(options, key=lambda o: (round(o[0], 6), o[1]))
+    note = ("projected attainment: " + ", ".join(f"{o[2]} {o[0]:.2f}" for o in options)
+            + f"; {best[2]}")
+    return best[3], best[4], note
