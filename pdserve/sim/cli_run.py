@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-policy", default="free_kv", choices=DECODE_POLICIES)
     p.add_argument("--controller", choices=("on", "off"), default="off",
                    help="run the controller's decide() in the loop (role flips, offload)")
+    p.add_argument("--migrate", choices=("on", "off"), default="on",
+                   help="a decode worker's flip moves its running requests with their KV "
+                        "(off: they finish in place)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
     p.add_argument("--scale-rate", type=float, default=1.0,
@@ -77,6 +80,7 @@ def config_from(args) -> SimConfig:
     return SimConfig(
         prefill_workers=args.prefill, decode_workers=args.decode, prefill_policy=args.policy,
         decode_policy=args.decode_policy, controller=args.controller == "on",
+        migrate=args.migrate == "on",
         policy=PolicyConfig(), block_size=args.block_size, kv_blocks=args.kv_blocks,
         store_capacity_blocks=args.store_blocks, transport=args.transport, link=args.link,
         slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed,
@@ -149,8 +153,21 @@ def print_table(s: dict, wall_s: float, profile: str) -> None:
             f"{s['slo']['ttft_s']} s, ITL <= {s['slo']['itl_s']} s); goodput "
             f"{s['goodput_rps']:.2f} req/s; {s['worker_hours']:.2f} worker-hours; flips "
             f"{s['flips']} ({s.get('failed_flips', 0)} failed: drain timeout), draining "
-            f"{s['drain_s']:.1f} s; {s['events']} events in "
+            f"{s['drain_s']:.1f} s; {_moves(s)}{s['events']} events in "
             f"{wall_s:.1f} s wall ({s['events'] / max(wall_s, 1e-9):.0f} events/s)")
+
+
+def _moves(s: dict) -> str:
+    """Running decodes moved with their KV, by reason, and their stall; "" when none moved."""
+    moves = s.get("migrations") or {}
+    if not sum(moves.values()):
+        return ""
+    stall = s["migration_stall_s"]
+    return (f"moved {sum(moves.values())} decodes ("
+            + ", ".join(f"{n} {why}" for why, n in moves.items())
+            + f"; {s['migration_bytes'] / 1e9:.2f} GB put), stall p50 "
+            + ("-" if stall["p50"] is None else f"{stall['p50']:.3f}")
+            + " s; ")
 
 
 def plot(report, path: str) -> None:

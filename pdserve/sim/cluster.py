@@ -4,9 +4,11 @@ joined on one event queue.
 Owns what happens at each event: an arrival (admission, the prefill choice or an offload, the
 store fetch), a worker's step ending (first tokens, the KV put into the store and its hand-off
 to a decode worker, ends), a transfer landing, a stats poll, a controller tick and the flips it
-orders (drain, then the profile's switch time), and the per-request records. Must not score,
-admit, schedule or decide itself: the real cores do (through `router.SimRouter`,
-`engine_model.EngineModel` and the live controller through `control.SimConnector`).
+orders (drain, then the profile's switch time; a decode worker's running requests moved with
+their KV where the flip says so, and the controller's balance moves, through
+`migration.Migrations`), and the per-request records. Must not score, admit, schedule or decide
+itself: the real cores do (through `router.SimRouter`, `engine_model.EngineModel` and the live
+controller through `control.SimConnector`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pdserve.sim.control import SimConnector, controller
 from pdserve.sim.engine_model import EngineModel
 from pdserve.sim.events import EventQueue
 from pdserve.sim.host import HostShare
+from pdserve.sim.migration import Migrations
 from pdserve.sim.network import KvStore, Link
 from pdserve.sim.prompts import RequestPrompt, prompt_tokens_of
 from pdserve.sim.report import NONE, OK, SimReport
@@ -92,7 +95,7 @@ class Cluster:
         if cfg.controller:
             self.ctl, self.connector = controller(
                 self, cfg.policy, self.slo, cfg.tick_s, cfg.window_s, cfg.pressure_window_s,
-                cfg.drain_timeout_s, cfg.failed_readmit_s)
+                cfg.drain_timeout_s, cfg.failed_readmit_s, cfg.migrate)
         self.bpt = cfg.block_size * profile.kv_bytes_per_token  # bytes per KV block
         self.report = SimReport(
             config={}, profile=getattr(profile, "origin", type(profile).__name__),
@@ -120,6 +123,7 @@ class Cluster:
         # for each flip under way, how to tell the controller its outcome.
         self.failed: set[str] = set()
         self._flips: dict[str, tuple] = {}
+        self.moves = Migrations(self)  # running decodes moved with their KV
         self.counts = {"flips": 0, "failed_flips": 0, "drain_s": 0.0, "switch_s": 0.0,
                        "offloaded": 0, "local_prefills": 0,
                        "kv_transfers": 0, "kv_bytes": 0, "store_fetch_blocks": 0}
@@ -161,6 +165,7 @@ class Cluster:
         c["controller_ticks"] = self.ctl.ticks if self.ctl else 0
         c["sim_end_s"] = q.now
         c["stalled_requests"] = self.unresolved if self.stalled else 0
+        c.update(self.moves.counts())
         self.report.counts = c
         return self.report
 
@@ -375,8 +380,10 @@ class Cluster:
             w.inbound -= 1
             if kind == "fetch":
                 self._to_prefill(w, i)
-            else:
+            elif kind == "kv":
                 self._join(w, lambda w=w, i=i: self._hand_over(w, i))
+            else:
+                self.moves.landed(kind, i, w)
         self._arm(link)
 
     def _hand_over(self, w: SimWorker, i: int) -> None:
@@ -402,6 +409,8 @@ class Cluster:
             for enter in w.joins:
                 enter()
             w.joins.clear()
+            if w.address in self.moves.watch:
+                self.moves.between_steps(w)
             host = self.host  # workers sharing CPU cores: the step is timed with the host's load
             end = w.start(self.q.now, self.profile if host is None else host.profile_for(w))
             if host is not None:  # w started or stopped computing: the others' steps re-timed
@@ -428,6 +437,8 @@ class Cluster:
             else:
                 w.finished += 1
                 self._finish(i)
+        if address in self.moves.awaiting:
+            self.moves.stepped(w)
         if self.router.kv_aware:
             changes = w.engine.block_events()
             if changes:
@@ -455,18 +466,26 @@ class Cluster:
         return {a: w.to_role for a, w in self.workers.items()
                 if w.state in (W_DRAINING, SWITCHING) and w.to_role}
 
-    def begin_flip(self, address: str, to_role: str, drain_timeout_s: float, done) -> None:
+    def begin_flip(self, address: str, to_role: str, drain_timeout_s: float, done,
+                   migrate: bool = False) -> None:
         """Drain `address` for a switch to `to_role` (`_switched` or `_drain_deadline` ends
-        it and calls `done(outcome)`); nothing when it is not serving in the other role."""
+        it and calls `done(outcome)`); nothing when it is not serving in the other role.
+        `migrate`: a decode worker's running requests move to other decode workers."""
         w, now = self.workers[address], self.q.now
         if w.state != SERVING or w.role == to_role:
             return
+        if migrate:
+            self.moves.drain(w)
         w.state, w.to_role, w.drain_started_s = W_DRAINING, to_role, now
         self._flips[address] = (done, w.role, now)
         self.router.set_state(w.address, DRAINING, None, f"switching to {to_role}", now)
         self.q.push(now + drain_timeout_s, "drain_deadline", (w.address, now))
         self._roles()
         self._wake(w)
+
+    def migrate(self, address: str, count: int, reason: str, done) -> None:
+        """Move `count` running decodes off `address`, keeping its role (`Migrations.balance`)."""
+        self.moves.balance(address, count, reason, done)
 
     def readmit(self, address: str, reason: str) -> str | None:
         """A worker whose flip failed back into its role's pool, as the live `Flipper` does."""
@@ -487,6 +506,7 @@ class Cluster:
         if w.state != W_DRAINING or w.drain_started_s != started:
             return  # it switched meanwhile
         to_role, (done, from_role, _) = w.to_role, self._flips.pop(address)
+        moved = self.moves.drained(address)  # a round under way ends; no new one starts
         w.state, w.to_role = SERVING, None
         self.counts["failed_flips"] += 1
         self.counts["drain_s"] += now - started
@@ -495,7 +515,7 @@ class Cluster:
         self._roles()
         self._wake(w)
         done(FlipOutcome(address, from_role, to_role or "?", False, now - started,
-                         "drain_timeout_s"))
+                         "drain_timeout_s", moved_requests=moved))
 
     def _switch(self, w: SimWorker) -> None:
         now = self.q.now
@@ -515,7 +535,8 @@ class Cluster:
         self._roles()
         self._wake(w)
         done, from_role, started = self._flips.pop(address)
-        done(FlipOutcome(address, from_role, w.role, True, now - started))
+        done(FlipOutcome(address, from_role, w.role, True, now - started,
+                         moved_requests=self.moves.drained(address)))
 
     def _feed(self, w: SimWorker) -> None:
         """The index follows `w`'s prefix cache while it prefills: from a snapshot when it

@@ -45,6 +45,9 @@ class SimConfig:
     # that role at its first tick `failed_readmit_s` later (the controller's defaults).
     drain_timeout_s: float = ControllerConfig.drain_timeout_s
     failed_readmit_s: float = ControllerConfig.failed_readmit_s
+    # A decode worker's flip moves its running requests to the other decode workers with their
+    # KV, rather than waiting for them to finish (the controller's `migrate`, also its balance).
+    migrate: bool = ControllerConfig.migrate
     window_s: float = 30.0  # finished requests the controller's status window holds
     pressure_window_s: float = 5.0
     stats_interval_s: float = 1.0  # the router polls every worker's stats this often

@@ -4,9 +4,11 @@ connector to the simulated cluster.
 Owns `SimConnector`, the simulated side of `controller.connector.Connector`: the router's own
 `RequestSignals` ring (finished requests' samples, fed by the cluster) and its `GetSignals`
 handler answering from the simulated membership on the virtual clock; the offload budgets set
-on the simulated router; flips begun on the simulated workers (drained, then switched after
-the profile's flip time, or failed at the drain deadline) with their outcomes handed back to
-the controller; a worker whose flip failed re-admitted. `controller(...)` builds the live
+on the simulated router; flips begun on the simulated workers (drained, a decode worker's
+running requests moved with their KV where `migrate` says so, then switched after the profile's
+flip time, or failed at the drain deadline) and running decodes moved off a decode worker
+keeping its role (`migrate`), with their outcomes handed back to the controller on the virtual
+clock; a worker whose flip failed re-admitted. `controller(...)` builds the live
 controller over it. Must not decide anything: the controller's `tick` and `decide()` do.
 """
 
@@ -54,7 +56,10 @@ class SimConnector:
     def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
                    done, migrate: bool = True) -> None:
         self.cluster.begin_flip(address, to_role, drain_timeout_s,
-                                lambda out: done(out, reason))
+                                lambda out: done(out, reason), migrate)
+
+    def migrate(self, address: str, count: int, reason: str, done) -> None:
+        self.cluster.migrate(address, count, reason, done)
 
     def readmit(self, address: str, reason: str) -> str | None:
         return self.cluster.readmit(address, reason)
@@ -64,13 +69,13 @@ class SimConnector:
 
 
 def controller(cluster: Cluster, policy_cfg, slo: Slo, tick_s: float, window_s: float,
-               pressure_window_s: float, drain_timeout_s: float, failed_readmit_s: float
-               ) -> tuple[Controller, SimConnector]:
+               pressure_window_s: float, drain_timeout_s: float, failed_readmit_s: float,
+               migrate: bool = ControllerConfig.migrate) -> tuple[Controller, SimConnector]:
     """The live controller (active, no audit file, no operator) over `cluster`, on its
     virtual clock."""
     connector = SimConnector(cluster)
     cfg = ControllerConfig(router_address="simulated", tick_s=tick_s, window_s=window_s,
                            pressure_window_s=pressure_window_s, drain_timeout_s=drain_timeout_s,
-                           failed_readmit_s=failed_readmit_s)
+                           failed_readmit_s=failed_readmit_s, migrate=migrate)
     return (Controller(cfg, connector, clock=lambda: cluster.q.now, policy_cfg=policy_cfg,
                        slo=slo), connector)

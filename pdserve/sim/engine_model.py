@@ -6,11 +6,12 @@ and `BlockPool`, driven through the engine's own step seam: `plan` is the schedu
 `simulated_output` (the runner's side without a model), so token accounting, stop rules,
 finishing, freeing and parking a prefill-only request's KV are the scheduler's. Also: queueing a
 prompt, placing KV blocks computed elsewhere (a store fetch; a hand-over through the scheduler's
-`add_prefilled`), and the bulk form of pure decode steps (`decode_run` / `run_decode`). Token
-ids are synthesized from a request's prefix ids, and the prompt's block hashes derived from
-those ids (`prompts.prompt_hashes_of`, handed to the scheduler as known), so equal prefixes
-name equal blocks and the real prefix cache hits where the trace says it should, with no token
-hashed.
+`add_prefilled`), a running request taken off and queued on another worker with its tokens (a
+migration: `stop`, `resume`), and the bulk form of pure decode steps (`decode_run` /
+`run_decode`). Token ids are synthesized from a request's prefix ids, and the prompt's block
+hashes derived from those ids (`prompts.prompt_hashes_of`, handed to the scheduler as known),
+so equal prefixes name equal blocks and the real prefix cache hits where the trace says it
+should, with no token hashed.
 
 A long queue stays small: a prompt queued behind `held` others (more than one step can take)
 waits outside the scheduler as its `RequestPrompt` (a few hundred bytes, made into a sequence
@@ -112,7 +113,7 @@ class EngineModel:
         self._Sequence = scheduler.Sequence
         self._Params = SamplingParams
         self._simulated_output = scheduler.simulated_output
-        self._length = finish.LENGTH
+        self._length, self._abort = finish.LENGTH, finish.ABORT
         self.pool = block_pool.BlockPool(num_blocks, max_events=1)
         # The pool's event log serves RPC readers on other threads (a lock and a condition per
         # event); one thread reads it here, so a plain recorder takes its place: same events.
@@ -226,6 +227,38 @@ class EngineModel:
         names = list(hashes[:n_blocks]) + [b""] * (n_blocks - min(n_blocks, len(hashes)))
         self.sched.add_prefilled(seq, names, [True] * n_blocks)
         return True
+
+    # ---- requests moved with their KV (live migration), as the engine's abort and resume ------
+    def movable(self) -> dict[str, int]:
+        """Every request here (the backlog queued first, as the engine would hold it) and its
+        tokens left to generate."""
+        self._drain_backlog(everything=True)
+        return {rid: seq.max_tokens - seq.num_output_tokens for rid, seq in self.seqs.items()}
+
+    def full_blocks(self, rid: str) -> list[bytes]:
+        """The hashes of the request's computed full blocks (what a copy reads), [] if it ended."""
+        seq = self.seqs.get(rid)
+        return [] if seq is None else list(seq.block_hashes)
+
+    def stop(self, rid: str) -> tuple | None:
+        """The request leaves between two steps, as the engine's `abort`: (its prompt, token
+        ids, the prompt's known hashes, its full blocks' hashes); None if it ended."""
+        seq = self.seqs.pop(rid, None)
+        if seq is None:
+            return None
+        moved = (seq.prompt_ids, seq.token_ids, seq.known_hashes, list(seq.block_hashes))
+        self.sched.finish(seq, self._abort)
+        self.sched.free(seq)
+        return moved
+
+    def resume(self, rid: str, prompt, token_ids, known_hashes, output_tokens: int) -> None:
+        """Queue a request moved here with the tokens it already has (the engine's
+        `add_request(resume_token_ids=...)`): they count in its max_tokens and are computed
+        with the prompt, from the blocks the prefix cache holds (`import_cached`) on."""
+        self._drain_backlog(everything=True)  # it queues behind them
+        seq = self._seq(rid, prompt, output_tokens, known_hashes=known_hashes)
+        seq.token_ids = token_ids.copy()
+        self.sched.add(seq)
 
     # ---- steps ---------------------------------------------------------------------------------
     def plan(self) -> PlannedStep | None:

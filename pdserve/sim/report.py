@@ -4,7 +4,8 @@ capacity planner reads.
 Owns `SimReport`: per-request records (arrival, time to first token, end, tokens, workers,
 status), held as columns (arrays of numbers, lists of shared strings; the ids are read from the
 trace when written), so a run of a million requests keeps tens of bytes for each; the role
-timeline, counts (flips, seconds spent draining and switching, events, steps, rejections),
+timeline, counts (flips, seconds spent draining and switching, running decodes moved with
+their KV and the bytes that took, events, steps, rejections), each moved decode's stall,
 `summary()` (mean/p50/p90/p99 of TTFT, ITL per request as AIPerf defines it: (e2e - ttft) /
 (output tokens - 1), and e2e; SLO attainment; goodput; worker-hours) and `to_json()`,
 byte-identical for the same inputs (wall time is kept apart, in `wall_s`, and never written by
@@ -53,6 +54,8 @@ class SimReport:
     decode_worker: list[str] = field(default_factory=list)
     roles: list[tuple[float, int, int, int]] = field(default_factory=list)  # t, P, D, flipping
     counts: dict = field(default_factory=dict)
+    # Each moved request's stall: its last token on one decode worker to its first on the next.
+    migration_stall_s: array = field(default_factory=lambda: array("d"))
     slo_ttft_s: float = 2.0
     slo_itl_s: float = 0.2
     workers: int = 0
@@ -92,6 +95,7 @@ class SimReport:
             "goodput_rps": met / span, "throughput_rps": len(done) / span,
             "duration_s": span, "workers": self.workers,
             "worker_hours": self.workers * span / 3600.0,
+            "migration_stall_s": _dist(self.migration_stall_s),
             **{k: self.counts[k] for k in sorted(self.counts)},
         }
 

@@ -199,13 +199,22 @@ class SimRouter:
         need = -(-(prompt_tokens + extra_tokens) // self.block_size)
         return addresses, RouteInput(workers, prompt_tokens, self.block_size, 0, need)
 
-    def pick(self, role: str, prompt_tokens: int, extra_tokens: int = 0, hashes=()
-             ) -> tuple[str, float]:
+    def pick(self, role: str, prompt_tokens: int, extra_tokens: int = 0, hashes=(),
+             exclude: frozenset[str] = frozenset()) -> tuple[str, float]:
         """The chosen member and the tokens counted in flight on it (release them at the end).
-        Raises NoWorkerError."""
+        `exclude`: members left out, for a decode choice (a moved decode resumes elsewhere), as
+        the live `WorkerSet.pick` leaves them out. Raises NoWorkerError."""
         addresses, inp = self.route_input(role, prompt_tokens, extra_tokens)
         policy = self.policies[role]
-        if role == PREFILL and self.kv_aware:
+        if exclude:
+            assert role == DECODE, "only decode choices leave members out here"
+            kept = [k for k, a in enumerate(addresses) if a not in exclude]
+            if not kept:
+                raise NoWorkerError(f"no active {role} worker besides {sorted(exclude)}")
+            d = policy.decide(RouteInput(tuple(inp.workers[k] for k in kept), inp.prompt_tokens,
+                                         inp.block_size_tokens, 0, inp.need_blocks))
+            addresses = [addresses[k] for k in kept]
+        elif role == PREFILL and self.kv_aware:
             cached, store = self.prefix(hashes)
             inp = RouteInput(inp.workers, inp.prompt_tokens, inp.block_size_tokens, store,
                              inp.need_blocks)  # as `dataclasses.replace` would, more cheaply

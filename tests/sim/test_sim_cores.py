@@ -33,7 +33,7 @@ from pdserve.sim.router import SimRouter
 SIM_DIR = Path(pdserve.sim.__file__).parent
 PACKAGE_DIR = SIM_DIR.parent
 MODULES = ("events", "trace", "config", "engine_model", "router", "control", "worker", "cluster",
-           "run", "report", "cli_run")
+           "run", "report", "cli_run", "migration")
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess:
@@ -165,7 +165,7 @@ class _LiveConnector:
         return self.servicer.GetSignals(rpb.GetSignalsRequest(window_s=window_s), None)
 
     def switching(self):
-        return {a: to for a, to, _ in self.started}
+        return {a: to for a, to, *_ in self.started}
 
     def set_budgets(self, budgets):
         self.servicer.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[
@@ -173,7 +173,7 @@ class _LiveConnector:
                               chunk_tokens=b.chunk_tokens) for b in budgets]), None)
 
     def start_flip(self, address, to_role, reason, drain_timeout_s, done, migrate=True):
-        self.started.append((address, to_role, lambda out: done(out, reason)))
+        self.started.append((address, to_role, lambda out: done(out, reason), migrate))
 
     def migrate(self, address, count, reason, done):
         self.migrations.append((address, count, done))
@@ -197,30 +197,35 @@ class _Clock:
 
 class _SimCluster:
     """What `sim.control.SimConnector` reaches of the simulated cluster: its router and
-    virtual clock; flips begun are recorded and end when the test says."""
+    virtual clock; flips and migrations begun are recorded and end when the test says."""
 
     def __init__(self, router: SimRouter, now: list[float]) -> None:
         self.router = router
         self.q = _Clock(now)  # the event queue's virtual clock
         self.started: list[tuple] = []
         self.readmitted: list[str] = []
+        self.migrations: list[tuple] = []
 
     def switching(self):
-        return {a: to for a, to, _ in self.started}
+        return {a: to for a, to, *_ in self.started}
 
-    def begin_flip(self, address, to_role, drain_timeout_s, done):
-        self.started.append((address, to_role, done))
+    def begin_flip(self, address, to_role, drain_timeout_s, done, migrate=False):
+        self.started.append((address, to_role, done, migrate))
+
+    def migrate(self, address, count, reason, done):
+        self.migrations.append((address, count, done))
 
     def readmit(self, address, reason):
         self.readmitted.append(address)
         return "decode"
 
 
-def test_the_simulator_ticks_the_live_controller_through_its_connector():
+@pytest.mark.parametrize("migrate", [True, False])
+def test_the_simulator_ticks_the_live_controller_through_its_connector(migrate):
     """The same `Controller` ticks the live cluster and the simulated one; fed the same
-    signals through the two connectors, it makes the same decisions, and after a flip that
-    fails (a drain past its deadline) both sit the worker out and re-admit it at the same
-    tick."""
+    signals through the two connectors, it makes the same decisions (a decode worker's flip
+    moving its running requests, or not, alike), and after a flip that fails (a drain past its
+    deadline) both sit the worker out and re-admit it at the same tick."""
     roles = {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "decode", "w4": "decode"}
     now = [0.0]
     live_ws = WorkerSet([a for a, r in roles.items() if r == "prefill"],
@@ -231,7 +236,7 @@ def test_the_simulator_ticks_the_live_controller_through_its_connector():
     live_signals = RequestSignals()
     live_conn = _LiveConnector(RouterControlServicer(live_ws, live_signals,
                                                      clock=lambda: now[0]))
-    cfg = dict(cooldown_s=5.0, failed_readmit_s=6.0)
+    cfg = dict(cooldown_s=5.0, failed_readmit_s=6.0, migrate=migrate)
     live = Controller(ControllerConfig(router_address="live", **cfg), live_conn,
                       clock=lambda: now[0], slo=Slo(2.0, 0.2))
     sim_router = SimRouter(SimConfig(prefill_workers=2, decode_workers=3), roles)
@@ -265,12 +270,14 @@ def test_the_simulator_ticks_the_live_controller_through_its_connector():
             d_live, d_sim = live.tick(), sim.tick()
             assert (d_sim.action, d_sim.flips, d_sim.budgets, d_sim.reason) == (
                 d_live.action, d_live.flips, d_live.budgets, d_live.reason), f"tick {tick}"
-            assert [s[:2] for s in cluster.started] == [s[:2] for s in live_conn.started]
+            assert [(s[0], s[1], s[3]) for s in cluster.started] == [
+                (s[0], s[1], s[3]) for s in live_conn.started]
+            assert all(s[3] == migrate for s in cluster.started)
             assert cluster.readmitted == live_conn.readmitted, f"tick {tick}"
             actions.append(d_sim.action)
             # The flips end a tick later: the first fails (drain timeout), the rest switch.
             for side in (live_conn, cluster):
-                for address, to_role, done in side.started:
+                for address, to_role, done, _ in side.started:
                     frm = "decode" if to_role == "prefill" else "prefill"
                     ok = failed > 0
                     done(FlipOutcome(address, frm, to_role, ok, 1.0,
