@@ -37,6 +37,7 @@ RULES: dict[str, dict[str, frozenset[str]]] = {
     WORKER_SERVICE: {
         "*": _K({ROUTER, OPERATOR}),  # Prefill, Decode, DecodeMany, Abort, WatchKvEvents
         "SetRole": _K({CONTROLLER, OPERATOR}),
+        "Migrate": _K({CONTROLLER, OPERATOR}),  # the controller's balance moves decodes
         "GetStats": _K({ROUTER, CONTROLLER, OPERATOR}),
     },
     MASTER_SERVICE: {

@@ -1,11 +1,13 @@
 """The worker's gRPC service: Prefill, Decode (and DecodeMany: many Decodes over one stream,
-`worker/decode_mux.py`), Abort, SetRole (with drain), GetStats, WatchKvEvents (the prefix
-cache's changes, for KV-aware routing).
+`worker/decode_mux.py`), Abort, SetRole (with drain), Migrate, GetStats, WatchKvEvents (the
+prefix cache's changes, for KV-aware routing).
 
 Owns request admission per role and the role switch: both roles are built once over the same
 engine, so switching is a flag flip after in-flight requests drain, never a weight reload; a
 decode worker's drain may move its running requests to other decode workers with their KV
-instead (`SetRole.migrate`, `decode/migrate.py`), as its SIGTERM does (`move_running`).
+instead (`SetRole.migrate`, `decode/migrate.py`), as its SIGTERM does (`move_running`); and
+`Migrate` moves some of them, those with the most tokens left, keeping the role (the
+controller's balance).
 A decode request may ask to be prefilled here (`prefill_locally`): the decode role computes
 its prompt in its own batches instead of reading KV from the store, and, for a request resumed
 after another decode worker moved it or died (`resume_token_ids`), the tokens it had already
@@ -27,7 +29,7 @@ from typing import Iterator
 
 import grpc
 
-from pdserve.worker.decode.migrate import DRAIN, Migrator
+from pdserve.worker.decode.migrate import BALANCE, COPIED, DRAIN, Migrator
 from pdserve.worker.decode.role import DecodeChunk, DecodeRole
 from pdserve.logctx import request_context
 from pdserve.engine.block_pool import REMOVED, STORED
@@ -54,6 +56,7 @@ _PROGRESSIVE_STATS = ("progressive_requests", "progressive_anchor_joins", "progr
 _CONTROLLER_STATS = ("prompt_tokens_computed", "busy_seconds", "decode_steps",
                      "decode_step_seconds", "local_prefill_requests", "local_prefill_tokens",
                      "draining")
+_MIGRATE_REASONS = {"balance": BALANCE}  # what a Migrate caller may name, and its counter
 
 
 class _Rejected(Exception):
@@ -246,6 +249,33 @@ class WorkerService(pb_grpc.WorkerServicer):
                  role_from_proto(request.role))
         return pb.SetRoleResponse(previous_role=previous, role=request.role,
                                   drained_requests=drained, moved_requests=moved)
+
+    def Migrate(self, request, context):
+        if request.count < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "count: must be >= 1")
+        reason = _MIGRATE_REASONS.get(request.reason)
+        if reason is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"reason: must be one of {', '.join(_MIGRATE_REASONS)}, got "
+                          f"{request.reason!r}")
+        with self._cond:
+            if self.role != pb.ROLE_DECODE:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"worker is in the {role_from_proto(self.role)} role: only a "
+                              f"decode worker's running decodes move")
+            if not self._accepting:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              "worker is draining for a role switch: its running decodes move "
+                              "or finish with the drain")
+        if self.migrator is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "worker moves no decodes: it was "
+                          "built without a store to move their KV through")
+        try:
+            moved = self.migrator.move(self.migrator.most_left(request.count), reason)
+        except Exception as e:
+            context.abort(*_status_of(e))
+        return pb.MigrateResponse(moved_requests=len(moved),
+                                  copied_requests=sum(m.outcome == COPIED for m in moved))
 
     def move_running(self, reason: str) -> list:
         """Move every decode running here to other decode workers with its KV (none without a

@@ -55,8 +55,11 @@ def test_only_the_router_and_operators_drive_a_worker_and_only_the_controller_fl
     assert decide(access.WORKER_SERVICE, "Prefill", who("router")).allowed
     for kind in ("worker", "node", "master", "controller"):
         assert decide(access.WORKER_SERVICE, "Prefill", who(kind)).refused
-    assert decide(access.WORKER_SERVICE, "SetRole", who("controller")).allowed
-    assert decide(access.WORKER_SERVICE, "SetRole", who("router")).refused
+    for method in ("SetRole", "Migrate"):  # a flip, and moving decodes off a worker
+        assert decide(access.WORKER_SERVICE, method, who("controller")).allowed
+        assert decide(access.WORKER_SERVICE, method, who("operator")).allowed
+        for kind in ("router", "worker", "node", "master"):
+            assert decide(access.WORKER_SERVICE, method, who(kind)).refused
 
 
 def test_kv_blocks_are_read_only_by_workers_and_moved_by_the_master():

@@ -14,8 +14,10 @@ worker finds the blocks in the store under the keys a prompt of those tokens has
 store refuses is recomputed there from the first one missing: slower, never wrong. Sampling
 moves with the request (seeded per output position; penalties read the tokens), so the
 continuation is the one this worker would have made.
-Counts moves by reason and outcome and the bytes put. Must not decide which sequences move, or
-where to: the caller and the router do.
+Counts moves by reason and outcome and the bytes put. `most_left` ranks the running ones for a
+caller that moves some (the controller's balance: those with the most tokens left to generate
+relieve this worker longest). Must not decide how many sequences move, or where to: the caller
+and the router do.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ log = logging.getLogger(__name__)
 
 DRAIN, BALANCE, SHUTDOWN = "drain", "balance", "shutdown"  # why a sequence moves
 COPIED, PARTIAL = "copied", "partial"  # every full block in the store, or not
+
+
+def most_left(left: dict[str, int], count: int) -> list[str]:
+    """Of the requests and their tokens left to generate, the `count` with the most (ties by
+    request id); all of them when fewer run."""
+    return sorted(left, key=lambda rid: (-left[rid], rid))[:max(count, 0)]
 
 
 class SequenceMoved(Exception):
@@ -64,6 +72,13 @@ class Migrator:
         def read() -> list[str]:
             return [rid for rid in self.loop.engine.seqs if self.loop.has_stream(rid)]
         return self.loop.call(read)
+
+    def most_left(self, count: int) -> list[str]:
+        """The `count` movable requests with the most tokens left to generate."""
+        def read() -> dict[str, int]:
+            return {rid: seq.max_tokens - seq.num_output_tokens
+                    for rid, seq in self.loop.engine.seqs.items() if self.loop.has_stream(rid)}
+        return most_left(self.loop.call(read), count)
 
     def move(self, request_ids: list[str], reason: str) -> list[Moved]:
         """Move these requests together (those that finished meanwhile are skipped): each one's
