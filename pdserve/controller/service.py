@@ -29,6 +29,7 @@ from pdserve.controller.flip import FlipOutcome, MigrateOutcome
 from pdserve.controller.metrics import ControllerMetrics
 from pdserve.controller.policy import (ControllerInput, Decision, PolicyConfig, PolicyState,
                                        decide, plan_rebalance)
+from pdserve.core.migration import BALANCE
 from pdserve.core.roles import DECODE, GONE, PREFILL
 from pdserve.controller.projection import StepModel
 from pdserve.controller.signals import Slo
@@ -262,7 +263,8 @@ class Controller:
             if address in self.migrating:
                 return  # the last one is still under way: its effect is not in the view yet
             self.migrating.add(address)
-        self.connector.migrate(address, count, reason, lambda out: self.migrated(out, reason))
+        # The worker counts the move under BALANCE; the audit keeps the policy's why.
+        self.connector.migrate(address, count, BALANCE, lambda out: self.migrated(out, reason))
 
     def migrated(self, out: MigrateOutcome, reason: str) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pdserve.controller.flip import MigrateOutcome
+from pdserve.core.migration import DRAIN, most_left
 from pdserve.core.roles import DECODE, DRAINING, SERVING
 from pdserve.router.policy import NoWorkerError
 
@@ -37,15 +38,8 @@ if TYPE_CHECKING:
     from pdserve.sim.cluster import Cluster
     from pdserve.sim.worker import SimWorker
 
-DRAIN = "drain"  # why a flip's requests move (the live worker's counter)
 # The link transfers of a round (keyed by its number) and of one request's fetch.
 COPY, PUT, FETCH = "migrate_copy", "migrate_put", "migrate_fetch"
-
-
-def most_left(left: dict[str, int], count: int) -> list[str]:
-    """Of the requests and their tokens left to generate, the `count` with the most (ties by
-    request id); all of them when fewer run. The live worker's rule for a balance."""
-    return sorted(left, key=lambda rid: (-left[rid], rid))[:max(count, 0)]
 
 
 class _Round:

@@ -56,7 +56,7 @@ _PROGRESSIVE_STATS = ("progressive_requests", "progressive_anchor_joins", "progr
 _CONTROLLER_STATS = ("prompt_tokens_computed", "busy_seconds", "decode_steps",
                      "decode_step_seconds", "local_prefill_requests", "local_prefill_tokens",
                      "draining")
-_MIGRATE_REASONS = {"balance": BALANCE}  # what a Migrate caller may name, and its counter
+_MIGRATE_REASONS = (BALANCE,)  # what a Migrate caller may name (its counter's reason)
 
 
 class _Rejected(Exception):
@@ -253,8 +253,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Migrate(self, request, context):
         if request.count < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "count: must be >= 1")
-        reason = _MIGRATE_REASONS.get(request.reason)
-        if reason is None:
+        reason = request.reason
+        if reason not in _MIGRATE_REASONS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"reason: must be one of {', '.join(_MIGRATE_REASONS)}, got "
                           f"{request.reason!r}")

@@ -27,19 +27,14 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+# The shared names, re-exported for the worker's modules.
+from pdserve.core.migration import (BALANCE, COPIED, DRAIN, PARTIAL,  # noqa: F401
+                                    REASONS, SHUTDOWN, most_left)
 from pdserve.worker.engine_loop import EngineLoop, StreamItem
 from pdserve.worker.kv_blocks import put_missing, reusable_prefix
 
 log = logging.getLogger(__name__)
 
-DRAIN, BALANCE, SHUTDOWN = "drain", "balance", "shutdown"  # why a sequence moves
-COPIED, PARTIAL = "copied", "partial"  # every full block in the store, or not
-
-
-def most_left(left: dict[str, int], count: int) -> list[str]:
-    """Of the requests and their tokens left to generate, the `count` with the most (ties by
-    request id); all of them when fewer run."""
-    return sorted(left, key=lambda rid: (-left[rid], rid))[:max(count, 0)]
 
 
 class SequenceMoved(Exception):
@@ -147,6 +142,6 @@ class Migrator:
     def stats(self) -> dict:
         """Moves by "reason/outcome" (every pair, from zero) and the bytes put for them."""
         with self._lock:
-            moves = {f"{r}/{o}": self.moves[f"{r}/{o}"] for r in (DRAIN, BALANCE, SHUTDOWN)
+            moves = {f"{r}/{o}": self.moves[f"{r}/{o}"] for r in REASONS
                      for o in (COPIED, PARTIAL)}
             return {"migrations": moves, "migration_bytes": self.bytes_put}
