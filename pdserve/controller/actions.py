@@ -5,7 +5,9 @@ and moving running decodes off the most loaded decode worker (`Migration`, "bala
 scored with `projection.attainment` on the decode workers' projected batches and the prefill
 queue as the action would leave them, and the best is taken. The flip the hysteresis allowed
 wins a tie (the measured pressure asked for it; a model that sees no difference must not hold
-it), doing nothing wins a tie with a migration. A flip that would leave fewer requests in time
+it); a migration wins a tie with doing nothing only when it cuts the worst projected step by
+at least BALANCE_GAIN (attainment counts a worker in time or not: a move that shortens every
+late step by half changes no count). A flip that would leave fewer requests in time
 than doing nothing is held: the pressure that asked for it would be paid for by the other role.
 With migration on, a new decode worker is counted with the running decodes evened out over the
 decode workers (the balance moves that follow it).
@@ -25,6 +27,10 @@ from pdserve.core.roles import DECODE, PREFILL, SERVING
 
 
 
+# A migration that leaves attainment as it is must cut the worst projected step by this share.
+BALANCE_GAIN = 0.1
+
+
 @dataclass(frozen=True)
 class Scene:
     """What an action changes: the decode workers' batches and KV, the requests prefilling now
@@ -35,14 +41,16 @@ class Scene:
     incoming: int
     prefill_workers: int
 
-    def score(self, inp: ControllerInput, model: StepModel, prefill_now: int) -> float:
+    def score(self, inp: ControllerInput, model: StepModel, prefill_now: int
+              ) -> tuple[float, float]:
+        """(projected attainment, worst projected step)."""
         proj = project(self.batches, self.kv_blocks, self.incoming, model)
         p = inp.prefill
         # The queue clears at the pool's rate, which scales with its workers.
         queue_s = (p.work_s * prefill_now / self.prefill_workers if self.prefill_workers
                    else float("inf"))
-        return attainment(proj.batches, proj.steps_s, inp.slo.itl_s, self.incoming, queue_s,
-                          inp.slo.ttft_share * inp.slo.ttft_s)
+        return (attainment(proj.batches, proj.steps_s, inp.slo.itl_s, self.incoming, queue_s,
+                           inp.slo.ttft_share * inp.slo.ttft_s), proj.worst_step_s)
 
 
 def _decoders(inp: ControllerInput, leaving: set[str]) -> list[WorkerView]:
@@ -124,22 +132,25 @@ def choose(inp: ControllerInput, cfg: PolicyConfig, flips: tuple[Flip, ...]
     scene, dec = scene_now(inp)
     prefill_now = scene.prefill_workers
     # (score, rank on a tie, label, flips, migrations)
-    options: list[tuple[float, int, str, tuple, tuple]] = [
-        (scene.score(inp, model, prefill_now), 1, "nothing", (), ())]
+    now_score, now_worst = scene.score(inp, model, prefill_now)
+    options: list[tuple[float, float, str, tuple, tuple]] = [
+        (now_score, 1, "nothing", (), ())]
     if cfg.balance:
         moved = _balance(scene, dec, model, inp, cfg)
         if moved is not None:
-            options.append((moved[0].score(inp, model, prefill_now), 0,
-                            f"move {moved[1].count} off {moved[1].address}", (), (moved[1],)))
+            score, worst = moved[0].score(inp, model, prefill_now)
+            rank = 1.5 if worst <= (1 - BALANCE_GAIN) * now_worst else 0
+            options.append((score, rank, f"move {moved[1].count} off {moved[1].address} "
+                            f"(worst step {worst:.3f} s)", (), (moved[1],)))
     if flips:
         after = _after_flips(scene, [w.address for w in dec], flips)
         if cfg.balance and any(f.to_role == DECODE for f in flips) and after.batches:
             after = _evened(after)
-        options.append((after.score(inp, model, prefill_now), 2,
+        options.append((after.score(inp, model, prefill_now)[0], 2,
                         f"flip {', '.join(f.address for f in flips)}", flips, ()))
     if len(options) == 1:
         return (), (), ""
     best = max(options, key=lambda o: (round(o[0], 6), o[1]))
-    note = ("projected attainment: " + ", ".join(f"{o[2]} {o[0]:.2f}" for o in options)
-            + f"; {best[2]}")
+    note = (f"projected attainment: nothing {now_score:.2f} (worst step {now_worst:.3f} s), "
+            + ", ".join(f"{o[2]} {o[0]:.2f}" for o in options[1:]) + f"; {best[2]}")
     return best[3], best[4], note

@@ -110,6 +110,17 @@ def test_the_most_loaded_decode_worker_sheds_running_decodes_to_even_out():
     assert decide(_input(calm), 10.0).migrations == ()
 
 
+def test_a_move_that_changes_no_count_must_cut_the_worst_step():
+    # Every step is late against a 20 ms ITL whatever moves: attainment ties at 0. Moving 4 of
+    # 40 cuts the worst step by under a tenth (held); evening them out halves it (moved).
+    tight = dataclasses.replace(SLO, itl_s=0.02)
+    workers = [_prefiller("p0"), _decoder("d0", 40, kv=400), _decoder("d1", 0)]
+    inp = dataclasses.replace(_input(workers), slo=tight)
+    assert decide(inp, 10.0).migrations == ()
+    d = decide(inp, 10.0, PolicyConfig(max_migrations_per_tick=32))
+    assert [(m.address, m.count) for m in d.migrations] == [("d0", 20)]
+
+
 def test_a_flip_the_other_role_would_pay_for_is_held():
     # Prefill is pressured, decode calm: the hysteresis allows taking a decode worker, but the
     # one left would then run 44 sequences at 0.25 s a step, over the 0.2 s ITL SLO.

@@ -12,6 +12,9 @@ controller's balance), with real processes on loopback (tiny Llama, a cluster of
   made; no request is lost and no token changes.
 - With speculative decoding (the n-gram drafter) on the decode workers, decodes moved mid-answer
   go on speculating where they land; the greedy tokens are those of a run without speculation.
+- The controller evens decode load out by itself: one decode worker runs every stream, the
+  other joins empty; the controller's tick moves running decodes onto it (the `Migrate` call,
+  counted as "balance", audited with the policy's reason), every token unchanged.
 - The operator flips the last decode worker to prefill (the controller's SetRole, the call
   `pdserve ctl set-role` makes): with no decode worker left to take them, its running decodes
   finish in place (a `Migrate` meanwhile is refused), every token correct.
@@ -19,6 +22,7 @@ controller's balance), with real processes on loopback (tiny Llama, a cluster of
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,13 +39,14 @@ from pdserve.launcher.local import LocalCluster
 from pdserve.proto import common_pb2
 from pdserve.proto import controller_pb2 as cpb
 from pdserve.proto import controller_pb2_grpc as cpb_grpc
+from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from tests.e2e.conftest import cluster_spec
 from tests.e2e.test_cluster import generate, worker_stats, workers
 from tests.e2e.test_controller import start_controller
 from tests.e2e.test_live_migration import metric
-from tests.e2e.test_membership import wait_for
+from tests.e2e.test_membership import control, wait_for
 from tests.e2e.test_migration import Stream, child, retries_metric
 from tests.helpers import stop_process
 
@@ -280,3 +285,50 @@ def test_the_last_decode_worker_flipped_by_the_operator_finishes_its_decodes_in_
         for s in streams:
             s.join(timeout=240)
         assert_tokens(streams, want)
+
+
+@pytest.mark.scenario  # a cluster of its own and a controller: with the long scenarios
+def test_the_controller_moves_decodes_off_the_loaded_worker_onto_an_idle_one(tiny_llama_dir,
+                                                                             tmp_path):
+    with fresh(tiny_llama_dir) as cluster:
+        want = fault_free(cluster, range(N))
+        busy, idle = cluster.worker_addresses("decode")
+        ctl = control(cluster.router_control_address)
+        # Every stream starts on one decode worker: the other is out of the pool meanwhile.
+        ctl.SetWorkerState(rpb.SetWorkerStateRequest(
+            address=idle, state=rpb.MEMBER_STATE_DRAINING, reason="test: empty"), timeout=10)
+        streams = [Stream(cluster.router_address, i, PROMPTS[i], SAMPLING[i]) for i in range(N)]
+        for s in streams:
+            s.start()
+        wait_for("every request streaming", lambda: all(
+            len(s.ids) >= MOVE_AFTER_TOKENS for s in streams), 120)
+        before = worker_stats(busy)
+        assert before.num_running == N
+        ctl.SetWorkerState(rpb.SetWorkerStateRequest(
+            address=idle, state=rpb.MEMBER_STATE_ACTIVE, role=wpb.ROLE_DECODE), timeout=10)
+        # No flips, no offload: the only action left is the move. An ITL SLO every step of
+        # the busy worker misses, and the shipped CPU profile's shape for the step model.
+        proc, _, audit = start_controller(
+            cluster, tmp_path, "--fluid-role", "false", "--fluid-token", "false",
+            "--itl-slo-ms", "5", "--step-profile", "cpu-smollm2-135m")
+        try:
+            moved = wait_for("the controller moved decodes", lambda: next(
+                (e for e in audit_events(audit) if e["event"] == "migrate"), None), 60)
+        finally:
+            assert stop_process(proc, timeout_s=15) == 0
+        assert moved["address"] == busy and moved["error"] == "" and moved["moved"] >= 1
+        assert "projected step" in moved["reason"]
+        after = worker_stats(busy)
+        assert after.role == wpb.ROLE_DECODE
+        assert (after.migrations["balance/copied"] + after.migrations["balance/partial"]
+                - before.migrations["balance/copied"] - before.migrations["balance/partial"]
+                ) >= moved["moved"]
+        assert_tokens(streams, want)
+
+
+def audit_events(path) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
