@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import grpc
 
@@ -81,24 +81,26 @@ def reason_label(d: Decision, inp: ControllerInput, high: float) -> str:
 
 
 class Controller:
-    """`policy_cfg` and `slo`: the ones `cfg` implies unless given (the simulator passes its
-    own, with thresholds the command line does not set)."""
+    """`policy_cfg`, `slo` and `step_prior`: the ones `cfg` implies unless given (the simulator
+    passes its own, with thresholds the command line does not set, and its step profile)."""
 
     def __init__(self, cfg: ControllerConfig, connector: Connector, clock=time.monotonic,
-                 policy_cfg: PolicyConfig | None = None, slo: Slo | None = None) -> None:
+                 policy_cfg: PolicyConfig | None = None, slo: Slo | None = None,
+                 step_prior: StepModel | None = None) -> None:
         self.cfg = cfg
         self.connector = connector
         self.clock = clock
         self.mode = cfg.mode
         self.slo = slo or Slo(ttft_s=cfg.ttft_slo_ms / 1000, itl_s=cfg.itl_slo_ms / 1000,
                               ttft_share=cfg.ttft_share)
-        self.policy_cfg = policy_cfg or PolicyConfig(
-            fluid_role=cfg.fluid_role, fluid_token=cfg.fluid_token,
-            max_flips_per_tick=cfg.max_flips_per_tick, cooldown_s=cfg.cooldown_s,
-            min_per_role=cfg.min_per_role, sustain_s=cfg.sustain_s, balance=cfg.migrate)
-        self.step_prior = (StepModel(f"profile {cfg.step_profile}",
-                                     profile=load_profile(cfg.step_profile))
-                           if cfg.step_profile else None)
+        self.policy_cfg = replace(policy_cfg, balance=policy_cfg.balance and cfg.migrate) \
+            if policy_cfg else PolicyConfig(
+                fluid_role=cfg.fluid_role, fluid_token=cfg.fluid_token,
+                max_flips_per_tick=cfg.max_flips_per_tick, cooldown_s=cfg.cooldown_s,
+                min_per_role=cfg.min_per_role, sustain_s=cfg.sustain_s, balance=cfg.migrate)
+        self.step_prior = step_prior or (StepModel(f"profile {cfg.step_profile}",
+                                                   profile=load_profile(cfg.step_profile))
+                                         if cfg.step_profile else None)
         self.metrics = ControllerMetrics()
         self.audit = AuditLog(cfg.audit_log, cfg.audit_max_bytes)
         self.meters = Meters()

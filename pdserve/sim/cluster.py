@@ -95,7 +95,7 @@ class Cluster:
         if cfg.controller:
             self.ctl, self.connector = controller(
                 self, cfg.policy, self.slo, cfg.tick_s, cfg.window_s, cfg.pressure_window_s,
-                cfg.drain_timeout_s, cfg.failed_readmit_s, cfg.migrate)
+                cfg.drain_timeout_s, cfg.failed_readmit_s, cfg.migrate, profile, cfg.block_size)
         self.bpt = cfg.block_size * profile.kv_bytes_per_token  # bytes per KV block
         self.report = SimReport(
             config={}, profile=getattr(profile, "origin", type(profile).__name__),

@@ -14,9 +14,11 @@ controller over it. Must not decide anything: the controller's `tick` and `decid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.controller.config import ControllerConfig
+from pdserve.controller.projection import StepModel
+from pdserve.core.step_profile import StepProfile
 from pdserve.controller.service import Controller
 from pdserve.controller.signals import Slo
 from pdserve.proto import router_pb2 as rpb
@@ -70,12 +72,16 @@ class SimConnector:
 
 def controller(cluster: Cluster, policy_cfg, slo: Slo, tick_s: float, window_s: float,
                pressure_window_s: float, drain_timeout_s: float, failed_readmit_s: float,
-               migrate: bool = ControllerConfig.migrate) -> tuple[Controller, SimConnector]:
+               migrate: bool = ControllerConfig.migrate, profile: Any = None,
+               block_size: int = 16) -> tuple[Controller, SimConnector]:
     """The live controller (active, no audit file, no operator) over `cluster`, on its
-    virtual clock."""
+    virtual clock, projecting decode steps with the cluster's step profile (as the live
+    controller does given it with `--step-profile`)."""
+    step_prior = (StepModel(f"profile {profile.origin}", profile=profile, block_tokens=block_size)
+                  if isinstance(profile, StepProfile) else None)
     connector = SimConnector(cluster)
     cfg = ControllerConfig(router_address="simulated", tick_s=tick_s, window_s=window_s,
                            pressure_window_s=pressure_window_s, drain_timeout_s=drain_timeout_s,
                            failed_readmit_s=failed_readmit_s, migrate=migrate)
     return (Controller(cfg, connector, clock=lambda: cluster.q.now, policy_cfg=policy_cfg,
-                       slo=slo), connector)
+                       slo=slo, step_prior=step_prior), connector)
