@@ -41,7 +41,8 @@ BENCHES: dict[str, Lazy] = {
     "transfer": Lazy("pdserve.bench.transfer", "progressive KV transfer over a bandwidth-limited "
                                                "link (time to the 2nd and 10th token per variant)"),
     "fluid": Lazy("pdserve.bench.fluid", "the controller vs static prefill:decode splits on a "
-                                         "phase-shifting workload (SLO attainment, goodput)"),
+                                         "shifting workload, repeated (SLO attainment per "
+                                         "phase and its spread, goodput)"),
     "emulate": Lazy("pdserve.bench.emulate", "the control plane of emulated clusters against "
                                              "their size: CPU, memory, ticks, flips, membership"),
     "router": Lazy("pdserve.bench.router", "a router's CPU per streamed token and request, "

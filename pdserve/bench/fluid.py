@@ -1,48 +1,45 @@
-"""`pdserve bench fluid`: the controller against static splits on a phase-shifting workload.
+"""`pdserve bench fluid`: the controller against static splits, repeated, on one workload.
 
-Owns one benchmark run on this machine. The same open-loop arrivals (`fluid_workload`: a
-prefill-heavy phase from the Azure code trace, then a decode-heavy phase from the Mooncake
-conversation trace) are replayed, greedy, against a fresh 4-worker cluster per configuration:
-every static split (1:3, 2:2, 3:1, controller off), and from 2:2 the controller with FluidToken
-only (prefill offload to decode workers), FluidRole only (role flips), and both. Per phase and
-overall: TTFT and ITL p50/p90, SLO attainment, goodput, flips and drain time, roles over time
-(PNG). Every configuration's tokens are compared with the static 2:2 run's, and the first
-requests with the single-process engine's.
-
-Each worker is one "accelerator": with `cpu_quota` (root, cgroup v1 cpu controller) each worker
-process is capped at an equal share of this machine's cores, so a worker that idles leaves its
-share unused, as an idle GPU does; without it, idle workers' cores go to busy ones and moving
-roles buys little. The report says which was in force. Must not decide anything: it measures.
+Owns one benchmark run on this machine. The same open-loop arrivals (`fluid_workload`:
+two-phase, bursty, drift or a trace file) are replayed, greedy, against a fresh 4-worker
+cluster per configuration (`fluid_cluster.CONFIGS`): every static split (controller off), and
+from 2:2 the controller with FluidToken only, FluidRole only, both, and the flipping ones again
+with migration off (running decodes finish in place). Each configuration is measured `runs`
+times, the runs interleaved (round k measures every configuration once, its order rotated by
+k) so the host's drift hits all alike. Every request's tokens in every run are compared with
+the first run of the static 2:2 split (the first request with the in-process engine's too).
+`fluid_summary` turns the records into means, spreads, the best static split and the gains.
+With an output folder each run's record is kept there as it ends, and a later run with the
+same settings and workload continues from them. Must not decide anything: it measures.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
+import sys
 import tempfile
-import threading
-import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pdserve.bench.fluid_cluster import CONFIGS, DEFAULT_SPLIT, cpu_quota_available, digest
+from pdserve.bench.fluid_runs import RunFiles, run_key
+from pdserve.bench.fluid_summary import summarize
+from pdserve.bench.fluid_workload import WORKLOADS, Shape, Workload, make_workload, traces_dir
+from pdserve.bench.serve_workload import WorkloadError
 from pdserve.output import emit
-from pdserve.bench.fluid_workload import Shape, figures, make_workload, traces_dir
-
-CONFIGS = {  # name -> (prefill workers, decode workers, controller: None or (role, token))
-    "static-1:3": (1, 3, None), "static-2:2": (2, 2, None), "static-3:1": (3, 1, None),
-    "fluid-token": (2, 2, (False, True)), "fluid-role": (2, 2, (True, False)),
-    "fluid-both": (2, 2, (True, True)),
-}
 
 
 @dataclass(frozen=True)
 class FluidBenchSettings:
     model_path: str = ""  # "" -> the default model (SmolLM2-135M-Instruct GGUF)
     configs: tuple[str, ...] = tuple(CONFIGS)
+    workload: str = "two-phase"
+    trace_path: str = ""  # the file the `trace` workload replays
+    speedup: float = 1.0  # the trace's arrivals divided by this
+    runs: int = 3  # each configuration measured this many times
     phase_s: float = 60.0
     prefill_rps: float = 0.8
     decode_rps: float = 0.5
@@ -64,179 +61,41 @@ class FluidBenchSettings:
         bad = [c for c in self.configs if c not in CONFIGS]
         if bad or not self.configs:
             raise ValueError(f"configs: choose from {', '.join(CONFIGS)}, got {bad or '()'}")
-        if self.phase_s <= 0 or self.prefill_rps <= 0 or self.decode_rps <= 0:
-            raise ValueError("phase_s, prefill_rps and decode_rps must be > 0")
+        if len(set(self.configs)) != len(self.configs):
+            raise ValueError(f"configs: each at most once, got {', '.join(self.configs)}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload: choose from {', '.join(WORKLOADS)}, "
+                             f"got {self.workload!r}")
+        if (self.workload == "trace") != bool(self.trace_path):
+            raise ValueError("trace_path (--trace): needed by the trace workload, and by no other")
+        for name in ("phase_s", "prefill_rps", "decode_rps", "speedup"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.runs < 1:
+            raise ValueError(f"runs must be >= 1, got {self.runs}")
 
 
-def _cap_cpu(pids: list[int], share_cores: float, tag: str) -> list[str]:
-    """Each pid in its own cgroup capped at `share_cores` CPUs; the cgroup paths."""
-    root = "/sys/fs/cgroup/cpu"
-    made = []
-    for pid in pids:
-        path = os.path.join(root, f"pdserve-bench-{tag}-{pid}")
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
-            f.write("100000")
-        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
-            f.write(str(int(100000 * share_cores)))
-        with open(os.path.join(path, "cgroup.procs"), "w") as f:  # every thread, and new ones
-            f.write(str(pid))
-        made.append(path)
-    return made
+def rounds(configs: tuple[str, ...], runs: int) -> list[tuple[int, str]]:
+    """(run index, configuration) in measuring order: round k is every configuration once,
+    the order rotated by k."""
+    n = len(configs)
+    return [(k, configs[(k + i) % n]) for k in range(runs) for i in range(n)]
 
 
-def _uncap(paths: list[str]) -> None:
-    """Remove the cgroups (the processes have exited by now, or move back to the root)."""
-    for p in paths:
-        # A cgroup already gone, or a pid that exited meanwhile: nothing left to undo.
-        with contextlib.suppress(OSError):
-            with open(os.path.join(p, "cgroup.procs")) as f:
-                for pid in f.read().split():
-                    with open("/sys/fs/cgroup/cpu/cgroup.procs", "w") as root:
-                        root.write(pid)
-            os.rmdir(p)
+def _baseline(configs: tuple[str, ...]) -> str:
+    """The configuration whose first run every run's tokens are compared with."""
+    statics = [c for c in configs if CONFIGS[c][2] is None]
+    return DEFAULT_SPLIT if DEFAULT_SPLIT in configs else (statics or list(configs))[0]
 
 
-def cpu_quota_available() -> bool:
-    return os.geteuid() == 0 and os.access("/sys/fs/cgroup/cpu", os.W_OK)
+def _token_check(rows: list[dict], base: list[dict]) -> dict[str, int]:
+    """Requests both finished (every one, not a sample) and how many of those differ."""
+    both = [(a, b) for a, b in zip(rows, base) if a["error"] is None and b["error"] is None]
+    return {"compared": len(both), "mismatches": sum(a["digest"] != b["digest"]
+                                                     for a, b in both)}
 
 
-class Replay:
-    """Open loop: one thread per request at its arrival time; records tokens and times."""
-
-    def __init__(self, address: str, reqs, timeout_s: float, on_done=None) -> None:
-        self.address, self.reqs, self.timeout_s, self.on_done = address, reqs, timeout_s, on_done
-        self.rows: list[dict[str, Any] | None] = [None] * len(reqs)
-
-    def _one(self, stub, i: int, t0: float) -> None:
-        from pdserve.proto import api_pb2, common_pb2
-
-        r = self.reqs[i]
-        req = api_pb2.GenerateRequest(
-            request_id=uuid.uuid4().hex, token_ids=api_pb2.TokenIds(ids=r.prompt),
-            sampling=common_pb2.SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
-        arrival = t0 + r.arrival_s
-        ids, first, last, error = [], None, None, None
-        try:
-            for resp in stub.Generate(req, timeout=self.timeout_s):
-                if resp.token_ids:
-                    now = time.monotonic()
-                    first = now if first is None else first
-                    last = now
-                    ids.extend(resp.token_ids)
-        except Exception as e:  # recorded and counted, never hidden
-            error = f"{type(e).__name__}: {getattr(e, 'details', lambda: e)()}"
-        n = len(ids)
-        self.rows[i] = {
-            "phase": r.phase, "arrival_s": r.arrival_s, "ids": ids, "output_tokens": n,
-            "ttft_s": None if first is None else first - arrival,
-            "tpot_s": (last - first) / (n - 1) if n > 1 else 0.0,
-            "error": error if error or n == r.max_tokens else f"{n} of {r.max_tokens} tokens"}
-        if self.on_done:
-            self.on_done()
-
-    def run(self) -> None:
-        from pdserve import rpc
-        from pdserve.proto import api_pb2_grpc
-
-        with rpc.make_channel(self.address, rpc.PUBLIC) as ch:
-            stub = api_pb2_grpc.GenerationStub(ch)
-            t0 = time.monotonic() + 0.5
-            threads = []
-            for i, r in enumerate(self.reqs):
-                delay = t0 + r.arrival_s - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                t = threading.Thread(target=self._one, args=(stub, i, t0), daemon=True)
-                t.start()
-                threads.append(t)
-            for t in threads:
-                t.join(self.timeout_s)
-
-
-def _roles_sampler(router: str, stop: threading.Event, out: list, t0: float) -> None:
-    from pdserve import rpc
-    from pdserve.proto import router_pb2 as rpb
-    from pdserve.proto import router_pb2_grpc as rpb_grpc
-    from pdserve.proto import worker_pb2 as wpb
-
-    with rpc.make_channel(router, "router") as ch:
-        stub = rpb_grpc.RouterControlStub(ch)
-        while not stop.wait(0.5):
-            try:
-                ws = stub.ListWorkers(rpb.ListWorkersRequest(), timeout=5).workers
-            except Exception:
-                continue
-            out.append((time.monotonic() - t0,
-                        sum(1 for w in ws if w.role == wpb.ROLE_PREFILL
-                            and w.state == rpb.MEMBER_STATE_ACTIVE),
-                        sum(1 for w in ws if w.role == wpb.ROLE_DECODE
-                            and w.state == rpb.MEMBER_STATE_ACTIVE)))
-
-
-def run_config(name: str, s: FluidBenchSettings, model: str, reqs, log_dir: str,
-               on_done=None) -> dict[str, Any]:
-    from pdserve.controller.audit import read_records
-    from pdserve.launcher.local import ClusterSpec, LocalCluster
-    from pdserve.bench.route import _free_port
-
-    p, d, ctl = CONFIGS[name]
-    ctl_settings = {} if ctl is None else {"fluid_role": ctl[0], "fluid_token": ctl[1],
-                                           **s.controller_settings}
-    spec = ClusterSpec(
-        model_path=model, router_port=_free_port(), store_port=_free_port(),
-        worker_ports=tuple(_free_port() for _ in range(4)), prefill_workers=p, decode_workers=d,
-        num_blocks=s.num_blocks, http_port=None, log_dir=log_dir, threads_per_worker=1,
-        controller=ctl is not None, controller_port=_free_port(), ttft_slo_ms=s.ttft_slo_ms,
-        itl_slo_ms=s.itl_slo_ms, controller_settings=ctl_settings, ready_timeout_s=600,
-        max_predicted_ttft_s=0.0,  # attainment counts every request: admission refuses none
-        # The controller's mechanisms alone move prefill onto decode workers here.
-        max_local_prefill_tokens=0,
-        # Its workers stand for separate machines (`--cpu-quota`): none ever waits for another's
-        # turn on this host's cores, whatever the default.
-        core_sharing="lend")
-    caps: list[str] = []
-    with LocalCluster(spec) as cluster:
-        if s.cpu_quota:
-            pids = [c.proc.pid for c in cluster.children if c.name.startswith(("prefill", "decode"))]
-            caps = _cap_cpu(pids, (os.cpu_count() or 1) / 4, name)
-        stop, timeline = threading.Event(), []
-        t0 = time.monotonic()
-        sampler = threading.Thread(target=_roles_sampler,
-                                   args=(cluster.router_control_address, stop, timeline,
-                                         t0),
-                                   daemon=True)
-        sampler.start()
-        replay = Replay(cluster.router_address, reqs, s.request_timeout_s, on_done)
-        try:
-            replay.run()
-        finally:
-            stop.set()
-            sampler.join(5)
-            _uncap(caps)
-        audit = read_records(cluster.audit_log) if ctl is not None else []
-    flips = [r for r in audit if r.get("event") == "flip" and r["from_role"] != r["to_role"]]
-    rows = replay.rows
-    out: dict[str, Any] = {"name": name, "prefill_workers": p, "decode_workers": d,
-                           "controller": None if ctl is None else
-                           {"fluid_role": ctl[0], "fluid_token": ctl[1]},
-                           "flips": len([f for f in flips if f["ok"]]),
-                           "failed_flips": len([f for f in flips if not f["ok"]]),
-                           "drain_seconds": sum(f["seconds"] for f in flips),
-                           "flip_times_s": [round(f["t"], 3) for f in flips],
-                           "timeline": timeline}
-    ttft, itl = s.ttft_slo_ms / 1000, s.itl_slo_ms / 1000
-    for phase in ("prefill", "decode"):
-        out[phase] = figures([r for r in rows if r["phase"] == phase], ttft, itl, s.phase_s)
-    out["overall"] = figures(rows, ttft, itl, 2 * s.phase_s)
-    out["met_by_arrival"] = [  # for the attainment-over-time plot
-        [round(r["arrival_s"], 2), r["error"] is None and r["ttft_s"] <= ttft
-         and r["tpot_s"] <= itl] for r in rows]
-    out["rows"] = rows
-    return out
-
-
-def _engine_check(model: str, reqs, rows, n: int) -> int:
+def _engine_check(model: str, wl: Workload, rows, n: int) -> int:
     """Requests among the first `n` whose tokens differ from the in-process engine's."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
@@ -244,61 +103,74 @@ def _engine_check(model: str, reqs, rows, n: int) -> int:
 
     engine = LLMEngine(EngineConfig(model))
     bad = 0
-    for r, row in list(zip(reqs, rows))[:n]:
+    for r, row in list(zip(wl.requests, rows))[:n]:
         ref = engine.generate([list(r.prompt)], SamplingParams(max_tokens=r.max_tokens,
                                                                ignore_eos=True))[0]
-        bad += row["ids"] != ref
+        bad += row["digest"] != digest(ref)
     return bad
 
 
-def run_bench(s: FluidBenchSettings, progress=None) -> dict[str, Any]:
+def run_bench(s: FluidBenchSettings, progress=None, out_dir: str | None = None
+              ) -> dict[str, Any]:
+    """Every configuration `s.runs` times; with `out_dir`, each run's record kept there and
+    earlier ones of the same settings and workload taken instead of measured again."""
+    from pdserve.bench.fluid_cluster import run_config
     from pdserve.engine.loader import default_model_path, load_model_config
 
     model = s.model_path or default_model_path()
     if s.cpu_quota and not cpu_quota_available():
         s = replace(s, cpu_quota=False)
-    vocab = load_model_config(model).vocab_size
-    reqs = make_workload(traces_dir(), s.shape, phase_s=s.phase_s, prefill_rps=s.prefill_rps,
-                         decode_rps=s.decode_rps, vocab=(100, vocab - 100), seed=s.seed)
-    runs = {}
+    mc = load_model_config(model)
+    wl = make_workload(traces_dir(), s.shape, phase_s=s.phase_s, prefill_rps=s.prefill_rps,
+                       decode_rps=s.decode_rps, vocab=(100, mc.vocab_size - 100), seed=s.seed,
+                       kind=s.workload, trace_path=s.trace_path, speedup=s.speedup,
+                       context_tokens=mc.max_position_embeddings)
+    if not wl.requests:
+        raise WorkloadError(f"--trace {s.trace_path}: no request arrives in the first "
+                            f"{wl.duration_s:.0f} s at --speedup {s.speedup}")
+    settings = {**asdict(s), "model": model, "context_tokens": mc.max_position_embeddings}
+    files = RunFiles(os.path.join(out_dir, "fluid-runs") if out_dir else None,
+                     run_key(settings, model, wl.requests))
+    records: dict[str, list[dict[str, Any]]] = {c: [{}] * s.runs for c in s.configs}
+    resumed = 0
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-fluid-") as tmp:
-        tmp = s.logs_dir or tmp
-        for name in s.configs:
-            task = progress(name, len(reqs)) if progress else None
-            runs[name] = run_config(name, s, model, reqs, os.path.join(tmp, name), task)
-    base = runs.get("static-2:2") or next(iter(runs.values()))
-    for r in runs.values():
-        r["mismatches_vs_" + base["name"]] = sum(
-            a["ids"] != b["ids"] for a, b in zip(r["rows"], base["rows"])
-            if a["error"] is None and b["error"] is None)
-    engine_bad = _engine_check(model, reqs, base["rows"], s.engine_checks)
-    for r in runs.values():
-        del r["rows"]
-    return {"settings": {**asdict(s), "model": model}, "machine": _machine(),
-            "requests": {"prefill": sum(r.phase == "prefill" for r in reqs),
-                         "decode": sum(r.phase == "decode" for r in reqs)},
-            "engine_checked": min(s.engine_checks, len(reqs)),
-            "engine_mismatches": engine_bad, "runs": runs, "aims": _aims(runs)}
-
-
-def _aims(runs: dict[str, Any]) -> dict[str, Any]:
-    def att(name, part):
-        r = runs.get(name)
-        return None if r is None else r[part]["slo_attainment"]
-
-    statics = [n for n in runs if n.startswith("static")]
-    out: dict[str, Any] = {}
-    if "fluid-both" in runs and "static-2:2" in runs:
-        gain = att("fluid-both", "overall") - att("static-2:2", "overall")
-        out["both_minus_static_2_2_overall_points"] = round(100 * gain, 1)
-        out["beats_static_2_2_by_20_points"] = gain >= 0.2
-    if "fluid-both" in runs and statics:
-        for part in ("prefill", "decode"):
-            best = max(statics, key=lambda n: att(n, part))
-            out[f"best_static_{part}"] = best
-            out[f"both_no_worse_than_best_static_{part}"] = att("fluid-both", part) >= att(
-                best, part)
-    return out
+        for k, name in rounds(s.configs, s.runs):
+            label = f"{name} run {k + 1}/{s.runs}"
+            rec = files.load(name, k)
+            if rec is None:
+                task = progress(label, len(wl.requests), False) if progress else None
+                rec = run_config(name, s, model, wl, os.path.join(
+                    s.logs_dir or tmp, f"{name}.run{k + 1}"), task)
+                files.save(name, k, rec)
+            else:
+                resumed += 1
+                if progress:
+                    progress(label + " (kept)", len(wl.requests), True)
+            records[name][k] = rec
+    base_name = _baseline(s.configs)
+    base = records[base_name][0]["rows"]
+    for name, recs in records.items():
+        for k, rec in enumerate(recs):
+            rec["tokens"] = {"against": f"{base_name} run 1", **(
+                {"compared": 0, "mismatches": 0} if (name, k) == (base_name, 0)
+                else _token_check(rec["rows"], base))}
+    engine_bad = _engine_check(model, wl, base, s.engine_checks)
+    for recs in records.values():
+        for rec in recs:
+            del rec["rows"]
+    phases = [p.name for p in wl.phases]
+    return {"settings": settings, "machine": _machine(),
+            "workload": {"kind": wl.kind, "duration_s": wl.duration_s,
+                         "decode_from_s": wl.decode_from_s,
+                         "phases": [asdict(p) for p in wl.phases],
+                         "requests": {p: sum(r.phase == p for r in wl.requests)
+                                      for p in phases}},
+            "engine_checked": min(s.engine_checks, len(wl.requests)),
+            "engine_mismatches": engine_bad, "runs_kept_from_earlier": resumed,
+            "runs": records,
+            "summary": summarize(records, phases, default=DEFAULT_SPLIT,
+                                 static=[c for c in CONFIGS if CONFIGS[c][2] is None],
+                                 decode_from_s=wl.decode_from_s)}
 
 
 def _machine() -> dict[str, Any]:
@@ -308,10 +180,22 @@ def _machine() -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--out", default=None, help="write fluid.json and fluid.png here")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write fluid.json and the PNGs here; each run's record is kept in "
+                        "DIR/fluid-runs as it ends, and a stopped run continues from them")
     p.add_argument("--model", default="", help="model path (default: SmolLM2-135M GGUF)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated among {', '.join(CONFIGS)}")
+    p.add_argument("--workload", choices=WORKLOADS, default=None,
+                   help="two-phase (prefill-heavy then decode-heavy), bursty (long answers "
+                        "with a burst of long prompts mid-run), drift (prefill-heavy drifting "
+                        "to decode-heavy), trace (--trace); default: trace with --trace, "
+                        "else two-phase")
+    p.add_argument("--trace", default="", metavar="FILE",
+                   help="an Azure CSV or Mooncake JSONL trace to replay")
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="the trace's arrivals divided by this (below 1: slower)")
+    p.add_argument("--runs", type=int, default=3, help="times each configuration is measured")
     p.add_argument("--phase-s", type=float, default=60.0, help="seconds of each phase")
     p.add_argument("--prefill-rps", type=float, default=0.8)
     p.add_argument("--decode-rps", type=float, default=0.5)
@@ -320,23 +204,35 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-cpu-quota", action="store_true",
                    help="let workers share every core (no per-worker CPU cap)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
     from rich.progress import Progress
 
     from pdserve.bench import fluid_report
 
-    s = FluidBenchSettings(model_path=args.model, configs=tuple(
-        c.strip() for c in args.configs.split(",") if c.strip()), phase_s=args.phase_s,
-        prefill_rps=args.prefill_rps, decode_rps=args.decode_rps, ttft_slo_ms=args.ttft_slo_ms,
-        itl_slo_ms=args.itl_slo_ms, cpu_quota=not args.no_cpu_quota, seed=args.seed,
-        logs_dir=os.path.join(args.out, "logs") if args.out else "")
-    with Progress(transient=True, disable=args.json) as bar:
-        def progress(name: str, total: int):
-            task = bar.add_task(f"{name:<12}", total=total)
-            return lambda: bar.advance(task)
-        result = run_bench(s, progress)
+    try:
+        s = FluidBenchSettings(
+            model_path=args.model, configs=tuple(
+                c.strip() for c in args.configs.split(",") if c.strip()),
+            workload=args.workload or ("trace" if args.trace else "two-phase"),
+            trace_path=args.trace, speedup=args.speedup, runs=args.runs, phase_s=args.phase_s,
+            prefill_rps=args.prefill_rps, decode_rps=args.decode_rps,
+            ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms,
+            cpu_quota=not args.no_cpu_quota, seed=args.seed,
+            logs_dir=os.path.join(args.out, "logs") if args.out else "")
+        with Progress(transient=True, disable=args.json or args.no_progress,
+                      console=Console(stderr=True)) as bar:
+            def progress(label: str, total: int, done: bool):
+                task = bar.add_task(f"{label:<30}", total=total,
+                                    completed=total if done else 0)
+                return lambda: bar.advance(task)
+            result = run_bench(s, progress, args.out)
+    except ValueError as e:  # WorkloadError included: the message names the option
+        print(f"pdserve bench fluid: {e}", file=sys.stderr)
+        return 2
     return emit(result, json_out=args.json, out_dir=args.out,
                 write_outputs=fluid_report.write_outputs, print_tables=fluid_report.print_tables)

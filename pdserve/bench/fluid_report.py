@@ -1,6 +1,7 @@
-"""Tables and the PNG of `pdserve bench fluid` (attainment and roles over time per config).
+"""Tables and PNGs of `pdserve bench fluid`: attainment per configuration with its spread over
+the runs, the gains of the controller configurations, and their roles over time.
 
-Owns presentation only. Must not measure anything.
+Owns presentation only (the arithmetic is `fluid_summary`'s). Must not measure anything.
 """
 
 from __future__ import annotations
@@ -17,66 +18,146 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.0f}"
+def _att(st: dict[str, Any]) -> str:
+    """Mean and min..max of an attainment stat."""
+    if st["mean"] is None:
+        return "-"
+    if st["n"] < 2:
+        return _pct(st["mean"])
+    return f"{_pct(st['mean'])} ({100 * st['min']:.0f}..{100 * st['max']:.0f})"
+
+
+def _num(st: dict[str, Any], unit: str = "") -> str:
+    if st["mean"] is None:
+        return "-"
+    if st["n"] < 2 or st["spread"] == 0:
+        return f"{st['mean']:.1f}{unit}"
+    return f"{st['mean']:.1f}{unit} ({st['min']:.1f}..{st['max']:.1f})"
+
+
+def _gain(g: dict[str, Any] | None) -> str:
+    if g is None or g["points"] is None:
+        return "-"
+    note = {True: ", within spread", False: "", None: ", 1 run"}[g["within_spread"]]
+    return f"{g['points']:+.1f} vs {g['against']}{note}"
+
+
+def _parts(result: dict[str, Any]) -> list[str]:
+    return ["overall", *[p["name"] for p in result["workload"]["phases"]]]
 
 
 def print_tables(result: dict[str, Any], console: Any) -> None:
-    s = result["settings"]
-    t = Table(title=f"bench fluid: {result['requests']['prefill']} prefill-heavy then "
-                    f"{result['requests']['decode']} decode-heavy requests; SLO TTFT "
-                    f"{s['ttft_slo_ms']:.0f} ms, ITL {s['itl_slo_ms']:.0f} ms; "
-                    f"cpu quota per worker: {s['cpu_quota']}")
-    for col in ("config", "phase", "SLO met", "goodput r/s", "TTFT p50/p90 ms",
-                "ITL p50/p90 ms", "errors", "flips", "drain s"):
+    s, w, sm = result["settings"], result["workload"], result["summary"]
+    parts = _parts(result)
+    reqs = ", ".join(f"{p} {n}" for p, n in w["requests"].items())
+    t = Table(title=f"bench fluid, {w['kind']} workload ({reqs} requests); SLO TTFT "
+                    f"{s['ttft_slo_ms']:.0f} ms, ITL {s['itl_slo_ms']:.0f} ms; {s['runs']} "
+                    f"run{'s' * (s['runs'] != 1)} each, mean (min..max); cpu quota per "
+                    f"worker: {s['cpu_quota']}")
+    for col in ("config", *(f"{p}: SLO met" for p in parts), "goodput r/s", "flips",
+                "decodes moved", "flip back s", "token mismatches"):
         t.add_column(col)
-    for name, r in result["runs"].items():
-        for part in ("prefill", "decode", "overall"):
-            f = r[part]
-            t.add_row(name if part == "prefill" else "", part, _pct(f["slo_attainment"]),
-                      "-" if f["goodput_rps"] is None else f"{f['goodput_rps']:.2f}",
-                      f"{_ms(f['ttft_p50_s'])}/{_ms(f['ttft_p90_s'])}",
-                      f"{_ms(f['itl_p50_s'])}/{_ms(f['itl_p90_s'])}", str(f["errors"]),
-                      str(r["flips"]) if part == "overall" else "",
-                      f"{r['drain_seconds']:.1f}" if part == "overall" else "")
+    for name, v in sm["per_config"].items():
+        fb = v["flip_back_delay_s"]
+        t.add_row(name, *(_att(v["attainment"][p]) for p in parts), _num(v["goodput_rps"]),
+                  _num(v["flips"]), _num(v["decodes_moved"]),
+                  "-" if w["decode_from_s"] is None or name not in sm["gains"] else
+                  f"{_num(fb)} in {fb['n']} of {v['runs']}",
+                  f"{v['token_mismatches']} of {v['tokens_compared']}"
+                  if v["tokens_compared"] else "baseline")
     console.print(t)
-    console.print(f"aims: {result['aims']}")
-    console.print(f"engine check: {result['engine_mismatches']} of {result['engine_checked']} "
-                  "differ from the in-process engine")
+    console.print("best static split in hindsight: " + ", ".join(
+        f"{p} {sm['best_static'][p]}" for p in parts))
+    g = Table(title="controller gains in attainment points (mean minus mean; within spread: "
+                    "no larger than the larger min..max range)")
+    g.add_column("config")
+    g.add_column("against")
+    for p in parts:
+        g.add_column(p)
+    for name, gains in sm["gains"].items():
+        for which in ("vs_best_static", "vs_default"):
+            g.add_row(name if which == "vs_best_static" else "",
+                      "best static" if which == "vs_best_static" else "default split",
+                      *(_gain(gains[p][which]) for p in parts))
+    console.print(g)
+    console.print(f"tokens: {sm['token_mismatches']} of {sm['tokens_compared']} requests differ "
+                  f"from the baseline run's; engine check: {result['engine_mismatches']} of "
+                  f"{result['engine_checked']} differ from the in-process engine; runs kept "
+                  f"from an earlier stop: {result['runs_kept_from_earlier']}")
 
 
-def plot(result: dict[str, Any], path: str) -> None:
+def plot_attainment(result: dict[str, Any], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    bin_s = max(5.0, result["settings"]["phase_s"] / 6)
-    for name, r in result["runs"].items():
-        tl = r["timeline"]
-        if tl:
-            a2.step([x[0] for x in tl], [x[1] for x in tl], where="post", label=name)
-        bins: dict[int, list[bool]] = {}
-        for t, met in r["met_by_arrival"]:
-            bins.setdefault(int(t // bin_s), []).append(met)
-        xs = sorted(bins)
-        a1.plot([(k + 0.5) * bin_s for k in xs],
-                [100 * sum(bins[k]) / len(bins[k]) for k in xs], marker="o", label=name)
-    a1.set_ylabel(f"SLO attainment (%), by arrival, {bin_s:.0f} s bins")
-    a1.axvline(result["settings"]["phase_s"], color="grey", linestyle=":")
-    a1.legend(fontsize=8)
-    a2.axvline(result["settings"]["phase_s"], color="grey", linestyle=":")
-    a2.set_xlabel("seconds (dotted: prefill-heavy -> decode-heavy)")
-    a2.set_ylabel("prefill workers serving")
-    a2.legend(fontsize=8)
-    fig.suptitle("bench fluid: static splits vs the controller")
+    parts, per = _parts(result), result["summary"]["per_config"]
+    names = list(per)
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(names) * len(parts) / 3), 5))
+    width = 0.8 / len(parts)
+    for j, p in enumerate(parts):
+        sts = [per[n]["attainment"][p] for n in names]
+        means = [100 * (st["mean"] or 0) for st in sts]
+        lo = [m - 100 * (st["min"] if st["min"] is not None else 0) for m, st in zip(means, sts)]
+        hi = [100 * (st["max"] if st["max"] is not None else 0) - m for m, st in zip(means, sts)]
+        xs = [i + (j - (len(parts) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(xs, means, width, yerr=[lo, hi], capsize=3, label=p)
+        for x, m, h in zip(xs, means, hi):
+            ax.text(x, m + h + 1, f"{m:.0f}", ha="center", fontsize=6)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("SLO attainment (%), mean; bars: min..max over the runs")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=8, title="requests arriving in", title_fontsize=8)
+    w, s = result["workload"], result["settings"]
+    ax.set_title(f"bench fluid: {w['kind']} workload, {s['runs']} run{'s' * (s['runs'] != 1)} "
+                 "per configuration",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_roles(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctl = [n for n, recs in result["runs"].items() if recs and recs[0]["controller"]]
+    fig, axes = plt.subplots(max(1, len(ctl)), 1, figsize=(9, 1.8 + 1.6 * max(1, len(ctl))),
+                             sharex=True, squeeze=False)
+    phases = result["workload"]["phases"]
+    for ax, name in zip(axes[:, 0], ctl):
+        for k, rec in enumerate(result["runs"][name]):
+            tl = rec["timeline"]
+            if tl:
+                ax.step([x[0] for x in tl], [x[1] for x in tl], where="post",
+                        label=f"run {k + 1}", alpha=0.8)
+        for ph in phases[1:]:
+            ax.axvline(ph["start_s"], color="grey", linestyle=":")
+        ax.axvline(phases[-1]["end_s"], color="black", linestyle="--", linewidth=0.8)
+        ax.set_ylim(-0.2, 4.2)
+        ax.set_ylabel(f"{name}\nprefill workers", fontsize=8)
+        ax.legend(fontsize=7, loc="upper right")
+    if not ctl:
+        axes[0, 0].text(0.5, 0.5, "no controller configuration in this run", ha="center",
+                        transform=axes[0, 0].transAxes)
+    for ph in phases:
+        axes[0, 0].text((ph["start_s"] + ph["end_s"]) / 2, 4.25, ph["name"], ha="center",
+                        va="bottom", fontsize=7)
+    axes[-1, 0].set_xlabel("seconds from the replay's start (dotted: phase boundaries; "
+                           "dashed: the last arrival's phase ends)")
+    fig.suptitle("bench fluid: roles over time per controller configuration", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> list[str]:
-    j, png = write_json(result, out_dir, "fluid.json"), os.path.join(out_dir, "fluid.png")
-    plot(result, png)
-    return [j, png]
+    j = write_json(result, out_dir, "fluid.json")
+    att, roles = os.path.join(out_dir, "fluid.png"), os.path.join(out_dir, "fluid_roles.png")
+    plot_attainment(result, att)
+    plot_roles(result, roles)
+    return [j, att, roles]
