@@ -156,6 +156,9 @@ def _controller_events(audit: list[dict], t0_wall: float) -> tuple[list[dict], i
     return flips, moved
 
 
+DEFAULT_MODEL_PROFILE = "cpu-smollm2-135m"
+
+
 def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
                on_done=None) -> dict[str, Any]:
     """`name` measured once under the bench settings `s`: its record, rows included."""
@@ -170,6 +173,8 @@ def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
         num_blocks=s.num_blocks, http_port=None, log_dir=log_dir, threads_per_worker=1,
         controller=ctl is not None, controller_port=_free_port(), ttft_slo_ms=s.ttft_slo_ms,
         itl_slo_ms=s.itl_slo_ms, controller_settings={} if ctl is None else {
+            # The default model's step shape, measured on a CPU, for the projected pressure.
+            **({} if s.model_path else {"step_profile": DEFAULT_MODEL_PROFILE}),
             **ctl, **s.controller_settings}, ready_timeout_s=600,
         max_predicted_ttft_s=0.0,  # attainment counts every request: admission refuses none
         # The controller's mechanisms alone move prefill onto decode workers here.
