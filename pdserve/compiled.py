@@ -2,11 +2,11 @@
 
 Owns `MODULES`, the simulator's hot path (its event loop, workers, network and engine adapter)
 and the torch-free cores it drives (the scheduler, block pool and sequence, the router's policy,
-membership, admission and KV index), which `scripts/compile.sh` compiles with mypyc into
-extension modules beside their sources; and `compiled()`, the subset that imports as an
-extension in this interpreter. The compiled modules are the same source, so they make the same
-decisions (`.ci/compiled` checks a simulator report byte for byte against the interpreted one)
-and Python runs the `.py` files wherever no extension was built.
+prefill deflection, membership, admission and KV index), which `scripts/compile.sh` compiles
+with mypyc into extension modules beside their sources; and `compiled()`, the subset that
+imports as an extension in this interpreter. The compiled modules are the same source, so they
+make the same decisions (`.ci/compiled` checks a simulator report byte for byte against the
+interpreted one) and Python runs the `.py` files wherever no extension was built.
 
 Must not import the modules it names: it finds where their specs come from.
 """
@@ -23,6 +23,7 @@ MODULES = (
     "pdserve.engine.scheduler",
     "pdserve.engine.sequence",
     "pdserve.router.admission",
+    "pdserve.router.deflect",
     "pdserve.router.kv_index",
     "pdserve.router.local_prefill",
     "pdserve.router.membership",

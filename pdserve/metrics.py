@@ -153,7 +153,16 @@ class RouterMetrics:
                                 "prefill_fallback: prefilled on a decode worker) and gRPC "
                                 "status.",
                                 ["hop", "code"], registry=r)
+        self._deflections = Counter(
+            "pdserve:deflections",
+            "Requests an offload budget fit, by where the prefill deflection sent them: "
+            "decode (prefilled on a decode worker, in bounded chunks) or prefill (the prefill "
+            "pool, its estimated time to first token no higher).",
+            ["model_name", "choice"], registry=r)
         self.model_name = model_name
+
+    def deflected(self, choice: str) -> None:
+        self._deflections.labels(self.model_name, choice).inc()
 
     def retried(self, hop: str, code: str) -> None:
         self._retries.labels(hop, code).inc()

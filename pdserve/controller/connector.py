@@ -38,7 +38,8 @@ class Connector(Protocol):
         """Workers being flipped now, and the role each is switching to."""
 
     def set_budgets(self, budgets: Sequence) -> None:
-        """The offload budgets (`policy.Budget`s) the router applies from now on."""
+        """The offload budgets (`policy.OffloadBudget`s, each with the step time the router's
+        prefill deflection estimates with) the router applies from now on."""
 
     def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,
                    done: Done, migrate: bool = True) -> None:

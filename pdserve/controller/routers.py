@@ -63,10 +63,11 @@ def merge_signals(parts: Sequence[rpb.RouterSignals]) -> rpb.RouterSignals:
 
 def share_budgets(budgets: Sequence, routers: int) -> list[rpb.OffloadBudget]:
     """Each router's share of the controller's offload budgets: max_tokens / routers, rounded
-    up (so every router may still offload), the chunk size as it is. Pure."""
+    up (so every router may still offload), the chunk size and the predicted step carrying one
+    chunk (each router's prefill deflection estimates with it) as they are. Pure."""
     n = max(1, routers)
     return [rpb.OffloadBudget(address=b.address, max_tokens=math.ceil(b.max_tokens / n),
-                              chunk_tokens=b.chunk_tokens) for b in budgets]
+                              chunk_tokens=b.chunk_tokens, step_s=b.step_s) for b in budgets]
 
 
 class Routers:

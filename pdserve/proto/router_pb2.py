@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import worker_pb2 as pdserve_dot_proto_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/router.proto\x12\npdserve.v1\x1a\x1apdserve/proto/worker.proto\"\xbc\x02\n\x0cWorkerMember\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.MemberState\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x18\n\x10in_flight_tokens\x18\x05 \x01(\x01\x12 \n\x18offload_in_flight_tokens\x18\x06 \x01(\x03\x12\x1d\n\x15offload_budget_tokens\x18\x07 \x01(\x03\x12&\n\x05stats\x18\x08 \x01(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x17\n\x0flast_seen_age_s\x18\t \x01(\x01\x12\x0e\n\x06reason\x18\n \x01(\t\x12\x14\n\x0cmissed_polls\x18\x0b \x01(\x05\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerMember\"H\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\"\x80\x01\n\x15SetWorkerStateRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.MemberState\x12\x1e\n\x04role\x18\x03 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0e\n\x06reason\x18\x04 \x01(\t\"J\n\rOffloadBudget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\x05\"F\n\x18SetOffloadBudgetsRequest\x12*\n\x07\x62udgets\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.OffloadBudget\"\x1b\n\x19SetOffloadBudgetsResponse\"%\n\x11GetSignalsRequest\x12\x10\n\x08window_s\x18\x01 \x01(\x01\"\xa0\x01\n\rRequestSample\x12\r\n\x05\x61ge_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\routput_tokens\x18\x05 \x01(\x05\x12\x11\n\toffloaded\x18\x06 \x01(\x08\x12\x0f\n\x07retries\x18\x07 \x01(\x05\x12\x0e\n\x06\x66inish\x18\x08 \x01(\t\"\xdb\x01\n\rRouterSignals\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.RequestSample\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerMember\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\x05\x12 \n\x18offloaded_requests_total\x18\x04 \x01(\x03\x12\x1e\n\x16offloaded_tokens_total\x18\x05 \x01(\x03\x12\x15\n\rretries_total\x18\x06 \x01(\x03*\x8f\x01\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATE_ACTIVE\x10\x01\x12\x19\n\x15MEMBER_STATE_DRAINING\x10\x02\x12\x15\n\x11MEMBER_STATE_GONE\x10\x03\x12\x17\n\x13MEMBER_STATE_FAILED\x10\x04\x32\xa7\x03\n\rRouterControl\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12M\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\x18.pdserve.v1.WorkerMember\x12M\n\x0eSetWorkerState\x12!.pdserve.v1.SetWorkerStateRequest\x1a\x18.pdserve.v1.WorkerMember\x12`\n\x11SetOffloadBudgets\x12$.pdserve.v1.SetOffloadBudgetsRequest\x1a%.pdserve.v1.SetOffloadBudgetsResponse\x12\x46\n\nGetSignals\x12\x1d.pdserve.v1.GetSignalsRequest\x1a\x19.pdserve.v1.RouterSignalsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/router.proto\x12\npdserve.v1\x1a\x1apdserve/proto/worker.proto\"\xbc\x02\n\x0cWorkerMember\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.MemberState\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x18\n\x10in_flight_tokens\x18\x05 \x01(\x01\x12 \n\x18offload_in_flight_tokens\x18\x06 \x01(\x03\x12\x1d\n\x15offload_budget_tokens\x18\x07 \x01(\x03\x12&\n\x05stats\x18\x08 \x01(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x17\n\x0flast_seen_age_s\x18\t \x01(\x01\x12\x0e\n\x06reason\x18\n \x01(\t\x12\x14\n\x0cmissed_polls\x18\x0b \x01(\x05\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerMember\"H\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\"\x80\x01\n\x15SetWorkerStateRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.MemberState\x12\x1e\n\x04role\x18\x03 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0e\n\x06reason\x18\x04 \x01(\t\"Z\n\rOffloadBudget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\x14\n\x0c\x63hunk_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06step_s\x18\x04 \x01(\x01\"F\n\x18SetOffloadBudgetsRequest\x12*\n\x07\x62udgets\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.OffloadBudget\"\x1b\n\x19SetOffloadBudgetsResponse\"%\n\x11GetSignalsRequest\x12\x10\n\x08window_s\x18\x01 \x01(\x01\"\x83\x02\n\rRequestSample\x12\r\n\x05\x61ge_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x15\n\routput_tokens\x18\x05 \x01(\x05\x12\x11\n\toffloaded\x18\x06 \x01(\x08\x12\x0f\n\x07retries\x18\x07 \x01(\x05\x12\x0e\n\x06\x66inish\x18\x08 \x01(\t\x12\x0c\n\x04path\x18\t \x01(\t\x12\x12\n\ndeflection\x18\n \x01(\t\x12\x1f\n\x17prefill_ttft_estimate_s\x18\x0b \x01(\x01\x12\x1e\n\x16\x64\x65\x63ode_ttft_estimate_s\x18\x0c \x01(\x01\"\xdb\x01\n\rRouterSignals\x12*\n\x07samples\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.RequestSample\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerMember\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\x05\x12 \n\x18offloaded_requests_total\x18\x04 \x01(\x03\x12\x1e\n\x16offloaded_tokens_total\x18\x05 \x01(\x03\x12\x15\n\rretries_total\x18\x06 \x01(\x03*\x8f\x01\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATE_ACTIVE\x10\x01\x12\x19\n\x15MEMBER_STATE_DRAINING\x10\x02\x12\x15\n\x11MEMBER_STATE_GONE\x10\x03\x12\x17\n\x13MEMBER_STATE_FAILED\x10\x04\x32\xa7\x03\n\rRouterControl\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12M\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\x18.pdserve.v1.WorkerMember\x12M\n\x0eSetWorkerState\x12!.pdserve.v1.SetWorkerStateRequest\x1a\x18.pdserve.v1.WorkerMember\x12`\n\x11SetOffloadBudgets\x12$.pdserve.v1.SetOffloadBudgetsRequest\x1a%.pdserve.v1.SetOffloadBudgetsResponse\x12\x46\n\nGetSignals\x12\x1d.pdserve.v1.GetSignalsRequest\x1a\x19.pdserve.v1.RouterSignalsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMBERSTATE']._serialized_start=1284
-  _globals['_MEMBERSTATE']._serialized_end=1427
+  _globals['_MEMBERSTATE']._serialized_start=1399
+  _globals['_MEMBERSTATE']._serialized_end=1542
   _globals['_WORKERMEMBER']._serialized_start=71
   _globals['_WORKERMEMBER']._serialized_end=387
   _globals['_LISTWORKERSREQUEST']._serialized_start=389
@@ -45,17 +45,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETWORKERSTATEREQUEST']._serialized_start=552
   _globals['_SETWORKERSTATEREQUEST']._serialized_end=680
   _globals['_OFFLOADBUDGET']._serialized_start=682
-  _globals['_OFFLOADBUDGET']._serialized_end=756
-  _globals['_SETOFFLOADBUDGETSREQUEST']._serialized_start=758
-  _globals['_SETOFFLOADBUDGETSREQUEST']._serialized_end=828
-  _globals['_SETOFFLOADBUDGETSRESPONSE']._serialized_start=830
-  _globals['_SETOFFLOADBUDGETSRESPONSE']._serialized_end=857
-  _globals['_GETSIGNALSREQUEST']._serialized_start=859
-  _globals['_GETSIGNALSREQUEST']._serialized_end=896
-  _globals['_REQUESTSAMPLE']._serialized_start=899
-  _globals['_REQUESTSAMPLE']._serialized_end=1059
-  _globals['_ROUTERSIGNALS']._serialized_start=1062
-  _globals['_ROUTERSIGNALS']._serialized_end=1281
-  _globals['_ROUTERCONTROL']._serialized_start=1430
-  _globals['_ROUTERCONTROL']._serialized_end=1853
+  _globals['_OFFLOADBUDGET']._serialized_end=772
+  _globals['_SETOFFLOADBUDGETSREQUEST']._serialized_start=774
+  _globals['_SETOFFLOADBUDGETSREQUEST']._serialized_end=844
+  _globals['_SETOFFLOADBUDGETSRESPONSE']._serialized_start=846
+  _globals['_SETOFFLOADBUDGETSRESPONSE']._serialized_end=873
+  _globals['_GETSIGNALSREQUEST']._serialized_start=875
+  _globals['_GETSIGNALSREQUEST']._serialized_end=912
+  _globals['_REQUESTSAMPLE']._serialized_start=915
+  _globals['_REQUESTSAMPLE']._serialized_end=1174
+  _globals['_ROUTERSIGNALS']._serialized_start=1177
+  _globals['_ROUTERSIGNALS']._serialized_end=1396
+  _globals['_ROUTERCONTROL']._serialized_start=1545
+  _globals['_ROUTERCONTROL']._serialized_end=1968
 # @@protoc_insertion_point(module_scope)

@@ -78,14 +78,16 @@ class SetWorkerStateRequest(_message.Message):
     def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., role: _Optional[_Union[_worker_pb2.Role, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class OffloadBudget(_message.Message):
-    __slots__ = ("address", "max_tokens", "chunk_tokens")
+    __slots__ = ("address", "max_tokens", "chunk_tokens", "step_s")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
     address: str
     max_tokens: int
     chunk_tokens: int
-    def __init__(self, address: _Optional[str] = ..., max_tokens: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+    step_s: float
+    def __init__(self, address: _Optional[str] = ..., max_tokens: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class SetOffloadBudgetsRequest(_message.Message):
     __slots__ = ("budgets",)
@@ -104,7 +106,7 @@ class GetSignalsRequest(_message.Message):
     def __init__(self, window_s: _Optional[float] = ...) -> None: ...
 
 class RequestSample(_message.Message):
-    __slots__ = ("age_s", "ttft_s", "tpot_s", "prompt_tokens", "output_tokens", "offloaded", "retries", "finish")
+    __slots__ = ("age_s", "ttft_s", "tpot_s", "prompt_tokens", "output_tokens", "offloaded", "retries", "finish", "path", "deflection", "prefill_ttft_estimate_s", "decode_ttft_estimate_s")
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TPOT_S_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,10 @@ class RequestSample(_message.Message):
     OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DEFLECTION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TTFT_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TTFT_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
     age_s: float
     ttft_s: float
     tpot_s: float
@@ -121,7 +127,11 @@ class RequestSample(_message.Message):
     offloaded: bool
     retries: int
     finish: str
-    def __init__(self, age_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., offloaded: _Optional[bool] = ..., retries: _Optional[int] = ..., finish: _Optional[str] = ...) -> None: ...
+    path: str
+    deflection: str
+    prefill_ttft_estimate_s: float
+    decode_ttft_estimate_s: float
+    def __init__(self, age_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., offloaded: _Optional[bool] = ..., retries: _Optional[int] = ..., finish: _Optional[str] = ..., path: _Optional[str] = ..., deflection: _Optional[str] = ..., prefill_ttft_estimate_s: _Optional[float] = ..., decode_ttft_estimate_s: _Optional[float] = ...) -> None: ...
 
 class RouterSignals(_message.Message):
     __slots__ = ("samples", "workers", "in_flight_requests", "offloaded_requests_total", "offloaded_tokens_total", "retries_total")

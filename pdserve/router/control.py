@@ -1,9 +1,10 @@
 """The router's control API (pdserve.v1.RouterControl) and the request signals it reports.
 
 Owns `RequestSignals`, the bounded ring of finished requests' samples (TTFT, mean time per
-output token, tokens, offloaded, retries, how it ended) with the cumulative offload and retry
-counters, and `RouterControlServicer`: membership for the controller and operators (list,
-register, move between states), the controller's offload budgets, and the windowed signals.
+output token, tokens, offloaded, retries, how it ended, its path and prefill deflection) with
+the cumulative offload and retry counters, and `RouterControlServicer`: membership for the
+controller and operators (list, register, move between states), the controller's offload
+budgets, and the windowed signals.
 Must not route requests or decide transitions: `pool.WorkerSet` carries out membership, and
 `membership.py` decides what each move means.
 """
@@ -55,6 +56,12 @@ class Sample:
     offloaded: bool
     retries: int
     finish: str  # "stop", "length", "abort" or an error status name
+    path: str = ""  # the route that served it (`route.Route.kind`; "": none was planned)
+    # The prefill deflection, when an offload budget fit it: DECODE or PREFILL ("": none fit),
+    # and the estimated times to first token it weighed (None: not estimated).
+    deflection: str = ""
+    prefill_ttft_estimate_s: float | None = None
+    decode_ttft_estimate_s: float | None = None
 
 
 class RequestSignals:
@@ -166,12 +173,12 @@ class RouterControlServicer(rpb_grpc.RouterControlServicer):
         return member_proto(m, self.clock())
 
     def SetOffloadBudgets(self, request, context):
-        budgets: dict[str, tuple[int, int]] = {}
+        budgets: dict[str, tuple[int, int, float]] = {}
         for b in request.budgets:
             if b.address in budgets:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"budgets.address: {b.address} appears twice")
-            budgets[b.address] = (b.max_tokens, b.chunk_tokens)
+            budgets[b.address] = (b.max_tokens, b.chunk_tokens, b.step_s)
         try:
             self.workers.set_offload_budgets(budgets)
         except InvalidBudgetError as e:
@@ -188,7 +195,10 @@ class RouterControlServicer(rpb_grpc.RouterControlServicer):
         samples = [rpb.RequestSample(
             age_s=max(0.0, now - x.finished_s), ttft_s=x.ttft_s, tpot_s=x.tpot_s,
             prompt_tokens=x.prompt_tokens, output_tokens=x.output_tokens, offloaded=x.offloaded,
-            retries=x.retries, finish=x.finish) for x in s.window(now, window)]
+            retries=x.retries, finish=x.finish, path=x.path, deflection=x.deflection,
+            prefill_ttft_estimate_s=x.prefill_ttft_estimate_s or 0.0,
+            decode_ttft_estimate_s=x.decode_ttft_estimate_s or 0.0)
+            for x in s.window(now, window)]
         return rpb.RouterSignals(
             samples=samples, workers=self._members(), in_flight_requests=s.in_flight,
             offloaded_requests_total=s.offloaded_requests_total,

@@ -9,8 +9,9 @@ Owns, for every Generate call:
   RESOURCE_EXHAUSTED and a `retry-after` trailer; each refusal counted by reason in
   `pdserve:requests_rejected_total`;
 - its record (`Trip`: what its metrics, its sample for the controller and resuming it need)
-  and the bookkeeping along the way: queue time at the first pick, TTFT and inter-token gaps as
-  responses go out, end-to-end latency, tokens, the finish reason, the sample in
+  and the bookkeeping along the way: its path and prefill deflection (`routed`, the latter
+  counted in `pdserve:deflections_total`), queue time at the first pick, TTFT and inter-token
+  gaps as responses go out, end-to-end latency, tokens, the finish reason, the sample in
   `control.RequestSignals`;
 - its worker calls in flight, which `expire()` cancels when the shutdown deadline passes, so
   the request ends with UNAVAILABLE "router shutting down", not gRPC's "Cancelling all calls";
@@ -103,6 +104,8 @@ class Trip:
     retries: int = 0  # re-routes, resumes and the prefill fallback
     resumes: int = 0
     offloaded: bool = False
+    path: str = ""  # the route that serves it (`route.Route.kind`)
+    deflection: Any = None  # the prefill deflection when an offload budget fit (`deflect.py`)
     error: str = ""  # the status name the client got, when it failed
     # Every token sent to the client, the first one included: a resumed decode recomputes them.
     emitted: list[int] = field(default_factory=list)
@@ -120,6 +123,18 @@ class Trip:
     # stream, after what `Generate` yields does to each); None: they are yielded.
     emit: Callable[[Any], None] | None = None
     moved_s: float | None = None  # its decode moved: when its last tokens before went out
+
+
+def _deflection_note(d) -> str:
+    """The finish line's words for a prefill deflection ("": none was made)."""
+    if d is None:
+        return ""
+
+    def est(s: float | None) -> str:
+        return "?" if s is None else f"{s:.3f}s"
+
+    return (f", deflected to {d.choice} (estimated TTFT prefill {est(d.prefill_ttft_s)}, "
+            f"decode {est(d.decode_ttft_s)})")
 
 
 class Door:
@@ -182,6 +197,16 @@ class Door:
         if t.prediction is not None:
             self.metrics.ttft_factor.set(t.prediction.factor)
 
+    def routed(self, trip: Trip, route) -> None:
+        """`route.plan` chose `route` for the request: its path, and the prefill deflection
+        (the first made for it), counted by choice."""
+        trip.path = route.kind
+        d = route.deflection
+        if d is not None and trip.deflection is None:
+            trip.deflection = d
+            self.metrics.deflected(d.choice)
+            log.debug("deflection: %s (%s)", d.choice, d.reason)
+
     def picked(self, trip: Trip) -> None:
         """A worker took the request: it leaves the queue (counted once, at the first pick)."""
         if not trip.waiting:
@@ -225,9 +250,10 @@ class Door:
         m.prefix_queries.inc(u.prompt_tokens)
         m.prefix_hits.inc(u.cached_prompt_tokens)
         m.finished(trip.finish)
-        log.info("finished: %s, %d prompt tokens (%d cached), %d generated, %.3f s%s%s",
+        log.info("finished: %s, %d prompt tokens (%d cached), %d generated, %.3f s, %s%s%s%s",
                  trip.finish, u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens,
-                 now - trip.arrival, ", offloaded" if trip.offloaded else "",
+                 now - trip.arrival, trip.path or "no path",
+                 ", offloaded" if trip.offloaded else "", _deflection_note(trip.deflection),
                  f", {trip.retries} retries" if trip.retries else "")
 
     def leave(self, trip: Trip) -> None:
@@ -240,9 +266,12 @@ class Door:
         ttft = 0.0 if trip.first_s is None else trip.first_s - trip.arrival
         if trip.offloaded:
             self.signals.offloaded(trip.prompt_tokens)
+        d = trip.deflection
         self.signals.finished(Sample(
             end, ttft, tpot_of(end - trip.arrival, ttft, trip.sent), trip.prompt_tokens,
-            trip.sent, trip.offloaded, trip.retries, trip.finish or trip.error or fin.ABORT))
+            trip.sent, trip.offloaded, trip.retries, trip.finish or trip.error or fin.ABORT,
+            trip.path, "" if d is None else d.choice, None if d is None else d.prefill_ttft_s,
+            None if d is None else d.decode_ttft_s))
         self._prefilled(trip, False)  # a request that ended before its first token
         self.admission.release(trip.tenant)
 

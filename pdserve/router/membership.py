@@ -2,11 +2,11 @@
 
 Owns each known worker's role and state (ACTIVE in a role's pool, DRAINING, GONE, FAILED), the
 router's own load on it (requests and predicted prefill tokens in flight, prompt tokens of
-offloaded requests in flight and the controller's offload budget), its last reported stats, and
-the transitions between states: joins, successful polls (`report`), missed polls (`missed`),
-a call with no first answer in time (`stalled`), the controller's moves (`set_state`) and
-forgetting long-gone workers (`forget_gone`); and whether a request can be served at all
-(`health_of`: the router's health).
+offloaded requests in flight and the controller's offload budget with its chunk and step time),
+its last reported stats, and the transitions between states: joins, successful polls
+(`report`), missed polls (`missed`), a call with no first answer in time (`stalled`), the
+controller's moves (`set_state`) and forgetting long-gone workers (`forget_gone`); and whether a
+request can be served at all (`health_of`: the router's health).
 
 Pure: inputs and a `now` in, the updated `Member` out; no I/O, no clock reads, no threads, no
 locks (the adapter in `pool.py` holds one around every call). Must not import torch, grpc or
@@ -19,6 +19,7 @@ alone knows why (a role flip in progress, a flip that failed).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ class Member:
     offload_tokens: int = 0  # prompt tokens of offloaded (locally prefilled) requests in flight
     offload_budget: int = 0  # the most offload_tokens the controller allows (0: no offload)
     offload_chunk: int = 0  # prompt tokens per engine step for each offloaded request
+    offload_step_s: float = 0.0  # predicted step carrying one such chunk (0: not given)
     stats: Any = None  # the last WorkerStats it reported (or alike); None before the first
     last_seen_s: float | None = None  # when it last answered a poll; None: never
     missed: int = 0  # consecutive polls it did not answer
@@ -300,11 +302,14 @@ class Membership:
         m.in_flight_tokens = max(0.0, m.in_flight_tokens - tokens)
         m.offload_tokens = max(0, m.offload_tokens - offload_tokens)
 
-    def set_offload_budgets(self, budgets: Mapping[str, tuple[int, int]]) -> None:
+    def set_offload_budgets(self, budgets: Mapping[str, tuple]) -> None:
         """Replaces every offload budget: address -> (max prompt tokens in flight, chunk tokens
-        per step); members not named get none. Checked as a whole before anything changes, so a
-        bad set leaves the old one in place. Raises InvalidBudgetError naming the field."""
-        for address, (max_tokens, chunk) in budgets.items():
+        per step[, predicted seconds of a step carrying one chunk: 0 or left out, none given]);
+        members not named get none. Checked as a whole before anything changes, so a bad set
+        leaves the old one in place. Raises InvalidBudgetError naming the field."""
+        for address, b in budgets.items():
+            max_tokens, chunk = b[0], b[1]
+            step_s = b[2] if len(b) > 2 else 0.0
             m = self._members.get(address)
             if m is None or m.role != DECODE or m.state == GONE:
                 raise InvalidBudgetError(f"budgets.address: {address!r} is not a decode worker "
@@ -315,5 +320,13 @@ class Membership:
             if chunk < 0:
                 raise InvalidBudgetError(f"budgets.chunk_tokens: must be >= 0, got {chunk} "
                                          f"for {address}")
+            if not 0 <= step_s < math.inf:
+                raise InvalidBudgetError(f"budgets.step_s: must be finite and >= 0, got "
+                                         f"{step_s} for {address}")
         for m in self._members.values():
-            m.offload_budget, m.offload_chunk = budgets.get(m.address, (0, 0))
+            given = budgets.get(m.address)
+            if given is None:
+                m.offload_budget, m.offload_chunk, m.offload_step_s = 0, 0, 0.0
+            else:
+                m.offload_budget, m.offload_chunk = given[0], given[1]
+                m.offload_step_s = float(given[2]) if len(given) > 2 else 0.0

@@ -3,16 +3,19 @@
 Owns a channel and stub per known worker (made when it joins, closed when it is forgotten),
 the `Membership` table behind one lock, the stats poller (one thread running an event loop:
 GetStats to every member each `stats_interval_s`, all at once, over channels of its own; an
-answer is a `report` in the role it names, no answer is a `missed` poll), the KV event feeds following membership, and `pick()`: build the policy's
-`RouteInput` from the ACTIVE members of a role (the prompt's chained block hashes looked up in
-the block index for KV-aware prefill), ask the policy, and count the choice in flight for the
-request's duration. Also `offload()`, the same for a prefill offloaded onto a decode worker,
-and `cached_local()`, for a prompt a decode worker caches all but a short tail of;
-and for admission, the prefill pool's measured rate (`prefill_rate`, from each prefill member's
-polled counters) and how much of a prompt is cached already (`cached_prefix_tokens`).
+answer is a `report` in the role it names, no answer is a `missed` poll), the KV event feeds
+following membership, and `pick()`: build the policy's `RouteInput` from the ACTIVE members of
+a role (the prompt's chained block hashes looked up in the block index for KV-aware prefill),
+ask the policy, and count the choice in flight for the request's duration. Also
+`take_offload()`, the same for a prefill offloaded onto a decode worker when the deflection
+(`deflect.py`) finds it faster than the prefill pool's pick, and `take_cached_local()`, for a
+prompt a decode worker caches all but a short tail of; and for admission, the prefill pool's
+measured rate (`prefill_rate`, from each prefill member's polled counters) and how much of a
+prompt is cached already (`cached_prefix_tokens`).
 
-Must not score workers or decide transitions itself: `policy.py` and `membership.py` do, as
-pure functions of their inputs; this module only feeds them and carries out the result.
+Must not score workers or decide transitions itself: `policy.py`, `deflect.py` and
+`membership.py` do, as pure functions of their inputs; this module only feeds them and carries
+out the result.
 """
 
 from __future__ import annotations
@@ -34,14 +37,16 @@ from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.proto import worker_pb2 as wpb
 from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from pdserve.core.rates import RateMeter
+from pdserve.router.deflect import (HANDOFF_S, Deflection, deflect, pool_side,
+                                    request_cost_tokens)
 from pdserve.router.kv_feed import KvFeeds
 from pdserve.router.local_prefill import LocalCandidate, choose_cached_local
 from pdserve.core.roles import DECODE, GONE, PREFILL
 from pdserve.router.membership import (
-    Health, Member, Membership, UnknownMemberError, reports_draining,
+    ACTIVE, Health, Member, Membership, UnknownMemberError, reports_draining,
 )
 from pdserve.router.policy import (
-    KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad, choose_offload,
+    KvAware, NoWorkerError, RouteDecision, RouteInput, WorkerLoad,
 )
 from pdserve.router.worker_calls import WorkerCalls, first_answer_deadline
 from pdserve.wire import role_from_proto
@@ -73,12 +78,14 @@ class WorkerSet:
                  decode_policy, block_size_tokens: int = 16, feeds: KvFeeds | None = None,
                  stats_interval_s: float = 1.0, max_missed: int = 3,
                  forget_after_s: float = 300.0, first_answer_min_s: float = 0.0,
+                 handoff_s: float = HANDOFF_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.membership = Membership(max_missed, forget_after_s)
         self.rates = RateMeter()  # measured prefill rates per member
         # Calls in flight, ended when their worker is gone or gives no first answer in time.
         self.calls = WorkerCalls(on_stall=self._stalled)
         self.first_answer_min_s = first_answer_min_s
+        self.handoff_s = handoff_s  # a prefill call's fixed cost, for the deflection's estimate
         self.policies = {PREFILL: prefill_policy, DECODE: decode_policy}
         self.block_size_tokens = block_size_tokens
         self.feeds = feeds
@@ -154,8 +161,9 @@ class WorkerSet:
         self._changed()
         return m
 
-    def set_offload_budgets(self, budgets: dict[str, tuple[int, int]]) -> None:
-        """Replaces every offload budget (membership.InvalidBudgetError on a bad one)."""
+    def set_offload_budgets(self, budgets: dict[str, tuple]) -> None:
+        """Replaces every offload budget: address -> (max tokens, chunk tokens[, step_s])
+        (membership.InvalidBudgetError on a bad one)."""
         with self._lock:
             self.membership.set_offload_budgets(budgets)
 
@@ -282,8 +290,9 @@ class WorkerSet:
             self.release_taken(address, taken)
 
     def _take(self, role: str, prompt_ids: Sequence[int] | None, salt: str, extra_tokens: int,
-              exclude: frozenset[str]) -> tuple[str, tuple[float, int]]:
-        """`pick`'s choice, counted in flight: (address, taken); NoWorkerError."""
+              exclude: frozenset[str], count: bool = True) -> tuple[str, tuple[float, int]]:
+        """`pick`'s choice, counted in flight unless not `count`: (address, taken);
+        NoWorkerError."""
         if role == PREFILL:
             with self._lock:
                 addresses = [m.address for m in self.membership.pool(role)
@@ -302,35 +311,65 @@ class WorkerSet:
             d = self.policies[role].decide(inp)
             address = pool[d.index].address
             tokens = d.work_tokens if d.work_tokens is not None else inp.prompt_tokens
-            self.membership.acquire(address, tokens)
+            if count:
+                self.membership.acquire(address, tokens)
             self.last_decision = d
         if d.scores:
             log.debug("routed to %s: %s", address, d.scores)
         return address, (tokens, 0)
 
     # ---- route.Workers: the choices of a request's route, each released with release_taken --
-    def take_prefill(self, request: LiveRequest, exclude: frozenset[str]
+    def choose_prefill(self, request: LiveRequest) -> tuple[str, tuple[float, int]] | None:
+        """The prefill worker `take_prefill` would take for `request`, not counted: (address,
+        what taking it counts); None when none is ACTIVE."""
+        try:
+            return self._take(PREFILL, request.prompt_ids, request.salt, 0, frozenset(), False)
+        except NoWorkerError:
+            return None
+
+    def take_prefill(self, request: LiveRequest, exclude: frozenset[str],
+                     chosen: tuple[str, tuple[float, int]] | None = None
                      ) -> tuple[str, tuple[float, int]] | None:
-        """A prefill worker for `request` (not in `exclude`), counted in flight; None when
-        none is ACTIVE."""
+        """A prefill worker for `request` (not in `exclude`), counted in flight: `chosen`
+        (`choose_prefill`'s answer) while it is still ACTIVE, else the policy's choice; None
+        when none is ACTIVE."""
+        if chosen is not None:
+            with self._lock:
+                address = chosen[0]
+                m = self.membership.get(address) if address in self.membership else None
+                if (m is not None and m.state == ACTIVE and m.role == PREFILL
+                        and address not in exclude):
+                    self.membership.acquire(address, chosen[1][0])
+                    return chosen
         try:
             return self._take(PREFILL, request.prompt_ids, request.salt, 0, exclude)
         except NoWorkerError:
             return None
 
-    def take_offload(self, request: LiveRequest) -> tuple[str, tuple[float, int], int] | None:
-        """A decode worker to prefill this prompt itself within its offload budget:
-        (address, taken, chunk tokens), the prompt counted against the budget; None when no
-        budget fits (`policy.choose_offload`)."""
+    def take_offload(self, request: LiveRequest, prefill: tuple[str, tuple[float, int]] | None
+                     ) -> tuple[tuple[str, tuple[float, int], int] | None, Deflection | None]:
+        """A decode worker to prefill this prompt itself within its offload budget, when it
+        gives a lower estimated TTFT than `prefill`, the prefill pool's pick (`route.Workers`;
+        `deflect.deflect`): ((address, taken, chunk tokens) with the prompt counted against
+        the budget, or None: the pick stands; the deflection, None when no budget fits)."""
         prompt_tokens = len(request.prompt_ids)
         with self._lock:
             candidates = self.membership.offload_candidates()
-            i = choose_offload(candidates, prompt_tokens) if candidates else None
-            if i is None:
-                return None
-            m = candidates[i]
+            if not candidates:
+                return None, None
+            # A pick forgotten since (gone): no prefill worker to weigh.
+            gone = prefill is None or prefill[0] not in self.membership
+            tokens, rate = pool_side(
+                None if gone else self.membership.get(prefill[0]),
+                0.0 if prefill is None else prefill[1][0],
+                request_cost_tokens(self.policies[PREFILL]), self.rates,
+                (m.address for m in self.membership.pool(PREFILL) if not reports_draining(m)))
+            d = deflect(candidates, prompt_tokens, tokens, rate, self.handoff_s)
+            if d is None or d.index is None:
+                return None, d
+            m = candidates[d.index]
             self.membership.acquire(m.address, 0.0, prompt_tokens)
-            return m.address, (0.0, prompt_tokens), m.offload_chunk
+            return (m.address, (0.0, prompt_tokens), m.offload_chunk), d
 
     def take_cached_local(self, request: LiveRequest, max_uncached_tokens: int
                           ) -> tuple[str, tuple[float, int], int] | None:

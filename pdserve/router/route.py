@@ -4,8 +4,10 @@ call it, so they take the same paths in the same order.
 
 Owns the order of choices at arrival (`plan`): a decode worker that caches all but a short
 tail of the prompt prefills and decodes it (CACHED_LOCAL: conditional disaggregation, when
-`max_local_prefill_tokens` > 0); else a decode worker within its offload budget does
-(OFFLOAD); else a prefill worker prefills and a decode worker decodes (DISAGGREGATED); else,
+`max_local_prefill_tokens` > 0); else the prefill pool's pick is weighed against the decode
+workers whose offload budget fits the prompt (`deflect.deflect`: the lower estimated time to
+first token), and either a decode worker prefills it in bounded chunks and decodes on
+(OFFLOAD) or the prefill worker prefills and a decode worker decodes (DISAGGREGATED); else,
 with no prefill worker to take it, a decode worker prefills it itself (DECODE_FALLBACK).
 Admission (a request refused before any of this) is the door's (`lifecycle.Door`). And
 the rule after a failure (`after_failure`): a hop re-routed to another worker of its pool while
@@ -51,36 +53,51 @@ GIVE_UP = "give_up"  # the client gets `status` (None: the client left, nothing 
 class Route:
     """A path, with what its first hop took: `address` (the worker chosen; "" for
     DECODE_FALLBACK), `taken` (whatever the `Workers` implementation needs to release it:
-    counts, a stub), and for the local paths the chunk a step (OFFLOAD) or the tokens the
-    worker caches (CACHED_LOCAL)."""
+    counts, a stub), for the local paths the chunk a step (OFFLOAD) or the tokens the
+    worker caches (CACHED_LOCAL), and the prefill deflection's choice when an offload budget
+    fit the prompt (`deflect.Deflection`; None: none fit, or no choice was made)."""
 
     kind: str
     address: str = ""
     taken: Any = None
     chunk_tokens: int = 0
     cached_tokens: int = 0
+    deflection: Any = None
 
 
 class Workers(Protocol):
     """The choices a route needs, each counting the request on the worker it returns (the
-    caller releases `taken` when the hop ends)."""
+    caller releases `taken` when the hop ends); `choose_prefill` only names one."""
 
     def take_cached_local(self, request, max_uncached_tokens: int
                           ) -> tuple[str, Any, int] | None:
         """(address, taken, tokens it caches) of a decode worker caching all but at most
         `max_uncached_tokens` of the prompt, or None."""
 
-    def take_offload(self, request) -> tuple[str, Any, int] | None:
-        """(address, taken, chunk tokens a step) of a decode worker whose offload budget fits
-        the prompt, or None."""
+    def choose_prefill(self, request) -> tuple[str, Any] | None:
+        """(address, taken) of the prefill worker `take_prefill` would take, not counted (the
+        deflection weighs it), or None: none is active."""
 
-    def take_prefill(self, request, exclude: frozenset[str]) -> tuple[str, Any] | None:
-        """(address, taken) of a prefill worker not in `exclude`, or None: none is active."""
+    def take_offload(self, request, prefill: tuple[str, Any] | None
+                     ) -> tuple[tuple[str, Any, int] | None, Any]:
+        """(take, deflection): `deflect.deflect` over the decode workers whose offload
+        budget fits the prompt against `prefill`, the prefill pool's pick (`choose_prefill`'s
+        answer; None: no prefill worker is active). take: (address, taken, chunk tokens a
+        step) of the decode worker chosen, counted; None when none was (the pool's pick
+        stands). deflection: the choice, None when no budget fit."""
+
+    def take_prefill(self, request, exclude: frozenset[str],
+                     chosen: tuple[str, Any] | None = None) -> tuple[str, Any] | None:
+        """(address, taken) of a prefill worker not in `exclude` (`chosen`, from
+        `choose_prefill`, while it still can), or None: none is active."""
 
 
 def plan(workers: Workers, request, max_local_prefill_tokens: int, after: str = "") -> Route:
     """The path for `request`, trying the paths after `after` ("": all) in order; with no
-    prefill worker, DECODE_FALLBACK (`RetryPolicy.prefill_fallback`)."""
+    prefill worker, DECODE_FALLBACK (`RetryPolicy.prefill_fallback`). OFFLOAD and
+    DISAGGREGATED are one choice: the prefill pool's pick first (not counted yet), then the
+    deflection (`Workers.take_offload`) sends the request to a decode worker or leaves it to
+    that pick (`take_prefill` counts it)."""
     start = _ORDER.index(after) + 1 if after else 0
     for kind in _ORDER[start:]:
         if kind == CACHED_LOCAL:
@@ -90,9 +107,15 @@ def plan(workers: Workers, request, max_local_prefill_tokens: int, after: str = 
             if local is not None:
                 return Route(CACHED_LOCAL, local[0], local[1], cached_tokens=local[2])
         elif kind == OFFLOAD:
-            off = workers.take_offload(request)
+            chosen = workers.choose_prefill(request)
+            off, deflection = workers.take_offload(request, chosen)
             if off is not None:
-                return Route(OFFLOAD, off[0], off[1], chunk_tokens=off[2])
+                return Route(OFFLOAD, off[0], off[1], chunk_tokens=off[2],
+                             deflection=deflection)
+            pre = None if chosen is None else workers.take_prefill(request, frozenset(), chosen)
+            if pre is not None:
+                return Route(DISAGGREGATED, pre[0], pre[1], deflection=deflection)
+            return Route(DECODE_FALLBACK, deflection=deflection)
         else:
             pre = workers.take_prefill(request, frozenset())
             if pre is not None:

@@ -12,7 +12,8 @@ token the client got (`DecodeRequest.resume_token_ids`) and streams the rest; so
 as a failure, is one its worker moved off with its KV (a `moved` message: that worker put the
 blocks to the store, and the next one fetches them). A request the
 controller's offload budgets allow is prefilled on a decode worker instead
-(`DecodeRequest.prefill_locally`), falling back to the normal path if refused; so is one no prefill
+(`DecodeRequest.prefill_locally`) when that gives it the lower estimated TTFT (the prefill
+deflection, `deflect.py`), falling back to the normal path if refused; so is one no prefill
 worker can take, and one a decode worker caches all but a short tail of (`local_prefill.py`:
 conditional disaggregation, on by default).
 Before all that, the door: the tenant from the API key (`auth`), admission and the shutdown
@@ -54,9 +55,10 @@ from pdserve.core.roles import DECODE, PREFILL
 from pdserve.router.policy import NoWorkerError
 from pdserve.router.pool import LiveRequest, WorkerSet
 from pdserve.router.retry import RetryPolicy, worker_message
-from pdserve.router.route import (CACHED_LOCAL, DECODE_HOP, DISAGGREGATED, FALL_THROUGH,
-                                  FALLBACK, GIVE_UP, LOCAL_HOP, OFFLOAD, PREFILL_HOP, RESUME,
-                                  RETRY, Failure, Next, Route, after_failure, plan)
+from pdserve.router.route import (CACHED_LOCAL, DECODE_FALLBACK, DECODE_HOP, DISAGGREGATED,
+                                  FALL_THROUGH, FALLBACK, GIVE_UP, LOCAL_HOP, OFFLOAD,
+                                  PREFILL_HOP, RESUME, RETRY, Failure, Next, Route,
+                                  after_failure, plan)
 from pdserve.router.text import OutputText
 from pdserve.router.validate import check_model, prompt_ids_of, sampling_of
 from pdserve.wire import finish_from_proto, finish_to_proto, params_to_proto
@@ -262,11 +264,13 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                 return
         want = LiveRequest(prompt_ids, trip.tenant, sampling.max_tokens)
         route = plan(self.workers, want, self.max_local_prefill_tokens)
+        self.door.routed(trip, route)
         while route.kind in (CACHED_LOCAL, OFFLOAD):
             if (yield from self._local_path(context, rid, route, prompt_ids, sampling, text,
                                             trip)):
                 return
             route = plan(self.workers, want, self.max_local_prefill_tokens, after=route.kind)
+            self.door.routed(trip, route)
         if route.kind == DISAGGREGATED:
             pre = self._prefill(context, rid, route, want, sampling, trip)
         else:  # no prefill worker in the pool
@@ -274,6 +278,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
                        f"no active {PREFILL} worker")
             pre = None
         if pre is None:  # no prefill worker could take it: a decode worker prefills it
+            trip.path = DECODE_FALLBACK
             usage = api_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=0,
                                   cached_prompt_tokens=0)
             req = self._local_request(rid, prompt_ids, sampling, trip)

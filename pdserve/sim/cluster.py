@@ -113,6 +113,9 @@ class Cluster:
         self.held: dict[int, tuple[str, float, int]] = {}  # router's in-flight count to release
         self.own: dict[int, Ticket] = {}  # prefill work queued in admission
         self.offloaded: set[int] = set()  # prefilled on a decode worker within its budget
+        # Each request's route (its path and deflection), for its sample when it ends; kept
+        # only with a controller to read the samples.
+        self.routes: dict[int, Any] = {}
         self._decode_caches: tuple = (None, [])  # the decode pool; its engines and their caches
         self.store_hits: dict[int, tuple[int, int]] = {}
         self.unresolved = n
@@ -126,6 +129,7 @@ class Cluster:
         self.moves = Migrations(self)  # running decodes moved with their KV
         self.counts = {"flips": 0, "failed_flips": 0, "drain_s": 0.0, "switch_s": 0.0,
                        "offloaded": 0, "local_prefills": 0,
+                       "deflections_decode": 0, "deflections_prefill": 0,
                        "kv_transfers": 0, "kv_bytes": 0, "store_fetch_blocks": 0}
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -173,6 +177,8 @@ class Cluster:
     def _resolved(self, i: int, status: str) -> None:
         self.report.status[i] = self._statuses.setdefault(status, status)
         self.unresolved -= 1
+        if self.routes:
+            self.routes.pop(i, None)
 
     def _reject(self, i: int, reason: str) -> None:
         self._resolved(i, f"rejected: {reason}")
@@ -210,6 +216,10 @@ class Cluster:
         # The live router's route (`router/route.py`), through this cluster's `Workers`.
         route = plan(self, i, self.cfg.max_local_prefill_tokens)
         kind, address = route.kind, route.address
+        if route.deflection is not None:
+            self.counts["deflections_" + route.deflection.choice] += 1
+        if self.connector is not None:
+            self.routes[i] = route
         if kind == CACHED_LOCAL:  # conditional disaggregation: it caches all but a short tail
             self.held[i] = (address, route.taken[0], 0)
             self.counts["local_prefills"] += 1
@@ -251,13 +261,18 @@ class Cluster:
                                              r.prompt_tokens, r.output_tokens,
                                              max_uncached_tokens)
 
-    def take_offload(self, i: int) -> tuple[str, tuple[float, int], int] | None:
-        return self.router.take_offload(self.reqs[i].prompt_tokens)
+    def take_offload(self, i: int, prefill: tuple[str, tuple[float, int]] | None
+                     ) -> tuple[tuple[str, tuple[float, int], int] | None, Any]:
+        return self.router.take_offload(self.reqs[i].prompt_tokens, prefill)
 
-    def take_prefill(self, i: int, exclude: frozenset[str]
+    def choose_prefill(self, i: int) -> tuple[str, tuple[float, int]] | None:
+        return self.router.choose_prefill(self.reqs[i].prompt_tokens, self.hashes[i])
+
+    def take_prefill(self, i: int, exclude: frozenset[str],
+                     chosen: tuple[str, tuple[float, int]] | None = None
                      ) -> tuple[str, tuple[float, int]] | None:
         # `exclude` is always empty here: a simulated prefill never fails, so none is retried.
-        return self.router.take_prefill(self.reqs[i].prompt_tokens, self.hashes[i])
+        return self.router.take_prefill(self.reqs[i].prompt_tokens, self.hashes[i], chosen)
 
     def _decode_cached(self, hashes: list[bytes], prompt_tokens: int) -> dict[str, int]:
         """{ACTIVE decode worker: leading blocks of `hashes` its prefix cache holds} for those
@@ -354,7 +369,7 @@ class Cluster:
         if self.connector is not None:
             ttft = rep.ttft_s[i]  # it made its first token before it ended
             self.connector.finished(now, now - r.arrival_s, ttft, r.prompt_tokens,
-                                    r.output_tokens, i in self.offloaded)
+                                    r.output_tokens, i in self.offloaded, self.routes.get(i))
         self.offloaded.discard(i)
         self.hashes.pop(i, None)
         self.known.pop(i, None)

@@ -40,9 +40,14 @@ class SimConnector:
         self.ring.started()
 
     def finished(self, now: float, e2e_s: float, ttft_s: float, prompt_tokens: int,
-                 output_tokens: int, offloaded: bool) -> None:
-        self.ring.finished(Sample(now, ttft_s, tpot_of(e2e_s, ttft_s, output_tokens),
-                                  prompt_tokens, output_tokens, offloaded, 0, "length"))
+                 output_tokens: int, offloaded: bool, route=None) -> None:
+        """A request ended; `route`: the `route.Route` it took (its path and deflection)."""
+        d = None if route is None else route.deflection
+        self.ring.finished(Sample(
+            now, ttft_s, tpot_of(e2e_s, ttft_s, output_tokens), prompt_tokens, output_tokens,
+            offloaded, 0, "length", "" if route is None else route.kind,
+            "" if d is None else d.choice, None if d is None else d.prefill_ttft_s,
+            None if d is None else d.decode_ttft_s))
 
     # ---- controller.connector.Connector ------------------------------------------------------
     def signals(self, window_s: float) -> rpb.RouterSignals:
@@ -52,7 +57,7 @@ class SimConnector:
         return self.cluster.switching()
 
     def set_budgets(self, budgets) -> None:
-        self.cluster.router.set_budgets({b.address: (b.max_tokens, b.chunk_tokens)
+        self.cluster.router.set_budgets({b.address: (b.max_tokens, b.chunk_tokens, b.step_s)
                                          for b in budgets})
 
     def start_flip(self, address: str, to_role: str, reason: str, drain_timeout_s: float,

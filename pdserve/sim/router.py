@@ -4,11 +4,12 @@ cores, fed the way the router's worker set (`router/pool.py`) feeds them.
 Owns the simulated router's state: the `Membership` table, one policy per role (`make_policy`),
 `Admission`, the `KvIndex` (sources: each worker's prefix cache, and the store unless the store
 is read where it is), the prefill rate meter, the conditional-disaggregation choice
-(`cached_local`, through `local_prefill.choose_cached_local`), and a cache of each member's
-`WorkerLoad` rebuilt only when that member changes (acquire, release, a stats report), so a
-choice among a thousand workers costs the policy's own work and little more. Must not score or
-choose itself: `pick` builds the `RouteInput` (field by field as `WorkerSet._input` does) and
-the policy decides.
+(`cached_local`, through `local_prefill.choose_cached_local`), the prefill deflection
+(`offload`, through `deflect.deflect`, fed as `WorkerSet.take_offload` feeds it), and a cache
+of each member's `WorkerLoad` rebuilt only when that member changes (acquire, release, a stats
+report), so a choice among a thousand workers costs the policy's own work and little more.
+Must not score or choose itself: `pick` builds the `RouteInput` (field by field as
+`WorkerSet._input` does) and the policy decides.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from typing import TYPE_CHECKING
 
 from pdserve.core.rates import RateMeter
 from pdserve.router.admission import Admission
+from pdserve.router.deflect import (HANDOFF_S, Deflection, deflect, pool_side,
+                                    request_cost_tokens)
 from pdserve.router.kv_index import CLEARED, REMOVED, STORED, KvEvent, KvIndex, store_source
 from pdserve.router.local_prefill import LocalCandidate, choose_cached_local
 from pdserve.core.roles import ACTIVE, DECODE, PREFILL
 from pdserve.router.membership import Membership, reports_draining
 from pdserve.router.policy import (DecodeChooser, KvAware, LoadOrder, NoWorkerError,
-                                   RouteDecision, RouteInput, WorkerLoad, choose_offload,
-                                   make_policy)
+                                   RouteDecision, RouteInput, WorkerLoad, make_policy)
 from pdserve.sim.config import SimConfig
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ class SimRouter:
                              max_sources=len(addresses) + 1, by_hash=len(addresses) > 64,
                              scanned=(STORE,) if store is None else ())
         self.rates = RateMeter()
+        self.handoff_s = HANDOFF_S  # the live router's default (`WorkerSet`)
         self.block_size = cfg.block_size
         self._loads: dict[str, WorkerLoad] = {}
         self._pools: dict[str, list[str]] = {}
@@ -200,10 +203,11 @@ class SimRouter:
         return addresses, RouteInput(workers, prompt_tokens, self.block_size, 0, need)
 
     def pick(self, role: str, prompt_tokens: int, extra_tokens: int = 0, hashes=(),
-             exclude: frozenset[str] = frozenset()) -> tuple[str, float]:
-        """The chosen member and the tokens counted in flight on it (release them at the end).
-        `exclude`: members left out, for a decode choice (a moved decode resumes elsewhere), as
-        the live `WorkerSet.pick` leaves them out. Raises NoWorkerError."""
+             exclude: frozenset[str] = frozenset(), count: bool = True) -> tuple[str, float]:
+        """The chosen member and the tokens counted in flight on it (release them at the end;
+        not `count`: the tokens counting it would count, nothing counted). `exclude`: members
+        left out, for a decode choice (a moved decode resumes elsewhere), as the live
+        `WorkerSet.pick` leaves them out. Raises NoWorkerError."""
         addresses, inp = self.route_input(role, prompt_tokens, extra_tokens)
         policy = self.policies[role]
         if exclude:
@@ -226,9 +230,14 @@ class SimRouter:
         self.last_decision = d
         address = addresses[d.index]
         tokens = d.work_tokens if d.work_tokens is not None else inp.prompt_tokens
+        if count:
+            self.count(address, tokens)
+        return address, tokens
+
+    def count(self, address: str, tokens: float) -> None:
+        """A request sent to `address`, its predicted prefill work `tokens`: in flight."""
         self.membership.acquire(address, tokens)
         self._touch(address)
-        return address, tokens
 
     def cached_local(self, cached: dict[str, int], prompt_tokens: int, extra_tokens: int,
                      max_uncached_tokens: int) -> tuple[str, int] | None:
@@ -259,18 +268,29 @@ class SimRouter:
         self._touch(address)
         return address, c.uncached_tokens
 
-    def offload(self, prompt_tokens: int) -> tuple[str, int] | None:
-        """A decode worker to prefill the prompt itself within its budget (address, chunk)."""
+    def offload(self, prompt_tokens: int, prefill: tuple[str, tuple[float, int]] | None
+                ) -> tuple[tuple[str, int] | None, Deflection | None]:
+        """A decode worker to prefill the prompt itself within its budget, when the deflection
+        finds it faster than `prefill`, the prefill pool's pick, not counted (as
+        `WorkerSet.take_offload`): ((address, chunk), or None), and the deflection (None: no
+        budget fits)."""
         if not self._budgets:  # no budget stands: no candidate (saves a pass over members)
-            return None
+            return None, None
         candidates = self.membership.offload_candidates()
-        i = choose_offload(candidates, prompt_tokens) if candidates else None
-        if i is None:
-            return None
-        m = candidates[i]
+        if not candidates:
+            return None, None
+        tokens, rate = pool_side(
+            None if prefill is None else self.membership.get(prefill[0]),
+            0.0 if prefill is None else prefill[1][0],
+            request_cost_tokens(self.policies[PREFILL]), self.rates,
+            (a for a in self.pool(PREFILL) if not reports_draining(self.membership.get(a))))
+        d = deflect(candidates, prompt_tokens, tokens, rate, self.handoff_s)
+        if d is None or d.index is None:
+            return None, d
+        m = candidates[d.index]
         self.membership.acquire(m.address, 0.0, prompt_tokens)
         self._touch(m.address)
-        return m.address, m.offload_chunk
+        return (m.address, m.offload_chunk), d
 
     # ---- a request's route (`router/route.py`): the live `WorkerSet.take_*`, in the
     # simulator's terms (the prompt by its token count and block hashes; `cached`: what each
@@ -282,11 +302,25 @@ class SimRouter:
             return None
         return local[0], (local[1], 0), cached[local[0]] * self.block_size
 
-    def take_offload(self, prompt_tokens: int) -> tuple[str, tuple[float, int], int] | None:
-        chosen = self.offload(prompt_tokens)
-        return None if chosen is None else (chosen[0], (0.0, prompt_tokens), chosen[1])
+    def take_offload(self, prompt_tokens: int, prefill: tuple[str, tuple[float, int]] | None
+                     ) -> tuple[tuple[str, tuple[float, int], int] | None, Deflection | None]:
+        chosen, d = self.offload(prompt_tokens, prefill)
+        return (None if chosen is None else (chosen[0], (0.0, prompt_tokens), chosen[1])), d
 
-    def take_prefill(self, prompt_tokens: int, hashes) -> tuple[str, tuple[float, int]] | None:
+    def choose_prefill(self, prompt_tokens: int, hashes) -> tuple[str, tuple[float, int]] | None:
+        try:
+            address, tokens = self.pick(PREFILL, prompt_tokens, 0, hashes, count=False)
+        except NoWorkerError:
+            return None
+        return address, (tokens, 0)
+
+    def take_prefill(self, prompt_tokens: int, hashes,
+                     chosen: tuple[str, tuple[float, int]] | None = None
+                     ) -> tuple[str, tuple[float, int]] | None:
+        """`chosen` (`choose_prefill`'s answer) counted, else the policy's choice."""
+        if chosen is not None:  # a simulated pick cannot leave the pool before it is counted
+            self.count(chosen[0], chosen[1][0])
+            return chosen
         try:
             address, tokens = self.pick(PREFILL, prompt_tokens, 0, hashes)
         except NoWorkerError:
@@ -297,9 +331,10 @@ class SimRouter:
         self.membership.release(address, tokens, offload_tokens)
         self._touch(address)
 
-    def set_budgets(self, budgets: dict[str, tuple[int, int]]) -> None:
+    def set_budgets(self, budgets: dict[str, tuple]) -> None:
+        """address -> (max tokens, chunk tokens[, step_s]), as `Membership` takes them."""
         self.membership.set_offload_budgets(budgets)
-        self._budgets = any(max_tokens > 0 for max_tokens, _ in budgets.values())
+        self._budgets = any(b[0] > 0 for b in budgets.values())
 
     def active(self, address: str) -> bool:
         return self.membership.get(address).state == ACTIVE

@@ -43,7 +43,8 @@ def test_two_routers_make_one_view():
 
 
 def test_each_router_holds_its_share_of_an_offload_budget():
-    budgets = [Budget("d:1", 1000, 64), Budget("d:2", 1, 32), Budget("d:3", 0, 64)]
-    assert [(b.address, b.max_tokens, b.chunk_tokens) for b in share_budgets(budgets, 3)] == [
-        ("d:1", 334, 64), ("d:2", 1, 32), ("d:3", 0, 64)]
+    budgets = [Budget("d:1", 1000, 64, 0.05), Budget("d:2", 1, 32), Budget("d:3", 0, 64)]
+    assert [(b.address, b.max_tokens, b.chunk_tokens, b.step_s)
+            for b in share_budgets(budgets, 3)] == [
+        ("d:1", 334, 64, 0.05), ("d:2", 1, 32, 0.0), ("d:3", 0, 64, 0.0)]
     assert [b.max_tokens for b in share_budgets(budgets, 0)] == [1000, 1, 0]

@@ -7,17 +7,21 @@
 - A worker switched by hand behind a router's back refuses with FAILED_PRECONDITION: the
   request is re-routed, not failed; the router's own poll then moves the worker's pool.
 - Health follows membership (a router started with no workers), and prefill offload onto a
-  decode worker within the controller's budget gives the same tokens.
+  decode worker within the controller's budget gives the same tokens; with a step time in the
+  budget, the side with the lower estimated time to first token serves each request, and the
+  router records the choice.
 Each test puts the cluster back to 2 prefill + 1 decode.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -258,6 +262,63 @@ def test_offloaded_requests_keep_their_tokens(cluster, baseline):
     assert s.offloaded_tokens_total - totals.offloaded_tokens_total == sum(map(len, PROMPTS[:3]))
     assert [x.offloaded for x in s.samples[-3:]] == [True] * 3
     assert members(cluster.router_control_address)[decode].offload_in_flight_tokens == 0
+
+
+def deflections(cluster) -> dict[str, float]:
+    """The router's pdserve:deflections_total by choice."""
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve:deflections_total{"):
+            choice = line.split('choice="', 1)[1].split('"', 1)[0]
+            out[choice] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_each_request_records_its_deflection_and_the_faster_side_serves_it(cluster, baseline):
+    """Budgets with a step time: the router weighs the prefill pool's estimated time to first
+    token (its measured rate) against the decode worker's (chunks of the prompt, a step each),
+    sends the request to the faster side, and records the path, the choice and both
+    estimates in the request's sample and the choice in pdserve:deflections_total."""
+    router, decode = cluster.router_control_address, cluster.worker_addresses("decode")[0]
+
+    def rate_measured():
+        with urllib.request.urlopen(f"http://{cluster.http_address}/health", timeout=30) as r:
+            if json.loads(r.read())["prefill_tokens_per_s"]:
+                return True
+        run(cluster.router_address, PROMPTS[-1])  # prefill work for the polls to measure
+        return False
+
+    wait_for("a measured prefill rate", rate_measured, 120)
+    before = deflections(cluster)
+    ctl = control(router)
+    got = []
+    try:
+        # Prefill 16 tokens a step, steps of a minute: the idle pool is faster.
+        ctl.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[rpb.OffloadBudget(
+            address=decode, max_tokens=4096, chunk_tokens=16, step_s=60.0)]), timeout=10)
+        got.append(run(cluster.router_address, PROMPTS[0]))
+        kept = signals(router).samples[-1]
+        # Steps of a microsecond: the decode worker is faster.
+        ctl.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[rpb.OffloadBudget(
+            address=decode, max_tokens=4096, chunk_tokens=16, step_s=1e-6)]), timeout=10)
+        got.append(run(cluster.router_address, PROMPTS[1]))
+        sent = signals(router).samples[-1]
+    finally:
+        ctl.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(), timeout=10)
+    assert got == baseline[:2]
+    steps = [-(-len(p) // 16) for p in PROMPTS[:2]]
+    assert (kept.path, kept.deflection, kept.offloaded) == ("disaggregated", "prefill", False)
+    assert kept.decode_ttft_estimate_s == pytest.approx(steps[0] * 60.0)
+    assert 0 < kept.prefill_ttft_estimate_s < kept.decode_ttft_estimate_s
+    assert (sent.path, sent.deflection, sent.offloaded) == ("offload", "decode", True)
+    assert sent.decode_ttft_estimate_s == pytest.approx(steps[1] * 1e-6)
+    assert 0 < sent.decode_ttft_estimate_s < sent.prefill_ttft_estimate_s
+    after = deflections(cluster)
+    assert {c: after.get(c, 0) - before.get(c, 0) for c in ("decode", "prefill")} == {
+        "decode": 1, "prefill": 1}
+    assert members(router)[decode].offload_in_flight_tokens == 0
 
 
 def test_health_follows_membership(cluster, tiny_llama_dir):

@@ -229,17 +229,23 @@ def test_acquire_and_release_count_in_flight_and_offload_tokens():
 def test_offload_budgets_replace_the_whole_set_and_name_bad_fields():
     m = make_membership()
     m.join("d1", DECODE, 0.0)
-    m.set_offload_budgets({"d0": (512, 64), "d1": (256, 32)})
+    m.set_offload_budgets({"d0": (512, 64, 0.02), "d1": (256, 32)})
     assert addresses(m.offload_candidates()) == ["d0", "d1"]
-    assert (m.get("d0").offload_budget, m.get("d0").offload_chunk) == (512, 64)
+    d0 = m.get("d0")
+    assert (d0.offload_budget, d0.offload_chunk, d0.offload_step_s) == (512, 64, 0.02)
+    assert m.get("d1").offload_step_s == 0.0  # left out: none given
     m.set_offload_budgets({"d1": (128, 16)})
     assert addresses(m.offload_candidates()) == ["d1"] and m.get("d0").offload_budget == 0
+    assert m.get("d0").offload_step_s == 0.0
     with pytest.raises(InvalidBudgetError, match=r"^budgets\.address: 'p0'"):
         m.set_offload_budgets({"d0": (1, 1), "p0": (1, 1)})
     with pytest.raises(InvalidBudgetError, match=r"^budgets\.max_tokens"):
         m.set_offload_budgets({"d0": (-1, 1)})
     with pytest.raises(InvalidBudgetError, match=r"^budgets\.chunk_tokens"):
         m.set_offload_budgets({"d0": (1, -1)})
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(InvalidBudgetError, match=r"^budgets\.step_s"):
+            m.set_offload_budgets({"d0": (1, 1, bad)})
     assert m.get("d1").offload_budget == 128  # a refused set leaves the old one in place
     m.set_state("d1", DRAINING)
     assert m.offload_candidates() == []  # only ACTIVE decode members take offloaded work
@@ -310,14 +316,49 @@ def test_offload_lease_holds_the_budget_until_the_request_ends():
     ws = make_workers()
     request = LiveRequest(list(range(100)))
     try:
-        assert ws.take_offload(request) is None  # no budget yet
+        assert ws.take_offload(request, None) == (None, None)  # no budget yet
         ws.set_offload_budgets({"127.0.0.1:3": (150, 32)})
-        address, taken, chunk = ws.take_offload(request)
-        assert (address, chunk) == ("127.0.0.1:3", 32)
+        (address, taken, chunk), d = ws.take_offload(request, None)
+        assert (address, chunk, d.choice) == ("127.0.0.1:3", 32, "decode")
         assert ws.get(address).offload_tokens == 100
-        assert ws.take_offload(request) is None  # 200 would pass the budget of 150
+        assert ws.take_offload(request, None) == (None, None)  # 200 would pass the budget
         ws.release_taken(address, taken)
         assert ws.get("127.0.0.1:3").offload_tokens == 0
+    finally:
+        ws.close()
+
+
+def test_the_prefill_pick_is_counted_only_where_the_request_goes():
+    """The route weighs the prefill pool's pick against the budgets before counting it: a
+    deflected request leaves nothing counted on the prefill worker; one the pool keeps is
+    counted there and takes no budget."""
+    from pdserve.router.pool import LiveRequest
+
+    ws = make_workers()
+    request = LiveRequest(list(range(100)))
+    try:
+        ws.set_offload_budgets({"127.0.0.1:3": (150, 32)})  # no step time: it decides
+        chosen = ws.choose_prefill(request)
+        assert (ws.get(chosen[0]).in_flight, chosen[1]) == (0, (100, 0))
+        (address, taken, _), d = ws.take_offload(request, chosen)
+        assert (address, d.choice) == ("127.0.0.1:3", "decode")
+        assert ws.get(chosen[0]).in_flight == 0
+        ws.release_taken(address, taken)
+        # A step time and no measured prefill rate: the pool keeps it, no budget is taken.
+        ws.set_offload_budgets({"127.0.0.1:3": (150, 32, 0.01)})
+        chosen = ws.choose_prefill(request)
+        off, d = ws.take_offload(request, chosen)
+        assert off is None and (d.choice, d.reason) == ("prefill", "no prefill rate measured")
+        assert ws.take_prefill(request, frozenset(), chosen) == chosen
+        assert (ws.get(chosen[0]).in_flight, ws.get(chosen[0]).in_flight_tokens) == (1, 100)
+        assert ws.get("127.0.0.1:3").offload_tokens == 0
+        ws.release_taken(*chosen)
+        # A pick that left the pool meanwhile is not counted: the policy chooses again.
+        chosen = ws.choose_prefill(request)
+        ws.set_state(chosen[0], DRAINING)
+        other = ws.take_prefill(request, frozenset(), chosen)
+        assert other[0] != chosen[0] and ws.get(other[0]).in_flight == 1
+        ws.release_taken(*other)
     finally:
         ws.close()
 

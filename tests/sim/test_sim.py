@@ -94,6 +94,33 @@ def test_prefix_ids_stand_for_the_tokens_the_trace_says():
     assert computed == {32: 96 + 32, 512: 96 + 16}
 
 
+def test_each_request_records_its_deflection_in_the_simulated_routers_samples():
+    """With the controller's budgets (prefill pressured), the simulated router weighs each
+    request a budget fits, as the live one does: every offload is a decode deflection, the
+    pool keeps the others, and each request's sample carries its path, choice and estimates."""
+    from pdserve.sim.cluster import Cluster
+
+    reqs = load_trace("synthetic:poisson:rate=60,n=800,in=2048,out=64", seed=0)
+    cluster = Cluster(SimConfig(prefill_workers=3, decode_workers=5, controller=True, seed=0),
+                      reqs, H100)
+    report = cluster.run()
+    counts = report.counts
+    assert counts["offloaded"] == counts["deflections_decode"] > 0
+    samples = cluster.connector.ring.window(cluster.q.now, float("inf"))
+    assert len(samples) == len(reqs) == report.summary()["finished"]
+    decided = [s for s in samples if s.deflection]
+    assert sum(s.deflection == "decode" for s in decided) == counts["deflections_decode"]
+    assert sum(s.deflection == "prefill" for s in decided) == counts["deflections_prefill"]
+    for s in samples:
+        assert s.path in ("disaggregated", "offload", "cached_local", "decode_fallback")
+        assert s.offloaded == (s.path == "offload") == (s.deflection == "decode")
+    for s in decided:
+        assert s.decode_ttft_estimate_s > 0
+        if s.deflection == "decode" and s.prefill_ttft_estimate_s is not None:
+            assert s.decode_ttft_estimate_s < s.prefill_ttft_estimate_s
+    assert cluster.routes == {}  # each request's route let go when it ended
+
+
 def test_a_decode_worker_caching_all_but_a_short_tail_prefills_it_itself():
     """Conditional disaggregation, as the router's default: the same prompt again meets the
     decode worker that holds its blocks from the first time; it computes the 26-token tail

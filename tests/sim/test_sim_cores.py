@@ -20,7 +20,7 @@ from pdserve.controller.service import Controller
 from pdserve.controller.signals import Slo
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import worker_pb2 as wpb
-from pdserve.router import admission, kv_index, membership
+from pdserve.router import admission, deflect, kv_index, membership
 from pdserve.router import policy as router_policy
 from pdserve.router.control import RequestSignals, RouterControlServicer, Sample
 from pdserve.router.policy import PREFILL_POLICIES, make_policy
@@ -64,7 +64,8 @@ def test_a_simulation_runs_without_torch():
 
 def test_the_simulator_calls_the_cores_themselves():
     assert sim_router.make_policy is router_policy.make_policy
-    assert sim_router.choose_offload is router_policy.choose_offload
+    assert sim_router.deflect is deflect.deflect
+    assert sim_router.pool_side is deflect.pool_side
     assert sim_router.Admission is admission.Admission
     assert sim_router.KvIndex is kv_index.KvIndex
     assert sim_router.Membership is membership.Membership
@@ -170,7 +171,8 @@ class _LiveConnector:
     def set_budgets(self, budgets):
         self.servicer.SetOffloadBudgets(rpb.SetOffloadBudgetsRequest(budgets=[
             rpb.OffloadBudget(address=b.address, max_tokens=b.max_tokens,
-                              chunk_tokens=b.chunk_tokens) for b in budgets]), None)
+                              chunk_tokens=b.chunk_tokens, step_s=b.step_s)
+            for b in budgets]), None)
 
     def start_flip(self, address, to_role, reason, drain_timeout_s, done, migrate=True):
         self.started.append((address, to_role, lambda out: done(out, reason), migrate))
