@@ -74,9 +74,12 @@ def migrate(address: str, count: int, reason: str = "balance") -> wpb.MigrateRes
                                                timeout=60)
 
 
-def start_streams(cluster, indices) -> tuple[list[Stream], dict[str, int]]:
-    """Streams of these requests, once each has MOVE_AFTER_TOKENS tokens and every decode
-    worker decodes some; and how many each decode worker runs then."""
+def start_streams(cluster, indices, busiest: int = COUNT + 1
+                  ) -> tuple[list[Stream], dict[str, int]]:
+    """Streams of these requests, once each has MOVE_AFTER_TOKENS tokens and the busiest decode
+    worker runs at least `busiest` (the router may leave a worker without any: requests
+    arriving together are placed before the next load report); and how many each decode
+    worker runs then."""
     decode = cluster.worker_addresses("decode")
     streams = [Stream(cluster.router_address, i, PROMPTS[i], SAMPLING[i]) for i in indices]
     for s in streams:
@@ -86,10 +89,10 @@ def start_streams(cluster, indices) -> tuple[list[Stream], dict[str, int]]:
         if any(len(s.ids) < MOVE_AFTER_TOKENS for s in streams):
             return None
         n = {a: worker_stats(a).num_running for a in decode}
-        return n if all(n.values()) else None
+        return n if max(n.values()) >= busiest else None
 
-    return streams, wait_for("every request streaming, every decode worker decoding", running,
-                             120)
+    return streams, wait_for("every request streaming, the busiest decode worker running at "
+                             f"least {busiest}", running, 120)
 
 
 def fault_free(cluster, indices, sampling=SAMPLING) -> dict[int, list[int]]:
@@ -220,7 +223,7 @@ def test_decodes_moved_while_speculating_change_no_greedy_token(tiny_llama_dir):
     want = without_speculation(tiny_llama_dir, GREEDY)
     with fresh(tiny_llama_dir, spec_method="ngram", spec_schedule=False) as cluster:
         decode = cluster.worker_addresses("decode")
-        streams, counts = start_streams(cluster, GREEDY)
+        streams, counts = start_streams(cluster, GREEDY, busiest=1)
         source = max(counts, key=counts.get)
         [target] = [a for a in decode if a != source]
         before = worker_stats(target)
