@@ -45,7 +45,7 @@ from pdserve.proto import worker_pb2_grpc as wpb_grpc
 from tests.e2e.conftest import cluster_spec
 from tests.e2e.test_cluster import generate, worker_stats, workers
 from tests.e2e.test_controller import start_controller
-from tests.e2e.test_live_migration import metric
+from tests.e2e.test_live_migration import metric, streaming
 from tests.e2e.test_membership import control, wait_for
 from tests.e2e.test_migration import Stream, child, retries_metric
 from tests.helpers import stop_process
@@ -85,14 +85,8 @@ def start_streams(cluster, indices, busiest: int = COUNT + 1
     for s in streams:
         s.start()
 
-    def running() -> dict[str, int] | None:
-        if any(len(s.ids) < MOVE_AFTER_TOKENS for s in streams):
-            return None
-        n = {a: worker_stats(a).num_running for a in decode}
-        return n if max(n.values()) >= busiest else None
-
-    return streams, wait_for("every request streaming, the busiest decode worker running at "
-                             f"least {busiest}", running, 120)
+    return streams, streaming(streams, decode, lambda n: max(n.values()) >= busiest,
+                              f"the busiest decode worker running at least {busiest}")
 
 
 def fault_free(cluster, indices, sampling=SAMPLING) -> dict[int, list[int]]:

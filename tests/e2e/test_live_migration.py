@@ -125,14 +125,20 @@ def start_streams(cluster) -> tuple[list, dict[str, int]]:
     for s in streams:
         s.start()
 
+    return streams, streaming(streams, decode, lambda n: all(n.values()),
+                              "both decode workers decoding")
+
+
+def streaming(streams, decode: list[str], enough, what: str) -> dict[str, int]:
+    """Once every stream has MOVE_AFTER_TOKENS tokens and the decode workers' running counts
+    satisfy `enough`: those counts, by worker."""
     def running() -> dict[str, int] | None:
         if any(len(s.ids) < MOVE_AFTER_TOKENS for s in streams):
             return None
         n = {a: worker_stats(a).num_running for a in decode}
-        return n if all(n.values()) else None
+        return n if enough(n) else None
 
-    return streams, wait_for("every request streaming, both decode workers decoding", running,
-                             120)
+    return wait_for(f"every request streaming, {what}", running, 120)
 
 
 def assert_fault_free(streams: list, baseline) -> None:
