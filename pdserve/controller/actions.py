@@ -18,7 +18,7 @@ policy's rule, which it serves); never orders a flip the policy did not allow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pdserve.controller.inputs import ControllerInput, Flip, Migration, PolicyConfig, WorkerView
@@ -34,17 +34,19 @@ BALANCE_GAIN = 0.1
 @dataclass(frozen=True)
 class Scene:
     """What an action changes: the decode workers' batches and KV, the requests prefilling now
-    (they join the decode workers), the prefill workers serving."""
+    (they join the decode workers), the prefill workers serving; and what none changes, the
+    admitted decode work a second (shared by however many decode workers there are)."""
 
     batches: tuple[int, ...]
     kv_blocks: tuple[float, ...]
     incoming: int
     prefill_workers: int
+    tokens_per_s: float = 0.0
 
     def score(self, inp: ControllerInput, model: StepModel, prefill_now: int
               ) -> tuple[float, float]:
         """(projected attainment, worst projected step)."""
-        proj = project(self.batches, self.kv_blocks, self.incoming, model)
+        proj = project(self.batches, self.kv_blocks, self.incoming, model, self.tokens_per_s)
         p = inp.prefill
         # The queue clears at the pool's rate, which scales with its workers.
         queue_s = (p.work_s * prefill_now / self.prefill_workers if self.prefill_workers
@@ -63,15 +65,15 @@ def scene_now(inp: ControllerInput) -> tuple[Scene, list[WorkerView]]:
     pre = [w for w in inp.workers if w.role == PREFILL and w.state == SERVING]
     return Scene(tuple(w.running + w.waiting for w in dec), tuple(float(w.kv_used_blocks)
                                                                   for w in dec),
-                 sum(w.in_flight for w in pre), len(pre)), dec
+                 sum(w.in_flight for w in pre), len(pre), inp.decode_tokens_per_s), dec
 
 
 def _evened(scene: Scene) -> Scene:
     total, n = sum(scene.batches), len(scene.batches)
     kv_total = sum(scene.kv_blocks)
     batches = tuple(total // n + (1 if i < total % n else 0) for i in range(n))
-    return Scene(batches, tuple(kv_total * b / total if total else 0.0 for b in batches),
-                 scene.incoming, scene.prefill_workers)
+    return replace(scene, batches=batches,
+                   kv_blocks=tuple(kv_total * b / total if total else 0.0 for b in batches))
 
 
 def _after_flips(scene: Scene, names: Sequence[str], flips: Sequence[Flip]) -> Scene:
@@ -80,16 +82,18 @@ def _after_flips(scene: Scene, names: Sequence[str], flips: Sequence[Flip]) -> S
     for f in flips:
         if f.to_role == DECODE:  # a fresh decode worker: empty, takes its share of what comes
             names.append(f.address)
-            scene = Scene(scene.batches + (0,), scene.kv_blocks + (0.0,), scene.incoming,
-                          scene.prefill_workers - 1)
+            scene = replace(scene, batches=scene.batches + (0,),
+                            kv_blocks=scene.kv_blocks + (0.0,),
+                            prefill_workers=scene.prefill_workers - 1)
         elif f.address in names:
             # A decode worker leaves: its running decodes move to the others, as incoming
             # requests do.
             i = names.index(f.address)
             names.pop(i)
-            scene = Scene(scene.batches[:i] + scene.batches[i + 1:],
-                          scene.kv_blocks[:i] + scene.kv_blocks[i + 1:],
-                          scene.incoming + scene.batches[i], scene.prefill_workers + 1)
+            scene = replace(scene, batches=scene.batches[:i] + scene.batches[i + 1:],
+                            kv_blocks=scene.kv_blocks[:i] + scene.kv_blocks[i + 1:],
+                            incoming=scene.incoming + scene.batches[i],
+                            prefill_workers=scene.prefill_workers + 1)
     return scene
 
 
@@ -99,7 +103,7 @@ def _balance(scene: Scene, dec: Sequence[WorkerView], model: StepModel, inp: Con
     one's projected step threatens the ITL SLO (above balance_share of it)."""
     if len(dec) < 2:
         return None
-    proj = project(scene.batches, scene.kv_blocks, scene.incoming, model)
+    proj = project(scene.batches, scene.kv_blocks, scene.incoming, model, scene.tokens_per_s)
     hi = max(range(len(dec)), key=lambda i: (proj.steps_s[i], dec[i].address))
     lo = min(range(len(dec)), key=lambda i: (proj.steps_s[i], dec[i].address))
     if proj.steps_s[hi] <= cfg.balance_share * inp.slo.itl_s:
@@ -118,7 +122,7 @@ def _balance(scene: Scene, dec: Sequence[WorkerView], model: StepModel, inp: Con
     why = (f"{dec[hi].address} projected step {proj.steps_s[hi]:.3f} s > "
            f"{cfg.balance_share:g} x ITL {inp.slo.itl_s:g} s, {dec[lo].address} "
            f"{proj.steps_s[lo]:.3f} s")
-    return (Scene(tuple(batches), tuple(kv), scene.incoming, scene.prefill_workers),
+    return (replace(scene, batches=tuple(batches), kv_blocks=tuple(kv)),
             Migration(dec[hi].address, k, why))
 
 

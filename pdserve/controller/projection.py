@@ -7,8 +7,15 @@ Owns:
   the workers' own step times (the same shape on a host that is faster or slower), or, with no
   profile, a line in the batch fitted from those step times alone (`fit_step_model`).
 - `project`: each decode worker's batch once the requests in flight at the prefill workers
-  arrive (the router sends each to the least loaded decode worker: water-filling), and the step
-  it will then take.
+  arrive (the router sends each to the least loaded decode worker: water-filling), or the batch
+  the admitted decode work settles at when that is larger (`steady_batch`), and the step it
+  will then take.
+- `steady_batch`: the batch a decode worker settles at under a stream of decode work (W output
+  tokens a second): a batch B emits B tokens a step, so it settles where B = W x step(B); for a
+  line a + b x B that is B = W a / (1 - W b), and with W b >= 1 it never settles (the batch,
+  and the step, grow while the work lasts). It rises the moment long answers are admitted, not
+  once they have piled up, so the flip they call for starts seconds into a decode-heavy
+  stretch.
 - `attainment`: of the requests a set of batches and a prefill queue hold, the share a step time
   under the ITL SLO and a queue under the TTFT share would serve in time. The policy compares
   candidate actions (nothing, a flip, a migration) by it.
@@ -30,6 +37,9 @@ FIT_SAMPLES = 64
 # Without a profile, a line needs this many samples over at least this spread of batch sizes.
 FIT_MIN_SAMPLES = 4
 FIT_MIN_SPREAD = 2
+# The largest batch `steady_batch` looks at: decode work that no batch up to it keeps up with
+# never settles, and the step is projected at this batch (far past any ITL SLO).
+MAX_STEADY_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,29 @@ def spread_incoming(batches: Sequence[int], incoming: int) -> list[int]:
     return out
 
 
+def steady_batch(tokens_per_s: float, model: StepModel, blocks_per_seq: float = 0.0) -> int:
+    """The smallest batch B (1..MAX_STEADY_BATCH) that keeps up with `tokens_per_s` of decode
+    work, B >= tokens_per_s x step(B), or MAX_STEADY_BATCH when none does; 0 with no work.
+    A sequence holds `blocks_per_seq` KV blocks. Steps grow with the batch, so the first
+    batch that keeps up is found by bisection."""
+    if not tokens_per_s > 0:
+        return 0
+
+    def keeps_up(b: int) -> bool:
+        return b >= tokens_per_s * model.step_s(b, b * blocks_per_seq)
+
+    if not keeps_up(MAX_STEADY_BATCH):
+        return MAX_STEADY_BATCH
+    lo, hi = 1, MAX_STEADY_BATCH  # keeps_up(hi) holds
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keeps_up(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 @dataclass(frozen=True)
 class Projection:
     """Per decode worker (in the order given): its batch once the incoming requests arrived,
@@ -118,15 +151,23 @@ class Projection:
 
 
 def project(batches: Sequence[int], kv_blocks: Sequence[float], incoming: int,
-            model: StepModel) -> Projection:
-    """The decode workers' steps once `incoming` requests (prefilling now) joined them. A
-    worker's KV grows with its batch at its own blocks per sequence."""
+            model: StepModel, tokens_per_s: float = 0.0) -> Projection:
+    """The decode workers' steps once `incoming` requests (prefilling now) joined them, each
+    batch raised to the one `tokens_per_s` of admitted decode work (shared evenly) settles at
+    when that is larger. A worker's KV grows with its batch at its own blocks per sequence
+    (the workers' mean for one with none running)."""
     after = spread_incoming(batches, incoming)
-    steps = []
+    running = sum(batches)
+    mean_per_seq = sum(kv_blocks) / running if running else 0.0
+    steady = (steady_batch(tokens_per_s / len(after), model, mean_per_seq)
+              if after and tokens_per_s > 0 else 0)
+    out, steps = [], []
     for b0, b1, kv in zip(batches, after, kv_blocks):
-        per_seq = kv / b0 if b0 > 0 else 0.0
-        steps.append(model.step_s(b1, kv + per_seq * (b1 - b0)))
-    return Projection(tuple(after), tuple(steps))
+        per_seq = kv / b0 if b0 > 0 else mean_per_seq
+        b = max(b1, steady)
+        out.append(b)
+        steps.append(model.step_s(b, kv + per_seq * (b - b0)))
+    return Projection(tuple(out), tuple(steps))
 
 
 def attainment(batches: Sequence[int], steps_s: Sequence[float], itl_s: float,

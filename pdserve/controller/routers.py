@@ -40,6 +40,7 @@ def merge_signals(parts: Sequence[rpb.RouterSignals]) -> rpb.RouterSignals:
         out.offloaded_requests_total += p.offloaded_requests_total
         out.offloaded_tokens_total += p.offloaded_tokens_total
         out.retries_total += p.retries_total
+        out.admitted_output_tokens_total += p.admitted_output_tokens_total
         for w in p.workers:
             m = workers.get(w.address)
             if m is None:

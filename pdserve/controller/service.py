@@ -152,7 +152,7 @@ class Controller:
             view = cluster_view(signals, self.meters, self.slo, pinned=frozenset(self.pinned),
                                 switching=self.connector.switching(), last_flip_s=last,
                                 pressure_window_s=self.cfg.pressure_window_s,
-                                step_prior=self.step_prior)
+                                step_prior=self.step_prior, now=self.clock())
         self.metrics.offloaded_total(signals.offloaded_tokens_total)
         counts: dict[tuple[str, str], int] = {}
         for w in view.workers:
@@ -175,7 +175,8 @@ class Controller:
                 self._set_budgets(())
                 return None
             inp = ControllerInput(view.workers, view.prefill, view.decode, self.slo,
-                                  self.state, target, view.step_model)
+                                  self.state, target, view.step_model,
+                                  view.decode_tokens_per_s)
             start = time.perf_counter()
             d = decide(inp, now, self.policy_cfg)
             self.metrics.tick_seconds.labels("decide").observe(time.perf_counter() - start)
@@ -342,13 +343,15 @@ class Controller:
 def _input_record(inp: ControllerInput, view: ClusterView) -> dict:
     return {"prefill": asdict(inp.prefill), "decode": asdict(inp.decode),
             "state": asdict(inp.state), "target": inp.target,
+            "decode_tokens_per_s": inp.decode_tokens_per_s,
             "window": asdict(view.window), "recent": asdict(view.recent),
             "workers": [{"address": w.address, "role": w.role, "state": w.state,
                          "pinned": w.pinned, "running": w.running, "waiting": w.waiting,
                          "kv_used_blocks": w.kv_used_blocks, "kv_total_blocks": w.kv_total_blocks,
                          "queued_prompt_tokens": w.queued_prompt_tokens,
                          "prefill_tokens_per_s": w.prefill_tokens_per_s,
-                         "decode_step_s": w.decode_step_s} for w in inp.workers]}
+                         "decode_step_s": w.decode_step_s,
+                         "projected_step_s": w.projected_step_s} for w in inp.workers]}
 
 
 def _decision_record(d: Decision) -> dict:

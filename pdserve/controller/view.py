@@ -3,9 +3,10 @@
 Owns the conversion (no I/O, no clock reads: `now` and the router's answer come in): each
 member becomes a `WorkerView` (state, load, KV use, measured prefill rate and decode step time
 from the deltas of its cumulative counters), the step model fitted to the decode steps seen
-(`projection.fit_step_model`, on a profile's shape when one is given) and each decode worker's
-projected step, the pool-wide pressures, and the windowed SLO figures (TTFT and ITL p90,
-attainment). Must not call anything or decide anything.
+(`projection.fit_step_model`, on a profile's shape when one is given), the admitted decode work
+a second (`decode_work`) and each decode worker's projected step, the pool-wide pressures, and
+the windowed SLO figures (TTFT and ITL p90, attainment). Must not call anything or decide
+anything.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ClusterView:
     recent: Window  # the pressure window: short, so pressure ends soon after a burst does
     members: tuple  # the router's WorkerMember messages, by address order
     step_model: StepModel | None = None  # decode step time from batch and KV, when known
+    decode_tokens_per_s: float = 0.0  # admitted decode work (`decode_work`)
 
 
 class Meters:
@@ -59,6 +61,20 @@ class Meters:
         # (batch, KV blocks, mean step s) of decode workers' recent intervals, for the fit.
         self.step_samples: deque[tuple[float, float, float]] = deque(maxlen=FIT_SAMPLES)
         self._seen: dict[str, int] = {}  # decode steps counted at the last sample
+        # (now, the routers' cumulative admitted max_tokens) at each view, for the work rate.
+        self.admitted: deque[tuple[float, int]] = deque(maxlen=FIT_SAMPLES)
+
+    def admitted_rate(self, now: float, total: int, window_s: float) -> float:
+        """max_tokens admitted a second over the last `window_s` (over what is seen when it is
+        shorter; 0 before a second view). A total that fell (a router restarted) starts the
+        count afresh."""
+        if self.admitted and total < self.admitted[-1][1]:
+            self.admitted.clear()
+        self.admitted.append((now, total))
+        while len(self.admitted) > 2 and now - self.admitted[1][0] >= window_s:
+            self.admitted.popleft()
+        t0, c0 = self.admitted[0]
+        return (total - c0) / (now - t0) if now > t0 else 0.0
 
     def observe(self, m) -> tuple[float | None, float | None]:
         if not m.HasField("stats"):
@@ -81,6 +97,22 @@ class Meters:
 ITL_MIN_TOKENS = 8
 
 
+def used_share(samples) -> float:
+    """Of the max_tokens recent completed requests were allowed, the share they used (1.0 with
+    none to go by): answers that stop early decode less than their admission promised."""
+    done = [s for s in samples if s.finish in COMPLETED and s.max_tokens > 0]
+    allowed = sum(s.max_tokens for s in done)
+    return min(1.0, sum(s.output_tokens for s in done) / allowed) if allowed else 1.0
+
+
+def decode_work(signals: rpb.RouterSignals, meters: Meters, now: float,
+                window_s: float) -> float:
+    """Output tokens a second the requests admitted over the last `window_s` will decode:
+    their max_tokens a second, times the share of max_tokens recent requests used."""
+    rate = meters.admitted_rate(now, signals.admitted_output_tokens_total, window_s)
+    return rate * used_share(signals.samples) if rate > 0 else 0.0
+
+
 def window_of(samples, slo: Slo) -> Window:
     good = [s.finish in COMPLETED for s in samples]
     ok = [s for s, g in zip(samples, good) if g]
@@ -95,7 +127,9 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
                  pinned: frozenset[str] = frozenset(), switching: dict[str, str] | None = None,
                  last_flip_s: dict[str, float] | None = None,
                  pressure_window_s: float = 5.0,
-                 step_prior: StepModel | None = None) -> ClusterView:
+                 step_prior: StepModel | None = None, now: float | None = None) -> ClusterView:
+    """`now` (the controller's clock) times the admitted decode work; without it none is
+    counted."""
     last_flip_s, switching = last_flip_s or {}, switching or {}
     members = tuple(sorted(signals.workers, key=lambda m: m.address))
     views = []
@@ -137,13 +171,14 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
     itl_s = max([x for x in (recent.itl_p90_s, max(steps, default=None)) if x is not None],
                 default=None)
     model = fit_step_model(list(meters.step_samples), step_prior)
+    work = decode_work(signals, meters, now, pressure_window_s) if now is not None else 0.0
     projected_s = None
     if model is not None and dec:
         # The requests prefilling now (on prefill workers still serving) join the decode
         # workers: the step each will then take.
         incoming = sum(v.in_flight for v in pre if v.state == SERVING)
         proj = project([v.running + v.waiting for v in dec],
-                       [float(v.kv_used_blocks) for v in dec], incoming, model)
+                       [float(v.kv_used_blocks) for v in dec], incoming, model, work)
         by_address = dict(zip((v.address for v in dec), proj.steps_s))
         views = [replace(v, projected_step_s=by_address[v.address]) if v.address in by_address
                  else v for v in views]
@@ -152,4 +187,4 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
                              sum(v.kv_total_blocks for v in dec), itl_s,
                              sum(v.waiting for v in dec), sum(v.running for v in dec), slo,
                              projected_step_s=projected_s)
-    return ClusterView(tuple(views), prefill, decode, window, recent, members, model)
+    return ClusterView(tuple(views), prefill, decode, window, recent, members, model, work)

@@ -106,7 +106,7 @@ class GetSignalsRequest(_message.Message):
     def __init__(self, window_s: _Optional[float] = ...) -> None: ...
 
 class RequestSample(_message.Message):
-    __slots__ = ("age_s", "ttft_s", "tpot_s", "prompt_tokens", "output_tokens", "offloaded", "retries", "finish", "path", "deflection", "prefill_ttft_estimate_s", "decode_ttft_estimate_s")
+    __slots__ = ("age_s", "ttft_s", "tpot_s", "prompt_tokens", "output_tokens", "offloaded", "retries", "finish", "path", "deflection", "prefill_ttft_estimate_s", "decode_ttft_estimate_s", "max_tokens")
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TPOT_S_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class RequestSample(_message.Message):
     DEFLECTION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TTFT_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_TTFT_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     age_s: float
     ttft_s: float
     tpot_s: float
@@ -131,20 +132,23 @@ class RequestSample(_message.Message):
     deflection: str
     prefill_ttft_estimate_s: float
     decode_ttft_estimate_s: float
-    def __init__(self, age_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., offloaded: _Optional[bool] = ..., retries: _Optional[int] = ..., finish: _Optional[str] = ..., path: _Optional[str] = ..., deflection: _Optional[str] = ..., prefill_ttft_estimate_s: _Optional[float] = ..., decode_ttft_estimate_s: _Optional[float] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, age_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., offloaded: _Optional[bool] = ..., retries: _Optional[int] = ..., finish: _Optional[str] = ..., path: _Optional[str] = ..., deflection: _Optional[str] = ..., prefill_ttft_estimate_s: _Optional[float] = ..., decode_ttft_estimate_s: _Optional[float] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class RouterSignals(_message.Message):
-    __slots__ = ("samples", "workers", "in_flight_requests", "offloaded_requests_total", "offloaded_tokens_total", "retries_total")
+    __slots__ = ("samples", "workers", "in_flight_requests", "offloaded_requests_total", "offloaded_tokens_total", "retries_total", "admitted_output_tokens_total")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     OFFLOADED_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     OFFLOADED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RETRIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_OUTPUT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[RequestSample]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerMember]
     in_flight_requests: int
     offloaded_requests_total: int
     offloaded_tokens_total: int
     retries_total: int
-    def __init__(self, samples: _Optional[_Iterable[_Union[RequestSample, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., offloaded_requests_total: _Optional[int] = ..., offloaded_tokens_total: _Optional[int] = ..., retries_total: _Optional[int] = ...) -> None: ...
+    admitted_output_tokens_total: int
+    def __init__(self, samples: _Optional[_Iterable[_Union[RequestSample, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., offloaded_requests_total: _Optional[int] = ..., offloaded_tokens_total: _Optional[int] = ..., retries_total: _Optional[int] = ..., admitted_output_tokens_total: _Optional[int] = ...) -> None: ...

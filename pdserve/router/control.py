@@ -1,8 +1,8 @@
 """The router's control API (pdserve.v1.RouterControl) and the request signals it reports.
 
 Owns `RequestSignals`, the bounded ring of finished requests' samples (TTFT, mean time per
-output token, tokens, offloaded, retries, how it ended, its path and prefill deflection) with
-the cumulative offload and retry counters, and `RouterControlServicer`: membership for the
+output token, tokens and the max_tokens allowed, offloaded, retries, how it ended, its path and
+prefill deflection) with the cumulative offload, retry and admitted-output counters, and `RouterControlServicer`: membership for the
 controller and operators (list, register, move between states), the controller's offload
 budgets, and the windowed signals.
 Must not route requests or decide transitions: `pool.WorkerSet` carries out membership, and
@@ -62,6 +62,7 @@ class Sample:
     deflection: str = ""
     prefill_ttft_estimate_s: float | None = None
     decode_ttft_estimate_s: float | None = None
+    max_tokens: int = 0  # the most output tokens it was allowed (0: not known)
 
 
 class RequestSignals:
@@ -76,6 +77,12 @@ class RequestSignals:
         self.offloaded_requests_total = 0
         self.offloaded_tokens_total = 0
         self.retries_total = 0
+        self.admitted_output_tokens_total = 0
+
+    def expect_output(self, max_tokens: int) -> None:
+        """An admitted request's parameters are read: it may decode up to `max_tokens`."""
+        with self._lock:
+            self.admitted_output_tokens_total += max(0, max_tokens)
 
     def started(self) -> None:
         with self._lock:
@@ -197,9 +204,10 @@ class RouterControlServicer(rpb_grpc.RouterControlServicer):
             prompt_tokens=x.prompt_tokens, output_tokens=x.output_tokens, offloaded=x.offloaded,
             retries=x.retries, finish=x.finish, path=x.path, deflection=x.deflection,
             prefill_ttft_estimate_s=x.prefill_ttft_estimate_s or 0.0,
-            decode_ttft_estimate_s=x.decode_ttft_estimate_s or 0.0)
+            decode_ttft_estimate_s=x.decode_ttft_estimate_s or 0.0, max_tokens=x.max_tokens)
             for x in s.window(now, window)]
         return rpb.RouterSignals(
             samples=samples, workers=self._members(), in_flight_requests=s.in_flight,
             offloaded_requests_total=s.offloaded_requests_total,
-            offloaded_tokens_total=s.offloaded_tokens_total, retries_total=s.retries_total)
+            offloaded_tokens_total=s.offloaded_tokens_total, retries_total=s.retries_total,
+            admitted_output_tokens_total=s.admitted_output_tokens_total)

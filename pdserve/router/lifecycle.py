@@ -101,6 +101,7 @@ class Trip:
     waiting: bool = True  # no worker took it yet
     prompt_tokens: int = 0
     prompt_ids: list[int] = field(default_factory=list)  # once tokenized
+    max_tokens: int = 0  # once its parameters are read
     retries: int = 0  # re-routes, resumes and the prefill fallback
     resumes: int = 0
     offloaded: bool = False
@@ -170,6 +171,11 @@ class Door:
         self.metrics.waiting.inc()
         self.signals.started()
         return Trip(arrival_s, tenant)
+
+    def expect_output(self, trip: Trip, max_tokens: int) -> None:
+        """Its parameters are read: the decode work it may bring counts in the signals."""
+        trip.max_tokens = max_tokens
+        self.signals.expect_output(max_tokens)
 
     def admit_prefill(self, trip: Trip, prompt_ids, context) -> None:
         """Queue the request's prefill work unless its predicted TTFT is over the bound (then
@@ -271,7 +277,7 @@ class Door:
             end, ttft, tpot_of(end - trip.arrival, ttft, trip.sent), trip.prompt_tokens,
             trip.sent, trip.offloaded, trip.retries, trip.finish or trip.error or fin.ABORT,
             trip.path, "" if d is None else d.choice, None if d is None else d.prefill_ttft_s,
-            None if d is None else d.decode_ttft_s))
+            None if d is None else d.decode_ttft_s, trip.max_tokens))
         self._prefilled(trip, False)  # a request that ended before its first token
         self.admission.release(trip.tenant)
 

@@ -254,6 +254,7 @@ class RouterService(api_pb2_grpc.GenerationServicer):
         except InvalidArgumentError as e:
             self._abort(context, trip, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         trip.prompt_tokens, trip.prompt_ids = len(prompt_ids), prompt_ids
+        self.door.expect_output(trip, params.max_tokens)
         self.door.admit_prefill(trip, prompt_ids, context)
         sampling = params_to_proto(params)
         text = OutputText(self.tokenizer, prompt_ids, params.stop)

@@ -197,7 +197,7 @@ class Cluster:
             self._reject(i, e.reason)
             return
         if self.connector is not None:
-            self.connector.started()
+            self.connector.started(r.output_tokens)
         # The full blocks' hashes come from the trace's block ids (the scheduler takes them as
         # known); the router's are those of the reusable blocks (all tokens but the last).
         known = self.known[i] = RequestPrompt(self.reqs, i, r.prompt_tokens, self.cfg.block_size,

@@ -36,8 +36,10 @@ class SimConnector:
                                              clock=lambda: cluster.q.now)
 
     # What the live router's RequestSignals learn from its requests.
-    def started(self) -> None:
+    def started(self, max_tokens: int) -> None:
+        """A request admitted, its parameters read (a trace's request decodes to its length)."""
         self.ring.started()
+        self.ring.expect_output(max_tokens)
 
     def finished(self, now: float, e2e_s: float, ttft_s: float, prompt_tokens: int,
                  output_tokens: int, offloaded: bool, route=None) -> None:
@@ -47,7 +49,7 @@ class SimConnector:
             now, ttft_s, tpot_of(e2e_s, ttft_s, output_tokens), prompt_tokens, output_tokens,
             offloaded, 0, "length", "" if route is None else route.kind,
             "" if d is None else d.choice, None if d is None else d.prefill_ttft_s,
-            None if d is None else d.decode_ttft_s))
+            None if d is None else d.decode_ttft_s, output_tokens))
 
     # ---- controller.connector.Connector ------------------------------------------------------
     def signals(self, window_s: float) -> rpb.RouterSignals:

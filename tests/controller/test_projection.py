@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from pdserve.controller.policy import (DECODE, PREFILL, SERVING, ControllerInput, PolicyConfig,
                                        PolicyState, WorkerView, decide)
-from pdserve.controller.projection import (StepModel, attainment, fit_step_model, project,
-                                           spread_incoming)
+from pdserve.controller.projection import (MAX_STEADY_BATCH, StepModel, attainment,
+                                           fit_step_model, project, spread_incoming,
+                                           steady_batch)
 from pdserve.controller.signals import (DecodePressure, PrefillPressure, Slo, decode_pressure,
                                         prefill_pressure)
 from pdserve.core.step_profile import load_profile
@@ -63,6 +64,27 @@ def test_incoming_requests_fill_the_least_loaded_decode_workers_first():
     assert p.batches == (20, 14)
     assert p.steps_s == pytest.approx((LINE.step_s(20), LINE.step_s(14)))
     assert p.worst_step_s == pytest.approx(LINE.step_s(20))
+
+
+def test_admitted_decode_work_settles_at_the_batch_that_keeps_up_with_it():
+    # A line a + b B settles at B = W a / (1 - W b): W = 100 tokens/s, a = 0.03, b = 0.005
+    # gives B = 6, a step of 0.06 s (6 tokens a step, 100 a second).
+    assert steady_batch(100.0, LINE) == 6
+    assert LINE.step_s(6) == pytest.approx(0.06)
+    assert steady_batch(0.0, LINE) == 0
+    # W b >= 1: no batch keeps up; the step is projected at the largest batch looked at.
+    assert steady_batch(200.0, LINE) == MAX_STEADY_BATCH
+    # Two idle decode workers, 100 tokens/s admitted: each settles at the batch for 50.
+    p = project([0, 0], [0.0, 0.0], 0, LINE, tokens_per_s=100.0)
+    assert p.batches == (steady_batch(50.0, LINE),) * 2
+    # A worker already past the steady batch keeps its own (the larger of the two).
+    p = project([30, 0], [0.0, 0.0], 0, LINE, tokens_per_s=100.0)
+    assert p.batches == (30, steady_batch(50.0, LINE))
+    # One decode worker of a 3:1 split gets all the work of a decode-heavy stretch: its
+    # projected step is past the ITL SLO before any of those requests decoded.
+    one = project([2], [10.0], 0, LINE, tokens_per_s=180.0)
+    assert one.worst_step_s > SLO.itl_s
+    assert project([2, 0], [10.0, 0.0], 0, LINE, tokens_per_s=180.0).worst_step_s < SLO.itl_s
 
 
 def test_attainment_counts_decodes_in_time_and_the_queue_reached_in_time():
@@ -157,6 +179,25 @@ def test_projected_pressure_turns_a_burst_of_answers_into_decode_pressure_early(
     assert pre.ratio == 0.0
 
 
+def test_admitted_answers_turn_a_3_1_split_back_toward_decode_before_any_step_is_late():
+    """Three prefill workers, one decode worker running 2 short answers in time; long answers
+    are being admitted at 180 tokens a second. Decode pressure is the projected step's, the
+    flip toward decode is ordered once it has held, and the comparison keeps it."""
+    workers = [_prefiller("p0"), _prefiller("p1"), _prefiller("p2"),
+               _decoder("d0", 2, kv=10, decode_step_s=0.04)]
+    proj = project([2], [10.0], 0, LINE, tokens_per_s=180.0)
+    dp = decode_pressure(10, 1000, 0.04, 0, 2, SLO, projected_step_s=proj.worst_step_s)
+    assert dp.itl_ratio < 1.0 < dp.ratio
+    inp = dataclasses.replace(_input(workers, prefill=0.1, decode=dp.ratio,
+                                     state=PolicyState(decode_high_since_s=0.0)),
+                              decode_tokens_per_s=180.0)
+    d = decide(inp, 10.0)
+    assert [(f.from_role, f.to_role) for f in d.flips] == [(PREFILL, DECODE)]
+    # Without the admitted work the same batch projects in time: nothing to do.
+    calm = project([2], [10.0], 0, LINE)
+    assert calm.worst_step_s < SLO.itl_s
+
+
 # ---- properties ---------------------------------------------------------------------------
 
 batches = st.lists(st.integers(0, 64), min_size=1, max_size=6)
@@ -177,6 +218,22 @@ def test_projection_conserves_requests_and_only_grows_steps(bs, incoming, model)
     if incoming:
         gained = [a for a, b in zip(p.batches, bs) if a > b]
         assert max(gained) <= min(p.batches) + 1
+
+
+@DETERMINISTIC
+@given(batches, st.integers(0, 20), models, st.floats(0, 500), st.floats(0, 500))
+def test_more_admitted_work_never_projects_a_shorter_step(bs, incoming, model, w1, w2):
+    kv = [8.0 * b for b in bs]
+    lo, hi = sorted((w1, w2))
+    a, b = project(bs, kv, incoming, model, lo), project(bs, kv, incoming, model, hi)
+    assert b.worst_step_s >= a.worst_step_s - 1e-12
+    assert all(y >= x for x, y in zip(a.batches, b.batches))
+    # The steady batch keeps up with its share of the work, or is the largest looked at.
+    share = hi / len(bs)
+    s = steady_batch(share, model, 8.0)
+    assert s == MAX_STEADY_BATCH or s >= share * model.step_s(s, 8.0 * s) - 1e-9
+    # And no smaller batch does (the first that keeps up).
+    assert s <= 1 or s - 1 < share * model.step_s(s - 1, 8.0 * (s - 1)) + 1e-9
 
 
 @DETERMINISTIC

@@ -23,16 +23,17 @@ def worker(address, in_flight, tokens, age, running):
 def test_two_routers_make_one_view():
     a = rpb.RouterSignals(samples=[rpb.RequestSample(ttft_s=0.1)], in_flight_requests=3,
                           offloaded_requests_total=1, offloaded_tokens_total=100,
-                          retries_total=2, workers=[worker("w1:1", 2, 200.0, 0.5, 4),
+                          retries_total=2, admitted_output_tokens_total=640,
+                          workers=[worker("w1:1", 2, 200.0, 0.5, 4),
                                                     worker("w2:1", 1, 10.0, 0.2, 1)])
     b = rpb.RouterSignals(samples=[rpb.RequestSample(ttft_s=0.3), rpb.RequestSample()],
                           in_flight_requests=4, offloaded_requests_total=2,
                           offloaded_tokens_total=50, retries_total=1,
-                          workers=[worker("w1:1", 5, 300.0, 0.1, 7)])
+                          admitted_output_tokens_total=360, workers=[worker("w1:1", 5, 300.0, 0.1, 7)])
     m = merge_signals([a, b])
     assert sorted(s.ttft_s for s in m.samples) == [0.0, 0.1, 0.3]
     assert (m.in_flight_requests, m.offloaded_requests_total, m.offloaded_tokens_total,
-            m.retries_total) == (7, 3, 150, 3)
+            m.retries_total, m.admitted_output_tokens_total) == (7, 3, 150, 3, 1000)
     w1, w2 = m.workers
     assert (w1.address, w1.in_flight, w1.in_flight_tokens, w1.offload_in_flight_tokens) == (
         "w1:1", 7, 500.0, 70)

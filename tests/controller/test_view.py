@@ -9,7 +9,7 @@ import sys
 from pdserve.controller.audit import AuditLog, read_records
 from pdserve.controller.policy import DECODE, DRAINING, PREFILL, SERVING, SWITCHING
 from pdserve.controller.signals import Slo
-from pdserve.controller.view import Meters, cluster_view, window_of
+from pdserve.controller.view import Meters, cluster_view, used_share, window_of
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import worker_pb2 as wpb
 
@@ -24,8 +24,9 @@ def member(address, role, *, state=rpb.MEMBER_STATE_ACTIVE, tokens=0.0, computed
                               num_running=running, num_waiting=waiting))
 
 
-def signals(*members, samples=()):
-    return rpb.RouterSignals(workers=list(members), samples=list(samples))
+def signals(*members, samples=(), admitted=0):
+    return rpb.RouterSignals(workers=list(members), samples=list(samples),
+                             admitted_output_tokens_total=admitted)
 
 
 def test_rates_come_from_counter_deltas_and_the_pool_sums_them():
@@ -102,3 +103,28 @@ def test_decode_itl_is_the_live_step_time_when_no_request_has_finished_yet():
                      meters, slo)
     assert v.recent.itl_p90_s is None
     assert math.isclose(v.decode.itl_ratio, 3.0)
+
+
+def test_admitted_decode_work_is_the_max_tokens_rate_times_the_share_used():
+    meters, slo = Meters(), Slo(ttft_s=1.0, itl_s=0.1)
+    d0 = member("d0", wpb.ROLE_DECODE, running=1, free=90)
+    # Recent answers used half their max_tokens (one stopped early at 32 of 128, one ran to
+    # its 64); an aborted one does not count.
+    done = [rpb.RequestSample(output_tokens=32, max_tokens=128, finish="stop"),
+            rpb.RequestSample(output_tokens=64, max_tokens=64, finish="length"),
+            rpb.RequestSample(output_tokens=1, max_tokens=4096, finish="abort")]
+    assert math.isclose(used_share(done), 0.5)
+    assert used_share([]) == 1.0
+    assert cluster_view(signals(d0, samples=done, admitted=1000), meters, slo,
+                        now=0.0).decode_tokens_per_s == 0.0  # one view: no rate yet
+    v = cluster_view(signals(d0, samples=done, admitted=1800), meters, slo,
+                     pressure_window_s=5.0, now=2.0)
+    assert math.isclose(v.decode_tokens_per_s, 800 / 2 * 0.5)
+    # Over the window only: 8 s later the first view has left it.
+    for t, total in ((4.0, 2600), (6.0, 3400), (8.0, 3400), (10.0, 3400), (12.0, 3400)):
+        v = cluster_view(signals(d0, samples=done, admitted=total), meters, slo,
+                         pressure_window_s=5.0, now=t)
+    assert math.isclose(v.decode_tokens_per_s, 0.0)
+    # A router that restarted (its total fell) starts the count afresh, not negative.
+    v = cluster_view(signals(d0, samples=done, admitted=100), meters, slo, now=13.0)
+    assert v.decode_tokens_per_s == 0.0

@@ -96,6 +96,7 @@ def test_both_routers_serve_the_shared_ports(two_routers):
     c = two_routers
     assert len(c.router_controls) == 2
     before = [len(signals(a).samples) for a in c.router_controls]
+    admitted = sum(signals(a).admitted_output_tokens_total for a in c.router_controls)
     model = httpx.get(f"http://{c.http_address}/v1/models", timeout=30).json()["data"][0]["id"]
     for i in range(24):  # a new connection each: the kernel picks a router for each
         r = httpx.post(f"http://{c.http_address}/v1/completions", timeout=120, json={
@@ -104,6 +105,10 @@ def test_both_routers_serve_the_shared_ports(two_routers):
         assert r.status_code == 200, r.text
     served = [len(signals(a).samples) - b for a, b in zip(c.router_controls, before)]
     assert sum(served) == 24 and all(n > 0 for n in served), served
+    # The decode work each admitted: its max_tokens, counted and kept in its sample.
+    after = [signals(a) for a in c.router_controls]
+    assert sum(x.admitted_output_tokens_total for x in after) - admitted == 24 * 2
+    assert all(x.max_tokens == 2 for sig, b in zip(after, before) for x in sig.samples[b:])
 
 
 def test_both_routers_follow_one_membership(two_routers):

@@ -264,10 +264,12 @@ def test_the_simulator_ticks_the_live_controller_through_its_connector(migrate):
                 # First tokens slow in two stretches: prefill pressure builds, then ends.
                 ttft = 6.0 if 12 <= tick < 26 or 36 <= tick < 48 else 0.3
                 e2e, out = ttft + rng.uniform(0.5, 3.0), rng.randrange(2, 64)
+                # Each runs to its max_tokens, as a trace's request does in the simulator.
                 live_signals.started()
+                live_signals.expect_output(out)
                 live_signals.finished(Sample(now[0], ttft, (e2e - ttft) / (out - 1), 900, out,
-                                             False, 0, "length"))
-                sim_conn.started()
+                                             False, 0, "length", max_tokens=out))
+                sim_conn.started(out)
                 sim_conn.finished(now[0], e2e, ttft, 900, out, False)
             d_live, d_sim = live.tick(), sim.tick()
             assert (d_sim.action, d_sim.flips, d_sim.budgets, d_sim.reason) == (
