@@ -179,9 +179,11 @@ def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
         max_predicted_ttft_s=0.0,  # attainment counts every request: admission refuses none
         # The controller's mechanisms alone move prefill onto decode workers here.
         max_local_prefill_tokens=0,
-        # Its workers stand for separate machines (`--cpu-quota`): none ever waits for another's
-        # turn on this host's cores, whatever the default.
-        core_sharing="lend")
+        # Its workers stand for separate machines (`--cpu-quota`): each computes on its own
+        # thread and never waits for another's step, as sharing the host's cores (the
+        # default) would have it do: two threads inside a half-core cap, steps held for
+        # another worker's.
+        share_cores=False)
     caps: list[str] = []
     load_before = os.getloadavg()[0]
     with LocalCluster(spec) as cluster:
