@@ -63,6 +63,7 @@ class Meters:
         self._seen: dict[str, int] = {}  # decode steps counted at the last sample
         # (now, the routers' cumulative admitted max_tokens) at each view, for the work rate.
         self.admitted: deque[tuple[float, int]] = deque(maxlen=FIT_SAMPLES)
+        self.work: tuple[float, float] | None = None  # (now, decode work) at the last view
 
     def admitted_rate(self, now: float, total: int, window_s: float) -> float:
         """max_tokens admitted a second over the last `window_s` (over what is seen when it is
@@ -70,6 +71,7 @@ class Meters:
         count afresh."""
         if self.admitted and total < self.admitted[-1][1]:
             self.admitted.clear()
+            self.work = None
         self.admitted.append((now, total))
         while len(self.admitted) > 2 and now - self.admitted[1][0] >= window_s:
             self.admitted.popleft()
@@ -107,10 +109,17 @@ def used_share(samples) -> float:
 
 def decode_work(signals: rpb.RouterSignals, meters: Meters, now: float,
                 window_s: float) -> float:
-    """Output tokens a second the requests admitted over the last `window_s` will decode:
-    their max_tokens a second, times the share of max_tokens recent requests used."""
+    """Output tokens a second the admitted requests will decode: their max_tokens a second
+    over the last `window_s`, times the share of max_tokens recent requests used; falling, no
+    faster than by half each `window_s` (answers admitted before the window are still
+    decoding, and a few arrivals a window make the windowed rate jump)."""
     rate = meters.admitted_rate(now, signals.admitted_output_tokens_total, window_s)
-    return rate * used_share(signals.samples) if rate > 0 else 0.0
+    work = rate * used_share(signals.samples) if rate > 0 else 0.0
+    if meters.work is not None and now > meters.work[0]:
+        t, held = meters.work
+        work = max(work, held * 0.5 ** ((now - t) / window_s))
+    meters.work = (now, work)
+    return work
 
 
 def window_of(samples, slo: Slo) -> Window:

@@ -120,11 +120,17 @@ def test_admitted_decode_work_is_the_max_tokens_rate_times_the_share_used():
     v = cluster_view(signals(d0, samples=done, admitted=1800), meters, slo,
                      pressure_window_s=5.0, now=2.0)
     assert math.isclose(v.decode_tokens_per_s, 800 / 2 * 0.5)
-    # Over the window only: 8 s later the first view has left it.
-    for t, total in ((4.0, 2600), (6.0, 3400), (8.0, 3400), (10.0, 3400), (12.0, 3400)):
-        v = cluster_view(signals(d0, samples=done, admitted=total), meters, slo,
-                         pressure_window_s=5.0, now=t)
-    assert math.isclose(v.decode_tokens_per_s, 0.0)
+    # Admissions stop at 6 s. Past the window the rate is 0, but the work admitted before it
+    # is still decoding: the figure falls by half each window, no faster.
+    seen = []
+    for t, total in ((4.0, 2600), (6.0, 3400), (8.0, 3400), (10.0, 3400), (12.0, 3400),
+                     (60.0, 3400)):
+        seen.append((t, cluster_view(signals(d0, samples=done, admitted=total), meters, slo,
+                                     pressure_window_s=5.0, now=t).decode_tokens_per_s))
+    for (t1, w1), (t2, w2) in zip(seen, seen[1:]):
+        assert w2 >= w1 * 0.5 ** ((t2 - t1) / 5.0) - 1e-9
+    assert math.isclose(seen[-2][1], seen[-3][1] * 0.5 ** (2 / 5.0))  # rate 0: the decay alone
+    assert seen[-1][1] < 1.0
     # A router that restarted (its total fell) starts the count afresh, not negative.
-    v = cluster_view(signals(d0, samples=done, admitted=100), meters, slo, now=13.0)
+    v = cluster_view(signals(d0, samples=done, admitted=100), meters, slo, now=61.0)
     assert v.decode_tokens_per_s == 0.0
