@@ -1,5 +1,5 @@
 """A request's route through the cluster, as a pure core: which path it takes, and what happens
-after a hop fails. The live router (`service.py`) and the simulator (`sim/cluster.py`) both
+after a hop fails. The live router (`service.py`) and the simulator (`sim/arrival.py`) both
 call it, so they take the same paths in the same order.
 
 Owns the order of choices at arrival (`plan`): a decode worker that caches all but a short

@@ -1,5 +1,5 @@
 """The router as the simulator runs it: the real membership, routing, admission and KV index
-cores, fed the way the router's worker set (`router/pool.py`) feeds them.
+cores, fed the way the router's worker set (`router/pool.py`, `router/picks.py`) feeds them.
 
 Owns the simulated router's state: the `Membership` table, one policy per role (`make_policy`),
 `Admission`, the `KvIndex` (sources: each worker's prefix cache, and the store unless the store
@@ -9,7 +9,7 @@ is read where it is), the prefill rate meter, the conditional-disaggregation cho
 of each member's `WorkerLoad` rebuilt only when that member changes (acquire, release, a stats
 report), so a choice among a thousand workers costs the policy's own work and little more.
 Must not score or choose itself: `pick` builds the `RouteInput` (field by field as
-`WorkerSet._input` does) and the policy decides.
+`picks.Picks._input` does) and the policy decides.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def test_serving_changes_reach_the_watcher_in_order_and_gone_forgets():
 
 
 def test_offload_lease_holds_the_budget_until_the_request_ends():
-    from pdserve.router.pool import LiveRequest
+    from pdserve.router.picks import LiveRequest
 
     ws = make_workers()
     request = LiveRequest(list(range(100)))
@@ -332,7 +332,7 @@ def test_the_prefill_pick_is_counted_only_where_the_request_goes():
     """The route weighs the prefill pool's pick against the budgets before counting it: a
     deflected request leaves nothing counted on the prefill worker; one the pool keeps is
     counted there and takes no budget."""
-    from pdserve.router.pool import LiveRequest
+    from pdserve.router.picks import LiveRequest
 
     ws = make_workers()
     request = LiveRequest(list(range(100)))

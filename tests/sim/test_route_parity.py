@@ -18,7 +18,8 @@ from pdserve.router.kv_index import STORED, KvEvent
 from pdserve.router.deflect import HANDOFF_S
 from pdserve.router.membership import ACTIVE, DRAINING, FAILED
 from pdserve.router.policy import make_policy
-from pdserve.router.pool import LiveRequest, WorkerSet
+from pdserve.router.picks import LiveRequest
+from pdserve.router.pool import WorkerSet
 from pdserve.router.route import (CACHED_LOCAL, DECODE_FALLBACK, DISAGGREGATED, FALL_THROUGH,
                                   FALLBACK, GIVE_UP, LOCAL_HOP, OFFLOAD, PREFILL_HOP, Failure,
                                   after_failure, plan)
@@ -31,7 +32,7 @@ BS = 16
 
 class SimArrival:
     """One simulated request as `plan` sees the simulated router: the bindings the simulated
-    cluster makes (`sim/cluster.py`: `take_*` of request i)."""
+    cluster makes (`sim/arrival.py`: `take_*` of request i)."""
 
     def __init__(self, sim: SimRouter, cached: dict[str, int], prompt_tokens: int,
                  out: int, hashes) -> None:
@@ -243,7 +244,7 @@ def test_after_failure_gives_the_live_routers_decisions():
 def test_the_simulator_routes_through_the_live_route(monkeypatch):
     """The simulated cluster's arrivals take their path from `route.plan`: a plan that says
     otherwise changes where the simulator sends requests."""
-    import pdserve.sim.cluster as cluster_mod
+    import pdserve.sim.arrival as arrival_mod
     from pdserve.router.route import Route
     from pdserve.core.step_profile import load_profile
     from pdserve.sim.run import simulate
@@ -259,7 +260,7 @@ def test_the_simulator_routes_through_the_live_route(monkeypatch):
         calls.append(request)
         return Route(DECODE_FALLBACK)
 
-    monkeypatch.setattr(cluster_mod, "plan", fallback_only)
+    monkeypatch.setattr(arrival_mod, "plan", fallback_only)
     forced = simulate(cfg, requests, load_profile("h100-llama3-8b"))
     assert len(calls) == len(requests)
     prefill = {"w0000", "w0001"}  # the first workers are the prefill pool

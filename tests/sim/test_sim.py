@@ -267,7 +267,7 @@ def test_only_decode_workers_that_cannot_qualify_are_left_out_of_the_local_prefi
         prompt = rng.randrange(2, 1600)
         hashes = prompt_hashes_of(ids, prompt, 0, 16)[:(prompt - 1) // 16]
         full = {a: c.workers[a].engine.cached_blocks(hashes) for a in decode}
-        pruned = c._decode_cached(hashes, prompt)
+        pruned = c.arriving._decode_cached(hashes, prompt)
         assert all(full[a] == n for a, n in pruned.items())
         got = [c.router.cached_local(x, prompt, 10, c.cfg.max_local_prefill_tokens)
                for x in (full, pruned)]
@@ -280,9 +280,9 @@ def test_only_decode_workers_that_cannot_qualify_are_left_out_of_the_local_prefi
 
 
 def test_the_decode_holders_count_every_block_each_decode_worker_holds_also_after_flips():
-    """`_decode_cached` skips the decode caches for a block outside the holders map, so the
-    map must count, for every block, the decode workers caching it, including workers that
-    turned decode, and nothing else (a block no decode worker holds leaves it)."""
+    """`Arrivals._decode_cached` skips the decode caches for a block outside the holders map,
+    so the map must count, for every block, the decode workers caching it, including workers
+    that turned decode, and nothing else (a block no decode worker holds leaves it)."""
     from collections import Counter
 
     from pdserve.sim.cluster import Cluster

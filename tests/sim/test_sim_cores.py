@@ -24,7 +24,8 @@ from pdserve.router import admission, deflect, kv_index, membership
 from pdserve.router import policy as router_policy
 from pdserve.router.control import RequestSignals, RouterControlServicer, Sample
 from pdserve.router.policy import PREFILL_POLICIES, make_policy
-from pdserve.router.pool import LiveRequest, WorkerSet
+from pdserve.router.picks import LiveRequest
+from pdserve.router.pool import WorkerSet
 from pdserve.sim import cluster, control, router as sim_router
 from pdserve.sim.config import SimConfig
 from pdserve.controller.flip import FlipOutcome
@@ -33,7 +34,7 @@ from pdserve.sim.router import SimRouter
 SIM_DIR = Path(pdserve.sim.__file__).parent
 PACKAGE_DIR = SIM_DIR.parent
 MODULES = ("events", "trace", "config", "engine_model", "router", "control", "worker", "cluster",
-           "run", "report", "cli_run", "migration")
+           "arrival", "flips", "run", "report", "cli_run", "migration")
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess:
