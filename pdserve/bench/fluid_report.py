@@ -99,8 +99,11 @@ def plot_attainment(result: dict[str, Any], path: str) -> None:
     for j, p in enumerate(parts):
         sts = [per[n]["attainment"][p] for n in names]
         means = [100 * (st["mean"] or 0) for st in sts]
-        lo = [m - 100 * (st["min"] if st["min"] is not None else 0) for m, st in zip(means, sts)]
-        hi = [100 * (st["max"] if st["max"] is not None else 0) - m for m, st in zip(means, sts)]
+        # Runs that all met the same share give a mean a rounding off their min and max.
+        lo = [max(0.0, m - 100 * (st["min"] if st["min"] is not None else 0))
+              for m, st in zip(means, sts)]
+        hi = [max(0.0, 100 * (st["max"] if st["max"] is not None else 0) - m)
+              for m, st in zip(means, sts)]
         xs = [i + (j - (len(parts) - 1) / 2) * width for i in range(len(names))]
         ax.bar(xs, means, width, yerr=[lo, hi], capsize=3, label=p)
         for x, m, h in zip(xs, means, hi):
