@@ -104,8 +104,8 @@ class ControllerInput:
     target: tuple[int, int] | None = None  # the operator's (prefill, decode) split, if one stands
     # Decode step time from batch and KV (fitted or profiled); None: no projection, no balance.
     step_model: StepModel | None = None
-    # Output tokens a second the admitted requests are expected to decode (their max_tokens
-    # over the last pressure window, times the share of max_tokens recent requests used).
+    # Output tokens a second the admitted requests are expected to decode (`view.decode_work`:
+    # their max_tokens a second, times the share of max_tokens recent requests used).
     decode_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
