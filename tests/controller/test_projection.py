@@ -198,6 +198,17 @@ def test_admitted_answers_turn_a_3_1_split_back_toward_decode_before_any_step_is
     assert calm.worst_step_s < SLO.itl_s
 
 
+def test_a_flip_away_from_decode_is_held_when_the_admitted_work_would_swamp_the_one_left():
+    # Prefill pressured, two decode workers running 3 each in time: the flip of one to prefill
+    # goes ahead. With 180 tokens a second of answers being admitted, the one left would
+    # settle past the ITL SLO (90 a second each keeps both in time): the comparison holds it.
+    workers = [_prefiller("p0"), _decoder("d0", 3), _decoder("d1", 3)]
+    inp = _input(workers, prefill=2.0, state=PolicyState(prefill_high_since_s=0.0))
+    assert [f.address for f in decide(inp, 10.0).flips] == ["d0"]
+    busy = decide(dataclasses.replace(inp, decode_tokens_per_s=180.0), 10.0)
+    assert busy.flips == () and "hold instead of flip" in busy.reason
+
+
 # ---- properties ---------------------------------------------------------------------------
 
 batches = st.lists(st.integers(0, 64), min_size=1, max_size=6)
