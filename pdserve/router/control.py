@@ -2,9 +2,9 @@
 
 Owns `RequestSignals`, the bounded ring of finished requests' samples (TTFT, mean time per
 output token, tokens and the max_tokens allowed, offloaded, retries, how it ended, its path and
-prefill deflection) with the cumulative offload, retry and admitted-output counters, and `RouterControlServicer`: membership for the
-controller and operators (list, register, move between states), the controller's offload
-budgets, and the windowed signals.
+prefill deflection) with the cumulative offload, retry and admitted-output counters, and
+`RouterControlServicer`: membership for the controller and operators (list, register, move
+between states), the controller's offload budgets, and the windowed signals.
 Must not route requests or decide transitions: `pool.WorkerSet` carries out membership, and
 `membership.py` decides what each move means.
 """
