@@ -5,7 +5,8 @@ and moving running decodes off the most loaded decode worker (`Migration`, "bala
 scored with `projection.attainment` on the decode workers' projected batches and the prefill
 queue as the action would leave them, and the best is taken. The flip the hysteresis allowed
 wins a tie (the measured pressure asked for it; a model that sees no difference must not hold
-it); a migration wins a tie with doing nothing only when it cuts the worst projected step by
+it), unless it is contested (it takes a worker from a role that is not calm): then it must
+leave strictly more requests in time than doing nothing; a migration wins a tie with doing nothing only when it cuts the worst projected step by
 at least BALANCE_GAIN (attainment counts a worker in time or not: a move that shortens every
 late step by half changes no count). A flip that would leave fewer requests in time
 than doing nothing is held: the pressure that asked for it would be paid for by the other role.
@@ -126,10 +127,11 @@ def _balance(scene: Scene, dec: Sequence[WorkerView], model: StepModel, inp: Con
             Migration(dec[hi].address, k, why))
 
 
-def choose(inp: ControllerInput, cfg: PolicyConfig, flips: tuple[Flip, ...]
-           ) -> tuple[tuple[Flip, ...], tuple[Migration, ...], str]:
+def choose(inp: ControllerInput, cfg: PolicyConfig, flips: tuple[Flip, ...],
+           contested: bool = False) -> tuple[tuple[Flip, ...], tuple[Migration, ...], str]:
     """The flips to order (those given, or none) and the migrations, with a note of the
-    scores; with no step model, the flips as given and no migration."""
+    scores; with no step model, the flips as given and no migration. `contested` flips lose
+    every tie."""
     model = inp.step_model
     if model is None:
         return flips, (), ""
@@ -150,7 +152,7 @@ def choose(inp: ControllerInput, cfg: PolicyConfig, flips: tuple[Flip, ...]
         after = _after_flips(scene, [w.address for w in dec], flips)
         if cfg.balance and any(f.to_role == DECODE for f in flips) and after.batches:
             after = _evened(after)
-        options.append((after.score(inp, model, prefill_now)[0], 2,
+        options.append((after.score(inp, model, prefill_now)[0], 0 if contested else 2,
                         f"flip {', '.join(f.address for f in flips)}", flips, ()))
     if len(options) == 1:
         return (), (), ""

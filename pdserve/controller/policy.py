@@ -15,7 +15,9 @@ the FluidPD paper's two time scales:
   projected step once the requests prefilling now reach it (`projection.py`, through the
   view), and the flip the hysteresis allows is weighed against doing nothing and against
   moving running decodes off the most loaded decode worker, by projected SLO attainment
-  (`actions.choose`).
+  (`actions.choose`). A giving role that is not calm (between `low` and `high`, as a prefill
+  queue still draining when answers start to pile up) no longer holds the flip by itself:
+  the flip is ordered only where the projection finds more requests in time with it.
 `plan_rebalance` gives the flips that reach a split outright (the `pdserve ctl` path).
 
 Must not do I/O, read a clock, draw random numbers or import torch, grpc or a service: the
@@ -117,11 +119,13 @@ def decide(inp: ControllerInput, now: float, cfg: PolicyConfig = PolicyConfig())
     else:
         if cfg.fluid_role:
             before = state
-            flips, role_reason, state = _fluid_role(inp, state, now, cfg, in_flight)
+            flips, role_reason, state, contested = _fluid_role(inp, state, now, cfg,
+                                                               in_flight)
         else:
             flips, role_reason = (), f"roles fixed (fluid_role off): {_pressures(inp)}"
+            contested = False
         if not in_flight:
-            chosen, migrations, scores = choose(inp, cfg, flips)
+            chosen, migrations, scores = choose(inp, cfg, flips, contested)
             if flips and not chosen:  # held: the sustained pressure still counts next tick
                 state, role_reason = before, f"hold instead of {role_reason}"
             flips = chosen
@@ -141,27 +145,33 @@ def _pressures(inp: ControllerInput) -> str:
 
 def _fluid_role(inp: ControllerInput, state: PolicyState, now: float, cfg: PolicyConfig,
                 in_flight: tuple[WorkerView, ...]
-                ) -> tuple[tuple[Flip, ...], str, PolicyState]:
+                ) -> tuple[tuple[Flip, ...], str, PolicyState, bool]:
+    """(flips, reason, state, contested): a contested flip takes a worker from a role that is
+    not calm, and is ordered only where the projection finds it strictly better."""
     p, d = inp.prefill.ratio, inp.decode.ratio
     if p > cfg.high and d > cfg.high:
         return (), (f"hold: both roles pressured ({_pressures(inp)} > {cfg.high:g}), "
-                    "no role to take a worker from"), state
+                    "no role to take a worker from"), state, False
     if p <= cfg.high and d <= cfg.high:
-        return (), f"hold: {_pressures(inp)}, neither above {cfg.high:g}", state
+        return (), f"hold: {_pressures(inp)}, neither above {cfg.high:g}", state, False
     to_role = PREFILL if p > cfg.high else DECODE
     giver = _other(to_role)
     ratio, giver_ratio = _ratio(inp, to_role), _ratio(inp, giver)
     head = f"{to_role} {ratio:.2f} > {cfg.high:g}"
     if in_flight:
         moving = ", ".join(f"{w.address} to {_counted_role(w)}" for w in in_flight)
-        return (), f"hold: {head}, but a flip is still in flight ({moving})", state
+        return (), f"hold: {head}, but a flip is still in flight ({moving})", state, False
     since = state.prefill_high_since_s if to_role == PREFILL else state.decode_high_since_s
     held_s = now - since if since is not None else 0.0
     if held_s < cfg.sustain_s:
-        return (), f"hold: {head} for {held_s:.1f} s of {cfg.sustain_s:g} s sustain", state
+        return (), (f"hold: {head} for {held_s:.1f} s of {cfg.sustain_s:g} s sustain"
+                    ), state, False
     head = f"{head} for {held_s:.1f} s"
-    if giver_ratio >= cfg.low:
-        return (), f"hold: {head}, but {giver} {giver_ratio:.2f} is not below {cfg.low:g}", state
+    # Not calm: only the projection may find the flip worth it (`actions.choose`).
+    contested = giver_ratio >= cfg.low
+    if contested and inp.step_model is None:
+        return (), (f"hold: {head}, but {giver} {giver_ratio:.2f} is not below {cfg.low:g}"
+                    ), state, False
     serving = [w for w in inp.workers if w.role == giver and w.state == SERVING]
     movable = sorted((w for w in serving if _movable(w)), key=_load_key)
     cooled = [w for w in movable
@@ -173,12 +183,14 @@ def _fluid_role(inp: ControllerInput, state: PolicyState, now: float, cfg: Polic
         pinned = sorted(w.address for w in serving if w.pinned)
         why = (f"{len(serving)} serving, min_per_role {cfg.min_per_role}, "
                f"pinned {', '.join(pinned) or 'none'}, cooling {', '.join(cooling) or 'none'}")
-        return (), f"hold: {head}, but no {giver} worker can move ({why})", state
-    why = f"{head}, {giver} {giver_ratio:.2f} < {cfg.low:g}"
+        return (), f"hold: {head}, but no {giver} worker can move ({why})", state, False
+    why = (f"{head}, {giver} {giver_ratio:.2f} not below {cfg.low:g}, the projection decides"
+           if contested else f"{head}, {giver} {giver_ratio:.2f} < {cfg.low:g}")
     flips = tuple(Flip(w.address, giver, to_role, why) for w in cooled[:n])
     # The new worker gets a full sustain_s to show in the pressure before another follows.
     state = replace(state, **{f"{to_role}_high_since_s": now})
-    return flips, f"flip {', '.join(f.address for f in flips)} {giver}->{to_role}: {why}", state
+    return (flips, f"flip {', '.join(f.address for f in flips)} {giver}->{to_role}: {why}",
+            state, contested)
 
 
 def _toward_target(inp: ControllerInput, state: PolicyState, now: float, cfg: PolicyConfig,

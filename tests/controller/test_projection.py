@@ -198,6 +198,32 @@ def test_admitted_answers_turn_a_3_1_split_back_toward_decode_before_any_step_is
     assert calm.worst_step_s < SLO.itl_s
 
 
+def test_a_flip_from_a_role_that_is_not_calm_is_ordered_only_where_it_projects_better():
+    """The 3:1 split of the test above, its prefill queue still draining (pressure 0.8, over
+    `low`): the hysteresis alone would hold the flip toward decode. With the admitted answers
+    swamping the one decode worker, the projection finds more requests in time after it and
+    orders it; where it finds no difference, or with no model to project, it is held."""
+    workers = [_prefiller("p0", in_flight=2), _prefiller("p1", in_flight=2),
+               _prefiller("p2", in_flight=2), _decoder("d0", 2, kv=10, decode_step_s=0.04)]
+    state = PolicyState(decode_high_since_s=0.0)
+    inp = dataclasses.replace(_input(workers, prefill=0.8, decode=1.5, state=state),
+                              decode_tokens_per_s=180.0)
+    d = decide(inp, 10.0)
+    assert [(f.from_role, f.to_role) for f in d.flips] == [(PREFILL, DECODE)], d.reason
+    assert "prefill 0.80 not below 0.5, the projection decides" in d.reason
+    # Short answers: one decode worker keeps every step in time either way, a tie, held.
+    tie = decide(dataclasses.replace(inp, decode_tokens_per_s=0.0), 10.0)
+    assert tie.flips == () and "hold instead of flip" in tie.reason, tie.reason
+    assert tie.state.decode_high_since_s == 0.0  # the sustained pressure still counts
+    # The same tie with a calm prefill role goes to the flip the pressure asked for.
+    calm = decide(dataclasses.replace(inp, prefill=dataclasses.replace(inp.prefill, ratio=0.1),
+                                      decode_tokens_per_s=0.0), 10.0)
+    assert [(f.from_role, f.to_role) for f in calm.flips] == [(PREFILL, DECODE)]
+    # Nothing to project with: the hysteresis holds it, as it always did.
+    blind = decide(dataclasses.replace(inp, step_model=None), 10.0)
+    assert blind.flips == () and "prefill 0.80 is not below 0.5" in blind.reason
+
+
 def test_a_flip_away_from_decode_is_held_when_the_admitted_work_would_swamp_the_one_left():
     # Prefill pressured, two decode workers running 3 each in time: the flip of one to prefill
     # goes ahead. With 180 tokens a second of answers being admitted, the one left would
@@ -281,7 +307,13 @@ def test_the_comparison_never_adds_a_flip_and_moves_only_what_runs(workers, p, d
     inp = _input(workers, prefill=p, decode=dr, model=model, state=state)
     d = decide(inp, 20.0, cfg)
     blind = decide(dataclasses.replace(inp, step_model=None), 20.0, cfg)
-    assert set(d.flips) <= set(blind.flips)
+    # A flip the hysteresis alone holds is one from a role that is not calm, ordered only
+    # where it projects strictly more requests in time than doing nothing (the note rounds).
+    for f in set(d.flips) - set(blind.flips):
+        giver = inp.prefill.ratio if f.from_role == PREFILL else inp.decode.ratio
+        assert giver >= cfg.low and "the projection decides" in f.reason
+        done, nothing = d.reason.split("projected attainment: nothing ")[1].split(" ", 1)
+        assert float(nothing.split(f"flip {f.address} ")[1][:4]) >= float(done)
     assert blind.migrations == ()
     assert d == decide(inp, 20.0, cfg)  # pure: the same input, the same decision
     by = {w.address: w for w in workers}
