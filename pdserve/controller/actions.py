@@ -43,11 +43,15 @@ class Scene:
     incoming: int
     prefill_workers: int
     tokens_per_s: float = 0.0
+    # Running decodes of a decode worker flipped away: they join the others as incoming
+    # requests do, but wait for no prefill.
+    moved: int = 0
 
     def score(self, inp: ControllerInput, model: StepModel, prefill_now: int
               ) -> tuple[float, float]:
         """(projected attainment, worst projected step)."""
-        proj = project(self.batches, self.kv_blocks, self.incoming, model, self.tokens_per_s)
+        proj = project(self.batches, self.kv_blocks, self.incoming + self.moved, model,
+                       self.tokens_per_s)
         p = inp.prefill
         # The queue clears at the pool's rate, which scales with its workers.
         queue_s = (p.work_s * prefill_now / self.prefill_workers if self.prefill_workers
@@ -87,13 +91,12 @@ def _after_flips(scene: Scene, names: Sequence[str], flips: Sequence[Flip]) -> S
                             kv_blocks=scene.kv_blocks + (0.0,),
                             prefill_workers=scene.prefill_workers - 1)
         elif f.address in names:
-            # A decode worker leaves: its running decodes move to the others, as incoming
-            # requests do.
+            # A decode worker leaves: its running decodes move to the others.
             i = names.index(f.address)
             names.pop(i)
             scene = replace(scene, batches=scene.batches[:i] + scene.batches[i + 1:],
                             kv_blocks=scene.kv_blocks[:i] + scene.kv_blocks[i + 1:],
-                            incoming=scene.incoming + scene.batches[i],
+                            moved=scene.moved + scene.batches[i],
                             prefill_workers=scene.prefill_workers + 1)
     return scene
 

@@ -15,9 +15,10 @@ the FluidPD paper's two time scales:
   projected step once the requests prefilling now reach it (`projection.py`, through the
   view), and the flip the hysteresis allows is weighed against doing nothing and against
   moving running decodes off the most loaded decode worker, by projected SLO attainment
-  (`actions.choose`). A giving role that is not calm (between `low` and `high`, as a prefill
-  queue still draining when answers start to pile up) no longer holds the flip by itself:
-  the flip is ordered only where the projection finds more requests in time with it.
+  (`actions.choose`). A giving role that is not calm (between `low` and `high`, or pressured
+  too, as a prefill queue still draining when answers start to pile up) no longer holds the
+  flip by itself: the more pressured role's flip is ordered only where the projection finds
+  more requests in time with it.
 `plan_rebalance` gives the flips that reach a split outright (the `pdserve ctl` path).
 
 Must not do I/O, read a clock, draw random numbers or import torch, grpc or a service: the
@@ -149,12 +150,13 @@ def _fluid_role(inp: ControllerInput, state: PolicyState, now: float, cfg: Polic
     """(flips, reason, state, contested): a contested flip takes a worker from a role that is
     not calm, and is ordered only where the projection finds it strictly better."""
     p, d = inp.prefill.ratio, inp.decode.ratio
-    if p > cfg.high and d > cfg.high:
+    if p > cfg.high and d > cfg.high and inp.step_model is None:
         return (), (f"hold: both roles pressured ({_pressures(inp)} > {cfg.high:g}), "
                     "no role to take a worker from"), state, False
     if p <= cfg.high and d <= cfg.high:
         return (), f"hold: {_pressures(inp)}, neither above {cfg.high:g}", state, False
-    to_role = PREFILL if p > cfg.high else DECODE
+    # Both pressured: the more pressured role may take a worker, where the projection says so.
+    to_role = PREFILL if p > cfg.high and p >= d else DECODE
     giver = _other(to_role)
     ratio, giver_ratio = _ratio(inp, to_role), _ratio(inp, giver)
     head = f"{to_role} {ratio:.2f} > {cfg.high:g}"
@@ -167,7 +169,8 @@ def _fluid_role(inp: ControllerInput, state: PolicyState, now: float, cfg: Polic
         return (), (f"hold: {head} for {held_s:.1f} s of {cfg.sustain_s:g} s sustain"
                     ), state, False
     head = f"{head} for {held_s:.1f} s"
-    # Not calm: only the projection may find the flip worth it (`actions.choose`).
+    # Not calm (pressured too, or between the marks): only the projection may find the flip
+    # worth it (`actions.choose`).
     contested = giver_ratio >= cfg.low
     if contested and inp.step_model is None:
         return (), (f"hold: {head}, but {giver} {giver_ratio:.2f} is not below {cfg.low:g}"

@@ -224,6 +224,36 @@ def test_a_flip_from_a_role_that_is_not_calm_is_ordered_only_where_it_projects_b
     assert blind.flips == () and "prefill 0.80 is not below 0.5" in blind.reason
 
 
+def test_with_both_roles_pressured_the_projection_may_give_the_more_pressured_one_a_worker():
+    """The decode phase's first seconds on a 3:1 split: long prompts still queued (prefill
+    2.0) while the admitted answers swamp the one decode worker (decode 6.0). The hysteresis
+    alone has no role to take a worker from; the projection finds the flip toward decode
+    better and orders it. Without a model it is held as before."""
+    workers = [_prefiller("p0", in_flight=1), _prefiller("p1", in_flight=1),
+               _prefiller("p2", in_flight=1), _decoder("d0", 6, kv=30, decode_step_s=0.3)]
+    state = PolicyState(prefill_high_since_s=0.0, decode_high_since_s=0.0)
+    inp = dataclasses.replace(_input(workers, prefill=2.0, decode=6.0, state=state),
+                              decode_tokens_per_s=180.0)
+    d = decide(inp, 10.0)
+    assert [(f.from_role, f.to_role) for f in d.flips] == [(PREFILL, DECODE)], d.reason
+    assert "prefill 2.00 not below 0.5, the projection decides" in d.reason
+    blind = decide(dataclasses.replace(inp, step_model=None), 10.0)
+    assert blind.flips == () and "both roles pressured" in blind.reason
+
+
+def test_a_decode_worker_flipped_away_hands_its_decodes_over_without_a_prefill():
+    """Two decode workers running 2 each, a prefill queue of 4 that takes 3 s against a 1 s
+    share of the TTFT SLO. Taking d0 for prefill halves the queue's time; its 2 running
+    decodes go on at d1 and wait for no prefill: 8 decoding in time and 4 queued of which
+    2.67 are reached, 10.67 of 12 (counted as queued too they would make 12 of 14)."""
+    workers = [_prefiller("p0", in_flight=4), _decoder("d0", 2, kv=10), _decoder("d1", 2, kv=10)]
+    inp = _input(workers, prefill=3.0, state=PolicyState(prefill_high_since_s=0.0))
+    inp = dataclasses.replace(inp, prefill=dataclasses.replace(inp.prefill, work_s=3.0))
+    d = decide(inp, 10.0)
+    assert [(f.address, f.to_role) for f in d.flips] == [("d0", PREFILL)]
+    assert "nothing 0.78" in d.reason and "flip d0 0.89" in d.reason, d.reason
+
+
 def test_a_flip_away_from_decode_is_held_when_the_admitted_work_would_swamp_the_one_left():
     # Prefill pressured, two decode workers running 3 each in time: the flip of one to prefill
     # goes ahead. With 180 tokens a second of answers being admitted, the one left would
