@@ -16,6 +16,7 @@ same settings and workload continues from them. Must not decide anything: it mea
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -24,11 +25,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from pdserve.bench.fluid_cluster import CONFIGS, DEFAULT_SPLIT, cpu_quota_available, digest
+from pdserve.bench.fluid_cluster import (CONFIGS, DEFAULT_MODEL_PROFILE, DEFAULT_SPLIT, WORKERS,
+                                         cpu_quota_available, digest)
 from pdserve.bench.fluid_runs import RunFiles, run_key
 from pdserve.bench.fluid_summary import summarize
-from pdserve.bench.fluid_workload import WORKLOADS, Shape, Workload, make_workload, traces_dir
+from pdserve.bench.fluid_workload import (WORKLOADS, Shape, Workload, make_workload,
+                                          mooncake_records, traces_dir)
 from pdserve.bench.serve_workload import WorkloadError
+from pdserve.core.step_profile import load_profile
 from pdserve.output import emit
 
 
@@ -129,6 +133,7 @@ def run_bench(s: FluidBenchSettings, progress=None, out_dir: str | None = None
         raise WorkloadError(f"--trace {s.trace_path}: no request arrives in the first "
                             f"{wl.duration_s:.0f} s at --speedup {s.speedup}")
     settings = {**asdict(s), "model": model, "context_tokens": mc.max_position_embeddings}
+    sim = _for_the_simulator(s, wl, out_dir) if out_dir else None
     files = RunFiles(os.path.join(out_dir, "fluid-runs") if out_dir else None,
                      run_key(settings, model, wl.requests))
     records: dict[str, list[dict[str, Any]]] = {c: [{}] * s.runs for c in s.configs}
@@ -167,10 +172,32 @@ def run_bench(s: FluidBenchSettings, progress=None, out_dir: str | None = None
                                       for p in phases}},
             "engine_checked": min(s.engine_checks, len(wl.requests)),
             "engine_mismatches": engine_bad, "runs_kept_from_earlier": resumed,
-            "runs": records,
+            "runs": records, **({"sim_plan": sim} if sim else {}),
             "summary": summarize(records, phases, default=DEFAULT_SPLIT,
                                  static=[c for c in CONFIGS if CONFIGS[c][2] is None],
                                  decode_from_s=wl.decode_from_s)}
+
+
+def _for_the_simulator(s: FluidBenchSettings, wl: Workload, out_dir: str) -> str:
+    """Write the arrivals (a Mooncake trace) and, for the default model, its step profile at
+    each worker's share of the host's cores into `out_dir`; the `pdserve sim plan` command
+    that ranks the splits and the controller on the same arrivals."""
+    os.makedirs(out_dir, exist_ok=True)
+    trace = os.path.join(out_dir, "arrivals.jsonl")
+    with open(trace, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in mooncake_records(wl))
+    # Another model's: `pdserve sim calibrate --model M`, slowed by the same share.
+    profile = " --profile PROFILE"
+    if not s.model_path:
+        # Each worker computes on one thread within its share of the cores (`cpu_quota`).
+        slow = max(1.0, WORKERS / (os.cpu_count() or 1))
+        path = os.path.join(out_dir, "sim-profile.json")
+        load_profile(DEFAULT_MODEL_PROFILE).slowed(slow).save(path)
+        profile = f" --profile {path}"
+    span = wl.requests[-1].arrival_s - wl.requests[0].arrival_s
+    return (f"pdserve sim plan --trace {trace}{profile} --workers {WORKERS} "
+            f"--workers-per-copy {WORKERS} --duration-s {span + 0.001:.3f} "
+            f"--ttft-slo-ms {s.ttft_slo_ms:g} --itl-slo-ms {s.itl_slo_ms:g}")
 
 
 def _machine() -> dict[str, Any]:

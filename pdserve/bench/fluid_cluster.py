@@ -31,6 +31,7 @@ CONFIGS: dict[str, tuple[int, int, dict[str, bool] | None]] = {
     "fluid-both-nomigrate": (2, 2, {"fluid_role": True, "fluid_token": True, "migrate": False}),
 }
 DEFAULT_SPLIT = "static-2:2"  # the controller configs start from it
+WORKERS = 4  # every configuration's cluster: each worker a quarter of the host's cores
 
 
 def _cap_cpu(pids: list[int], share_cores: float, tag: str) -> list[str]:
@@ -169,7 +170,8 @@ def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
     p, d, ctl = CONFIGS[name]
     spec = ClusterSpec(
         model_path=model, router_port=_free_port(), store_port=_free_port(),
-        worker_ports=tuple(_free_port() for _ in range(4)), prefill_workers=p, decode_workers=d,
+        worker_ports=tuple(_free_port() for _ in range(WORKERS)), prefill_workers=p,
+        decode_workers=d,
         num_blocks=s.num_blocks, http_port=None, log_dir=log_dir, threads_per_worker=1,
         controller=ctl is not None, controller_port=_free_port(), ttft_slo_ms=s.ttft_slo_ms,
         itl_slo_ms=s.itl_slo_ms, controller_settings={} if ctl is None else {
@@ -190,7 +192,7 @@ def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
         if s.cpu_quota:
             pids = [c.proc.pid for c in cluster.children
                     if c.name.startswith(("prefill", "decode"))]
-            caps = _cap_cpu(pids, (os.cpu_count() or 1) / 4, name)
+            caps = _cap_cpu(pids, (os.cpu_count() or 1) / WORKERS, name)
         stop, timeline = threading.Event(), []
         t0 = time.monotonic() + 0.5
         t0_wall = time.time() + (t0 - time.monotonic())

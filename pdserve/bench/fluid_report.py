@@ -84,6 +84,8 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
                   f"from the baseline run's; engine check: {result['engine_mismatches']} of "
                   f"{result['engine_checked']} differ from the in-process engine; runs kept "
                   f"from an earlier stop: {result['runs_kept_from_earlier']}")
+    if result.get("sim_plan"):
+        console.print(f"the simulator on the same arrivals: {result['sim_plan']}")
 
 
 def plot_attainment(result: dict[str, Any], path: str) -> None:

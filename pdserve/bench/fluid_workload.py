@@ -226,6 +226,20 @@ def make_workload(folder: str, shape: Shape, *, phase_s: float, prefill_rps: flo
     return _BUILDERS[kind](m, azure, moon, phase_s, prefill_rps, decode_rps)
 
 
+def mooncake_records(wl: Workload, block_tokens: int = 512) -> list[dict[str, Any]]:
+    """The workload's arrivals as Mooncake trace records (the format `pdserve sim` reads):
+    timestamp in ms, prompt and answer lengths, and hash ids of `block_tokens` per id, each
+    request's its own (the bench's prompts share no prefix)."""
+    out, next_id = [], 0
+    for r in wl.requests:
+        n = -(-len(r.prompt) // block_tokens)
+        out.append({"timestamp": round(r.arrival_s * 1000.0, 3), "input_length": len(r.prompt),
+                    "output_length": r.max_tokens,
+                    "hash_ids": list(range(next_id, next_id + n))})
+        next_id += n
+    return out
+
+
 def percentile(xs: list[float], q: float) -> float | None:
     """Nearest-rank percentile, q in [0, 1]; None for no data."""
     if not xs:

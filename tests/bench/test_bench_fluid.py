@@ -42,6 +42,11 @@ def test_bench_fluid_runs_static_and_controller_with_the_same_tokens(tiny_llama_
     sm = result["summary"]
     assert sm["best_static"]["overall"] == "static-2:2" and sm["token_mismatches"] == 0
     assert sm["gains"]["fluid-both"]["decode"]["vs_default"]["within_spread"] is None  # 1 run
+    # The same arrivals for the simulator: `pdserve sim plan` ranks the splits on them.
+    with open(os.path.join(out, "arrivals.jsonl")) as f:
+        assert sum(1 for _ in f) == n
+    assert result["sim_plan"].startswith(f"pdserve sim plan --trace {out}/arrivals.jsonl ")
+    assert "--workers 4 --workers-per-copy 4" in result["sim_plan"]
     written = fluid_report.write_outputs(result, str(tmp_path))
     assert all(os.path.getsize(p) > 0 for p in written) and len(written) == 3
     # Stopped or not, the runs kept in the folder are taken, not measured again.

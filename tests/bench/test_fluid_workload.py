@@ -10,7 +10,7 @@ import os
 import pytest
 
 from pdserve.bench.fluid_workload import (
-    WORKLOADS, Shape, WorkloadError, make_workload, scale_lengths, traces_dir)
+    WORKLOADS, Shape, WorkloadError, make_workload, mooncake_records, scale_lengths, traces_dir)
 
 needs_traces = pytest.mark.skipif(
     not os.path.isfile(os.path.join(traces_dir(), "AzureLLMInferenceTrace_code.csv")),
@@ -51,6 +51,21 @@ def test_two_phase_is_prefill_heavy_then_decode_heavy():
     dec = [r for r in w.requests if r.phase == "decode"]
     assert _mean([len(r.prompt) for r in pre]) > 2 * _mean([len(r.prompt) for r in dec])
     assert _mean([r.max_tokens for r in dec]) > 4 * _mean([r.max_tokens for r in pre])
+
+
+@needs_traces
+def test_the_arrivals_read_back_as_the_simulators_trace(tmp_path):
+    from pdserve.sim.trace import read_mooncake
+
+    w = _make("two-phase")
+    path = tmp_path / "arrivals.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in mooncake_records(w)))
+    back = read_mooncake(path)
+    assert [(round(b.arrival_s, 6), b.prompt_tokens, b.output_tokens) for b in back] == [
+        (round(r.arrival_s, 6), len(r.prompt), r.max_tokens) for r in w.requests]
+    # Each request its own blocks, one per 512 prompt tokens begun: no prefix is shared.
+    ids = [h for b in back for h in b.block_hashes]
+    assert len(ids) == len(set(ids)) == sum(-(-len(r.prompt) // 512) for r in w.requests)
 
 
 @needs_traces
