@@ -15,10 +15,9 @@ the FluidPD paper's two time scales:
   projected step once the requests prefilling now reach it (`projection.py`, through the
   view), and the flip the hysteresis allows is weighed against doing nothing and against
   moving running decodes off the most loaded decode worker, by projected SLO attainment
-  (`actions.choose`). A giving role that is not calm (between `low` and `high`, or pressured
-  too, as a prefill queue still draining when answers start to pile up) no longer holds the
-  flip by itself: the more pressured role's flip is ordered only where the projection finds
-  more requests in time with it.
+  (`actions.choose`). A prefill role that is not calm (between `low` and `high`, or pressured
+  too, as a queue still draining when answers start to pile up) no longer holds a flip toward
+  decode by itself: it is ordered only where the projection finds more requests in time.
 `plan_rebalance` gives the flips that reach a split outright (the `pdserve ctl` path).
 
 Must not do I/O, read a clock, draw random numbers or import torch, grpc or a service: the
@@ -147,16 +146,20 @@ def _pressures(inp: ControllerInput) -> str:
 def _fluid_role(inp: ControllerInput, state: PolicyState, now: float, cfg: PolicyConfig,
                 in_flight: tuple[WorkerView, ...]
                 ) -> tuple[tuple[Flip, ...], str, PolicyState, bool]:
-    """(flips, reason, state, contested): a contested flip takes a worker from a role that is
-    not calm, and is ordered only where the projection finds it strictly better."""
+    """(flips, reason, state, contested): a contested flip takes a prefill worker for decode
+    while the prefill role is not calm, and is ordered only where the projection finds it
+    strictly better. Decode alone gets them: the answers being admitted are what the
+    projection sees ahead; a decode role between the marks gives no worker to prefill (taken
+    on the projection's word, its decodes came back within seconds in `bench fluid`)."""
     p, d = inp.prefill.ratio, inp.decode.ratio
-    if p > cfg.high and d > cfg.high and inp.step_model is None:
+    projected = inp.step_model is not None
+    if p > cfg.high and d > cfg.high and not projected:
         return (), (f"hold: both roles pressured ({_pressures(inp)} > {cfg.high:g}), "
                     "no role to take a worker from"), state, False
     if p <= cfg.high and d <= cfg.high:
         return (), f"hold: {_pressures(inp)}, neither above {cfg.high:g}", state, False
-    # Both pressured: the more pressured role may take a worker, where the projection says so.
-    to_role = PREFILL if p > cfg.high and p >= d else DECODE
+    # Both pressured (with a projection): decode may take a worker, where it says so.
+    to_role = DECODE if d > cfg.high else PREFILL
     giver = _other(to_role)
     ratio, giver_ratio = _ratio(inp, to_role), _ratio(inp, giver)
     head = f"{to_role} {ratio:.2f} > {cfg.high:g}"
@@ -169,10 +172,10 @@ def _fluid_role(inp: ControllerInput, state: PolicyState, now: float, cfg: Polic
         return (), (f"hold: {head} for {held_s:.1f} s of {cfg.sustain_s:g} s sustain"
                     ), state, False
     head = f"{head} for {held_s:.1f} s"
-    # Not calm (pressured too, or between the marks): only the projection may find the flip
-    # worth it (`actions.choose`).
+    # Not calm (pressured too, or between the marks): only the projection may find a flip
+    # toward decode worth it (`actions.choose`).
     contested = giver_ratio >= cfg.low
-    if contested and inp.step_model is None:
+    if contested and (not projected or to_role == PREFILL):
         return (), (f"hold: {head}, but {giver} {giver_ratio:.2f} is not below {cfg.low:g}"
                     ), state, False
     serving = [w for w in inp.workers if w.role == giver and w.state == SERVING]

@@ -224,7 +224,7 @@ def test_a_flip_from_a_role_that_is_not_calm_is_ordered_only_where_it_projects_b
     assert blind.flips == () and "prefill 0.80 is not below 0.5" in blind.reason
 
 
-def test_with_both_roles_pressured_the_projection_may_give_the_more_pressured_one_a_worker():
+def test_with_both_roles_pressured_the_projection_may_give_decode_a_worker():
     """The decode phase's first seconds on a 3:1 split: long prompts still queued (prefill
     2.0) while the admitted answers swamp the one decode worker (decode 6.0). The hysteresis
     alone has no role to take a worker from; the projection finds the flip toward decode
@@ -239,6 +239,20 @@ def test_with_both_roles_pressured_the_projection_may_give_the_more_pressured_on
     assert "prefill 2.00 not below 0.5, the projection decides" in d.reason
     blind = decide(dataclasses.replace(inp, step_model=None), 10.0)
     assert blind.flips == () and "both roles pressured" in blind.reason
+
+
+def test_a_decode_role_that_is_not_calm_gives_no_worker_to_prefill_whatever_the_projection():
+    """Three light decode workers (decode 0.59, between the marks) and a long prefill queue:
+    taking one for prefill projects better, but the flip is held as the hysteresis holds it."""
+    workers = [_prefiller("p0", in_flight=4), _decoder("d0", 2, kv=10), _decoder("d1", 2, kv=10),
+               _decoder("d2", 2, kv=10)]
+    inp = _input(workers, prefill=2.65, decode=0.59, state=PolicyState(prefill_high_since_s=0.0))
+    inp = dataclasses.replace(inp, prefill=dataclasses.replace(inp.prefill, work_s=3.0))
+    d = decide(inp, 10.0)
+    assert d.flips == () and "decode 0.59 is not below 0.5" in d.reason, d.reason
+    calm = decide(dataclasses.replace(inp, decode=dataclasses.replace(inp.decode, ratio=0.3)),
+                  10.0)
+    assert [(f.from_role, f.to_role) for f in calm.flips] == [(DECODE, PREFILL)]
 
 
 def test_a_decode_worker_flipped_away_hands_its_decodes_over_without_a_prefill():
@@ -340,8 +354,8 @@ def test_the_comparison_never_adds_a_flip_and_moves_only_what_runs(workers, p, d
     # A flip the hysteresis alone holds is one from a role that is not calm, ordered only
     # where it projects strictly more requests in time than doing nothing (the note rounds).
     for f in set(d.flips) - set(blind.flips):
-        giver = inp.prefill.ratio if f.from_role == PREFILL else inp.decode.ratio
-        assert giver >= cfg.low and "the projection decides" in f.reason
+        assert f.to_role == DECODE and inp.prefill.ratio >= cfg.low
+        assert "the projection decides" in f.reason
         done, nothing = d.reason.split("projected attainment: nothing ")[1].split(" ", 1)
         assert float(nothing.split(f"flip {f.address} ")[1][:4]) >= float(done)
     assert blind.migrations == ()
