@@ -52,6 +52,9 @@ BENCHES: dict[str, Lazy] = {
                                                  "calibrated"),
     "chaos": Lazy("pdserve.bench.chaos", "kill -9 each process kind under streaming load: "
                                          "requests lost or changed, time to heal"),
+    "migrate": Lazy("pdserve.bench.migrate", "running decodes moved live with their KV: the "
+                                             "stall a client sees, in the target's decode "
+                                             "steps; tokens unchanged"),
     "serve": Lazy("pdserve.bench.serve", "the serving path vs the engine's own decode rate and "
                                          "vLLM: tokens/s, TTFT, ITL per concurrency"),
     "sim": Lazy("pdserve.bench.sim", "the cluster simulator's speed: events/s and wall time "
