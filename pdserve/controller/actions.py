@@ -6,9 +6,10 @@ scored with `projection.attainment` on the decode workers' projected batches and
 queue as the action would leave them, and the best is taken. The flip the hysteresis allowed
 wins a tie (the measured pressure asked for it; a model that sees no difference must not hold
 it), unless it is contested (it takes a worker from a role that is not calm): then it must
-leave strictly more requests in time than doing nothing; a migration wins a tie with doing nothing only when it cuts the worst projected step by
-at least BALANCE_GAIN (attainment counts a worker in time or not: a move that shortens every
-late step by half changes no count). A flip that would leave fewer requests in time
+leave strictly more requests in time than doing nothing. A migration wins a tie with doing
+nothing only when it cuts the worst projected step by at least BALANCE_GAIN (attainment
+counts a worker in time or not: a move that shortens every late step by half changes no
+count). A flip that would leave fewer requests in time
 than doing nothing is held: the pressure that asked for it would be paid for by the other role.
 With migration on, a new decode worker is counted with the running decodes evened out over the
 decode workers (the balance moves that follow it).
