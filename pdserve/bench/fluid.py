@@ -194,6 +194,7 @@ def _for_the_simulator(s: FluidBenchSettings, wl: Workload, out_dir: str) -> str
         path = os.path.join(out_dir, "sim-profile.json")
         load_profile(DEFAULT_MODEL_PROFILE).slowed(slow).save(path)
         profile = f" --profile {path}"
+    # Just past the last arrival: the trace is replayed once, not tiled.
     span = wl.requests[-1].arrival_s - wl.requests[0].arrival_s
     return (f"pdserve sim plan --trace {trace}{profile} --workers {WORKERS} "
             f"--workers-per-copy {WORKERS} --duration-s {span + 0.001:.3f} "

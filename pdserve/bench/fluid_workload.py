@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.serve_workload import WorkloadError, read_trace
+from pdserve.sim.trace import HASH_BLOCK_TOKENS
 
 AZURE = "AzureLLMInferenceTrace_code.csv"
 MOONCAKE = "mooncake_conversation_trace.jsonl"
@@ -226,7 +227,8 @@ def make_workload(folder: str, shape: Shape, *, phase_s: float, prefill_rps: flo
     return _BUILDERS[kind](m, azure, moon, phase_s, prefill_rps, decode_rps)
 
 
-def mooncake_records(wl: Workload, block_tokens: int = 512) -> list[dict[str, Any]]:
+def mooncake_records(wl: Workload, block_tokens: int = HASH_BLOCK_TOKENS
+                     ) -> list[dict[str, Any]]:
     """The workload's arrivals as Mooncake trace records (the format `pdserve sim` reads):
     timestamp in ms, prompt and answer lengths, and hash ids of `block_tokens` per id, each
     request's its own (the bench's prompts share no prefix)."""

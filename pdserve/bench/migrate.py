@@ -27,13 +27,14 @@ import os
 import platform
 import sys
 import time
-import urllib.request
 from statistics import median
 from typing import Any
 
 from pdserve import rpc
 from pdserve.bench.migrate_client import (Request, WorkloadError, gaps_s, percentiles, run_all,
                                           stall_s, start, workload)
+from pdserve.bench.serve_probe import get_text
+from pdserve.bench.serve_summary import sample_totals
 from pdserve.core.identity import ROUTER, WORKER
 from pdserve.proto import router_pb2 as rpb
 from pdserve.proto import router_pb2_grpc as rpb_grpc
@@ -44,17 +45,10 @@ AIM_STEPS = 2.0  # stall p99 at most this many of the target's decode steps
 STALL_METRIC = "pdserve:migration_stall_seconds"
 
 
-def _router_metric(http: str, name: str) -> float:
-    """A router metric's value summed over its labels (a histogram's `_count` or `_sum`)."""
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
 def _stalls_metric(http: str) -> tuple[float, float]:
-    return (_router_metric(http, STALL_METRIC + "_count"),
-            _router_metric(http, STALL_METRIC + "_sum"))
+    """The router's stall histogram: (count, sum of seconds)."""
+    totals = sample_totals(get_text(f"http://{http}/metrics"))
+    return totals.get(STALL_METRIC + "_count", 0.0), totals.get(STALL_METRIC + "_sum", 0.0)
 
 
 def _set_member(control, address: str, state: int, why: str) -> None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve import rpc
+from pdserve.core.stats import percentile
 from pdserve.proto import api_pb2, api_pb2_grpc, common_pb2
 
 PROMPT_TOKENS = (20, 60)  # each prompt's length lies in this range
@@ -116,14 +117,6 @@ def stall_s(times: list[float], moved_at: float) -> float | None:
 
 
 def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
-    """Linear-interpolated percentiles `ps` and the max (None when `xs` is empty)."""
-    if not xs:
-        return {**{f"p{p}": None for p in ps}, "max": None}
-    s = sorted(xs)
-    out = {}
-    for p in ps:
-        x = (len(s) - 1) * p / 100
-        i = int(x)
-        out[f"p{p}"] = s[i] + (s[min(i + 1, len(s) - 1)] - s[i]) * (x - i)
-    out["max"] = s[-1]
-    return out
+    """Percentiles `ps` (`core.stats.percentile`'s rule) and the max (None when `xs` is
+    empty)."""
+    return {**{f"p{p}": percentile(xs, p) for p in ps}, "max": max(xs) if xs else None}
