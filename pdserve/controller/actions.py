@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pdserve.controller.inputs import ControllerInput, Flip, Migration, PolicyConfig, WorkerView
-from pdserve.controller.projection import StepModel, attainment, project
+from pdserve.controller.projection import StepModel, arriving, attainment, project
 from pdserve.core.roles import DECODE, PREFILL, SERVING
 
 
@@ -51,14 +51,16 @@ class Scene:
     def score(self, inp: ControllerInput, model: StepModel, prefill_now: int
               ) -> tuple[float, float]:
         """(projected attainment, worst projected step)."""
-        proj = project(self.batches, self.kv_blocks, self.incoming + self.moved, model,
-                       self.tokens_per_s)
         p = inp.prefill
         # The queue clears at the pool's rate, which scales with its workers.
         queue_s = (p.work_s * prefill_now / self.prefill_workers if self.prefill_workers
                    else float("inf"))
+        budget = inp.slo.ttft_share * inp.slo.ttft_s
+        proj = project(self.batches, self.kv_blocks,
+                       arriving(self.incoming, queue_s, budget) + self.moved, model,
+                       self.tokens_per_s)
         return (attainment(proj.batches, proj.steps_s, inp.slo.itl_s, self.incoming, queue_s,
-                           inp.slo.ttft_share * inp.slo.ttft_s), proj.worst_step_s)
+                           budget), proj.worst_step_s)
 
 
 def _decoders(inp: ControllerInput, leaving: set[str]) -> list[WorkerView]:

@@ -6,8 +6,10 @@ Owns:
   decode terms (`pdserve sim calibrate`, the shipped ones) scaled by one factor fitted online from
   the workers' own step times (the same shape on a host that is faster or slower), or, with no
   profile, a line in the batch fitted from those step times alone (`fit_step_model`).
-- `project`: each decode worker's batch once the requests in flight at the prefill workers
-  arrive (the router sends each to the least loaded decode worker: water-filling), or the batch
+- `arriving`: of the requests in flight at the prefill workers, those that reach the decode
+  workers within the horizon: a backlog's tail reaches them only as fast as prefill lets it.
+- `project`: each decode worker's batch once the requests arriving from the prefill workers
+  join it (the router sends each to the least loaded decode worker: water-filling), or the batch
   the admitted decode work settles at when that is larger (`steady_batch`), and the step it
   will then take.
 - `steady_batch`: the batch a decode worker settles at under a stream of decode work (W output
@@ -112,6 +114,19 @@ def spread_incoming(batches: Sequence[int], incoming: int) -> list[int]:
         i = min(range(len(out)), key=lambda j: (out[j], j))
         out[i] += 1
     return out
+
+
+def arriving(incoming: int, queue_s: float, horizon_s: float) -> int:
+    """Of `incoming` requests at the prefill workers, whose queue clears in `queue_s` one after
+    another, those that reach the decode workers within `horizon_s`: every one when the queue
+    clears in time, else the share the pool gets through (rounded up). Counting a backlog whole
+    would read a prefill bottleneck as decode pressure, and a prefill worker handed to decode
+    for it would deepen the backlog that called for it."""
+    if incoming <= 0:
+        return 0
+    if not queue_s > horizon_s:
+        return incoming
+    return min(incoming, math.ceil(incoming * max(0.0, horizon_s) / queue_s))
 
 
 def steady_batch(tokens_per_s: float, model: StepModel, blocks_per_seq: float = 0.0) -> int:

@@ -16,7 +16,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from pdserve.controller.policy import WorkerView
-from pdserve.controller.projection import FIT_SAMPLES, StepModel, fit_step_model, project
+from pdserve.controller.projection import (FIT_SAMPLES, StepModel, arriving, fit_step_model,
+                                          project)
 from pdserve.core.roles import DECODE, DRAINING, FAILED, GONE, PREFILL, SERVING, SWITCHING
 from pdserve.core.finish import COMPLETED
 from pdserve.core.rates import RateMeter
@@ -183,9 +184,11 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
     work = decode_work(signals, meters, now, pressure_window_s) if now is not None else 0.0
     projected_s = None
     if model is not None and dec:
-        # The requests prefilling now (on prefill workers still serving) join the decode
-        # workers: the step each will then take.
-        incoming = sum(v.in_flight for v in pre if v.state == SERVING)
+        # The requests prefilling now (on prefill workers still serving) that the pool gets
+        # through within the queue's SLO share join the decode workers: the step each will
+        # then take.
+        incoming = arriving(sum(v.in_flight for v in pre if v.state == SERVING),
+                            prefill.work_s, slo.ttft_share * slo.ttft_s)
         proj = project([v.running + v.waiting for v in dec],
                        [float(v.kv_used_blocks) for v in dec], incoming, model, work)
         by_address = dict(zip((v.address for v in dec), proj.steps_s))
