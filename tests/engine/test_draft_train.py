@@ -124,10 +124,13 @@ def test_held_out_split_is_fixed():
 TINY = dict(max_new_tokens=16, window=8, draft_vocab_size=256, seed=0, batch_size=2, progress=False)
 
 
-def test_eagle_training_learns_the_targets_greedy_tokens(repeaty_llama_dir, tmp_path, monkeypatch):
+def test_eagle_training_learns_the_targets_greedy_tokens(repeaty_llama_dir, tmp_path, monkeypatch,
+                                                         capsys):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))  # the data is built once
+    # With its progress display on, as `pdserve train-draft` runs by default.
     untrained = train_draft(repeaty_llama_dir, "eagle", str(tmp_path / "e0"), epochs=0,
-                            prompts=PROMPTS, eval_prompts=PROMPTS, **TINY)
+                            prompts=PROMPTS, eval_prompts=PROMPTS, **{**TINY, "progress": True})
+    assert "target answers" in capsys.readouterr().out
     trained = train_draft(repeaty_llama_dir, "eagle", str(tmp_path / "e1"), epochs=12,
                           prompts=PROMPTS, eval_prompts=PROMPTS, **TINY)
     assert trained["final_loss"] < 0.6 * trained["first_loss"]

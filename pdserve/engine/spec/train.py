@@ -285,11 +285,18 @@ def held_out_acceptance(drafter: ModelDrafter, samples: list[Sample], gamma: int
 
 # ---- the whole recipe -------------------------------------------------------------------------
 def _progress(enabled: bool):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn)
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn,
+                               TextColumn, TimeElapsedColumn)
+    from rich.text import Text
+
+    class Info(ProgressColumn):
+        """A task's `info` field (the loss while training); a task without one shows none."""
+
+        def render(self, task) -> Text:
+            return Text(str(task.fields.get("info", "")))
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=not enabled)
+                    Info(), TimeElapsedColumn(), disable=not enabled)
 
 
 def cache_root() -> str:
