@@ -1,11 +1,13 @@
-"""One configuration of `pdserve bench fluid` measured once: a fresh 4-worker cluster, the
-workload replayed open loop, the request rows, the roles over time and the controller's flips.
+"""One configuration of `pdserve bench fluid` measured once: a fresh cluster (4 workers, or an
+emulated cluster of a multiple of 4), the workload replayed open loop, the request rows, the
+roles over time and the controller's flips.
 
-Owns the cluster per configuration (`CONFIGS`), the per-worker CPU cap (`cpu_quota`: root,
-cgroup v1 cpu controller, each worker process capped at an equal share of this machine's
-cores, so a worker that idles leaves its share unused, as an idle GPU does), the replay and the
-roles sampler. Every time it records is in seconds from the replay's start (the arrivals'
-clock). Must not decide anything or summarise across runs: it measures one.
+Owns the cluster per configuration (`CONFIGS`: splits of `WORKERS` workers, scaled whole to
+a larger emulated cluster), the per-worker CPU cap (`cpu_quota`: root, cgroup v1 cpu
+controller, each worker process capped at an equal share of this machine's cores, so a worker
+that idles leaves its share unused, as an idle GPU does), the replay and the roles sampler.
+Every time it records is in seconds from the replay's start (the arrivals' clock). Must not
+decide anything or summarise across runs: it measures one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import hashlib
 import os
 import threading
 import time
-import uuid
 from array import array
 from typing import Any
 
@@ -32,6 +33,20 @@ CONFIGS: dict[str, tuple[int, int, dict[str, bool] | None]] = {
 }
 DEFAULT_SPLIT = "static-2:2"  # the controller configs start from it
 WORKERS = 4  # every configuration's cluster: each worker a quarter of the host's cores
+
+
+def split(name: str, workers: int = WORKERS) -> tuple[int, int]:
+    """(prefill, decode) workers of configuration `name` on a cluster of `workers`: its split
+    of `WORKERS` scaled (`workers` a multiple of `WORKERS`)."""
+    p, d, _ = CONFIGS[name]
+    k = workers // WORKERS
+    return p * k, d * k
+
+
+def request_id(i: int) -> str:
+    """The id request `i` of a workload is sent with, the same in every run (an emulated
+    worker's tokens follow it)."""
+    return f"fluid-{i:05d}"
 
 
 def _cap_cpu(pids: list[int], share_cores: float, tag: str) -> list[str]:
@@ -84,7 +99,7 @@ class Replay:
 
         r = self.reqs[i]
         req = api_pb2.GenerateRequest(
-            request_id=uuid.uuid4().hex, token_ids=api_pb2.TokenIds(ids=r.prompt),
+            request_id=request_id(i), token_ids=api_pb2.TokenIds(ids=r.prompt),
             sampling=common_pb2.SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
         arrival = t0 + r.arrival_s
         ids, first, last, error = [], None, None, None
@@ -160,36 +175,65 @@ def _controller_events(audit: list[dict], t0_wall: float) -> tuple[list[dict], i
 DEFAULT_MODEL_PROFILE = "cpu-smollm2-135m"
 
 
+@contextlib.contextmanager
+def _started(make_spec, tries: int = 3):
+    """A started `LocalCluster` of `make_spec()`, stopped on leaving; a start that fails is
+    tried again on fresh ports (a free port can be taken by another process between choosing
+    and binding it)."""
+    from pdserve.launcher.local import LocalCluster
+
+    for attempt in range(tries):
+        try:
+            cluster = LocalCluster(make_spec()).start()  # a failed start stops what it started
+            break
+        except (RuntimeError, TimeoutError, OSError):
+            if attempt == tries - 1:
+                raise
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
-               on_done=None) -> dict[str, Any]:
-    """`name` measured once under the bench settings `s`: its record, rows included."""
+               on_done=None, emulated_profile: str = "") -> dict[str, Any]:
+    """`name` measured once under the bench settings `s`: its record, rows included. With
+    `s.emulated`, its workers run the emulated engine on `emulated_profile` (a file)."""
     from pdserve.bench.route import _free_port
     from pdserve.controller.audit import read_records
-    from pdserve.launcher.local import ClusterSpec, LocalCluster
+    from pdserve.launcher.local import ClusterSpec
 
-    p, d, ctl = CONFIGS[name]
-    spec = ClusterSpec(
-        model_path=model, router_port=_free_port(), store_port=_free_port(),
-        worker_ports=tuple(_free_port() for _ in range(WORKERS)), prefill_workers=p,
-        decode_workers=d,
-        num_blocks=s.num_blocks, http_port=None, log_dir=log_dir, threads_per_worker=1,
-        controller=ctl is not None, controller_port=_free_port(), ttft_slo_ms=s.ttft_slo_ms,
-        itl_slo_ms=s.itl_slo_ms, controller_settings={} if ctl is None else {
-            # The default model's step shape, measured on a CPU, for the projected pressure.
-            **({} if s.model_path else {"step_profile": DEFAULT_MODEL_PROFILE}),
-            **ctl, **s.controller_settings}, ready_timeout_s=600,
-        max_predicted_ttft_s=0.0,  # attainment counts every request: admission refuses none
-        # The controller's mechanisms alone move prefill onto decode workers here.
-        max_local_prefill_tokens=0,
-        # Its workers stand for separate machines (`--cpu-quota`): each computes on its own
-        # thread and never waits for another's step, as sharing the host's cores (the
-        # default) would have it do: two threads inside a half-core cap, steps held for
-        # another worker's.
-        share_cores=False)
+    workers = s.emulated or WORKERS
+    (p, d), ctl = split(name, workers), CONFIGS[name][2]
+    # The step shape the controller projects with: the emulated workers' own, or the default
+    # model's measured on a CPU.
+    step_profile = emulated_profile or ("" if s.model_path else DEFAULT_MODEL_PROFILE)
+    engine = dict(engine="emulated", profile=emulated_profile,
+                  kv_scale=s.kv_scale) if s.emulated else {}
+
+    def make_spec() -> ClusterSpec:
+        return ClusterSpec(
+            model_path=model, router_port=_free_port(), store_port=_free_port(),
+            worker_ports=tuple(_free_port() for _ in range(workers)), prefill_workers=p,
+            decode_workers=d, **engine,
+            num_blocks=s.num_blocks, http_port=None, log_dir=log_dir, threads_per_worker=1,
+            controller=ctl is not None, controller_port=_free_port(),
+            ttft_slo_ms=s.ttft_slo_ms, itl_slo_ms=s.itl_slo_ms,
+            controller_settings={} if ctl is None else {
+                **({"step_profile": step_profile} if step_profile else {}),
+                **ctl, **s.controller_settings}, ready_timeout_s=600,
+            max_predicted_ttft_s=0.0,  # attainment counts every request: admission refuses none
+            # The controller's mechanisms alone move prefill onto decode workers here.
+            max_local_prefill_tokens=0,
+            # Its workers stand for separate machines (`--cpu-quota`): each computes on its
+            # own thread and never waits for another's step, as sharing the host's cores (the
+            # default) would have it do: two threads inside a half-core cap, steps held for
+            # another worker's.
+            share_cores=False)
     caps: list[str] = []
     load_before = os.getloadavg()[0]
-    with LocalCluster(spec) as cluster:
-        if s.cpu_quota:
+    with _started(make_spec) as cluster:
+        if s.cpu_quota and not s.emulated:
             pids = [c.proc.pid for c in cluster.children
                     if c.name.startswith(("prefill", "decode"))]
             caps = _cap_cpu(pids, (os.cpu_count() or 1) / WORKERS, name)

@@ -17,12 +17,15 @@ from typing import Any
 
 # Settings that choose which runs to make, not how one is measured.
 _NOT_KEYED = ("configs", "runs", "logs_dir", "engine_checks")
+# Settings of an emulated cluster: a cluster of real engines is keyed without them.
+_EMULATION = ("emulated", "profile", "slowdown", "kv_scale", "workers")
 
 
 def run_key(settings: dict[str, Any], model: str, requests) -> str:
     """The key of a measurement: its settings (less `_NOT_KEYED`), the model and the requests."""
     h = hashlib.sha256()
-    keyed = {k: v for k, v in settings.items() if k not in _NOT_KEYED}
+    skip = _NOT_KEYED + (() if settings.get("emulated") else _EMULATION)
+    keyed = {k: v for k, v in settings.items() if k not in skip}
     h.update(json.dumps({"settings": keyed, "model": model}, sort_keys=True,
                         default=str).encode())
     for r in requests:

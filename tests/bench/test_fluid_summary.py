@@ -114,6 +114,13 @@ def test_run_files_resume_only_the_same_measurement(tmp_path):
     assert key == run_key({"phase_s": 10, "configs": ["b"], "runs": 5}, "m", reqs)
     assert key != run_key({"phase_s": 11, "configs": ["a"], "runs": 3}, "m", reqs)
     assert key != run_key({"phase_s": 10}, "m", [Request("prefill", 0.6, (1, 2, 3), 4)])
+    # An emulated cluster's settings key its runs; a cluster of real engines has none.
+    real = {"phase_s": 10, "emulated": 0, "profile": "", "slowdown": 1.0, "kv_scale": 0.5,
+            "workers": 4}
+    assert run_key(real, "m", reqs) == key
+    emu = {**real, "emulated": 8, "workers": 8}
+    assert run_key(emu, "m", reqs) != key
+    assert run_key({**emu, "slowdown": 2.0}, "m", reqs) != run_key(emu, "m", reqs)
     files = RunFiles(str(tmp_path), key)
     assert files.load("static-2:2", 0) is None
     files.save("static-2:2", 0, {"flips": 0})
