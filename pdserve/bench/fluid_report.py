@@ -46,14 +46,20 @@ def _parts(result: dict[str, Any]) -> list[str]:
     return ["overall", *[p["name"] for p in result["workload"]["phases"]]]
 
 
+def _cluster(s: dict[str, Any]) -> str:
+    if s.get("emulated"):
+        slow = f" x{s['slowdown']:g}" if s["slowdown"] != 1 else ""
+        return f"{s['emulated']} emulated workers, profile {s['profile'] or 'default'}{slow}"
+    return f"{s.get('workers', 4)} workers, cpu quota per worker: {s['cpu_quota']}"
+
+
 def print_tables(result: dict[str, Any], console: Any) -> None:
     s, w, sm = result["settings"], result["workload"], result["summary"]
     parts = _parts(result)
     reqs = ", ".join(f"{p} {n}" for p, n in w["requests"].items())
     t = Table(title=f"bench fluid, {w['kind']} workload ({reqs} requests); SLO TTFT "
                     f"{s['ttft_slo_ms']:.0f} ms, ITL {s['itl_slo_ms']:.0f} ms; {s['runs']} "
-                    f"run{'s' * (s['runs'] != 1)} each, mean (min..max); cpu quota per "
-                    f"worker: {s['cpu_quota']}")
+                    f"run{'s' * (s['runs'] != 1)} each, mean (min..max); {_cluster(s)}")
     for col in ("config", *(f"{p}: SLO met" for p in parts), "goodput r/s", "flips",
                 "decodes moved", "flip back s", "token mismatches"):
         t.add_column(col)
@@ -143,7 +149,7 @@ def plot_roles(result: dict[str, Any], path: str) -> None:
         for ph in phases[1:]:
             ax.axvline(ph["start_s"], color="grey", linestyle=":")
         ax.axvline(phases[-1]["end_s"], color="black", linestyle="--", linewidth=0.8)
-        ax.set_ylim(-0.2, 4.2)
+        ax.set_ylim(-0.2, result["settings"].get("workers", 4) + 0.2)
         ax.set_ylabel(f"{name}\nprefill workers", fontsize=8)
         ax.legend(fontsize=7, loc="upper right")
     if not ctl:
