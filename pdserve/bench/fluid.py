@@ -124,16 +124,19 @@ def _token_check(rows: list[dict], base: list[dict]) -> dict[str, int]:
                                                      for a, b in both)}
 
 
-def _emulated_check(model: str, wl: Workload, rows) -> int:
-    """Requests whose tokens differ from the emulated engine's for their id (every one)."""
+def _emulated_check(model: str, wl: Workload, rows) -> tuple[int, int]:
+    """(requests finished, those whose tokens differ from the emulated engine's for their
+    id): every finished request is checked."""
     from pdserve.engine.emulated import token_of
     from pdserve.engine.loader import load_model_config
 
     mc = load_model_config(model)
     eos = frozenset(mc.eos_token_ids)
-    return sum(row["digest"] != digest([token_of(request_id(i), k, None, mc.vocab_size, eos)
-                                        for k in range(r.max_tokens)])
-               for i, (r, row) in enumerate(zip(wl.requests, rows)))
+    done = [(i, r, row) for i, (r, row) in enumerate(zip(wl.requests, rows))
+            if row["error"] is None]
+    return len(done), sum(
+        row["digest"] != digest([token_of(request_id(i), k, None, mc.vocab_size, eos)
+                                 for k in range(r.max_tokens)]) for i, r, row in done)
 
 
 def _engine_check(model: str, wl: Workload, rows, n: int) -> int:
@@ -201,8 +204,8 @@ def run_bench(s: FluidBenchSettings, progress=None, out_dir: str | None = None
             rec["tokens"] = {"against": f"{base_name} run 1", **(
                 {"compared": 0, "mismatches": 0} if (name, k) == (base_name, 0)
                 else _token_check(rec["rows"], base))}
-    engine_bad = (_emulated_check(model, wl, base) if s.emulated
-                  else _engine_check(model, wl, base, s.engine_checks))
+    checked, engine_bad = (_emulated_check(model, wl, base) if s.emulated else (
+        min(s.engine_checks, len(wl.requests)), _engine_check(model, wl, base, s.engine_checks)))
     for recs in records.values():
         for rec in recs:
             del rec["rows"]
@@ -213,8 +216,7 @@ def run_bench(s: FluidBenchSettings, progress=None, out_dir: str | None = None
                          "phases": [asdict(p) for p in wl.phases],
                          "requests": {p: sum(r.phase == p for r in wl.requests)
                                       for p in phases}},
-            "engine_checked": len(wl.requests) if s.emulated else min(s.engine_checks,
-                                                                      len(wl.requests)),
+            "engine_checked": checked,
             "engine_mismatches": engine_bad, "runs_kept_from_earlier": resumed,
             "runs": records, **({"sim_plan": sim} if sim else {}),
             "summary": summarize(records, phases, default=DEFAULT_SPLIT,

@@ -195,6 +195,17 @@ def _started(make_spec, tries: int = 3):
         cluster.stop()
 
 
+def _in_flight_cap(workers: int) -> int:
+    """The router's in-flight limit for a cluster of `workers`: its default (a 4-worker
+    cluster's) scaled with the workers."""
+    import dataclasses
+
+    from pdserve.router.config import RouterConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(RouterConfig)}["max_in_flight"]
+    return default * max(1, workers // WORKERS)
+
+
 def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
                on_done=None, emulated_profile: str = "") -> dict[str, Any]:
     """`name` measured once under the bench settings `s`: its record, rows included. With
@@ -223,6 +234,8 @@ def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
                 **({"step_profile": step_profile} if step_profile else {}),
                 **ctl, **s.controller_settings}, ready_timeout_s=600,
             max_predicted_ttft_s=0.0,  # attainment counts every request: admission refuses none
+            # nor the in-flight cap, sized for 4 workers: N of them hold N/4 times as many.
+            max_in_flight=_in_flight_cap(workers),
             # The controller's mechanisms alone move prefill onto decode workers here.
             max_local_prefill_tokens=0,
             # Its workers stand for separate machines (`--cpu-quota`): each computes on its

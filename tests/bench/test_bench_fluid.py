@@ -138,3 +138,15 @@ def test_a_cluster_whose_start_meets_a_taken_port_is_started_again_on_fresh_port
             assert replay.rows[0]["error"] is None and replay.rows[0]["output_tokens"] == 4
     finally:
         taken.close()
+
+
+def test_an_emulated_cluster_of_n_workers_admits_n_quarters_of_the_routers_default():
+    # A 4-worker cap on 32 workers would refuse requests the cluster has room for, and count
+    # them as missed.
+    import dataclasses
+
+    from pdserve.bench.fluid_cluster import _in_flight_cap
+    from pdserve.router.config import RouterConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(RouterConfig)}["max_in_flight"]
+    assert _in_flight_cap(4) == default and _in_flight_cap(32) == 8 * default
