@@ -214,7 +214,7 @@ def run_config(name: str, s, model: str, workload: Workload, log_dir: str,
     from pdserve.controller.audit import read_records
     from pdserve.launcher.local import ClusterSpec
 
-    workers = s.emulated or WORKERS
+    workers = s.workers
     (p, d), ctl = split(name, workers), CONFIGS[name][2]
     # The step shape the controller projects with: the emulated workers' own, or the default
     # model's measured on a CPU.

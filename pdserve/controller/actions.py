@@ -55,7 +55,7 @@ class Scene:
         # The queue clears at the pool's rate, which scales with its workers.
         queue_s = (p.work_s * prefill_now / self.prefill_workers if self.prefill_workers
                    else float("inf"))
-        budget = inp.slo.ttft_share * inp.slo.ttft_s
+        budget = inp.slo.queue_budget_s
         proj = project(self.batches, self.kv_blocks,
                        arriving(self.incoming, queue_s, budget) + self.moved, model,
                        self.tokens_per_s)

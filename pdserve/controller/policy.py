@@ -295,7 +295,7 @@ def offload_budget(w: WorkerView, slo: Slo, pool_tokens_per_s: float,
     tps = w.prefill_tokens_per_s if w.prefill_tokens_per_s else pool_tokens_per_s
     if not (tps > 0 and math.isfinite(tps)):
         return "no prefill rate"
-    bound_s = min(cfg.offload_itl_share * slo.itl_s, slo.ttft_share * slo.ttft_s)
+    bound_s = min(cfg.offload_itl_share * slo.itl_s, slo.queue_budget_s)
     headroom_s = bound_s - step_s
     chunk = min(cfg.offload_max_tokens, math.floor(headroom_s * tps)) if headroom_s > 0 else 0
     # floor() of a product can land one token over in floating point: step back until the
@@ -306,7 +306,7 @@ def offload_budget(w: WorkerView, slo: Slo, pool_tokens_per_s: float,
         return (f"chunk {chunk} < {cfg.offload_min_chunk_tokens} tokens: "
                 f"step {step_s:.3f} s of {bound_s:.3f} s")
     step_with_chunk_s = step_s + chunk / tps
-    steps = math.floor(slo.ttft_share * slo.ttft_s / step_with_chunk_s)
+    steps = math.floor(slo.queue_budget_s / step_with_chunk_s)
     max_tokens = min(cfg.offload_max_tokens, chunk * steps)
     if max_tokens < chunk:
         return f"no whole chunk fits the TTFT share: step {step_with_chunk_s:.3f} s"

@@ -36,6 +36,11 @@ class Slo:
         if not 0 < self.ttft_share <= 1:
             raise ValueError(f"ttft_share must be in (0, 1], got {self.ttft_share}")
 
+    @property
+    def queue_budget_s(self) -> float:
+        """The seconds the prefill queue may take: `ttft_share` of the TTFT SLO."""
+        return self.ttft_share * self.ttft_s
+
 
 @dataclass(frozen=True)
 class PrefillPressure:
@@ -80,7 +85,7 @@ def prefill_pressure(queued_tokens: float, tokens_per_s: float | None, slo: Slo,
     measured = tokens_per_s is not None and tokens_per_s > 0
     rate = float(tokens_per_s) if measured else float(fallback_tokens_per_s)
     work_s = queued / rate
-    queue_ratio = work_s / (slo.ttft_share * slo.ttft_s)
+    queue_ratio = work_s / slo.queue_budget_s
     ttft_ratio = max(0.0, ttft_p90_s) / slo.ttft_s if ttft_p90_s is not None else 0.0
     return PrefillPressure(work_s, max(queue_ratio, ttft_ratio), queued, rate, measured,
                            queue_ratio, ttft_ratio)

@@ -188,7 +188,7 @@ def cluster_view(signals: rpb.RouterSignals, meters: Meters, slo: Slo, *,
         # through within the queue's SLO share join the decode workers: the step each will
         # then take.
         incoming = arriving(sum(v.in_flight for v in pre if v.state == SERVING),
-                            prefill.work_s, slo.ttft_share * slo.ttft_s)
+                            prefill.work_s, slo.queue_budget_s)
         proj = project([v.running + v.waiting for v in dec],
                        [float(v.kv_used_blocks) for v in dec], incoming, model, work)
         by_address = dict(zip((v.address for v in dec), proj.steps_s))
